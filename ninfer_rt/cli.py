@@ -1,0 +1,44 @@
+"""`ninfer-rt`: thin click wrappers over importable functions; logs to stderr, results to stdout."""
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from ninfer_formats.errors import NinferError
+
+
+def user_errors(fn):
+    """Report NinferError/OSError as one line on stderr with exit 2, never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except NinferError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except OSError as e:
+            click.echo(f"error: {e.filename or ''}: {e.strerror or e}", err=True)
+            sys.exit(2)
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="ninfer")
+def main():
+    """Run and serve .ninfer artifacts."""
+
+
+def _register():
+    # each command module attaches itself to `main`; a missing one is simply not offered yet
+    import importlib
+    for mod in ("ninfer_rt.cmd_generate", "ninfer_rt.cmd_serve"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+_register()
