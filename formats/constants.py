@@ -25,6 +25,9 @@ QK_K = 256                         # GGML super-block
 Q6_K_BLOCK_BYTES = 210
 IQ3_S_BLOCK_BYTES = 110
 F8_ROW_HEADER_ALIGN = 16           # per-row f32 scales are padded to this before the codes
+E4M3_MIN_SUBNORMAL = 2.0 ** -9      # smallest positive E4M3FN value; NVFP4 block-scale floor
+Q6_K_SUBBLOCK = 16                 # weights per int8 sub-scale inside a Q6_K block
+GGML_GROUP_MAX_EPS = 1e-15         # ggml: a (sub-)block with max |x| below this quantizes to zeros
 
 
 def _prod(shape) -> int:
@@ -80,3 +83,15 @@ FORMATS: dict[str, NumFormat] = {f.name: f for f in (
 )}
 
 QUANTIZED = frozenset({"f8_e4m3_row", "nvfp4", "q6_k", "iq3_s"})
+
+# ---- container limits and header layout (FORMAT.md §1-§3) ----------------------------------
+HEADER_STRUCT = "<8sIIQQQ16sQ"     # magic, version, flags, dir_len, payload_offset, payload_length, dir_xxh3, header_xxh3
+HEADER_HASHED = 56                 # header_xxh3 covers bytes [0, 56)
+MAX_TP_SIZE = 256
+MAX_NAME_BYTES = 256               # tensor/resource/file names: printable ASCII 0x20..0x7e
+MAX_SOURCE_BYTES = 4096            # identity.source
+MAX_RESOURCE_BYTES = 1 << 30       # raw_length of a resource
+MAX_JSON_INT = 1 << 53             # every directory integer is below this (safe in any JSON parser)
+MAX_DIM = 1 << 31                  # every shape dimension is below this
+RESOURCE_ENCODINGS = ("raw", "zstd")
+ZSTD_LEVEL = 19
