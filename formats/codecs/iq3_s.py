@@ -14,12 +14,23 @@ import numpy as np
 
 from ..constants import IQ3_S_BLOCK_BYTES, QK_K
 from ..errors import FormatError
+from . import iq3_s_search as search
 from . import iq3_s_tables as tables
 
 SUB = 32                  # weights per sub-block (one 4-bit scale)
 N_SUB = QK_K // SUB       # 8 sub-blocks per super-block
 GROUP = 4                 # weights per grid point
 N_GROUP = QK_K // GROUP   # 64 grid indices per super-block
+
+# Encoder search parameters (tuned on N(0,1) and Student-t(3); see tests/test_codec_iq3s.py for the
+# comparison with ggml): sub-block scale steps c (groups snapped at 1/scale = c / max|x|) and the
+# super-block d candidates d = max(sub-block scale) / 31 * f.
+_STEPS = np.float32(15) + np.float32(0.2) * np.arange(-9, 10, dtype=np.float32)
+_D_FACTORS = (1.0,)
+_D_MIN = np.float32(2.0 ** -24)        # smallest fp16 subnormal
+_D_MAX = np.float32(65504.0)           # largest finite fp16
+MAX_ABS = float(_D_MAX) * 31 * 15      # largest representable |weight|
+_CHUNK_BLOCKS = 256                    # blocks per vectorized pass (keeps temporaries cache-sized)
 
 # byte offsets inside a block
 _D, _QS, _QH, _SIGNS, _SCALES = 0, 2, 66, 74, 106
@@ -90,3 +101,72 @@ def dequantize_rows(data: np.ndarray, shape) -> np.ndarray:
     rows, k = _check_shape(shape, "shape")
     blocks = _blocks_view(data, rows, k)
     return dequantize_blocks(blocks).reshape(rows, k)
+
+
+def quantize_rows(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, K] (K a multiple of 256) -> uint8 [rows, K/256*110] IQ3_S blocks."""
+    w = np.asarray(w)
+    rows, k = _check_shape(w.shape, "weight")
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if not np.isfinite(w).all():
+        bad = np.argwhere(~np.isfinite(w))[0]
+        raise FormatError(f"iq3_s: weight has a non-finite value {w[tuple(bad)]} at {tuple(int(i) for i in bad)}")
+    amax = float(np.abs(w).max()) if w.size else 0.0
+    if amax > MAX_ABS:
+        raise FormatError(f"iq3_s: weight max |w| = {amax:g} exceeds the largest IQ3_S magnitude {MAX_ABS:g}")
+    x = w.reshape(-1, QK_K)
+    out = np.empty((x.shape[0], IQ3_S_BLOCK_BYTES), dtype=np.uint8)
+    for s in range(0, x.shape[0], _CHUNK_BLOCKS):
+        out[s:s + _CHUNK_BLOCKS] = _quantize_blocks(x[s:s + _CHUNK_BLOCKS])
+    return out.reshape(rows, (k // QK_K) * IQ3_S_BLOCK_BYTES)
+
+
+def _quantize_blocks(x: np.ndarray) -> np.ndarray:
+    """[nb, 256] finite float32 -> [nb, 110] u8."""
+    nb = x.shape[0]
+    a = np.abs(x).reshape(-1, SUB)
+    scale = search.subblock_scales(a, _STEPS).reshape(nb, N_SUB)
+    d16, s4, idx = _super_scales(a, scale)
+    neg = (x < 0) & (d16 != 0)[:, None]          # -0.0 is positive; an all-zero block is all zero bytes
+    return pack_blocks(d16, s4, idx.reshape(nb, N_GROUP), neg)
+
+
+def _super_scales(a: np.ndarray, scale: np.ndarray):
+    """Pick d (fp16) per block, then s4 and grid points per sub-block, by the exact decode error.
+
+    Returns (d16 [nb], s4 [nb, 8], idx [nb, 8, 8]). The all-zero block (d = 0) is a candidate too, so a
+    block too small for the smallest fp16 d decodes to zeros instead of to a larger wrong value.
+    """
+    nb = scale.shape[0]
+    best = (a * a).sum(axis=1).reshape(nb, N_SUB).sum(axis=1)        # error of the all-zero block
+    d16 = np.zeros(nb, dtype=np.float16)
+    s4 = np.zeros((nb, N_SUB), dtype=np.uint8)
+    idx = np.zeros((nb, N_SUB, 8), dtype=np.int32)
+    smax = scale.max(axis=1)
+    for f in _D_FACTORS:
+        cand = np.clip(smax / np.float32(31) * np.float32(f), _D_MIN, _D_MAX).astype(np.float16)
+        err, c_s4, c_idx = _subblock_codes(a, scale, cand.astype(np.float32))
+        total = err.sum(axis=1)
+        better = (smax > 0) & (total < best)
+        best[better] = total[better]
+        d16[better], s4[better], idx[better] = cand[better], c_s4[better], c_idx[better]
+    return d16, s4, idx
+
+
+def _subblock_codes(a: np.ndarray, scale: np.ndarray, d: np.ndarray):
+    """For d [nb] (> 0): each sub-block takes the better of the two s4 around scale/d -> (err, s4, idx)."""
+    nb = scale.shape[0]
+    u = (scale / d[:, None] - 1) * np.float32(0.5)
+    best_err = best_s4 = best_idx = None
+    for s4 in (np.clip(np.floor(u), 0, 15), np.clip(np.ceil(u), 0, 15)):
+        sub_scale = d[:, None] * (1 + 2 * s4.astype(np.uint8)).astype(np.float32)   # as the decoder does
+        idx, err = search.snap_error(a, sub_scale.reshape(-1))
+        err, idx = err.reshape(nb, N_SUB), idx.reshape(nb, N_SUB, 8)
+        if best_err is None:
+            best_err, best_s4, best_idx = err, s4.astype(np.uint8), idx
+            continue
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_s4 = np.where(better, s4.astype(np.uint8), best_s4)
+        best_idx = np.where(better[..., None], idx, best_idx)
+    return best_err, best_s4, best_idx

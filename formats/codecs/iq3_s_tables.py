@@ -55,23 +55,35 @@ def _levels(codes: np.ndarray) -> np.ndarray:
     return (codes[:, None] >> np.array([0, 3, 6, 9])) & 7
 
 
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr.setflags(write=False)       # cached and shared: a caller must not modify it
+    return arr
+
+
 @lru_cache(maxsize=1)
 def grid_levels() -> np.ndarray:
     """[512, 4] int16 levels l (coordinate value 2l+1)."""
-    return _levels(np.asarray(GRID_CODES, dtype=np.int64)).astype(np.int16)
+    return _frozen(_levels(np.asarray(GRID_CODES, dtype=np.int64)).astype(np.int16))
 
 
 @lru_cache(maxsize=1)
 def grid_values() -> np.ndarray:
     """[512, 4] float32 coordinate values 1, 3, ..., 15 (what the decoder multiplies by)."""
-    return (2 * grid_levels() + 1).astype(np.float32)
+    return _frozen((2 * grid_levels() + 1).astype(np.float32))
+
+
+@lru_cache(maxsize=1)
+def grid_norms() -> np.ndarray:
+    """[512] float32 squared norms sum_j g_j^2 (exact integers)."""
+    g = grid_values()
+    return _frozen((g * g).sum(axis=1))
 
 
 @lru_cache(maxsize=1)
 def grid_bytes() -> np.ndarray:
     """[512] uint32, byte j = coordinate j (the ggml `iq3s_grid` word)."""
     v = grid_values().astype(np.uint32)
-    return v[:, 0] | v[:, 1] << 8 | v[:, 2] << 16 | v[:, 3] << 24
+    return _frozen(v[:, 0] | v[:, 1] << 8 | v[:, 2] << 16 | v[:, 3] << 24)
 
 
 @lru_cache(maxsize=1)
@@ -99,6 +111,4 @@ def neighbour_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     starts = np.zeros(N_POINTS + 1, dtype=np.int32)
     np.cumsum(counts, out=starts[1:])
     flat = np.concatenate(lists).astype(np.int16)
-    for arr in (kmap, starts, flat):
-        arr.setflags(write=False)
-    return kmap, starts, flat
+    return _frozen(kmap), _frozen(starts), _frozen(flat)
