@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..constants import E4M3_MAX, F8_ROW_HEADER_ALIGN
+from ..errors import FormatError
 from .inputs import encoded_bytes, float_weights
 
 _MIN_NORMAL = np.float32(2.0 ** -6)
@@ -90,4 +91,10 @@ def split(data, shape, name: str = "tensor") -> tuple[np.ndarray, np.ndarray]:
 
 def decode(data, shape, name: str = "tensor") -> np.ndarray:
     scale, codes = split(data, shape, name)
+    if not np.isfinite(scale).all():
+        raise FormatError(f"{name}: f8_e4m3_row scale of row {int(np.argmax(~np.isfinite(scale)))} is not finite")
+    nan = (codes & 0x7F) == 0x7F
+    if nan.any():
+        r, c = (int(i) for i in np.argwhere(nan)[0])
+        raise FormatError(f"{name}: f8_e4m3_row code at row {r}, col {c} is NaN (0x{int(codes[r, c]):02x})")
     return E4M3_LUT[codes] * scale.astype(np.float32)[:, None]

@@ -128,8 +128,8 @@ def split(data, shape, name: str = "tensor") -> tuple[np.ndarray, np.ndarray, np
     """(codes [N, K/2], scales [N, K/16], s2) -- the arrays are views into the container bytes."""
     flat, (n, k) = encoded_bytes("nvfp4", data, shape, name)
     s2 = flat[:4].view("<f4")[0]
-    if not np.isfinite(s2) or s2 <= 0:
-        raise FormatError(f"{name}: nvfp4 header global scale {s2!r} is not a positive finite float")
+    if not np.isfinite(s2) or s2 < 0:
+        raise FormatError(f"{name}: nvfp4 header global scale {s2!r} is not a finite float >= 0")
     if flat[4:NVFP4_HEADER].any():
         raise FormatError(f"{name}: nvfp4 header bytes 4..15 must be zero")
     end = NVFP4_HEADER + n * k // 2

@@ -38,7 +38,7 @@ def _search(xT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     mx = np.where(zero, np.float32(1), mx)
     w = xT * xT
     wx = w * xT
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # IEEE inf/nan as in C
         best_l, sumlx, suml2 = _candidate(xT, w, wx, np.float32(-_NMAX) / mx)
         scale = np.where(suml2 != 0, sumlx / suml2, np.float32(0))
         best = scale * sumlx
@@ -84,8 +84,10 @@ def _quantize_blocks(x: np.ndarray) -> np.ndarray:
         sc = np.minimum(127, np.rint(iscale[:, None] * scales)).astype(np.int8)
         dj = d16.astype(np.float32)[:, None] * sc.astype(np.float32)
         l = np.rint(x.reshape(nb, _SUB, Q6_K_SUBBLOCK) / dj[..., None])
+    keep = (dj == 0)[..., None]          # ggml skips sub-blocks whose stored scale is 0
+    l[np.broadcast_to(keep, l.shape)] = 0
     np.clip(l, -_NMAX, _NMAX - 1, out=l)
-    L = np.where(dj[..., None] != 0, (l + _NMAX).astype(np.uint8), L)
+    L = np.where(keep, L, (l + _NMAX).astype(np.uint8))
     out = _pack(L.reshape(nb, QK_K), sc, d16)
     out[zero] = 0
     return out
