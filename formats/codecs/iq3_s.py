@@ -22,11 +22,14 @@ N_SUB = QK_K // SUB       # 8 sub-blocks per super-block
 GROUP = 4                 # weights per grid point
 N_GROUP = QK_K // GROUP   # 64 grid indices per super-block
 
-# Encoder search parameters (tuned on N(0,1) and Student-t(3); see tests/test_codec_iq3s.py for the
-# comparison with ggml): sub-block scale steps c (groups snapped at 1/scale = c / max|x|) and the
-# super-block d candidates d = max(sub-block scale) / 31 * f.
-_STEPS = np.float32(15) + np.float32(0.2) * np.arange(-9, 10, dtype=np.float32)
-_D_FACTORS = (1.0,)
+# Encoder search parameters, tuned on N(0,1), Student-t(3), uniform and small-integer matrices (the tests
+# compare the error with ggml's quantizer). Sub-block scale steps c: groups are snapped at 1/scale =
+# c / max|x|; 13.2..16.8 spans ggml's steps, the odd steps 1..11 catch blocks that fit low grid levels
+# (constant or few-valued blocks). Super-block d candidates: d = max(sub-block scale) / 31 * f. s4
+# candidates: floor(level of scale/d) + offset.
+_STEPS = np.concatenate([np.arange(1, 13, 2), np.linspace(13.2, 16.8, 7)]).astype(np.float32)
+_D_FACTORS = (1.0, 0.96, 0.98, 1.02, 1.04)
+_S4_OFFSETS = (0, 1)
 _D_MIN = np.float32(2.0 ** -24)        # smallest fp16 subnormal
 _D_MAX = np.float32(65504.0)           # largest finite fp16
 MAX_ABS = float(_D_MAX) * 31 * 15      # largest representable |weight|
@@ -158,7 +161,7 @@ def _subblock_codes(a: np.ndarray, scale: np.ndarray, d: np.ndarray):
     nb = scale.shape[0]
     u = (scale / d[:, None] - 1) * np.float32(0.5)
     best_err = best_s4 = best_idx = None
-    for s4 in (np.clip(np.floor(u), 0, 15), np.clip(np.ceil(u), 0, 15)):
+    for s4 in (np.clip(np.floor(u) + o, 0, 15) for o in _S4_OFFSETS):
         sub_scale = d[:, None] * (1 + 2 * s4.astype(np.uint8)).astype(np.float32)   # as the decoder does
         idx, err = search.snap_error(a, sub_scale.reshape(-1))
         err, idx = err.reshape(nb, N_SUB), idx.reshape(nb, N_SUB, 8)
