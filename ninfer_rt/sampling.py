@@ -1,0 +1,169 @@
+"""Sampling parameters, logits processing and batched token sampling.
+
+`process()` turns raw logits into the *processed distribution* a token is drawn from (penalties,
+temperature, top-k, top-p, min-p, renormalised). Speculative decoding needs these distributions, not
+just the drawn ids: rejection sampling compares the target's processed distribution with the draft's.
+Greedy rows (temperature 0) get a one-hot distribution at the argmax, which makes greedy a special case
+of the same contract.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_formats.errors import NinferError
+
+PENALTY_LIMIT = 2.0          # OpenAI's documented range for presence/frequency penalties
+MAX_SEED = 2**63 - 1
+
+
+class SamplingError(NinferError):
+    """A sampling parameter is out of range or of the wrong type (message names the field)."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0            # 0 = greedy
+    top_k: int = 0                      # 0 (or -1) = off
+    top_p: float = 1.0                  # (0, 1]; 1 = off
+    min_p: float = 0.0                  # [0, 1]; 0 = off
+    presence_penalty: float = 0.0       # over generated tokens, OpenAI semantics
+    frequency_penalty: float = 0.0
+    seed: int | None = None             # None = nondeterministic
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()    # in addition to the model's eos ids
+    stop: tuple[str, ...] = ()              # stop strings (need a tokenizer on the engine)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        self._check_numbers()
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SamplingError(f"max_tokens: expected an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise SamplingError(f"seed: expected an integer in [0, 2^63), got {self.seed!r}")
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "stop_token_ids")):
+            raise SamplingError(f"stop_token_ids: expected non-negative integers, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not all(isinstance(s, str) and s for s in _iter(stop, "stop")):
+            raise SamplingError(f"stop: expected non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError(f"ignore_eos: expected a boolean, got {self.ignore_eos!r}")
+
+    def _check_numbers(self):
+        t = self.temperature
+        if not _is_num(t) or t < 0:
+            raise SamplingError(f"temperature: expected a finite number >= 0, got {t!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise SamplingError(f"top_k: expected an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise SamplingError(f"min_p: expected a number in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or abs(v) > PENALTY_LIMIT:
+                raise SamplingError(f"{name}: expected a number in [-2, 2], got {v!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _iter(v, name):
+    try:
+        return list(v)
+    except TypeError:
+        raise SamplingError(f"{name}: expected a list, got {v!r}") from None
+
+
+def make_generator(params: SamplingParams, device) -> torch.Generator:
+    """One generator per request, so a seeded request is reproducible whatever else is batched."""
+    g = torch.Generator(device=device)
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    g.manual_seed(seed)
+    return g
+
+
+def token_counts(token_ids, vocab: int, device) -> torch.Tensor:
+    """Occurrence counts [V] (float32) of generated tokens, the input of the penalties."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device)
+    return torch.bincount(ids, minlength=vocab).to(torch.float32)
+
+
+def process(logits: torch.Tensor, params: list[SamplingParams],
+            counts: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Processed distributions [R, V] float32 for logits [R, V]; row r uses params[r], counts[r]."""
+    if logits.dim() != 2 or logits.shape[0] != len(params):
+        raise ValueError(f"process: logits {tuple(logits.shape)} for {len(params)} parameter rows")
+    x = logits.float()
+    if counts is not None and any(c is not None and p.has_penalties for p, c in zip(params, counts)):
+        x = x.clone()
+        for r, (p, c) in enumerate(zip(params, counts)):
+            if c is not None and p.has_penalties:
+                x[r] -= p.frequency_penalty * c + p.presence_penalty * (c > 0).float()
+    out = torch.empty_like(x)
+    greedy = [r for r, p in enumerate(params) if p.greedy]
+    rand = [r for r, p in enumerate(params) if not p.greedy]
+    if greedy:
+        g = torch.tensor(greedy, device=x.device)
+        hot = torch.zeros(len(greedy), x.shape[1], device=x.device)
+        hot.scatter_(1, x[g].argmax(-1, keepdim=True), 1.0)
+        out[g] = hot
+    if rand:
+        r = torch.tensor(rand, device=x.device)
+        out[r] = _truncate(x[r], [params[i] for i in rand])
+    return out
+
+
+def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p on the sorted distribution; renormalised."""
+    dev = x.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    probs = torch.softmax(x / temp, dim=-1)
+    if all(p.top_k == 0 and p.top_p == 1 and p.min_p == 0 for p in params):
+        return probs
+    sp, order = probs.sort(dim=-1, descending=True)
+    V = x.shape[1]
+    k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev)[:, None]
+    ranks = torch.arange(V, device=dev)[None, :]
+    keep = ranks < k
+    sp = sp * keep
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    # keep a token while the mass strictly before it (within top-k) is below top_p: the first always stays
+    before = (sp.cumsum(-1) - sp) / sp.sum(-1, keepdim=True)
+    keep &= before < top_p
+    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+    keep &= sp >= min_p * sp[:, :1]
+    sp = sp * keep
+    sp = sp / sp.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, sp)
+
+
+def sample(probs: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row of processed distributions [R, V] -> int64 [R]."""
+    out = probs.argmax(-1)
+    for r, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            out[r] = torch.multinomial(probs[r], 1, generator=g)[0]
+    return out
