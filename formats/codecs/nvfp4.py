@@ -44,8 +44,11 @@ _group_scale = global_scale  # `quantize` has a parameter of the same name
 
 
 def _check_gscale(g, name: str) -> np.float32:
-    g = np.float32(g)
-    if not np.isfinite(g) or g <= 0:
+    try:
+        g = np.float32(g)
+    except (TypeError, ValueError):
+        raise FormatError(f"{name}: nvfp4 global scale must be a float, got {type(g).__name__}") from None
+    if g.shape != () or not np.isfinite(g) or g <= 0:
         raise FormatError(f"{name}: nvfp4 global scale must be a positive finite float32, got {g!r}")
     return g
 

@@ -48,7 +48,8 @@ def _to_halfwidth(fmt: str, a: np.ndarray, name: str) -> np.ndarray:
         check_finite(bf16_to_f32(bits), fmt, name)
         return bits
     f = float_weights(a, fmt, name)
-    out = bf16_bits(f) if fmt == "bf16" else f.astype("<f2")
+    with np.errstate(over="ignore"):  # overflow is reported below, naming the value
+        out = bf16_bits(f) if fmt == "bf16" else f.astype("<f2")
     wide = bf16_to_f32(out) if fmt == "bf16" else out.astype(np.float32)
     if not np.isfinite(wide).all():
         idx = tuple(int(i) for i in np.argwhere(~np.isfinite(wide))[0])
