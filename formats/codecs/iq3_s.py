@@ -100,9 +100,13 @@ def dequantize_blocks(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_rows(data: np.ndarray, shape) -> np.ndarray:
-    """Encoded bytes ([rows, K/256*110] or 1-D) -> float32 [rows, K]."""
+    """Encoded bytes ([rows, K/256*110] or 1-D) -> float32 [rows, K]; refuses blocks with a non-finite d."""
     rows, k = _check_shape(shape, "shape")
     blocks = _blocks_view(data, rows, k)
+    d = blocks[:, _D:_QS].copy().view(np.float16)[:, 0]
+    if not np.isfinite(d).all():
+        i, per_row = int(np.argmax(~np.isfinite(d))), k // QK_K
+        raise FormatError(f"iq3_s: block {i % per_row} of row {i // per_row} has a non-finite d ({d[i]})")
     return dequantize_blocks(blocks).reshape(rows, k)
 
 
