@@ -211,7 +211,8 @@ def _tensor(v, i: int) -> TensorEntry:
     shape = tuple(integer(d, f"{f}.shape[{j}]", 1, MAX_DIM) for j, d in enumerate(shape))
     fmt = v["format"]
     if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise _Bad(f + ".format", f"unknown format {_show(fmt)} (known: {', '.join(FORMATS)})")
+        raise _Bad(f + ".format", f"unknown format {fmt[:40]!r} (known: {', '.join(FORMATS)})"
+                   if isinstance(fmt, str) else f"expected a format name, got {_show(fmt)}")
     check_shape(FORMATS[fmt], shape, f)
     off = integer(v["offset"], f + ".offset")
     length = integer(v["length"], f + ".length", 1)
