@@ -87,6 +87,9 @@ def test_block_scale_rounding_saturates_codes():
 def test_zero_tensor_and_zero_blocks():
     codes, scales, s2 = nvfp4.quantize(np.zeros((2, 32), np.float32))
     assert s2 == 1.0 and not codes.any() and (scales == 0x38).all()
+    with np.errstate(divide="raise", invalid="raise"):   # s2 would be subnormal: as if all zero
+        codes, scales, s2 = nvfp4.quantize(np.full((1, 16), 1e-36, np.float32))
+    assert s2 == 1.0 and not codes.any() and (scales == 0x01).all()  # block scale clamped to 2^-9
     w = np.zeros((1, 32), np.float32)
     w[0, 16:] = np.linspace(-1, 1, 16)
     w[0, :16] = -0.0
@@ -112,7 +115,8 @@ def test_e4m3_encode_matches_ml_dtypes_everywhere():
     x = np.concatenate([near, -near, rng.uniform(0, 448, 4000), 2.0 ** rng.uniform(-12, 8.8, 4000)])
     x = x.astype(np.float32)
     np.testing.assert_array_equal(fp8.e4m3_encode(x), x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
-    assert fp8.e4m3_encode(np.float32([1e6, -500]).astype(np.float32)).tolist() == [0x7E, 0xFE]
+    with np.errstate(all="raise"):   # saturation, not overflow or NaN
+        assert fp8.e4m3_encode(np.float32([1e6, -500, 3e38, -np.inf])).tolist() == [0x7E, 0xFE, 0x7E, 0xFE]
 
 
 def test_decode_random_bytes_matches_reference():
@@ -151,5 +155,6 @@ def test_input_validation():
         nvfp4.quantize(np.ones(32, np.float32))
     with pytest.raises(FormatError, match="float32 or float16"):
         nvfp4.quantize(np.ones((2, 16), np.float64))
-    with pytest.raises(FormatError, match="global scale"):
-        nvfp4.quantize(np.ones((2, 16), np.float32), global_scale=0.0)
+    for bad in (0.0, -1.0, np.inf, 1e-40):
+        with pytest.raises(FormatError, match="global scale"):
+            nvfp4.quantize(np.ones((2, 16), np.float32), global_scale=bad)

@@ -153,8 +153,9 @@ def test_f8_e4m3_row_matches_ml_dtypes_and_zero_rows():
     (lambda: codecs.decode("bf16", np.zeros(4, np.float32), (8,)), "uint8 bytes"),
     (lambda: codecs.quantize("nvfp4", np.ones((2, 16), np.float32)), "not a GGML block format"),
     (lambda: codecs.decode("f8_e4m3_row", np.full(16 + 8, 0x7F, np.uint8), (1, 8)), "not finite|NaN"),
-], ids=["complex-gscale", "gscale-not-nvfp4", "unknown-fmt", "list-input", "rank3", "short-data", "dtype",
-        "quantize-nvfp4", "f8-nan"])
+    (lambda: codecs.encode("nvfp4", np.ones((0, 16), np.float32)), "cannot be empty"),
+], ids=["bad-gscale", "gscale-not-nvfp4", "unknown-fmt", "list-input", "rank3", "short-data", "dtype",
+        "quantize-nvfp4", "f8-nan", "empty"])
 def test_errors_are_one_line_format_errors(call, match):
     with pytest.raises(FormatError, match=match) as e:
         call()

@@ -43,7 +43,8 @@ def e4m3_encode(x) -> np.ndarray:
     bits = a.view(np.int32)
     # normal range: drop 20 mantissa bits with round-half-even; a carry rolls into the exponent correctly
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - _BIAS_SHIFT
-    sub = np.rint(a * _SUBNORMAL_STEPS).astype(np.int32)  # exact scaling by 2^9, RNE on the integer step
+    # subnormal range: exact scaling by 2^9, RNE to the integer step (capped first so huge |x| cannot overflow)
+    sub = np.rint(np.minimum(a, _MIN_NORMAL) * _SUBNORMAL_STEPS).astype(np.int32)
     code = np.where(a < _MIN_NORMAL, sub, normal)
     np.minimum(code, 0x7E, out=code)
     code = code.astype(np.uint8)

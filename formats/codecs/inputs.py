@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..constants import FORMATS
+from ..constants import FORMATS, QUANTIZED
 from ..errors import FormatError
 
 _FLOATS = (np.float32, np.float16)
@@ -50,6 +50,8 @@ def check_shape(fmt: str, shape, name: str) -> tuple[int, ...]:
         raise FormatError(f"{name}: {fmt} needs rank {' or '.join(map(str, spec.ndim))}, got shape {shape}")
     if any(d < 0 for d in shape):
         raise FormatError(f"{name}: negative dimension in shape {shape}")
+    if fmt in QUANTIZED and 0 in shape:
+        raise FormatError(f"{name}: {fmt} tensors cannot be empty, got shape {shape}")
     if shape and shape[-1] % spec.k_multiple:
         raise FormatError(f"{name}: {fmt} needs the last dim to be a multiple of {spec.k_multiple}, "
                           f"got K={shape[-1]} (shape {shape})")

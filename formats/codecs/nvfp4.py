@@ -7,7 +7,7 @@ Quantization follows ModelOpt's default ("max") weight path exactly (quant-forma
   code = 8·(q < 0) + E2M1 magnitude index (RNE, ties to the even code, > 5 saturates to 6)
 so -0.0 gives 0x0 while small negatives that round to zero give 0x8. Even elements sit in the low nibble.
 An all-zero group would make s2 = 0 (and ModelOpt divide 0/0); we use s2 = 1.0 instead, which decodes to
-the same zeros. Dequantization is (e2m1 · ŝ_b) · s2: the first product is exact, so one rounding.
+the same zeros -- likewise when amax < ~3e-35 makes s2 a float32 subnormal (such weights decode to 0). Dequantization is (e2m1 · ŝ_b) · s2: the first product is exact, so one rounding.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3
 # Rounding boundaries between neighbouring magnitudes; at the ones marked True a tie rounds UP, because
 # the upper neighbour has the even code (0.75 -> 1.0, 1.75 -> 2, 3.5 -> 4); elsewhere it rounds down.
 _BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_TINY = np.finfo(np.float32).tiny  # a subnormal s2 would let ŝ_b·s2 underflow to 0
 _CHUNK = 1 << 16  # elements per pass: keeps the temporaries in cache
 
 
@@ -37,7 +38,7 @@ def global_scale(*ws, name: str = "tensor") -> np.float32:
         if a.size:
             amax = max(amax, np.float32(a.max()), np.float32(-a.min()))
     s2 = np.float32(amax) / np.float32(E2M1_MAX * E4M3_MAX)
-    return s2 if s2 > 0 else np.float32(1.0)
+    return s2 if s2 >= _TINY else np.float32(1.0)
 
 
 _group_scale = global_scale  # `quantize` has a parameter of the same name
@@ -48,8 +49,8 @@ def _check_gscale(g, name: str) -> np.float32:
         g = np.float32(g)
     except (TypeError, ValueError):
         raise FormatError(f"{name}: nvfp4 global scale must be a float, got {type(g).__name__}") from None
-    if g.shape != () or not np.isfinite(g) or g <= 0:
-        raise FormatError(f"{name}: nvfp4 global scale must be a positive finite float32, got {g!r}")
+    if g.shape != () or not np.isfinite(g) or g < _TINY:
+        raise FormatError(f"{name}: nvfp4 global scale must be a finite normal float32 > 0, got {g!r}")
     return g
 
 
