@@ -28,33 +28,47 @@ def _cell_samples() -> np.ndarray:
     return np.stack(np.meshgrid(o, o, o, o, indexing="ij"), -1).reshape(-1, 4)   # [625, 4] in [0,1]^4
 
 
-def _pruned_lists() -> dict[int, np.ndarray]:
-    """Off-grid point -> grid indices (from its ggml neighbour list) that are nearest somewhere in its cell."""
+def _pruned_lists() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every off-grid point p: the grid points of its ggml neighbour list that are nearest somewhere in
+    its rounding cell -> (points [n], lists [n, 38] int16 padded with 512, counts [n]); lists keep ggml's
+    (distance, index) order."""
     kmap, starts, flat = tables.neighbour_tables()
     grid = tables.grid_values()
     unit = _cell_samples()
-    out = {}
-    for p in np.flatnonzero(kmap < 0):
-        cand = flat[starts[p]:starts[p + 1]].astype(np.int64)
-        centre = 2 * ((p >> np.array([0, 3, 6, 9])) & 7) + 1
-        lo = np.where(centre == 1, 0.0, centre - 1.0)          # level 0 also takes y in [0, 1)
-        hi = np.where(centre == 15, _Y_MAX, centre + 1.0)       # level 7 takes everything above 14
-        y = (lo + unit * (hi - lo)).astype(np.float32)
-        dist = ((y[:, None, :] - grid[cand][None]) ** 2).sum(-1)
-        out[int(p)] = cand[np.unique(dist.argmin(1))]
-    return out
+    off = np.flatnonzero(kmap < 0)
+    slot = np.arange(int(np.diff(starts).max()))
+    count = (starts[off + 1] - starts[off])[:, None]
+    pad = slot >= count                                                                      # [n, W]
+    cand = np.where(pad, 0, flat[np.minimum(starts[off][:, None] + slot, flat.size - 1)])
+    centre = (2 * ((off[:, None] >> np.array([0, 3, 6, 9])) & 7) + 1).astype(np.float32)    # [n, 4]
+    lo = np.where(centre == 1, 0.0, centre - 1.0).astype(np.float32)   # level 0 also takes y in [0, 1)
+    hi = np.where(centre == 15, _Y_MAX, centre + 1.0).astype(np.float32)   # level 7: everything above 14
+    penalty = np.where(pad, np.float32(np.inf), np.float32(0))
+    won = np.zeros(cand.shape, dtype=bool)
+    for c in range(0, off.size, 256):
+        sl = slice(c, c + 256)
+        y = lo[sl, None, :] + unit[None] * (hi - lo)[sl, None, :]                          # [n, S, 4]
+        g = grid[cand[sl]]                                                                  # [n, W, 4]
+        score = ((g * g).sum(-1) + penalty[sl])[:, None, :] - 2 * np.matmul(y, g.transpose(0, 2, 1))
+        np.put_along_axis(won[sl], score.argmin(axis=2), True, axis=1)    # |g-y|^2 - |y|^2, first minimum
+    first = np.argsort(~won, axis=1, kind="stable")                       # winners first, in list order
+    lists = np.where(np.take_along_axis(won, first, axis=1), np.take_along_axis(cand, first, axis=1),
+                     tables.GRID_SIZE).astype(np.int16)
+    return off, lists, won.sum(axis=1)
 
 
 @lru_cache(maxsize=1)
 def _search_tables():
     """(kmap, bucket [4096] i8, padded lists per bucket [4096, W] i16, grid + padding row [513, 4])."""
     kmap, _, _ = tables.neighbour_tables()
+    off, lists, counts = _pruned_lists()
     bucket = np.full(tables.N_POINTS, -1, dtype=np.int8)
-    pads = [np.full((tables.N_POINTS, w), tables.GRID_SIZE, dtype=np.int16) for w in _BUCKET_WIDTHS]
-    for p, cand in _pruned_lists().items():
-        b = int(np.searchsorted(_BUCKET_WIDTHS, cand.size))
-        bucket[p] = b
-        pads[b][p, :cand.size] = cand
+    bucket[off] = np.searchsorted(_BUCKET_WIDTHS, counts)
+    pads = []
+    for w in _BUCKET_WIDTHS:
+        pad = np.full((tables.N_POINTS, w), tables.GRID_SIZE, dtype=np.int16)
+        pad[off] = lists[:, :w]
+        pads.append(pad)              # rows of other buckets are never read
     grid_x = np.vstack([tables.grid_values(), np.full((1, 4), _FAR, dtype=np.float32)])
     return kmap, bucket, pads, grid_x
 

@@ -88,7 +88,7 @@ def grid_bytes() -> np.ndarray:
 
 @lru_cache(maxsize=1)
 def neighbour_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(kmap [4096] int32, starts [4096] int32, flat [n] int16).
+    """(kmap [4096] int32, starts [4097] int32, flat [n] int16).
 
     kmap[p] is the grid index of point p, or -1 if p is off the grid. For an off-grid point the candidate
     list is flat[starts[p]:starts[p + 1]]: every grid point whose squared distance to p (in 2l+1
@@ -97,18 +97,13 @@ def neighbour_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     codes = np.asarray(GRID_CODES, dtype=np.int64)
     kmap = np.full(N_POINTS, -1, dtype=np.int32)
     kmap[codes] = np.arange(GRID_SIZE, dtype=np.int32)
-    pts = 2 * _levels(np.arange(N_POINTS)) + 1                       # [4096, 4]
-    dist = ((pts[:, None, :] - grid_values()[None].astype(np.int64)) ** 2).sum(-1)   # [4096, 512]
-    counts = np.zeros(N_POINTS, dtype=np.int32)
-    lists = []
-    for p in np.flatnonzero(kmap < 0):
-        row = dist[p]
-        cutoff = np.unique(row)[NEIGHBOUR_DISTANCES - 1]
-        idx = np.flatnonzero(row <= cutoff)
-        idx = idx[np.argsort(row[idx], kind="stable")]              # ties keep grid-index order
-        counts[p] = idx.size
-        lists.append(idx)
+    pts = 2 * _levels(np.arange(N_POINTS)) + 1                                         # [4096, 4]
+    dist = ((pts[:, None, :] - grid_values()[None].astype(np.int64)) ** 2).sum(-1)     # [4096, 512]
+    order = np.argsort(dist * GRID_SIZE + np.arange(GRID_SIZE), axis=1)               # by (distance, index)
+    sorted_d = np.take_along_axis(dist, order, axis=1)
+    rank = np.cumsum(np.diff(sorted_d, axis=1, prepend=-1) > 0, axis=1)               # 1 = smallest distance
+    keep = (rank <= NEIGHBOUR_DISTANCES) & (kmap < 0)[:, None]
     starts = np.zeros(N_POINTS + 1, dtype=np.int32)
-    np.cumsum(counts, out=starts[1:])
-    flat = np.concatenate(lists).astype(np.int16)
+    np.cumsum(keep.sum(axis=1), out=starts[1:])
+    flat = order[keep].astype(np.int16)                   # row-major: point by point, each list in order
     return _frozen(kmap), _frozen(starts), _frozen(flat)
