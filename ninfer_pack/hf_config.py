@@ -1,0 +1,104 @@
+"""HF `config.json` (+ `generation_config.json`) of a Qwen3.8 checkpoint -> `ModelConfig`.
+
+Accepts the VL layout (`model_type: qwen3_5` with `text_config`/`vision_config` and top-level token ids) and
+the text-only layout saved from `Qwen3_5ForCausalLM` (`model_type: qwen3_5_text`, flat).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ninfer_formats.errors import NinferError, SourceError
+from ninfer_formats.model_config import FULL, LINEAR, ModelConfig, VisionConfig
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+_TEXT_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+_VISION_INTS = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "temporal_patch_size",
+                "spatial_merge_size", "out_hidden_size", "num_position_embeddings")
+
+
+def split_sections(hf: dict, where: str) -> tuple[dict, dict, str]:
+    """(text section, top level, model_type); refuses anything that is not a Qwen3.8 config."""
+    mt = hf.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise SourceError(f"{where}: model_type {mt!r} is not a Qwen3.8 model "
+                          f"(expected {' or '.join(map(repr, MODEL_TYPES))})")
+    if mt == "qwen3_5_text":
+        return hf, hf, mt
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise SourceError(f"{where}: text_config is missing or not an object")
+    if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+        raise SourceError(f"{where}: text_config.model_type {text.get('model_type')!r} is not 'qwen3_5_text'")
+    return text, hf, mt
+
+
+def _ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(v) if isinstance(v, (list, tuple)) else (v,)
+
+
+def _layer_types(text: dict, n: int) -> list[str]:
+    if "layer_types" in text:
+        return text["layer_types"]
+    every = text.get("full_attention_interval", 4)     # HF derives the schedule from this when absent
+    return [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
+
+
+def _rope(text: dict) -> dict[str, Any]:
+    rp = text.get("rope_parameters") or {}
+    return {"rope_theta": float(rp.get("rope_theta", text.get("rope_theta", 10000.0))),
+            "partial_rotary_factor": float(rp.get("partial_rotary_factor",
+                                                  text.get("partial_rotary_factor", 0.25))),
+            "mrope_section": tuple(rp.get("mrope_section", (11, 11, 10)))}
+
+
+def _vision(hf: dict, where: str) -> VisionConfig:
+    v = hf.get("vision_config")
+    if not isinstance(v, dict):
+        raise SourceError(f"{where}: vision_config is missing but the checkpoint holds model.visual.* tensors")
+    missing = [k for k in _VISION_INTS if k not in v]
+    if missing:
+        raise SourceError(f"{where}: vision_config.{missing[0]} is missing")
+    kw = {k: v[k] for k in _VISION_INTS}
+    try:
+        return VisionConfig(**kw, in_channels=v.get("in_channels", 3),
+                            hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"))
+    except NinferError as e:
+        msg = str(e)
+        raise SourceError(f"{where}: {msg if msg.startswith('vision_config') else 'vision_config.' + msg}") from None
+
+
+def to_model_config(hf: dict, gen: dict | None, *, mtp: bool, vision: bool,
+                    where: str = "config.json") -> ModelConfig:
+    """Build the artifact's ModelConfig; `mtp`/`vision` say whether those parts are packed."""
+    text, top, mt = split_sections(hf, where)
+    sect = "text_config." if text is not top else ""
+    missing = [k for k in _TEXT_INTS if k not in text]
+    if missing:
+        raise SourceError(f"{where}: {sect}{missing[0]} is missing")
+    gen = gen or {}
+    eos = _ids(text.get("eos_token_id", top.get("eos_token_id")))
+    eos += tuple(i for i in _ids(gen.get("eos_token_id")) if i not in eos)
+    vis = _vision(hf, where) if vision else None
+    try:
+        return ModelConfig(
+            **{k: text[k] for k in _TEXT_INTS},
+            layer_types=_layer_types(text, text["num_hidden_layers"]),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), **_rope(text),
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            eos_token_ids=eos, bos_token_id=text.get("bos_token_id", top.get("bos_token_id")),
+            pad_token_id=text.get("pad_token_id", top.get("pad_token_id")),
+            mtp_num_hidden_layers=1 if mtp else 0,
+            image_token_id=top.get("image_token_id"), video_token_id=top.get("video_token_id"),
+            vision_start_token_id=top.get("vision_start_token_id"),
+            vision_end_token_id=top.get("vision_end_token_id"),
+            vision=vis,
+            extra={"source_model_type": mt})
+    except NinferError as e:        # ConfigError names the field; add the file
+        raise SourceError(f"{where}: {sect}{e}") from None
+    except TypeError as e:
+        raise SourceError(f"{where}: {e}") from None
