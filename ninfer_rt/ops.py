@@ -1,0 +1,149 @@
+"""The one ops interface the model calls; backends (torch reference, Triton) implement every method.
+
+Conventions shared by all methods:
+- Sequences are packed along the first axis: a batch of B sequences with T_b new tokens each gives
+  activations [sumT, ...]; per-sequence metadata travels in `AttnMeta` / `GdnMeta` (built once per forward).
+- Activations are in the activation dtype (fp32, bf16 or fp16) and outputs keep it; norms, softmax, the
+  GDN gates / conv / recurrence are computed in fp32 inside. GDN states are fp32.
+- `eps` is the RMSNorm epsilon; `plus_one=True` is the zero-centred `(1 + w)` gain, False the plain `w`.
+- Ops never allocate pool memory; caches and state pools are passed in and updated in place.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from .weights import QWeight
+
+
+@dataclass(frozen=True)
+class AttnMeta:
+    """Paged-KV layout of one forward. KV slot of token j of sequence b = page * page_size + offset."""
+
+    seq_lens: tuple[int, ...]        # T_b, new tokens (host)
+    kv_lens: tuple[int, ...]         # L_b + T_b: cached tokens including the new ones (host)
+    cu_seqlens: torch.Tensor         # int32 [B+1], offsets of each sequence in the packed axis
+    kv_lens_t: torch.Tensor          # int32 [B]
+    block_tables: torch.Tensor       # int32 [B, max_pages]; page ids in position order (padding: 0)
+    slot_mapping: torch.Tensor       # int64 [sumT], KV slot of every new token
+    page_size: int
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.seq_lens)
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(self.kv_lens)
+
+
+@dataclass(frozen=True)
+class GdnMeta:
+    """Sequences of one GDN call. Each owns a state slot; snapshot mode is per sequence.
+
+    snap_index[b] == -1: the state pool slot is read and updated in place.
+    snap_index[b] >= 0:  the pool slot is only read; the state after the sequence's t-th new token
+                         (t = 1..T_b) is written to snapshot row snap_index[b] + t - 1.
+    """
+
+    seq_lens: tuple[int, ...]
+    cu_seqlens: torch.Tensor         # int32 [B+1]
+    slots: torch.Tensor              # int64 [B], rows of the state pools
+    snap_index: torch.Tensor         # int64 [B]
+    snap_index_host: tuple[int, ...]
+    rows: torch.Tensor | None = None  # int64 [sumT_sub]: rows of the full packed batch (None = all rows)
+
+
+class Ops(ABC):
+    """Backend interface. `name` identifies the backend in logs and caches."""
+
+    name: str = "abstract"
+
+    # ---- dense ----
+    @abstractmethod
+    def linear(self, x: torch.Tensor, w: QWeight) -> torch.Tensor:
+        """x [T, K] @ w.T -> [T, N] for any stored format of `w` (no bias anywhere in this model)."""
+
+    @abstractmethod
+    def embedding(self, ids: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
+        """ids int64 [T] -> rows [T, H] of `table` (a [V, H] tensor or a QWeight) in `dtype`."""
+
+    @abstractmethod
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
+        """Normalise over the last dim of x [..., D]: x * rsqrt(mean(x^2) + eps) * (1 + w | w)."""
+
+    @abstractmethod
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                    plus_one: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual' = residual + x (rounded to the activation dtype); returns (rmsnorm(residual'), residual')."""
+
+    @abstractmethod
+    def gated_rmsnorm(self, o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """GDN output norm, per head over the last dim of o/z [T, Hv, dv]: w * rmsnorm(o) * silu(z)."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] (gate rows first, then up) -> silu(gate) * up [T, I]."""
+
+    @abstractmethod
+    def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Attention output gate: o * sigmoid(gate), both [T, W]."""
+
+    # ---- attention ----
+    @abstractmethod
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float,
+             mrope_section: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """NeoX rotary embedding on the first `rotary_dim` dims of every head of q [T, Hq, D], k [T, Hk, D].
+
+        positions: int64 [T] (text), or [3, T] (T/H/W rows, interleaved MRoPE: frequency j takes row 1 if
+        j % 3 == 1 and j < 3 * section[1], row 2 if j % 3 == 2 and j < 3 * section[2], else row 0).
+        Angles in fp32; returns new tensors.
+        """
+
+    @abstractmethod
+    def kv_write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store k, v [T, Hk, D] at flat slots of k_cache/v_cache [num_pages, page_size, Hk, D] (in place)."""
+
+    @abstractmethod
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                  scale: float) -> torch.Tensor:
+        """Causal paged GQA attention for q [sumT, Hq, D] -> [sumT, Hq, D].
+
+        Query i (0-based) of sequence b sits at position kv_lens[b] - seq_lens[b] + i and attends to cached
+        positions 0..that position (the new tokens' K/V must already be written). Q head h reads KV head
+        h // (Hq / Hk). Softmax in fp32.
+        """
+
+    # ---- gated deltanet ----
+    @abstractmethod
+    def causal_conv(self, x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, meta: GdnMeta,
+                    snapshots: torch.Tensor | None = None) -> torch.Tensor:
+        """Depthwise causal conv + SiLU over time, per sequence: x [sumT, C], w [C, ck] (tap ck-1 = current).
+
+        conv_pool [S, ck-1, C] fp32 holds each slot's last ck-1 inputs (oldest first). In-place update for
+        sequences with snap_index -1; otherwise the window after each token goes to snapshots [N, ck-1, C].
+        """
+
+    @abstractmethod
+    def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """a, b [T, Hv] -> (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), both fp32."""
+
+    @abstractmethod
+    def gdn_recurrent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, state_pool: torch.Tensor, meta: GdnMeta,
+                      snapshots: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-by-token gated delta rule. q, k [sumT, Hk, dk] (raw: l2-normalised inside, q scaled by
+        dk^-0.5), v [sumT, Hv, dv], g, beta fp32 [sumT, Hv]; value head h uses key head h // (Hv / Hk).
+        state_pool fp32 [S, Hv, dk, dv]; per token: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q.
+        Returns o [sumT, Hv, dv] in v's dtype. Snapshot rows as in `GdnMeta`.
+        """
+
+    @abstractmethod
+    def gdn_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, state_pool: torch.Tensor, meta: GdnMeta) -> torch.Tensor:
+        """Same result as gdn_recurrent (up to rounding) in the chunked form for prefill; no snapshots
+        (every snap_index must be -1), states updated in place."""

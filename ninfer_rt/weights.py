@@ -1,0 +1,147 @@
+"""`QWeight`: one linear weight [N, K] in its stored numeric format, as device tensors.
+
+Layouts (`data` keys) per format, all row-major with rows = output features:
+  plain f32/f16/bf16  `w` [N, K] in the activation dtype
+  nvfp4               `codes` u8 [N, K/2] (even element in the low nibble), `scales` u8 E4M3 [N, K/16],
+                      `gscale` python float (the per-tensor second-level scale)
+  q6_k / iq3_s        `blocks` u8 [N, K/256 * block bytes] (GGML rows of blocks)
+  f8_e4m3_row         `codes` u8 E4M3 [N, K], `row_scale` f32 [N]
+Backends may attach derived forms (a dequantized copy, a swizzled layout) to `cache`, keyed by their name.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ninfer_formats.constants import FORMATS, QUANTIZED
+from ninfer_formats.errors import LoadError
+
+PLAIN_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+_TENSOR_KEYS = {"nvfp4": ("codes", "scales"), "q6_k": ("blocks",), "iq3_s": ("blocks",),
+                "f8_e4m3_row": ("codes", "row_scale")}
+
+
+@dataclass(eq=False)
+class QWeight:
+    fmt: str
+    shape: tuple[int, int]
+    data: dict
+    name: str = ""
+    cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.shape = tuple(int(s) for s in self.shape)
+        keys = _TENSOR_KEYS.get(self.fmt, ("w",))
+        if self.fmt not in FORMATS or self.fmt == "i32":
+            raise LoadError(f"{self.name or 'weight'}: {self.fmt!r} is not a linear-weight format")
+        missing = [k for k in keys if k not in self.data]
+        if missing or (self.fmt == "nvfp4" and "gscale" not in self.data):
+            raise LoadError(f"{self.name or 'weight'}: {self.fmt} weight lacks {(missing or ['gscale'])[0]!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt in QUANTIZED
+
+    @property
+    def device(self) -> torch.device:
+        return next(v for v in self.data.values() if isinstance(v, torch.Tensor)).device
+
+    def to(self, device) -> "QWeight":
+        data = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.data.items()}
+        return QWeight(self.fmt, self.shape, data, self.name)
+
+    def rows(self, start: int, stop: int) -> "QWeight":
+        """Rows [start, stop) as views (every layout is row-major)."""
+        data = {k: (v[start:stop] if isinstance(v, torch.Tensor) else v) for k, v in self.data.items()}
+        return QWeight(self.fmt, (stop - start, self.shape[1]), data, self.name)
+
+    def select_rows(self, idx: torch.Tensor) -> "QWeight":
+        """Rows `idx` (int64 [M]) gathered into a new QWeight (e.g. the embedding rows of a batch)."""
+        data = {k: (v.index_select(0, idx) if isinstance(v, torch.Tensor) else v) for k, v in self.data.items()}
+        return QWeight(self.fmt, (int(idx.numel()), self.shape[1]), data, self.name)
+
+    @staticmethod
+    def plain(w: torch.Tensor, name: str = "") -> "QWeight":
+        fmt = {v: k for k, v in PLAIN_DTYPES.items()}.get(w.dtype)
+        if fmt is None or w.dim() != 2:
+            raise LoadError(f"{name or 'weight'}: a plain linear weight must be 2-D f32/f16/bf16, "
+                            f"got {tuple(w.shape)} {w.dtype}")
+        return QWeight(fmt, tuple(w.shape), {"w": w}, name)
+
+    @staticmethod
+    def concat_rows(parts: list["QWeight"], name: str = "") -> "QWeight":
+        """Row-wise fusion (q/k/v, gate/up, GDN qkv+z); same format and K required, nvfp4 equal gscale."""
+        name = name or "+".join(p.name for p in parts)
+        first = parts[0]
+        for p in parts[1:]:
+            if p.fmt != first.fmt or p.shape[1] != first.shape[1]:
+                raise LoadError(f"{name}: cannot fuse {p.name} ({p.fmt} {p.shape}) with "
+                                f"{first.name} ({first.fmt} {first.shape})")
+            if p.fmt == "nvfp4" and p.data["gscale"] != first.data["gscale"]:
+                raise LoadError(f"{name}: nvfp4 global scales differ ({p.name} {p.data['gscale']!r} vs "
+                                f"{first.name} {first.data['gscale']!r}); the packer must share them")
+        data = {k: (torch.cat([p.data[k] for p in parts]) if isinstance(v, torch.Tensor) else v)
+                for k, v in first.data.items()}
+        return QWeight(first.fmt, (sum(p.shape[0] for p in parts), first.shape[1]), data, name)
+
+
+def as_qweight(x, name: str = "") -> QWeight:
+    return x if isinstance(x, QWeight) else QWeight.plain(x, name)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().numpy()
+
+
+def dequantize(qw: QWeight) -> torch.Tensor:
+    """float32 [N, K] on the weight's device (numpy reference codecs for the quantized formats)."""
+    from ninfer_formats import codecs
+    if not qw.quantized:
+        return qw.data["w"].float()
+    if qw.fmt == "nvfp4":
+        out = codecs.nvfp4.dequantize(_np(qw.data["codes"]), _np(qw.data["scales"]), qw.data["gscale"])
+    elif qw.fmt == "f8_e4m3_row":
+        out = codecs.fp8.e4m3_decode(_np(qw.data["codes"])) * _np(qw.data["row_scale"]).astype(np.float32)[:, None]
+    else:
+        out = codecs.dequantize(qw.fmt, _np(qw.data["blocks"]), qw.shape, name=qw.name)
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(qw.device)
+
+
+def _tensor(a: np.ndarray, device) -> torch.Tensor:
+    """Zero-copy torch view of a (read-only, mmap-backed) array, then one move to `device`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)     # read-only buffer: we never write weights
+        t = torch.frombuffer(a, dtype=torch.uint8) if a.size else torch.empty(0, dtype=torch.uint8)
+    return t.to(device)
+
+
+def from_encoded(fmt: str, shape, raw: np.ndarray, *, device="cpu", dtype=torch.float32, name: str = "") -> QWeight:
+    """QWeight over container bytes `raw` (flat u8, e.g. an mmap view) without a full copy in host memory."""
+    from ninfer_formats import codecs
+    n, k = (int(s) for s in shape)
+    if fmt in PLAIN_DTYPES:
+        return QWeight(fmt, (n, k), {"w": plain_tensor(fmt, (n, k), raw, device=device, dtype=dtype)}, name)
+    if fmt == "nvfp4":
+        codes, scales, s2 = codecs.split_nvfp4(raw, (n, k), name=name)
+        data = {"codes": _tensor(codes, device).view(n, k // 2),
+                "scales": _tensor(scales, device).view(n, -1), "gscale": float(s2)}
+    elif fmt == "f8_e4m3_row":
+        scale, codes = codecs.fp8.split(raw, (n, k), name=name)
+        data = {"codes": _tensor(codes, device).view(n, k),
+                "row_scale": _tensor(scale.view(np.uint8), device).view(torch.float32)}
+    elif fmt in ("q6_k", "iq3_s"):
+        data = {"blocks": _tensor(raw, device).view(n, -1)}
+    else:
+        raise LoadError(f"{name}: format {fmt!r} cannot hold a linear weight")
+    return QWeight(fmt, (n, k), data, name)
+
+
+def plain_tensor(fmt: str, shape, raw: np.ndarray, *, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """A plain-format tensor from its little-endian bytes, moved to `device` and cast to `dtype`."""
+    src = {"i32": torch.int32, **PLAIN_DTYPES}[fmt]
+    t = _tensor(raw, "cpu").view(src).view(*shape) if len(shape) else _tensor(raw, "cpu").view(src)[0]
+    t = t.to(device)
+    return t if fmt == "i32" else t.to(dtype)
