@@ -168,7 +168,8 @@ def integer(v, field: str, lo: int = 0, hi: int = MAX_JSON_INT) -> int:
     if type(v) is not int:
         raise _Bad(field, f"expected an integer, got {_show(v)}")
     if not lo <= v < hi:
-        raise _Bad(field, f"{v} is out of range [{lo}, {hi})")
+        shown = str(v) if abs(v) < 10 ** 30 else f"{str(v)[:12]}...({len(str(v))} digits)"
+        raise _Bad(field, f"{shown} is out of range [{lo}, {hi})")
     return v
 
 

@@ -48,7 +48,8 @@ def _check_members(d, cls, field: str) -> None:
             continue
         check, what = _CHECKS.get(str(f.type), (None, None))
         if check is not None and not check(d[k]):
-            raise FormatError(f"{field}.{k}: expected {what}, got {type(d[k]).__name__}")
+            shown = repr(d[k]) if len(repr(d[k])) <= 24 else type(d[k]).__name__
+            raise FormatError(f"{field}.{k}: expected {what}, got {shown}")
 
 
 def check_model(d) -> ModelConfig:
