@@ -73,7 +73,7 @@ def _full_list_nearest(y):
 
 
 @pytest.mark.parametrize("dist", [_gauss, _student_t3], ids=["gauss", "student_t3"])
-@pytest.mark.parametrize("step", [13.2, 15.0, 16.8], ids=lambda s: f"step{s}")
+@pytest.mark.parametrize("step", [13.2, 15.0, 16.8, 20.0], ids=lambda s: f"step{s}")
 def test_pruned_search_equals_full_lists(dist, step):
     a = np.abs(dist(np.random.default_rng(3), 96, 256)).reshape(-1, 32)
     y = (a * (np.float32(step) / a.max(axis=1, keepdims=True))).reshape(-1, 4)

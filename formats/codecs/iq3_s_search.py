@@ -19,7 +19,8 @@ from . import iq3_s_tables as tables
 _SAMPLES_PER_AXIS = 5                      # rounding-cell sample lattice used to prune candidate lists
 _BUCKET_WIDTHS = (1, 2, 4, 6, 9, 18)       # padded list widths; the longest pruned list is 18
 _FAR = np.float32(1e4)                     # coordinate of the padding point: never the nearest
-_Y_MAX = 17.0                              # scaled magnitudes of the encoder stay below this
+_Y_MAX = 24.0                              # level-7 cells are sampled up to here: snapping at a
+                                           # least-squares or rounded-down scale pushes y past 17
 _LEVEL_WEIGHT = np.array([1, 8, 64, 512], dtype=np.float32)   # levels -> 12-bit point code
 
 
