@@ -96,9 +96,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = ap.parse_args(argv)
+    from ninfer_formats.errors import NinferError
+
     try:
         doc = write(args.out)
-    except (OSError, ImportError) as e:
+    except (OSError, ImportError, NinferError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = {"path": str(args.out), "cases": [c["name"] for c in doc["cases"]]}
