@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 from dataclasses import dataclass, field
 
 import zstandard
@@ -27,6 +28,23 @@ def default_producer() -> str:
         return "ninfer 0.0.0"
 
 
+def _int(v) -> int:
+    """Python int from any integer type (numpy dims included); bools and floats are refused."""
+    if isinstance(v, bool):
+        raise TypeError("bool")
+    return operator.index(v)
+
+
+def _dims(shape, name: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(_int(d) for d in shape)
+    except TypeError:
+        dims = None
+    if dims is None or not all(1 <= d < MAX_DIM for d in dims):
+        raise _Bad(f"tensor {name}.shape", f"{shape!r}: dims must be integers in [1, 2^31)")
+    return dims
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -34,14 +52,11 @@ class TensorSpec:
     fmt: str
 
     def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(self.shape))
         try:
             check_name(self.name, "tensor name")
+            object.__setattr__(self, "shape", _dims(self.shape, self.name))
             if self.fmt not in FORMATS:
                 raise _Bad(f"tensor {self.name}", f"unknown format {self.fmt!r} (known: {', '.join(FORMATS)})")
-            for d in self.shape:
-                if type(d) is not int or not 1 <= d < MAX_DIM:
-                    raise _Bad(f"tensor {self.name}.shape", f"{list(self.shape)}: dims must be ints in [1, 2^31)")
             check_shape(FORMATS[self.fmt], self.shape, f"tensor {self.name}")
         except _Bad as e:
             raise FormatError(str(e)) from None
@@ -70,9 +85,14 @@ class ArtifactPlan:
         object.__setattr__(self, "tensors", tuple(self.tensors))
         if not isinstance(self.config, ModelConfig):
             raise FormatError("plan.config: expected a ModelConfig")
-        if type(self.tp_size) is not int or not 1 <= self.tp_size <= MAX_TP_SIZE:
+        try:
+            object.__setattr__(self, "tp_size", _int(self.tp_size))
+            object.__setattr__(self, "rank", _int(self.rank))
+        except TypeError:
+            raise FormatError(f"plan: tp_size {self.tp_size!r} and rank {self.rank!r} must be integers") from None
+        if not 1 <= self.tp_size <= MAX_TP_SIZE:
             raise FormatError(f"plan.tp_size: {self.tp_size!r} is not in [1, {MAX_TP_SIZE}]")
-        if type(self.rank) is not int or not 0 <= self.rank < self.tp_size:
+        if not 0 <= self.rank < self.tp_size:
             raise FormatError(f"plan.rank: {self.rank!r} is not in [0, {self.tp_size})")
         seen = set()
         for t in self.tensors:

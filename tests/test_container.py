@@ -183,13 +183,21 @@ def test_writer_misuse(tmp_path, tensors):
     (("w", (5, 40), "q6_k"), "multiple of 256"),
     (("w", (5, 40, 1), "nvfp4"), "needs rank 2"),
     (("w", (5,), "bogus"), "unknown format"),
-    (("w", (0, 4), "f32"), "dims must be ints"),
+    (("w", (0, 4), "f32"), "dims must be integers"),
+    (("w", (2.0, 4), "f32"), "dims must be integers"),
+    (("w", (True, 4), "f32"), "dims must be integers"),
     (("", (4,), "f32"), "tensor name"),
     (("w\n", (4,), "f32"), "printable ASCII"),
-], ids=["k-multiple", "rank", "format", "zero-dim", "empty-name", "control-char"])
+], ids=["k-multiple", "rank", "format", "zero-dim", "float-dim", "bool-dim", "empty-name", "control-char"])
 def test_bad_tensor_specs(spec, msg):
     with pytest.raises(FormatError, match=msg):
         TensorSpec(*spec)
+
+
+def test_numpy_integers_are_accepted():
+    s = TensorSpec("w", (np.int64(3), np.int32(256)), "q6_k")
+    assert s.shape == (3, 256) and type(s.shape[0]) is int and s.nbytes == 3 * 210
+    assert ArtifactPlan(tiny_config(), np.int64(2), np.int64(1), [s]).rank == 1
 
 
 # ---- malformed files: each one is a one-line FormatError ---------------------------------------
