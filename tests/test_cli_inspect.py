@@ -152,6 +152,9 @@ def test_verify_mixed_and_incomplete_sets(tmp_path, good):
     r = CliRunner().invoke(main, ["verify", str(mixed)])
     assert r.exit_code == 1
     _one_error_line(r.stderr, "mixed TP set", "m.tp2-rank1.ninfer")
+    r = CliRunner().invoke(main, ["verify", "--json", str(mixed)])
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 1 and len(rep["ok"]) == 2 and "mixed TP set" in rep["problems"][0]
     os.unlink(mixed / "m.tp2-rank1.ninfer")
     r = CliRunner().invoke(main, ["verify", str(mixed / "m.tp2-rank0.ninfer")])
     assert r.exit_code == 1
