@@ -42,3 +42,7 @@ def _register():
 
 
 _register()
+
+
+if __name__ == "__main__":
+    main()
