@@ -4,7 +4,7 @@ against the config, and place the weights on the device.
 Weights come straight from the file mapping: `torch.frombuffer` over the mmap view, then one `.to(device)`
 (and a cast to the activation dtype where needed) — no intermediate host copy. On CPU a tensor already in
 the activation dtype stays a view of the mapping, so `LoadedModel` keeps the artifact open.
-Linear weights (`*_proj.weight`, `mtp.fc.weight`, `lm_head.weight`) become `QWeight`s in their stored
+Linear weights (the layers' `*_proj*.weight`, `mtp.fc.weight`, `lm_head.weight`) become `QWeight`s in their stored
 format; a quantized embedding table too. 1-D tensors (norm gains, A_log, dt_bias) and the conv taps stay
 fp32; other plain tensors take `dtype`.
 """
@@ -26,7 +26,7 @@ from .weights import from_encoded, plain_tensor
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _RANK_FILE = re.compile(r"(?P<stem>.+)\.tp(?P<n>[1-9][0-9]*)-rank(?P<r>0|[1-9][0-9]*)" + re.escape(SUFFIX))
-_LINEAR = re.compile(r".*_proj\.weight|mtp\.fc\.weight|lm_head\.weight")
+_LINEAR = re.compile(r"(layers|mtp\.layers)\.\d+\..*_proj(_\w+)?\.weight|mtp\.fc\.weight|lm_head\.weight")
 
 
 @dataclass

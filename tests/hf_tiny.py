@@ -387,3 +387,66 @@ def artifact_weights(tiny: TinyHF) -> dict[str, torch.Tensor]:
             v = v[:, 0, :]
         out[k] = v.contiguous()
     return out
+
+
+# ---- tiny .ninfer artifacts (written directly with the container, cut with the packer's TP table) -------
+
+_NVFP4_GROUPS = ((r"self_attn\.[qkv]_proj", "qkv"), (r"mlp\.(gate|up)_proj", "gate_up"),
+                 (r"linear_attn\.in_proj_(qkv|z)", "qkvz"))
+_F8_ROWS = r"(self_attn\.o_proj|linear_attn\.out_proj|mlp\.down_proj)\.weight|mtp\.fc\.weight"
+
+
+def _artifact_fmt(name: str, w: torch.Tensor, quant: bool) -> tuple[str, str | None]:
+    """(format, nvfp4 fusion-group key or None). quant=True: nvfp4 fusion groups, f8 rows for outputs."""
+    import re
+    if quant:
+        for pat, tag in _NVFP4_GROUPS:
+            m = re.fullmatch(rf"(.*){pat}\.weight", name)
+            if m:
+                return "nvfp4", m.group(1) + tag
+        if re.fullmatch(rf"(.*\.)?({_F8_ROWS})", name):
+            return "f8_e4m3_row", None
+    return ("f32" if w.dtype == torch.float32 else "bf16"), None
+
+
+def artifact_tensors(tiny: TinyHF, *, tp: int = 1, quant: bool = False) -> list[dict]:
+    """Per rank {name: (fmt, shape, container bytes)} of the tiny model (packer TP table, shared nvfp4 scales)."""
+    from ninfer_formats import codecs
+    from ninfer_pack.tp_split import plan_split
+    cfg = model_config_from_hf(tiny.text_config, mtp=tiny.mtp is not None, vision_config=tiny.vision_config)
+    weights = artifact_weights(tiny)
+    fmts = {n: _artifact_fmt(n, w, quant) for n, w in weights.items()}
+    groups: dict[str, list] = {}
+    for n, (fmt, key) in fmts.items():
+        if key:
+            groups.setdefault(key, []).append(weights[n].float().numpy())
+    gscale = {k: codecs.nvfp4.global_scale(*ws) for k, ws in groups.items()}
+    ranks: list[dict] = [{} for _ in range(tp)]
+    for n, w in weights.items():
+        fmt, key = fmts[n]
+        sp = plan_split(n, tuple(w.shape), cfg, tp, fmt)
+        for r in range(tp):
+            part = w if sp.replicated else torch.cat([w.narrow(sp.dim, a, b - a) for a, b in sp.ranges[r]], sp.dim)
+            data = codecs.encode(fmt, part.float().numpy(), global_scale=gscale.get(key), name=n)
+            ranks[r][n] = (fmt, tuple(part.shape), data)
+    return ranks
+
+
+def tiny_resources() -> dict[str, bytes]:
+    gen = {"bos_token_id": EOS_ID, "eos_token_id": [IM_END_ID, EOS_ID], "do_sample": True, "temperature": 1.0,
+           "top_p": 0.95, "top_k": 20}
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    return {"tokenizer.json": tokenizer_json().encode(), "tokenizer_config.json": json.dumps(tcfg).encode(),
+            "chat_template.jinja": CHAT_TEMPLATE.encode(), "generation_config.json": json.dumps(gen).encode()}
+
+
+def make_tiny_artifact(dir, tiny: TinyHF | None = None, *, tp: int = 1, quant: bool = False, stem: str = "model",
+                       ranks: list[dict] | None = None, **build_kw) -> list[str]:
+    """Write a tiny TP set `{stem}.tp{tp}-rank{r}.ninfer` into `dir`; returns the paths. `ranks` overrides
+    the tensors (tests that need a broken inventory)."""
+    from ninfer_formats.container import write_artifact
+    tiny = tiny or build_hf_model(**build_kw)
+    cfg = model_config_from_hf(tiny.text_config, mtp=tiny.mtp is not None, vision_config=tiny.vision_config)
+    ranks = ranks if ranks is not None else artifact_tensors(tiny, tp=tp, quant=quant)
+    meta = {"source": "hf_tiny", "recipe": {"default": "nvfp4+f8" if quant else "plain"}}
+    return write_artifact(dir, stem, cfg, ranks, tiny_resources(), meta)
