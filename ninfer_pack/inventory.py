@@ -94,9 +94,13 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def artifact_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The stored (TP1) shape: depthwise conv1d [C, 1, ck] drops its singleton dim."""
+    """The stored (TP1) shape: depthwise conv1d [C, 1, ck] drops its singleton dim; the vision patch
+    embedding Conv3d [hid, C, T, P, P] (kernel == stride, so a linear map of the flattened patch vector,
+    which is how `pixel_values` arrive) is stored 2-D [hid, C*T*P*P] -- the container allows rank <= 4."""
     if name.endswith("linear_attn.conv1d.weight") and len(shape) == 3 and shape[1] == 1:
         return (shape[0], shape[2])
+    if name == "visual.patch_embed.proj.weight" and len(shape) == 5:
+        return (shape[0], shape[1] * shape[2] * shape[3] * shape[4])
     return tuple(shape)
 
 
