@@ -372,11 +372,15 @@ def model_config_from_hf(tcfg: Qwen3_5TextConfig, *, mtp: bool = True, vision_co
         max_position_embeddings=tcfg.max_position_embeddings, tie_word_embeddings=tcfg.tie_word_embeddings,
         eos_token_ids=tuple(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []),
         bos_token_id=tcfg.bos_token_id, pad_token_id=tcfg.pad_token_id,
-        mtp_num_hidden_layers=1 if mtp else 0, vision=vision)
+        mtp_num_hidden_layers=1 if mtp else 0, vision=vision,
+        **({} if vision is None else dict(
+            image_token_id=SPECIALS["<|image_pad|>"], video_token_id=SPECIALS["<|video_pad|>"],
+            vision_start_token_id=SPECIALS["<|vision_start|>"], vision_end_token_id=SPECIALS["<|vision_end|>"])))
 
 
 def artifact_weights(tiny: TinyHF) -> dict[str, torch.Tensor]:
-    """TP1 artifact tensors (DESIGN.md names): prefixes dropped, conv1d [C, ck], visual.* kept."""
+    """TP1 artifact tensors (DESIGN.md names): prefixes dropped, conv1d [C, ck], visual.* kept with the
+    Conv3d patch embedding flattened to [hid, C*T*P*P] (as the packer stores it)."""
     out = {}
     for k, v in tiny.checkpoint_state_dict().items():
         if k.startswith(TEXT_PREFIX):
@@ -385,6 +389,8 @@ def artifact_weights(tiny: TinyHF) -> dict[str, torch.Tensor]:
             k = k[len("model."):]
         if k.endswith("conv1d.weight"):
             v = v[:, 0, :]
+        if k == "visual.patch_embed.proj.weight":
+            v = v.reshape(v.shape[0], -1)
         out[k] = v.contiguous()
     return out
 

@@ -18,6 +18,8 @@ from ninfer_rt.weights import QWeight
 
 # same weights, same math: only the binding differs
 EXACT_TOL = 1e-6
+# our fp32 model vs transformers' fp32 forward (as in test_model_vs_hf)
+HF_TOL = 1e-4
 
 
 def rel(a, b) -> float:
@@ -156,3 +158,20 @@ def test_tp_set_checks(tiny, tmp_path):
         load(tmp_path / "tp2", rank=1)
     with pytest.raises(LoadError, match="no such file"):
         load(tmp_path / "nowhere")
+
+
+def test_packer_output_loads_and_matches_hf(tmp_path, ids):
+    """End to end: HF folder -> ninfer-pack convert (bf16 recipe) -> load -> logits == HF's (fp32 math)."""
+    import copy
+
+    from hf_tiny import load_hf_reference, make_tiny_checkpoint
+
+    from ninfer_pack.convert import convert
+    make_tiny_checkpoint(tmp_path / "hf", seed=8, dtype=torch.bfloat16)
+    convert(str(tmp_path / "hf"), tmp_path / "out", recipe="bf16", tp=1, jobs=1, progress=False)
+    lm = load(tmp_path / "out")
+    hf = copy.deepcopy(load_hf_reference(tmp_path / "hf").causal_lm()).float()
+    logits, _ = _logits(lm.config, lm.weights, ids)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert rel(logits, ref) <= HF_TOL
