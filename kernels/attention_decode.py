@@ -1,0 +1,176 @@
+"""Paged causal GQA attention over the KV pool (decode, MTP verify, and long prefill too).
+
+Work split: one program per (sequence, KV head, block of BLOCK_M query rows, KV split). The rows of a
+(sequence, KV head) are the G = Hq / Hk query heads of that group times the T new columns, row r = t * G + g,
+so every K/V tile loaded from the pool is shared by the whole GQA group (decode T = 1 still fills G rows).
+Keys are gathered page by page through the block table; column t of a sequence with L cached tokens sits
+at position L - T + t and sees keys 0..L - T + t. Softmax is online, fp32, in base 2.
+
+Split-KV (flash-decoding): with few programs and long contexts the key range is cut into `num_splits`
+pieces; each writes its normalised partial output and log-sum-exp, and `attn_combine_kernel` merges them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .ops_common import dot_precision, num_sms, pow2
+
+BLOCK_N = 32              # keys per inner step
+MAX_BLOCK_M = 64          # query rows per program
+MIN_SPLIT_KEYS = 256      # never cut the key range finer than this
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_ptr, bt_ptr,
+                    sq_t, sq_h, so_t, so_h, sk_s, sk_h, sv_s, sv_h, bt_stride, total_rows,
+                    Hk, G, n_mblocks, split_len, scale_log2, D,
+                    PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    mb = pid % n_mblocks
+    kvh = (pid // n_mblocks) % Hk
+    b = pid // (n_mblocks * Hk)
+    q0 = tl.load(cu_ptr + b)
+    T = tl.load(cu_ptr + b + 1) - q0
+    L = tl.load(kvlen_ptr + b)
+    if mb * BLOCK_M < G * T:
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        t = rows // G
+        head = kvh * G + rows % G
+        row_ok = t < T
+        qpos = L - T + t
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        tok = (q0 + t).to(tl.int64)
+        q = tl.load(q_ptr + (tok * sq_t + head * sq_h)[:, None] + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        t_last = tl.minimum(T - 1, (mb * BLOCK_M + BLOCK_M - 1) // G)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, L - T + t_last + 1)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * bt_stride
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            slot = page * PAGE + n % PAGE
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + (slot * sk_s + kvh * sk_h)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # rows with no visible key yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + (slot * sv_s + kvh * sv_h)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        omask = row_ok[:, None] & d_ok[None, :]
+        if SPLIT:
+            # partials: po [splits, total_rows, Hq, D] fp32, plse [splits, total_rows, Hq] (log2 units)
+            prow = (split * total_rows + tok) * (G * Hk) + head
+            tl.store(po_ptr + (prow * D)[:, None] + d[None, :], out, mask=omask)
+            tl.store(plse_ptr + prow, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=row_ok)
+        else:
+            tl.store(o_ptr + (tok * so_t + head * so_h)[:, None] + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, so_t, so_h, n_splits, total_rows, Hq, D,
+                        BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    m = tl.load(plse_ptr + tok * Hq + h)
+    for s in range(1, n_splits):
+        m = tl.maximum(m, tl.load(plse_ptr + (s * total_rows + tok) * Hq + h))
+    den = tl.zeros([BLOCK_D], tl.float32)       # split 0 always holds key 0, so m is finite
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, n_splits):
+        row = (s * total_rows + tok) * Hq + h
+        w = tl.exp2(tl.load(plse_ptr + row) - m)
+        den += w
+        acc += w * tl.load(po_ptr + row * D + d, mask=d_ok, other=0.0)
+    tl.store(o_ptr + tok * so_t + h * so_h + d, (acc / den).to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _warps(block_m: int, block_d: int) -> int:
+    return 4 if block_m * block_d <= 8192 else 8
+
+
+def plan(batch: int, hk: int, g: int, max_q: int, max_kv: int, device, num_splits: int | None = None):
+    """-> (BLOCK_M, m-blocks per (sequence, KV head), splits, keys per split)."""
+    block_m = min(MAX_BLOCK_M, pow2(g * max_q, 16))
+    n_mblocks = triton.cdiv(g * max_q, block_m)
+    programs = batch * hk * n_mblocks
+    if num_splits is None:
+        # enough programs to fill the GPU twice, never splits shorter than MIN_SPLIT_KEYS
+        want = triton.cdiv(2 * num_sms(device), programs)
+        num_splits = max(1, min(want, max_kv // MIN_SPLIT_KEYS))
+    num_splits = max(1, min(num_splits, triton.cdiv(max(max_kv, 1), BLOCK_N)))
+    split_len = triton.cdiv(triton.cdiv(max(max_kv, 1), num_splits), BLOCK_N) * BLOCK_N
+    return block_m, n_mblocks, triton.cdiv(max(max_kv, 1), split_len), split_len
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
+                    kv_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int, scale: float,
+                    max_q_len: int, max_kv_len: int, num_splits: int | None = None) -> torch.Tensor:
+    """q [sumT, Hq, D]; k/v_cache [num_pages, page_size, Hk, D]; cu_seqlens int32 [B+1]; kv_lens int32 [B]
+    (cached tokens including the new ones); block_tables int32 [B, max_pages]. Returns [sumT, Hq, D]."""
+    total, hq, d = q.shape
+    hk = k_cache.shape[2]
+    if hq % hk or k_cache.shape[1] != page_size or k_cache.shape[3] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"attention: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)} / page {page_size}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("attention: the KV caches must be contiguous [num_pages, page_size, Hk, D]")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch = cu_seqlens.numel() - 1
+    if total == 0 or batch == 0:
+        return out
+    g = hq // hk
+    block_m, n_mblocks, splits, split_len = plan(batch, hk, g, max_q_len, max_kv_len, q.device, num_splits)
+    if splits > 1:
+        po = torch.empty(splits, total, hq, d, dtype=torch.float32, device=q.device)
+        plse = torch.empty(splits, total, hq, dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out
+    block_d = pow2(d, 16)
+    attn_fwd_kernel[(batch * hk * n_mblocks, splits)](
+        q, k_cache, v_cache, out, po, plse, cu_seqlens, kv_lens, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), total, hk, g, n_mblocks, split_len,
+        float(scale) * LOG2E, d, PAGE=page_size, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        SPLIT=splits > 1, PREC=dot_precision(q.dtype), num_warps=_warps(block_m, block_d))
+    if splits > 1:
+        attn_combine_kernel[(total, hq)](po, plse, out, out.stride(0), out.stride(1), splits, total, hq, d,
+                                         BLOCK_D=block_d, num_warps=max(1, min(4, block_d // 64)))
+    return out
+
+
+def compile_specs(act: str):
+    fwd = {"q_ptr": f"*{act}", "k_ptr": f"*{act}", "v_ptr": f"*{act}", "o_ptr": f"*{act}", "po_ptr": "*fp32",
+           "plse_ptr": "*fp32", "cu_ptr": "*i32", "kvlen_ptr": "*i32", "bt_ptr": "*i32",
+           **{n: "i64" for n in ("sq_t", "sq_h", "so_t", "so_h", "sk_s", "sk_h", "sv_s", "sv_h", "bt_stride")},
+           "total_rows": "i32", "Hk": "i32", "G": "i32", "n_mblocks": "i32", "split_len": "i32",
+           "scale_log2": "fp32", "D": "i32"}
+    comb = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "o_ptr": f"*{act}", "so_t": "i64", "so_h": "i64",
+            "n_splits": "i32", "total_rows": "i32", "Hq": "i32", "D": "i32"}
+    prec = "ieee" if act == "fp32" else "tf32"
+    return [(attn_fwd_kernel, fwd, {"PAGE": 16, "BLOCK_D": 256, "BLOCK_M": bm, "BLOCK_N": BLOCK_N,
+                                    "SPLIT": sp, "PREC": prec}, _warps(bm, 256)) for bm, sp in ((16, True), (64, False))] + \
+           [(attn_combine_kernel, comb, {"BLOCK_D": 256})]
+

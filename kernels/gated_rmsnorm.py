@@ -1,0 +1,49 @@
+"""GDN output norm (reference §4): per value head, y = w * rmsnorm(o) * silu(z), all in fp32.
+
+One program per (token, head) row. o and z are [T, Hv, dv] views with arbitrary row strides (z is a
+column slice of the fused in_proj output), so no copy is made.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .ops_common import pow2, rows3, warps_for
+
+
+@triton.jit
+def gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, H, so_t, so_h, sz_t, sz_h, D, eps,
+                         BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    t = (row // H).to(tl.int64)
+    h = (row % H).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    o = tl.load(o_ptr + t * so_t + h * so_h + d, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * sz_t + h * sz_h + d, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(o * o, axis=0) / D + eps)
+    y = o * inv * w * (z * tl.sigmoid(z))
+    tl.store(y_ptr + row.to(tl.int64) * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """o, z [T, Hv, dv] (or any [..., dv] of equal shape), w [dv] -> [same shape] in o's dtype."""
+    if o.shape != z.shape or w.shape != (o.shape[-1],):
+        raise ValueError(f"gated_rmsnorm: o {tuple(o.shape)} z {tuple(z.shape)} w {tuple(w.shape)}")
+    o3, z3 = rows3(o), rows3(z)
+    y = torch.empty(o.shape, dtype=o.dtype, device=o.device)
+    n_rows = o3.shape[0] * o3.shape[1]
+    if n_rows:
+        d = o.shape[-1]
+        block = pow2(d)
+        gated_rmsnorm_kernel[(n_rows,)](o3, z3, w, y, o3.shape[1], o3.stride(0), o3.stride(1), z3.stride(0),
+                                        z3.stride(1), d, float(eps), BLOCK_D=block, num_warps=warps_for(block))
+    return y
+
+
+def compile_specs(act: str):
+    sig = {"o_ptr": f"*{act}", "z_ptr": f"*{act}", "w_ptr": "*fp32", "y_ptr": f"*{act}", "H": "i32",
+           "so_t": "i64", "so_h": "i64", "sz_t": "i64", "sz_h": "i64", "D": "i32", "eps": "fp32"}
+    return [(gated_rmsnorm_kernel, sig, {"BLOCK_D": 128})]

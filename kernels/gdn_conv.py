@@ -1,0 +1,96 @@
+"""GDN depthwise causal conv + SiLU with the per-slot window state (reference §7.2, §12).
+
+Per sequence b with T_b new inputs, the window is [pool rows (the last CK-1 inputs, oldest first) | x rows];
+output t = silu(sum_j w[:, j] * window[t + j]). One program per (sequence, block of BLOCK_T tokens, block of
+channels), so decode (T = 1), verify (T <= 16) and prefill chunks all run fully parallel.
+
+State: snap_index[b] < 0 -> the pool slot gets the window after the last token (written by the program of
+token block 0 after a CTA barrier: it may overwrite pool rows it has just read when T_b < CK-1);
+snap_index[b] >= 0 -> the pool is only read and the window after token t goes to snapshot row snap + t.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T = 16
+BLOCK_C = 128
+
+
+@triton.jit
+def _window(x_ptr, pool_ptr, s0, sx_t, pool_base, r, c, C, mask, CK: tl.constexpr):
+    """Window values at relative input row(s) r (r < 0: pool row CK-1+r) for channels c, as fp32."""
+    from_pool = r < 0
+    xv = tl.load(x_ptr + (s0 + r).to(tl.int64) * sx_t + c, mask=mask & (r >= 0), other=0.0)
+    pv = tl.load(pool_ptr + pool_base + (CK - 1 + r) * C + c, mask=mask & from_pool, other=0.0)
+    return tl.where(from_pool, pv.to(tl.float32), xv.to(tl.float32))
+
+
+@triton.jit
+def causal_conv_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr,
+                       C, sx_t, n_tblocks,
+                       CK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // n_tblocks
+    tb = pid % n_tblocks
+    s0 = tl.load(cu_ptr + b)
+    T = tl.load(cu_ptr + b + 1) - s0
+    if tb * BLOCK_T < T:
+        pool_base = tl.load(slot_ptr + b).to(tl.int64) * ((CK - 1) * C)
+        snap = tl.load(snapidx_ptr + b)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        m2 = (t < T)[:, None] & c_ok[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        for j in tl.static_range(CK):
+            val = _window(x_ptr, pool_ptr, s0, sx_t, pool_base, t[:, None] + (j - (CK - 1)), c[None, :], C,
+                          m2, CK)
+            acc += val * tl.load(w_ptr + c * CK + j, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        y = acc * tl.sigmoid(acc)
+        tl.store(y_ptr + (s0 + t).to(tl.int64)[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
+        if snap >= 0:
+            srow = (snap + t).to(tl.int64)[:, None] * ((CK - 1) * C)
+            for i in tl.static_range(CK - 1):
+                win = _window(x_ptr, pool_ptr, s0, sx_t, pool_base, t[:, None] + (i + 2 - CK), c[None, :], C,
+                              m2, CK)
+                tl.store(snap_ptr + srow + i * C + c[None, :], win, mask=m2)
+        elif tb == 0:
+            tl.debug_barrier()      # every read of the old window is done before it is overwritten
+            for i in tl.static_range(CK - 1):
+                # read row T+i (> i) before row i is written: increasing i never reads a row already written
+                row = _window(x_ptr, pool_ptr, s0, sx_t, pool_base, T + (i + 1 - CK) + 0 * c, c, C, c_ok, CK)
+                tl.store(pool_ptr + pool_base + i * C + c, row, mask=c_ok)
+
+
+def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_seqlens: torch.Tensor,
+                slots: torch.Tensor, snap_index: torch.Tensor, max_t: int,
+                snapshots: torch.Tensor | None = None) -> torch.Tensor:
+    """x [sumT, C]; w [C, ck]; conv_pool fp32 [S, ck-1, C] (contiguous); cu_seqlens int32 [B+1];
+    slots, snap_index int64 [B]; snapshots fp32 [N, ck-1, C] when any snap_index >= 0. Returns y [sumT, C]."""
+    total, c = x.shape
+    ck = w.shape[1]
+    if w.shape[0] != c or conv_pool.shape[1:] != (ck - 1, c) or not conv_pool.is_contiguous():
+        raise ValueError(f"causal_conv: x {tuple(x.shape)} w {tuple(w.shape)} pool {tuple(conv_pool.shape)}")
+    if ck - 1 > BLOCK_T:
+        raise ValueError(f"causal_conv: kernel width {ck} exceeds {BLOCK_T + 1}")
+    if snapshots is not None and (snapshots.shape[1:] != conv_pool.shape[1:] or not snapshots.is_contiguous()):
+        raise ValueError(f"causal_conv: snapshots {tuple(snapshots.shape)} vs pool {tuple(conv_pool.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w.contiguous()
+    y = torch.empty(total, c, dtype=x.dtype, device=x.device)
+    batch = cu_seqlens.numel() - 1
+    if total and batch:
+        n_tb = triton.cdiv(max_t, BLOCK_T)
+        causal_conv_kernel[(batch * n_tb, triton.cdiv(c, BLOCK_C))](
+            x, w, y, conv_pool, conv_pool if snapshots is None else snapshots, cu_seqlens, slots, snap_index,
+            c, x.stride(0), n_tb, CK=ck, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
+    return y
+
+
+def compile_specs(act: str):
+    sig = {"x_ptr": f"*{act}", "w_ptr": "*fp32", "y_ptr": f"*{act}", "pool_ptr": "*fp32", "snap_ptr": "*fp32",
+           "cu_ptr": "*i32", "slot_ptr": "*i64", "snapidx_ptr": "*i64", "C": "i32", "sx_t": "i64",
+           "n_tblocks": "i32"}
+    return [(causal_conv_kernel, sig, {"CK": 4, "BLOCK_T": BLOCK_T, "BLOCK_C": BLOCK_C})]

@@ -1,0 +1,94 @@
+"""Token-by-token gated delta rule (reference §7.6-8) for decode / MTP verify, with snapshot rows (§12).
+
+One program per (sequence, value head, tile of BLOCK_V value columns) keeps its fp32 state tile
+S [dk, BLOCK_V] in registers across the sequence's T new tokens. Per token: q, k are l2-normalised in fp32
+(eps 1e-6 inside the rsqrt; q also scaled by dk^-0.5), then
+    S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q.
+Value head h reads key head h // (Hv / Hk) (GVA). snap_index[b] >= 0: S after token t goes to snapshot row
+snap + t and the pool slot is left alone; otherwise the pool slot is updated in place at the end.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .ops_common import pow2
+
+MAX_BLOCK_V = 32
+
+
+@triton.jit
+def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, snap_ptr,
+                         cu_ptr, slot_ptr, snapidx_ptr,
+                         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv, REP, DK, DV, q_scale,
+                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // REP
+    s0 = tl.load(cu_ptr + b)
+    T = tl.load(cu_ptr + b + 1) - s0
+    snap = tl.load(snapidx_ptr + b)
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = dk < DK
+    v_ok = dv < DV
+    tile = dk[:, None] * DV + dv[None, :]
+    tmask = k_ok[:, None] & v_ok[None, :]
+    head_base = h.to(tl.int64) * DK * DV
+    pool_off = tl.load(slot_ptr + b).to(tl.int64) * Hv * DK * DV + head_base
+    S = tl.load(pool_ptr + pool_off + tile, mask=tmask, other=0.0)
+    for i in range(0, T):
+        tok = (s0 + i).to(tl.int64)
+        q = tl.load(q_ptr + tok * sq_t + kh * sq_h + dk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + tok * sk_t + kh * sk_h + dk, mask=k_ok, other=0.0).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        v = tl.load(v_ptr + tok * sv_t + h * sv_h + dv, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + tok * Hv + h)
+        beta = tl.load(beta_ptr + tok * Hv + h)
+        S = S * tl.exp(g)
+        delta = beta * (v - tl.sum(S * k[:, None], axis=0))
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(S * q[:, None], axis=0)
+        tl.store(o_ptr + (tok * Hv + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        if snap >= 0:
+            tl.store(snap_ptr + (snap + i).to(tl.int64) * Hv * DK * DV + head_base + tile, S, mask=tmask)
+    if snap < 0:
+        tl.store(pool_ptr + pool_off + tile, S, mask=tmask)
+
+
+def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state_pool: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                  snap_index: torch.Tensor, snapshots: torch.Tensor | None = None) -> torch.Tensor:
+    """q, k [sumT, Hk, dk]; v [sumT, Hv, dv]; g, beta fp32 [sumT, Hv]; state_pool fp32 [S, Hv, dk, dv];
+    cu_seqlens int32 [B+1]; slots, snap_index int64 [B]; snapshots fp32 [N, Hv, dk, dv]. -> o [sumT, Hv, dv]."""
+    total, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if k.shape != q.shape or v.shape[0] != total or hv % hk or state_pool.shape[1:] != (hv, dk, dv):
+        raise ValueError(f"gdn_recurrent: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"state {tuple(state_pool.shape)}")
+    if not state_pool.is_contiguous() or state_pool.dtype != torch.float32:
+        raise ValueError("gdn_recurrent: the state pool must be contiguous fp32")
+    if snapshots is not None and (snapshots.shape[1:] != state_pool.shape[1:] or not snapshots.is_contiguous()):
+        raise ValueError(f"gdn_recurrent: snapshots {tuple(snapshots.shape)} vs state {tuple(state_pool.shape)}")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    out = torch.empty(total, hv, dv, dtype=v.dtype, device=v.device)
+    batch = cu_seqlens.numel() - 1
+    if total and batch:
+        block_v = min(MAX_BLOCK_V, pow2(dv))
+        gdn_recurrent_kernel[(batch, hv, triton.cdiv(dv, block_v))](
+            q, k, v, g, beta, out, state_pool, state_pool if snapshots is None else snapshots,
+            cu_seqlens, slots, snap_index, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), hv, hv // hk, dk, dv, dk ** -0.5,
+            BLOCK_K=pow2(dk), BLOCK_V=block_v, num_warps=4)
+    return out
+
+
+def compile_specs(act: str):
+    sig = {"q_ptr": f"*{act}", "k_ptr": f"*{act}", "v_ptr": f"*{act}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
+           "o_ptr": f"*{act}", "pool_ptr": "*fp32", "snap_ptr": "*fp32", "cu_ptr": "*i32", "slot_ptr": "*i64",
+           "snapidx_ptr": "*i64", **{n: "i64" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")},
+           "Hv": "i32", "REP": "i32", "DK": "i32", "DV": "i32", "q_scale": "fp32"}
+    return [(gdn_recurrent_kernel, sig, {"BLOCK_K": 128, "BLOCK_V": MAX_BLOCK_V})]

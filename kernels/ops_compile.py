@@ -1,0 +1,77 @@
+"""Compile every decode-path (non-GEMV) kernel for sm_70 (fp16) and sm_90 (bf16, fp16) without a GPU.
+
+Each kernel module exposes `compile_specs(act) -> [(kernel, signature, constexprs[, num_warps])]` with the
+launch constants its launcher uses at the real model's sizes (head_dim 256, hidden 5120, dk = dv = 128).
+Compilation goes through `ninfer_kernels.compile_check.compile_kernel` (triton.compile + GPUTarget); run it
+with TRITON_INTERPRET unset (interpreted kernels cannot be compiled).
+
+CLI: `python -m ninfer_kernels.ops_compile [--cc 70 90] [--json] [--only NAME]` prints one line per variant
+(registers, local/spill bytes, shared memory).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+MODULES = ("rmsnorm", "rope", "attention_decode", "kv_write", "silu_mul", "gated_rmsnorm", "gdn_conv",
+           "gdn_gates", "gdn_recurrent", "sampling")
+# V100 users run fp16 activations (no bf16 arithmetic there); the H200 runs bf16 and fp16
+ACTS = {70: ("fp16",), 90: ("bf16", "fp16")}
+
+
+def variants(ccs=(70, 90)):
+    """-> [(name, cc, kernel, signature, constexprs, num_warps)]."""
+    out = []
+    for cc in ccs:
+        for act in ACTS.get(cc, ("fp16",)):
+            for mod_name in MODULES:
+                mod = importlib.import_module(f"ninfer_kernels.{mod_name}")
+                for i, spec in enumerate(mod.compile_specs(act)):
+                    fn, sig, const = spec[:3]
+                    warps = spec[3] if len(spec) > 3 else 4
+                    name = f"{mod_name}.{fn.__name__}#{i}-{act}"
+                    out.append((name, cc, fn, sig, const, warps))
+    return out
+
+
+def compile_one(fn, sig, const, cc, warps):
+    from .compile_check import compile_kernel
+    full = {**sig, **{k: "constexpr" for k in const}}
+    return compile_kernel(fn, full, const, cc, num_warps=warps)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cc", type=int, nargs="+", default=[70, 90])
+    ap.add_argument("--json", action="store_true", help="one JSON list on stdout")
+    ap.add_argument("--only", default="", help="substring filter on variant names")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("error: unset TRITON_INTERPRET to compile for a GPU target", file=sys.stderr)
+        return 2
+    from .compile_check import summarize
+    rows, failed = [], 0
+    for name, cc, fn, sig, const, warps in variants(tuple(args.cc)):
+        if args.only not in name:
+            continue
+        t0 = time.time()
+        try:
+            c = compile_one(fn, sig, const, cc, warps)
+            row = {"variant": name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
+        except Exception as e:  # report every failing variant, not only the first
+            failed += 1
+            row = {"variant": name, "cc": cc, "ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+        rows.append(row)
+        if not args.json:
+            print(" ".join(f"{k}={v}" for k, v in row.items()), file=sys.stdout if row["ok"] else sys.stderr)
+    if args.json:
+        print(json.dumps(rows))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""RMSNorm over the last dim, `(1 + w)` (zero-centred) or plain `w` gain, optionally fused with the
+residual add (`add_rmsnorm`). One program per row; statistics in fp32.
+
+Rows come as an [A, B, D] view with two row strides so the per-head q/k slices of a fused projection are
+normalised in place of a copy. The residual sum is rounded to the activation dtype before it is normalised,
+exactly as the unfused `r = residual + x; rmsnorm(r)` would.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .ops_common import pow2, rows3, warps_for
+
+
+@triton.jit
+def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, n_inner, sx_a, sx_b, sr_a, sr_b, D, eps,
+                   PLUS_ONE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    a = (row // n_inner).to(tl.int64)
+    b = (row % n_inner).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    x = tl.load(x_ptr + a * sx_a + b * sx_b + offs, mask=m, other=0.0).to(tl.float32)
+    out_row = row.to(tl.int64) * D
+    if HAS_RES:
+        r = tl.load(r_ptr + a * sr_a + b * sr_b + offs, mask=m, other=0.0).to(tl.float32)
+        s = (x + r).to(rsum_ptr.dtype.element_ty)
+        tl.store(rsum_ptr + out_row + offs, s, mask=m)
+        x = s.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if PLUS_ONE:
+        w = w + 1.0
+    tl.store(y_ptr + out_row + offs, (x * inv * w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _launch(x, residual, w, eps, plus_one):
+    d = x.shape[-1]
+    if w.shape != (d,):
+        raise ValueError(f"rmsnorm: weight shape {tuple(w.shape)} does not match the last dim {d}")
+    x3 = rows3(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rsum = torch.empty_like(y) if residual is not None else y
+    r3 = rows3(residual) if residual is not None else x3
+    if residual is not None and r3.shape != x3.shape:
+        raise ValueError(f"add_rmsnorm: residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
+    n_rows = x3.shape[0] * x3.shape[1]
+    if n_rows:
+        block = pow2(d)
+        rmsnorm_kernel[(n_rows,)](x3, r3, w, y, rsum, x3.shape[1], x3.stride(0), x3.stride(1),
+                                  r3.stride(0), r3.stride(1), d, float(eps), PLUS_ONE=bool(plus_one),
+                                  HAS_RES=residual is not None, BLOCK_D=block, num_warps=warps_for(block))
+    return y, rsum
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
+    """x [..., D] -> x * rsqrt(mean(x^2) + eps) * (1 + w | w), new contiguous tensor in x's dtype."""
+    return _launch(x, None, w, eps, plus_one)[0]
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                plus_one: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rmsnorm(residual + x), residual + x); both new tensors in x's dtype."""
+    return _launch(x, residual, w, eps, plus_one)
+
+
+def compile_specs(act: str):
+    """(kernel, signature, constexprs) triples for the no-GPU compile check; `act` is fp16/bf16/fp32."""
+    sig = {"x_ptr": f"*{act}", "r_ptr": f"*{act}", "w_ptr": "*fp32", "y_ptr": f"*{act}", "rsum_ptr": f"*{act}",
+           "n_inner": "i32", "sx_a": "i64", "sx_b": "i64", "sr_a": "i64", "sr_b": "i64", "D": "i32",
+           "eps": "fp32"}
+    return [(rmsnorm_kernel, sig, {"PLUS_ONE": p, "HAS_RES": r, "BLOCK_D": bd}, warps_for(bd))
+            for p, r, bd in ((True, True, 8192), (True, False, 256), (False, False, 128))]

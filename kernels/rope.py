@@ -1,0 +1,115 @@
+"""Partial NeoX rotary embedding of q and k in one launch (reference §6).
+
+One program per (token, block of heads); q heads come first, then k heads. Dims [0, rotary_dim) are
+rotated in pairs (j, j + rotary_dim/2); dims past rotary_dim are copied. Angles are fp32
+(`position * inv_freq`, with inv_freq computed exactly as the torch reference does), cos/sin are libdevice's
+full-range versions, so long positions keep their accuracy.
+
+Positions are [T] (text) or [3, T] (interleaved MRoPE): frequency j reads row 1 if j % 3 == 1 and
+j < 3 * section[1], row 2 if j % 3 == 2 and j < 3 * section[2], else row 0. Text positions are the same
+code path with a zero row stride.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .ops_common import pow2
+
+HEADS_PER_PROGRAM = 8
+_INV_FREQ: dict = {}
+
+
+@triton.jit
+def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, Hq, Hk, sq_t, sq_h, sk_t, sk_h,
+                pos_row, sec1, sec2, D,
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    axis = tl.where((j % 3 == 1) & (j < 3 * sec1), 1, tl.where((j % 3 == 2) & (j < 3 * sec2), 2, 0))
+    pos = tl.load(pos_ptr + axis.to(tl.int64) * pos_row + t, mask=jm, other=0).to(tl.float32)
+    ang = pos * tl.load(inv_ptr + j, mask=jm, other=0.0)
+    cos = tl.cos(ang)[None, :]
+    sin = tl.sin(ang)[None, :]
+    is_q = h < Hq
+    hk = tl.where(is_q, 0, h - Hq)
+    ok = h < Hq + Hk
+    # q and k heads share one tile; a row's source/destination is chosen per head
+    src = tl.where(is_q, t * sq_t + h * sq_h, t * sk_t + hk * sk_h)[:, None]
+    dst = tl.where(is_q, (t * Hq + h) * D, (t * Hk + hk) * D)[:, None]
+    mq = (is_q & ok)[:, None]
+    mk = ((~is_q) & ok)[:, None]
+    m2 = jm[None, :]
+    jj = j[None, :]
+    x1 = _ld(q_ptr, k_ptr, src + jj, mq & m2, mk & m2)
+    x2 = _ld(q_ptr, k_ptr, src + jj + HALF, mq & m2, mk & m2)
+    _st(qo_ptr, ko_ptr, dst + jj, x1 * cos - x2 * sin, mq & m2, mk & m2)
+    _st(qo_ptr, ko_ptr, dst + jj + HALF, x2 * cos + x1 * sin, mq & m2, mk & m2)
+    p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
+    pm = p < D
+    xp = _ld(q_ptr, k_ptr, src + p, mq & pm, mk & pm)
+    _st(qo_ptr, ko_ptr, dst + p, xp, mq & pm, mk & pm)
+
+
+@triton.jit
+def _ld(q_ptr, k_ptr, off, mq, mk):
+    a = tl.load(q_ptr + off, mask=mq, other=0.0).to(tl.float32)
+    b = tl.load(k_ptr + off, mask=mk, other=0.0).to(tl.float32)
+    return tl.where(mq, a, b)
+
+
+@triton.jit
+def _st(qo_ptr, ko_ptr, off, val, mq, mk):
+    tl.store(qo_ptr + off, val.to(qo_ptr.dtype.element_ty), mask=mq)
+    tl.store(ko_ptr + off, val.to(ko_ptr.dtype.element_ty), mask=mk)
+
+
+def inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
+    """theta^(-2j/rotary_dim) in fp32, computed the way the torch backend does (so angles match bit for bit)."""
+    key = (rotary_dim, float(theta), str(device))
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device).float() / rotary_dim))
+    return _INV_FREQ[key]
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float,
+         mrope_section: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D] -> rotated copies (contiguous, same dtypes)."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if rotary_dim % 2 or not 0 < rotary_dim <= d or k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"rope: rotary_dim {rotary_dim} / q {tuple(q.shape)} / k {tuple(k.shape)} mismatch")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if positions.dim() == 1:
+        pos, row, sec = positions.contiguous(), 0, (0, 0)
+    else:
+        pos = positions.contiguous()
+        row = pos.stride(0)
+        s = tuple(mrope_section) if mrope_section else (rotary_dim // 2, 0, 0)
+        sec = (s[1], s[2])
+    if pos.shape[-1] != t:
+        raise ValueError(f"rope: positions {tuple(positions.shape)} do not cover {t} tokens")
+    half = rotary_dim // 2
+    if t:
+        block_h = min(HEADS_PER_PROGRAM, pow2(hq + hk))
+        grid = (t, triton.cdiv(hq + hk, block_h))
+        rope_kernel[grid](q, k, qo, ko, pos, inv_freq(rotary_dim, theta, q.device), hq, hk,
+                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), row, sec[0], sec[1], d,
+                          HALF=half, BLOCK_HALF=pow2(half), BLOCK_PASS=pow2(d - rotary_dim),
+                          BLOCK_H=block_h, num_warps=4)
+    return qo, ko
+
+
+def compile_specs(act: str):
+    sig = {"q_ptr": f"*{act}", "k_ptr": f"*{act}", "qo_ptr": f"*{act}", "ko_ptr": f"*{act}", "pos_ptr": "*i64",
+           "inv_ptr": "*fp32", "Hq": "i32", "Hk": "i32", "sq_t": "i64", "sq_h": "i64", "sk_t": "i64",
+           "sk_h": "i64", "pos_row": "i64", "sec1": "i32", "sec2": "i32", "D": "i32"}
+    return [(rope_kernel, sig, {"HALF": 32, "BLOCK_HALF": 32, "BLOCK_PASS": 256, "BLOCK_H": HEADS_PER_PROGRAM})]

@@ -1,0 +1,66 @@
+"""Gated activations, elementwise in fp32: SwiGLU `silu(gate) * up` over a fused [gate | up] row, and the
+attention output gate `o * sigmoid(gate)`. One program per (row, column block)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, y_ptr, I, sx_t, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < I
+    gate = tl.load(x_ptr + t * sx_t + c, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * sx_t + I + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * I + c, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def sigmoid_mul_kernel(o_ptr, g_ptr, y_ptr, W, so_t, sg_t, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < W
+    o = tl.load(o_ptr + t * so_t + c, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * sg_t + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * W + c, (o * tl.sigmoid(g)).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate columns first) -> silu(gate) * up [T, I] in gate_up's dtype."""
+    t, two_i = gate_up.shape
+    if two_i % 2:
+        raise ValueError(f"silu_mul: last dim {two_i} is odd")
+    x = _rows(gate_up)
+    y = torch.empty(t, two_i // 2, dtype=x.dtype, device=x.device)
+    if y.numel():
+        silu_mul_kernel[(t, triton.cdiv(two_i // 2, BLOCK))](x, y, two_i // 2, x.stride(0), BLOCK=BLOCK,
+                                                              num_warps=4)
+    return y
+
+
+def sigmoid_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o, gate [T, W] -> o * sigmoid(gate) in o's dtype."""
+    if o.shape != gate.shape or o.dim() != 2:
+        raise ValueError(f"sigmoid_gate: o {tuple(o.shape)} vs gate {tuple(gate.shape)}")
+    o, gate = _rows(o), _rows(gate)
+    t, w = o.shape
+    y = torch.empty(t, w, dtype=o.dtype, device=o.device)
+    if y.numel():
+        sigmoid_mul_kernel[(t, triton.cdiv(w, BLOCK))](o, gate, y, w, o.stride(0), gate.stride(0), BLOCK=BLOCK,
+                                                       num_warps=4)
+    return y
+
+
+def compile_specs(act: str):
+    return [(silu_mul_kernel, {"x_ptr": f"*{act}", "y_ptr": f"*{act}", "I": "i32", "sx_t": "i64"},
+             {"BLOCK": BLOCK}),
+            (sigmoid_mul_kernel, {"o_ptr": f"*{act}", "g_ptr": f"*{act}", "y_ptr": f"*{act}", "W": "i32",
+                                  "so_t": "i64", "sg_t": "i64"}, {"BLOCK": BLOCK})]
