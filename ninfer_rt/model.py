@@ -11,6 +11,10 @@ per rank and gathered with `tp.all_gather_last` unless `gather=False`. `Output.h
 hidden (the MTP input) for `forward`, the post-`mtp.norm` hidden (the next draft's input) for `mtp_forward`.
 Weights use per-rank shapes; heads per rank = total / tp.size. The residual is added once per rank after
 the all-reduce of the partial outputs.
+
+Projections reading the same input are fused by row concatenation at construction (q|k|v, gate|up,
+in_proj_qkv|z, in_proj_b|a), which copies them: pass `consume_weights=True` to pop each entry from the
+`weights` dict as it is bound, so the unfused copies go away layer by layer instead of doubling the peak.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from .layers.attention import FullAttention
 from .layers.gdn import GatedDeltaNet
 from .layers.mlp import Mlp
 from .layers.mtp import MtpModule
-from .state import CacheConfig, GdnPool, KVPool, MtpState, SeqState, _Pending
+from .state import CacheConfig, GdnPool, KVPool, MtpState, PendingSnapshot, SeqState
 from .tp_group import LocalGroup, TPGroup
 from .weights import QWeight
 
@@ -82,11 +86,24 @@ def _shape(w) -> tuple[int, ...]:
     return tuple(w.shape)
 
 
+class _Popping:
+    """A dict view whose lookups remove the entry (the model then holds the only reference)."""
+
+    def __init__(self, src: dict):
+        self.src = src
+
+    def __getitem__(self, name):
+        return self.src.pop(name)
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, weights: dict, ops, tp: TPGroup | None = None, *,
-                 cache: CacheConfig = CacheConfig(), dtype: torch.dtype | None = None):
+                 cache: CacheConfig = CacheConfig(), dtype: torch.dtype | None = None,
+                 consume_weights: bool = False):
         self.cfg, self.ops, self.tp = cfg, ops, tp or LocalGroup()
         inventory.bind({n: _shape(w) for n, w in weights.items()}, cfg, self.tp.size)
+        if consume_weights:
+            weights = _Popping(weights)
         self.embed = get(weights, "embed_tokens.weight")
         self.device = self.embed.device
         self.dtype = dtype or (self.embed.dtype if isinstance(self.embed, torch.Tensor) else torch.float32)
@@ -139,7 +156,7 @@ class Model:
             if off < 0:
                 s.state.length += n
             else:
-                s.state.pending = _Pending(n, ctx.snap_conv, ctx.snap_rec, off)
+                s.state.pending = PendingSnapshot(n, ctx.snap_conv, ctx.snap_rec, off)
         return out
 
     def _decoder(self, h, ctx):
@@ -169,6 +186,10 @@ class Model:
 
     # ---- shared plumbing ----
     def _admit(self, items, mtp: bool = False):
+        if not items:
+            raise ValueError("forward: empty batch")
+        if len({id(st) for _, st, _ in items}) != len(items):
+            raise ValueError("forward: a sequence appears twice in one batch")
         lens, starts = [], []
         for ids, st, mode in items:
             seq = st.parent if mtp else st

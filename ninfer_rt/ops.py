@@ -7,6 +7,8 @@ Conventions shared by all methods:
   GDN gates / conv / recurrence are computed in fp32 inside. GDN states are fp32.
 - `eps` is the RMSNorm epsilon; `plus_one=True` is the zero-centred `(1 + w)` gain, False the plain `w`.
 - Ops never allocate pool memory; caches and state pools are passed in and updated in place.
+- Activation inputs may be strided views (e.g. the q half of the per-head [q | gate] projection);
+  a backend that needs contiguous memory makes it so itself.
 """
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ class GdnPool:
 
 
 @dataclass
-class _Pending:
+class PendingSnapshot:
     """A snapshot forward awaiting commit: T new tokens, their states at rows offset..offset+T-1."""
 
     tokens: int
@@ -108,7 +108,7 @@ class SeqState:
         self.pages: list[int] = []
         self.slot = gdn.acquire()
         self.mtp = MtpState(self) if has_mtp else None
-        self.pending: _Pending | None = None
+        self.pending: PendingSnapshot | None = None
         self.freed = False
 
     def pages_needed(self, tokens: int) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,14 +39,12 @@ from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM,  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer,  # noqa: E402
                                                           Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding)
 
+from tiny_tokenizer import (CHAT_TEMPLATE, EOS_ID, IM_END_ID, SPECIALS, tokenizer_json,  # noqa: E402,F401
+                            write_tiny_tokenizer)
+
 TEXT_PREFIX = "model.language_model."
 SHARD_BYTES = 100_000
 
-# the tiny tokenizer's specials take the ids of bytes 0xF6..0xFF, which never occur in valid UTF-8
-SPECIALS = {"<|endoftext|>": 246, "<|im_start|>": 247, "<|im_end|>": 248, "<think>": 249, "</think>": 250,
-            "<|vision_start|>": 251, "<|vision_end|>": 252, "<|vision_pad|>": 253, "<|image_pad|>": 254,
-            "<|video_pad|>": 255}
-EOS_ID, IM_END_ID = SPECIALS["<|endoftext|>"], SPECIALS["<|im_end|>"]
 
 
 def tiny_text_config(*, vocab=256, hidden=64, layers=4, mtp=True, **overrides) -> Qwen3_5TextConfig:
@@ -105,7 +102,7 @@ class MtpOracle(nn.Module):
         return self.norm(u)[0]
 
 
-def _randomize(module: nn.Module, std: float) -> None:
+def _randomize(module: nn.Module) -> None:
     """(1+w) norms init to 0 = identity in HF; randomize them (and dt_bias) so the gains are exercised."""
     with torch.no_grad():
         for n, p in module.named_parameters():
@@ -125,7 +122,7 @@ def mtp_oracle(text_config: Qwen3_5TextConfig, *, seed: int = 0, dtype=torch.flo
             for n, p in m.named_parameters():
                 if "norm" not in n:
                     p.normal_(0.0, text_config.initializer_range)
-        _randomize(m, text_config.initializer_range)
+        _randomize(m)
     _cast_keep_alog(m, dtype)
     return m.eval()
 
@@ -187,7 +184,7 @@ def build_hf_model(*, seed=0, vocab=256, hidden=64, layers=4, mtp=True, vision=F
             tcfg = model.config.text_config
         else:
             model = Qwen3_5ForCausalLM(tcfg)
-        _randomize(model, tcfg.initializer_range)
+        _randomize(model)
     model = model.eval()
     _cast_keep_alog(model, dtype)
     oracle = mtp_oracle(tcfg, seed=seed, dtype=dtype) if mtp else None
@@ -252,63 +249,6 @@ def _write_config(d: Path, tiny: TinyHF, dtype) -> None:
     gen = {"bos_token_id": EOS_ID, "eos_token_id": [IM_END_ID, EOS_ID], "pad_token_id": EOS_ID,
            "do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 20}
     (d / "generation_config.json").write_text(json.dumps(gen, indent=2))
-
-
-# ---- tokenizer -------------------------------------------------------------------------------------------
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2 byte-level alphabet: printable bytes map to themselves, the rest to 256+n."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    out, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
-
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
-    "{%- elif part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- else -%}{{- '<think>\\n' -}}{%- endif -%}{%- endif -%}"
-)
-
-
-def tokenizer_json() -> str:
-    """Byte-level BPE without merges: token id = byte value below 246; specials at 246..255."""
-    b2u = _bytes_to_unicode()
-    # tokenizers numbers added tokens after the model vocab, so the byte vocab must be exactly 0..245
-    vocab = {b2u[b]: b for b in range(min(SPECIALS.values()))}
-    added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
-             for s, i in sorted(SPECIALS.items(), key=lambda kv: kv[1])]
-    bl = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}
-    tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-           "normalizer": {"type": "NFC"}, "pre_tokenizer": bl, "post_processor": bl, "decoder": bl,
-           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                     "ignore_merges": False, "vocab": vocab, "merges": []}}
-    return json.dumps(tok, ensure_ascii=False)
-
-
-def write_tiny_tokenizer(d) -> None:
-    d = Path(d)
-    (d / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
-    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 512,
-            "add_bos_token": False, "clean_up_tokenization_spaces": False}
-    (d / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
-    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 # ---- reading a folder back ----------------------------------------------------------------------------

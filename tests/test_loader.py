@@ -65,6 +65,10 @@ def test_bf16_activation_dtype(tiny, tmp_path):
     assert lm.weights["embed_tokens.weight"].dtype == torch.bfloat16
     assert lm.weights["layers.0.mlp.up_proj.weight"].data["w"].dtype == torch.bfloat16
     assert lm.weights["norm.weight"].dtype == torch.float32
+    m = Model(lm.config, lm.weights, TorchOps(), dtype=torch.bfloat16, consume_weights=True)
+    assert lm.weights == {}                          # every entry now lives (fused) in the model only
+    out = m.forward([SeqInput(torch.arange(5), m.new_state())])
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
     with pytest.raises(LoadError, match="dtype"):
         load(tmp_path, dtype=torch.int8)
 

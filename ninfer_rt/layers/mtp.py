@@ -17,7 +17,8 @@ class MtpModule:
         self.norm_hidden = vec(weights, "mtp.pre_fc_norm_hidden.weight")
         self.norm = vec(weights, "mtp.norm.weight")
         p = "mtp.layers.0."
-        self.in_ln, self.post_ln = vec(weights, f"{p}input_layernorm.weight"), vec(weights, f"{p}post_attention_layernorm.weight")
+        self.in_ln = vec(weights, f"{p}input_layernorm.weight")
+        self.post_ln = vec(weights, f"{p}post_attention_layernorm.weight")
         self.attn = FullAttention(cfg, weights, p, tp, kv_layer)
         self.mlp = Mlp(weights, p, tp)
         self.split = self.fc.shape[1] != 2 * cfg.hidden_size
@@ -25,7 +26,8 @@ class MtpModule:
 
     def __call__(self, ops, emb, hidden, ctx, kv):
         eps = self.cfg.rms_norm_eps
-        u = torch.cat([ops.rmsnorm(emb, self.norm_emb, eps, True), ops.rmsnorm(hidden, self.norm_hidden, eps, True)], -1)
+        u = torch.cat([ops.rmsnorm(emb, self.norm_emb, eps, True),          # embedding half first
+                       ops.rmsnorm(hidden, self.norm_hidden, eps, True)], dim=-1)
         if self.split:
             w = self.fc.shape[1]
             u = self.tp.all_reduce(ops.linear(u[:, self.tp.rank * w:(self.tp.rank + 1) * w].contiguous(), self.fc))
