@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -30,11 +31,10 @@ def make_model(tiny, dtype=torch.float32, cache=CacheConfig(num_pages=64, page_s
     return Model(cfg, artifact_weights(tiny), TorchOps(), cache=cache, dtype=dtype)
 
 
-@pytest.fixture(scope="module", params=DTYPES)
-def case(request):
+@functools.lru_cache(maxsize=None)
+def _case(dtype):
     """Our model in `dtype`, the fp32 HF reference with the same (dtype-rounded) weights, HF's own greedy
     continuation of a random prompt and HF's logits along it (prefill: full forward; then cached decode)."""
-    dtype = request.param
     tiny = build_hf_model(seed=3, dtype=dtype)
     ref = copy.deepcopy(tiny.causal_lm()).float()
     prompt = torch.randint(0, NONSPECIAL, (1, PROMPT), generator=torch.Generator().manual_seed(7))
@@ -47,6 +47,17 @@ def case(request):
     return dict(dtype=dtype, tiny=tiny, model=make_model(tiny, dtype), prompt=prompt[0],
                 prefill_logits=full.logits[0], hidden=full.hidden_states[-1][0],
                 new_tokens=gen.sequences[0, PROMPT:], step_logits=torch.stack(gen.logits)[:, 0])
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def case(request):
+    return _case(request.param)
+
+
+@pytest.fixture(scope="module")
+def case32():
+    """fp32 only: the MTP oracle, state-equality and bookkeeping checks are specified in fp32."""
+    return _case(torch.float32)
 
 
 @pytest.mark.parametrize("chunk", [17, PROMPT], ids=["chunk17", "oneshot"])
@@ -79,12 +90,10 @@ def _oracle_run(tiny, ids, hidden):
 
 
 @pytest.mark.parametrize("pieces", [(23, 1, 1, 5, 39), (69,)], ids=["chunked", "oneshot"])
-def test_mtp_matches_oracle(case, pieces):
+def test_mtp_matches_oracle(case32, pieces):
     """Prefill alignment (tokens shifted left by one, hiddens not) in chunks, then a rewind + re-run."""
-    if case["dtype"] != torch.float32:
-        pytest.skip("MTP oracle comparison is specified in fp32")
-    m, tiny = case["model"], case["tiny"]
-    ids, hidden = case["prompt"][1:], case["hidden"][:-1]          # x_{t+1} paired with h_t
+    m, tiny = case32["model"], case32["tiny"]
+    ids, hidden = case32["prompt"][1:], case32["hidden"][:-1]          # x_{t+1} paired with h_t
     st = m.new_state()
     d_parts, logit_parts, s = [], [], 0
     for n in pieces:
@@ -120,11 +129,9 @@ K_DRAFT = 3
 
 
 @pytest.mark.parametrize("n", range(K_DRAFT + 2), ids=lambda n: f"accept{n}")
-def test_verify_snapshot_commit_equals_prefix_run(case, n):
-    if case["dtype"] != torch.float32:
-        pytest.skip("state equality is checked in fp32")
-    m, prompt = case["model"], case["prompt"]
-    verify = case["new_tokens"][:K_DRAFT + 1]
+def test_verify_snapshot_commit_equals_prefix_run(case32, n):
+    m, prompt = case32["model"], case32["prompt"]
+    verify = case32["new_tokens"][:K_DRAFT + 1]
     a, b = m.new_state(), m.new_state()
     for st in (a, b):
         m.forward([SeqInput(prompt[:20], st)])
@@ -146,11 +153,9 @@ def test_verify_snapshot_commit_equals_prefix_run(case, n):
     a.free(), b.free()
 
 
-def test_mixed_batch_equals_single_runs(case):
+def test_mixed_batch_equals_single_runs(case32):
     """One forward with a prefill chunk, a decode and a snapshot verify == each sequence alone."""
-    if case["dtype"] != torch.float32:
-        pytest.skip("batch packing is checked in fp32")
-    m, p = case["model"], case["prompt"]
+    m, p = case32["model"], case32["prompt"]
     solo, batch = [m.new_state() for _ in range(3)], [m.new_state() for _ in range(3)]
     for group in (solo, batch):
         m.forward([SeqInput(p[:9], group[1])])
@@ -171,17 +176,15 @@ def test_mixed_batch_equals_single_runs(case):
         st.free()
 
 
-def test_kv_pages_return_to_pool(case):
-    if case["dtype"] != torch.float32:
-        pytest.skip("pool bookkeeping is dtype independent")
-    tiny = case["tiny"]
+def test_kv_pages_return_to_pool(case32):
+    tiny = case32["tiny"]
     m = make_model(tiny, cache=CacheConfig(num_pages=6, page_size=4, max_seqs=2))
     pool = m.kv_pool
     assert pool.free_pages() == 6
     a, b = m.new_state(), m.new_state()
-    m.forward([SeqInput(case["prompt"][:9], a), SeqInput(case["prompt"][:3], b)])
+    m.forward([SeqInput(case32["prompt"][:9], a), SeqInput(case32["prompt"][:3], b)])
     assert pool.free_pages() == 6 - 3 - 1
-    m.forward([SeqInput(case["prompt"][:4], b, snapshot=True)])      # positions 3..6 -> 2 pages
+    m.forward([SeqInput(case32["prompt"][:4], b, snapshot=True)])      # positions 3..6 -> 2 pages
     assert pool.free_pages() == 1
     b.commit(1)                                                      # length 4 -> back to 1 page
     assert pool.free_pages() == 2
@@ -189,9 +192,9 @@ def test_kv_pages_return_to_pool(case):
         m.new_state()
     from ninfer_rt.state import CapacityError
     with pytest.raises(CapacityError, match="KV cache full"):
-        m.forward([SeqInput(case["prompt"][:20], a)])
+        m.forward([SeqInput(case32["prompt"][:20], a)])
     a.free(), b.free()
     a.free()                                                         # idempotent
     assert pool.free_pages() == 6 and m.gdn_pool.free_slots() == 2
     with pytest.raises(RuntimeError, match="freed"):
-        m.forward([SeqInput(case["prompt"][:1], a)])
+        m.forward([SeqInput(case32["prompt"][:1], a)])
