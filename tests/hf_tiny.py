@@ -267,14 +267,13 @@ def load_hf_reference(dir) -> TinyHF:
     d = Path(dir)
     cfg_d = json.loads((d / "config.json").read_text())
     sd = read_checkpoint(d)
-    dtype = sd["lm_head.weight"].dtype
+    kw = {k: v for k, v in cfg_d.items() if k not in ("model_type", "transformers_version")}
     if cfg_d.get("model_type") == "qwen3_5":
-        cfg = Qwen3_5Config(**{k: v for k, v in cfg_d.items() if k not in ("model_type", "transformers_version")})
-        model, tcfg = Qwen3_5ForConditionalGeneration(cfg), None
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**kw))
         tcfg, vcfg = model.config.text_config, cfg_d["vision_config"]
         msd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
     else:
-        tcfg = Qwen3_5TextConfig(**{k: v for k, v in cfg_d.items() if k not in ("model_type", "transformers_version")})
+        tcfg = Qwen3_5TextConfig(**kw)
         model, vcfg = Qwen3_5ForCausalLM(tcfg), None
         msd = {("model." + k[len(TEXT_PREFIX):] if k.startswith(TEXT_PREFIX) else k): v
                for k, v in sd.items() if not k.startswith("mtp.")}
