@@ -39,7 +39,7 @@ from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM,  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer,  # noqa: E402
                                                           Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding)
 
-from tiny_tokenizer import (CHAT_TEMPLATE, EOS_ID, IM_END_ID, SPECIALS, tokenizer_json,  # noqa: E402,F401
+from hf_tiny_tok import (CHAT_TEMPLATE, EOS_ID, IM_END_ID, SPECIALS, tokenizer_json,  # noqa: E402,F401
                             write_tiny_tokenizer)
 
 TEXT_PREFIX = "model.language_model."
