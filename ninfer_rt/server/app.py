@@ -1,0 +1,175 @@
+"""FastAPI app factory: routes, API-key guard, body cap, OpenAI-style errors.
+
+The app exists before the model: `/health` answers 503 until `ServerState.ready()` is called with a
+scheduler, and the completion routes answer 503 meanwhile. Bodies are read by the handlers themselves
+(capped, then `json.loads`) so every malformed request gets an OpenAI error body instead of FastAPI's 422.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import handlers as H
+from . import protocol as P
+from .metrics import ServerMetrics
+
+MAX_BODY_BYTES = 4 << 20
+UNGUARDED = ("/health",)
+
+
+@dataclass
+class ServerState:
+    model_id: str
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    scheduler: object | None = None        # set by ready(); None while loading
+    tokenizer: object | None = None
+    vocab_size: int = 0
+    defaults: dict = field(default_factory=dict)
+    load_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def ready(self, scheduler, tokenizer, vocab_size: int, generation_config: dict) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.defaults = H.sampling_defaults(generation_config)
+        self.scheduler = scheduler       # last: the routes test this one
+
+    def serving(self):
+        if self.scheduler is None:
+            raise P.ApiError(503, self.load_error or "the model is still loading", type="server_error",
+                             code="model_loading" if self.load_error is None else "model_load_failed")
+        return self.scheduler
+
+
+class _Guard:
+    """Pure ASGI middleware (streaming and disconnects pass through untouched): API key and Content-Length."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+        self.key = state.api_key.encode() if state.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        err = self._check(scope, headers)
+        if err is not None:
+            self.state.metrics.rejected.labels(status=str(err.status)).inc()
+            return await _error(err)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _check(self, scope, headers) -> P.ApiError | None:
+        if self.key is not None and scope.get("path") not in UNGUARDED:
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(token, self.key):
+                return P.ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                  type="invalid_request_error", code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                return P.bad_request("invalid Content-Length header")
+            if n > self.state.max_body_bytes:
+                return _too_large(self.state.max_body_bytes)
+        return None
+
+
+def _too_large(cap: int) -> P.ApiError:
+    return P.ApiError(413, f"request body exceeds {cap} bytes", code="request_too_large")
+
+
+def _error(e: P.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def read_json(request: Request, cap: int):
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > cap:           # chunked uploads carry no Content-Length for the guard to check
+            raise _too_large(cap)
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise P.bad_request(f"request body is not valid JSON ({e})") from None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="ninfer-rt", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ninfer = state
+
+    @app.exception_handler(P.ApiError)
+    async def _api_error(request, e: P.ApiError):
+        state.metrics.rejected.labels(status=str(e.status)).inc()
+        return _error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        kind = "not_found" if e.status_code == 404 else "method_not_allowed" if e.status_code == 405 else None
+        return _error(P.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=kind))
+
+    @app.get("/health")
+    async def health():
+        if state.scheduler is None:
+            status = "error" if state.load_error else "loading"
+            return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.model_id:
+            raise P.ApiError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        return _model_card(state)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _complete(state, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(state, request, chat=False)
+
+    app.add_middleware(_Guard, state=state)
+    return app
+
+
+def _model_card(state: ServerState) -> dict:
+    card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "ninfer"}
+    if state.scheduler is not None:
+        card["max_model_len"] = state.scheduler.max_context
+    return card
+
+
+async def _complete(state: ServerState, request: Request, *, chat: bool):
+    sched = state.serving()
+    data = await read_json(request, state.max_body_bytes)
+    req = P.parse(P.ChatRequest if chat else P.CompletionRequest, data)
+    if req.model is not None and req.model != state.model_id:
+        raise P.ApiError(404, f"model {req.model!r} does not exist (this server serves {state.model_id!r})",
+                         param="model", code="model_not_found")
+    tok = state.tokenizer
+    ids = H.chat_prompt(tok, req) if chat else H.completion_prompt(tok, req, state.vocab_size)
+    requested = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    max_tokens = sched.max_tokens_for(len(ids), requested, "messages" if chat else "prompt")
+    params = H.sampling_params(req, state.defaults, max_tokens)
+    handle = sched.submit(ids, params, H.splitter(tok, ids) if chat else None)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await H.respond(handle, request, chat=chat, model=state.model_id, stream=req.stream,
+                           include_usage=include_usage)

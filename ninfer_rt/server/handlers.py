@@ -1,0 +1,175 @@
+"""Completion request flows: prompt building, sampling parameters, SSE streaming and non-streaming replies.
+
+Both flows cancel their request when the client goes away: a streaming response is cancelled by
+Starlette on `http.disconnect` (the generator's `finally` runs), a non-streaming one polls for it.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..sampling import SamplingError, SamplingParams
+from ..tokenizer import TokenizerError
+from . import protocol as P
+from .reasoning import ReasoningSplitter, prompt_think_state
+
+DISCONNECT_POLL_S = 0.25
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed")
+# keyword names the template call itself uses; a client may not override them through chat_template_kwargs
+_RESERVED_TEMPLATE_KW = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The model's generation_config.json sampling values, used where a request leaves a field out."""
+    return {k: generation_config[k] for k in ("temperature", "top_p", "top_k", "min_p")
+            if isinstance(generation_config.get(k), (int, float)) and not isinstance(generation_config.get(k), bool)}
+
+
+def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int) -> SamplingParams:
+    kw = {}
+    for name in SAMPLING_FIELDS:
+        v = getattr(req, name)
+        v = defaults.get(name) if v is None else v
+        if v is not None:
+            kw[name] = v
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    try:
+        return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=req.ignore_eos, **kw)
+    except SamplingError as e:
+        msg = str(e)
+        raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
+
+
+def chat_prompt(tok, req: P.ChatRequest) -> list[int]:
+    extra = dict(req.chat_template_kwargs or {})
+    bad = sorted(k for k in extra if not isinstance(k, str) or k in _RESERVED_TEMPLATE_KW)
+    if bad:
+        raise P.bad_request(f"chat_template_kwargs: {bad[0]!r} cannot be set here", param="chat_template_kwargs")
+    try:
+        text = tok.render_chat(P.chat_messages(req), add_generation_prompt=True, **extra)
+    except TokenizerError as e:
+        raise P.bad_request(str(e), param="messages") from None
+    return tok.encode(text)
+
+
+def completion_prompt(tok, req: P.CompletionRequest, vocab: int) -> list[int]:
+    p = req.prompt
+    if isinstance(p, list) and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        return tok.encode(p)
+    bad = next((t for t in p if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise P.bad_request(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+    return list(p)
+
+
+def splitter(tok, prompt_ids: list[int]) -> ReasoningSplitter:
+    start, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    return ReasoningSplitter(start, end, prompt_think_state(prompt_ids, start, end))
+
+
+# ---- replies ----
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streaming reply was ready."""
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _events(handle, request: Request | None):
+    """Yield the request's events; cancel it in the engine if the consumer stops early or the client leaves.
+
+    With `request`, the client's connection is polled every DISCONNECT_POLL_S (events may keep coming
+    faster than that, so the poll is by time, not by idle waits).
+    """
+    checked = time.monotonic()
+    try:
+        while True:
+            if request is None:
+                ev = await handle.next_event()
+            else:
+                ev = await _next_or_disconnect(handle, request, checked)
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    if await request.is_disconnected():
+                        raise ClientGone()
+                    checked = time.monotonic()
+            yield ev
+            if ev[0] != "delta":
+                return
+    finally:
+        handle.cancel()
+
+
+async def _next_or_disconnect(handle, request: Request, checked: float):
+    get = asyncio.ensure_future(handle.next_event())
+    try:
+        while True:
+            wait = max(0.0, DISCONNECT_POLL_S - (time.monotonic() - checked))
+            done, _ = await asyncio.wait({get}, timeout=wait)
+            if done:
+                return get.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+            checked = time.monotonic()
+    finally:
+        if not get.done():
+            get.cancel()
+
+
+async def respond(handle, request: Request, *, chat: bool, model: str, stream: bool, include_usage: bool):
+    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    if stream:
+        return StreamingResponse(_stream(handle, rid, model, chat, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    reasoning, content = [], []
+    try:
+        async for ev in _events(handle, request):
+            if ev[0] == "delta":
+                reasoning.append(ev[1])
+                content.append(ev[2])
+            elif ev[0] == "error":
+                raise ev[1]
+            else:
+                _, finish, use = ev
+    except ClientGone:
+        return Response(status_code=499)       # nobody reads it; nginx's "client closed request"
+    if chat:
+        body = P.chat_response(rid, model, "".join(content), "".join(reasoning), finish, use)
+    else:
+        body = P.completion_response(rid, model, "".join(content), finish, use)
+    return JSONResponse(body)
+
+
+async def _stream(handle, rid: str, model: str, chat: bool, include_usage: bool):
+    created = int(time.time())
+    if chat:
+        yield _sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+    async for ev in _events(handle, None):
+        if ev[0] == "delta":
+            _, r, c = ev
+            if chat:
+                delta = {"reasoning_content": r} if r else {}
+                if c:
+                    delta["content"] = c
+                yield _sse(P.chat_chunk(rid, model, created, delta))
+            elif c:
+                yield _sse(P.completion_chunk(rid, model, created, c))
+        elif ev[0] == "error":
+            yield _sse(ev[1].body())
+        else:
+            _, finish, use = ev
+            if chat:
+                yield _sse(P.chat_chunk(rid, model, created, {}, finish))
+            else:
+                yield _sse(P.completion_chunk(rid, model, created, "", finish))
+            if include_usage:
+                mk = P.chat_chunk if chat else P.completion_chunk
+                yield _sse(mk(rid, model, created, None, use=use))
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,202 @@
+"""OpenAI-compatible request models, response bodies and error bodies.
+
+Requests are validated strictly (a string where a number belongs is a 400, not a coercion) but unknown
+fields are ignored, as OpenAI clients send fields this server does not know. Every error leaves the server
+as `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_STRINGS = 16
+
+
+class ApiError(Exception):
+    """An error answered to the client; `status` is the HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+    tool_call_id: str | None = None
+
+
+class _Sampling(_Strict):
+    """Fields shared by chat and completions (OpenAI names plus vLLM's top_k/min_p/ignore_eos)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    chat_template_kwargs: dict | None = None
+    logprobs: bool | None = None
+    tools: list | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+
+
+def parse(model: type[_Strict], data) -> _Strict:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        # pydantic adds the union member tried ('str', 'list[str]') to the location; the client wants the field
+        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
+        param = ".".join(loc) or None
+        raise bad_request(f"{param or 'body'}: {err['msg']}", param=param) from None
+    _check_common(req)
+    return req
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "StreamOptions", "ChatMessage"}
+
+
+def _check_common(req: _Sampling) -> None:
+    if req.n != 1:
+        raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or not all(stops):
+        raise bad_request(f"stop: expected at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    if isinstance(req, ChatRequest):
+        _check_chat(req)
+    else:
+        _check_completion(req)
+
+
+def _check_chat(req: ChatRequest) -> None:
+    if not req.messages:
+        raise bad_request("messages: must contain at least one message", param="messages")
+    for i, m in enumerate(req.messages):
+        for part in m.content if isinstance(m.content, list) else ():
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"messages.{i}.content: only text parts are supported, got type {part.type!r}",
+                                  param=f"messages.{i}.content")
+    if req.logprobs:
+        raise bad_request("logprobs: not supported by this server", param="logprobs")
+    if req.tools:
+        raise bad_request("tools: tool calling is not supported by this server", param="tools")
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) != 1:
+        raise bad_request("prompt: exactly one prompt per request is supported", param="prompt")
+    if isinstance(p, list) and (not p or (isinstance(p[0], (str, list)) and not p[0])):
+        raise bad_request("prompt: must not be empty", param="prompt")
+    if isinstance(p, str) and not p:
+        raise bad_request("prompt: must not be empty", param="prompt")
+    if req.echo:
+        raise bad_request("echo: not supported by this server", param="echo")
+    if req.suffix:
+        raise bad_request("suffix: not supported by this server", param="suffix")
+    if req.logprobs is not None:
+        raise bad_request("logprobs: not supported by this server", param="logprobs")
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    """Messages as plain dicts for the chat template (text parts joined)."""
+    out = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        d = {"role": m.role, "content": content or ""}
+        for k in ("name", "reasoning_content", "tool_call_id"):
+            if getattr(m, k) is not None:
+                d[k] = getattr(m, k)
+        out.append(d)
+    return out
+
+
+# ---- responses ----
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, use: dict) -> dict:
+    msg = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}], "usage": use}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": use}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
+               use: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        d["usage"] = use
+    return d
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
+                     use: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+    d = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        d["usage"] = use
+    return d
