@@ -41,7 +41,7 @@ def rejection_verify(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: 
     n_acc = leading_true(u * qd < pd)             # u < p/q without dividing by a possibly tiny q
     rows = torch.arange(B, device=p.device)
     p_sel = p[rows, n_acc]                         # p_{n_acc}: the rejecting position, or p_K
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+    q_pad = torch.cat([q, q.new_zeros(B, 1, p.shape[-1])], dim=1)
     resid = (p_sel - q_pad[rows, n_acc]).clamp_min(0)
     # an all-zero residual means p == q there, where rejection has probability 0; p is the safe fallback
     empty = resid.sum(-1, keepdim=True) <= 0

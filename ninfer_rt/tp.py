@@ -27,6 +27,8 @@ from .tp_group import TPGroup
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 JOIN_TIMEOUT_S = 300.0
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+# followers of an idle server wait on the control plane indefinitely; data collectives keep the short timeout
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 class TPError(NinferError):
@@ -36,8 +38,9 @@ class TPError(NinferError):
 class DistGroup(TPGroup):
     """TPGroup over the default torch.distributed process group, plus the control-plane helpers."""
 
-    def __init__(self, rank: int, size: int, device: torch.device):
+    def __init__(self, rank: int, size: int, device: torch.device, control=None):
         self.rank, self.size, self.device = rank, size, torch.device(device)
+        self.control = control       # gloo group on CPU for step messages and sampled tokens
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # half-precision partials are summed in fp32 and rounded once (the reference's TP numerics)
@@ -52,19 +55,20 @@ class DistGroup(TPGroup):
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's tensor on every rank (x must have the agreed shape/dtype everywhere)."""
-        dist.broadcast(x, src=0)
+        """Rank 0's CPU tensor on every rank, over the control plane (same shape/dtype everywhere)."""
+        x = x.cpu().contiguous()
+        dist.broadcast(x, src=0, group=self.control)
         return x
 
     def broadcast_object(self, obj=None):
         """Rank 0's (small, picklable) control message on every rank."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
     def all_gather_object(self, obj) -> list:
         out = [None] * self.size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.control)
         return out
 
 
@@ -119,7 +123,8 @@ def _init(rank: int, size: int, store, device: str) -> DistGroup:
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    group = DistGroup(rank, size, dev)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    group = DistGroup(rank, size, dev, control)
     check_collectives(group, dev)
     return group
 

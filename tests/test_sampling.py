@@ -189,3 +189,14 @@ def test_rejection_equals_greedy_for_onehot_distributions():
                                 torch.empty(B, V).exponential_(generator=g))
     n_g, t_g = greedy_verify(tgt, drafts)
     assert torch.equal(n_r, n_g) and torch.equal(t_r, t_g)
+
+
+def test_rejection_without_drafts_samples_the_target():
+    """K = 0 (plain decode / fallback step): the token is a draw from p_0."""
+    V, N = 5, 200_000
+    g = torch.Generator().manual_seed(4)
+    p0 = _random_dist(g, V)
+    n, tok = rejection_verify(p0.expand(N, 1, V), torch.zeros(N, 0, V), torch.zeros(N, 0, dtype=torch.long),
+                              torch.zeros(N, 0), torch.empty(N, V).exponential_(generator=g))
+    assert (n == 0).all()
+    _assert_tv(tok, p0, "K=0")

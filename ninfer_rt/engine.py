@@ -1,0 +1,274 @@
+"""The engine the CLI and the server drive: requests in, tokens out, one synchronous step at a time.
+
+    eng = Engine(loaded, ops, tp, spec=SpecConfig(num_draft_tokens=3), max_batch=8)
+    eng.add_request("r1", prompt_ids, SamplingParams(temperature=0, max_tokens=64))
+    while eng.has_work():
+        for o in eng.step(): ...          # StepOutput(req_id, new_token_ids, finished, finish_reason, text)
+
+Scheduling: FIFO admission while a GDN slot is free and the KV pool can hold the request's whole reservation
+(prompt + max_tokens, capped at the context), so a running sequence never waits for pages; every step runs
+prefill chunks (a shared token budget, `prefill_chunk`) and one decode or speculative round for ALL
+sequences whose prompt is done, batched into one target forward. Rank 0 decides; with TP > 1 the plan, the
+drafts and the verdicts go to the followers (`Follower`, engine_core.py) so every rank makes identical calls.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ninfer_formats.errors import NinferError
+
+from .engine_core import Core, Plan, Seq, Verdict
+from .sampling import SamplingParams, make_generator, sample
+from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify
+from .state import CacheConfig
+from .tp_group import LocalGroup
+
+DEFAULT_CONTEXT = 8192          # default KV reservation per batch slot when kv_pages is not given
+DEFAULT_PAGE = 16
+
+
+class EngineError(NinferError):
+    """A request cannot be served as given (overlong prompt, bad token id, duplicate id, ...)."""
+
+
+@dataclass
+class StepOutput:
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None          # "stop" | "length" | None
+    text: str | None = None            # incremental text (engines built with a tokenizer)
+
+
+@dataclass
+class EngineStats:
+    """Prefill steps: steps that ran a prompt chunk (their first tokens count as prefill); decode: the rest."""
+
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    steps: int = 0
+    spec: SpecStats | None = None
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    def to_dict(self) -> dict:
+        d = {"prompt_tokens": self.prompt_tokens, "prefill_s": self.prefill_s, "prefill_tok_s": self.prefill_tok_s,
+             "decode_tokens": self.decode_tokens, "decode_s": self.decode_s, "decode_tok_s": self.decode_tok_s,
+             "steps": self.steps}
+        if self.spec is not None:
+            d.update(self.spec.to_dict())
+        return d
+
+
+def cache_config(cfg, max_batch: int, kv_pages: int | None, page_size: int = DEFAULT_PAGE) -> CacheConfig:
+    """The same on every rank (followers build it from the same arguments)."""
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise EngineError(f"max_batch: expected a positive integer, got {max_batch!r}")
+    if kv_pages is None:
+        kv_pages = max_batch * math.ceil(min(cfg.max_position_embeddings, DEFAULT_CONTEXT) / page_size)
+    return CacheConfig(num_pages=kv_pages, page_size=page_size, max_seqs=max_batch)
+
+
+class Engine(Core):
+    def __init__(self, loaded, ops, tp=None, spec: SpecConfig | None = None, *, max_batch: int = 8,
+                 kv_pages: int | None = None, page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
+                 prefill_chunk: int = 512, tokenizer=None):
+        tp = tp or LocalGroup()
+        if tp.rank != 0:
+            raise ValueError("Engine runs on rank 0; other ranks run engine_core.Follower")
+        super().__init__(loaded, ops, tp, spec, cache_config(loaded.config, max_batch, kv_pages, page_size))
+        cap = self.cache.num_pages * self.cache.page_size
+        self.max_model_len = min(self.cfg.max_position_embeddings, cap, max_model_len or cap)
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise EngineError(f"prefill_chunk: expected a positive integer, got {prefill_chunk!r}")
+        self.prefill_chunk, self.tokenizer = prefill_chunk, tokenizer
+        self.eos = frozenset(self.cfg.eos_token_ids) | (tokenizer.stop_ids if tokenizer else frozenset())
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self._free_msg: list[str] = []
+        self.stats = EngineStats(spec=SpecStats() if spec else None)
+        self.device = self.model.device
+
+    # ---- public API ----
+    def add_request(self, req_id: str, prompt_ids, params: SamplingParams) -> None:
+        if req_id in self.seqs or any(s.req_id == req_id for s in self.waiting):
+            raise EngineError(f"request {req_id!r}: id already in use")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise EngineError(f"request {req_id!r}: empty prompt")
+        bad = next((t for t in prompt if not 0 <= t < self.cfg.vocab_size), None)
+        if bad is not None:
+            raise EngineError(f"request {req_id!r}: token id {bad} outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        if len(prompt) >= self.max_model_len:
+            raise EngineError(f"request {req_id!r}: prompt has {len(prompt)} tokens, but the context holds "
+                              f"{self.max_model_len} (prompt + generated), leaving no room to generate")
+        if params.stop and self.tokenizer is None:
+            raise EngineError(f"request {req_id!r}: stop strings need an engine with a tokenizer")
+        s = Seq(req_id, prompt, params=params)
+        if params.has_penalties:
+            s.counts = torch.zeros(self.cfg.vocab_size, device=self.device)
+        if self.tokenizer is not None:
+            from .tokenizer import TextStream
+            s.stream = TextStream(self.tokenizer, params.stop)
+        self.waiting.append(s)
+
+    def abort(self, req_id: str) -> bool:
+        """Drop a request now; its KV pages and GDN slot are free for the next step."""
+        for s in self.waiting:
+            if s.req_id == req_id:
+                self.waiting.remove(s)
+                return True
+        s = self.seqs.get(req_id)
+        if s is None:
+            return False
+        self._drop(s)
+        self.running.remove(s)
+        self._free_msg.append(req_id)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[StepOutput]:
+        if not self.has_work():
+            return []
+        plan = self._schedule()
+        if self.tp.size > 1:
+            self.tp.broadcast_object({"op": "step", **plan.message()})
+        t0 = time.perf_counter()
+        results = self._execute(plan)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._account(plan, results, time.perf_counter() - t0)
+        outs = []
+        for s, v, emitted in results:
+            text = None
+            if s.stream is not None:
+                text, s.text_delta = s.text_delta, ""
+            outs.append(StepOutput(s.req_id, emitted, s.finished, s.reason, text))
+        self.running = [s for s in self.running if not s.finished]
+        return outs
+
+    def shutdown(self) -> None:
+        """Release the followers (TP); the engine is unusable afterwards."""
+        if self.tp.size > 1:
+            self.tp.broadcast_object({"op": "stop"})
+        for s in list(self.running):
+            self._drop(s)
+        self.running, self.waiting = [], deque()
+
+    # ---- scheduling ----
+    def _reserve_pages(self, s: Seq) -> int:
+        return self.model.kv_pool.pages_for(min(len(s.prompt) + s.params.max_tokens, self.max_model_len))
+
+    def _schedule(self) -> Plan:
+        plan = Plan(free=self._free_msg)
+        self._free_msg = []
+        pool = self.model.kv_pool
+        outstanding = sum(max(0, self._reserve_pages(s) - len(s.state.pages)) for s in self.running)
+        while self.waiting and len(self.running) < self.cache.max_seqs and self.model.gdn_pool.free_slots():
+            s = self.waiting[0]
+            need = self._reserve_pages(s)
+            if pool.free_pages() - outstanding < need:
+                break
+            self.waiting.popleft()
+            outstanding += need
+            s.state, s.generator = self.model.new_state(), make_generator(s.params, self.device)
+            self.seqs[s.req_id] = s
+            self.running.append(s)
+            plan.admit.append((s.req_id, s.prompt))
+        budget = self.prefill_chunk
+        for s in self.running:
+            if s.prefilling:
+                if budget:
+                    n = min(budget, len(s.prompt) - s.done_prompt)
+                    plan.prefill.append((s.req_id, s.done_prompt, s.done_prompt + n))
+                    budget -= n
+            else:
+                plan.decode.append((s.req_id, self._k_eff(s)))
+        return plan
+
+    def _k_eff(self, s: Seq) -> int:
+        """Drafts this round: K, fewer near the context or max_tokens end (0 = a plain 1-token step)."""
+        if self.spec is None:
+            return 0
+        room_ctx = self.max_model_len - s.state.length - 2
+        room_out = s.params.max_tokens - len(s.out) - 1
+        return max(0, min(self.spec.num_draft_tokens, room_ctx, room_out))
+
+    # ---- decisions ----
+    def _decide_drafts(self, j, items):
+        seqs = [s for s, _, _ in items]
+        params = [s.params for s in seqs]
+        q = draft_distributions(torch.stack([lg for _, lg, _ in items]), params, [s.counts for s in seqs],
+                                [d for _, _, d in items], self.cfg.vocab_size)
+        toks = sample(q, params, [s.generator for s in seqs])
+        for s, row in zip(seqs, q):
+            if j == 1:
+                s.q = []
+            if not s.params.greedy:
+                s.q.append(row)
+        toks = toks.cpu()
+        return (self.tp.broadcast(toks) if self.tp.size > 1 else toks).tolist()
+
+    def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
+        verdicts = []
+        for i, ((s, k), d) in enumerate(zip(dec, drafts)):
+            n_acc, tok = verify(RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator))
+            if self.stats.spec is not None:
+                self.stats.spec.record(k, n_acc)
+            verdicts.append(Verdict(n_acc, tok, self._accept(s, d[:n_acc] + [tok]), s.finished))
+        for i, (s, a, b) in enumerate(pre, start=len(dec)):
+            if b < len(s.prompt):
+                verdicts.append(Verdict(0, -1, 0, False))
+                continue
+            _, tok = verify(RoundInput(s.params, out.seq_logits(i), [], [], s.counts, s.generator))
+            verdicts.append(Verdict(0, tok, self._accept(s, [tok]), s.finished))
+        if self.tp.size > 1 and verdicts:
+            self.tp.broadcast(torch.tensor([[v.n_acc, v.token, v.n_emit, int(v.finished)] for v in verdicts]))
+        return verdicts
+
+    def _accept(self, s: Seq, tokens: list[int]) -> int:
+        """Emit tokens in order until a stop; returns how many were emitted."""
+        n = 0
+        for t in tokens:
+            s.out.append(t)
+            n += 1
+            if s.counts is not None:
+                s.counts[t] += 1
+            if s.stream is not None:
+                s.text_delta += s.stream.push([t])
+            if (t in self.eos and not s.params.ignore_eos) or t in s.params.stop_token_ids or \
+                    (s.stream is not None and s.stream.stopped):
+                s.reason = "stop"
+            elif len(s.out) >= s.params.max_tokens or len(s.prompt) + len(s.out) >= self.max_model_len:
+                s.reason = "length"
+            if s.reason:
+                s.finished = True
+                if s.stream is not None:
+                    s.text_delta += s.stream.flush()
+                break
+        return n
+
+    def _account(self, plan: Plan, results, dt: float) -> None:
+        st = self.stats
+        st.steps += 1
+        if plan.prefill:
+            st.prompt_tokens += sum(b - a for _, a, b in plan.prefill)
+            st.prefill_s += dt
+        else:
+            st.decode_tokens += sum(len(e) for _, _, e in results)
+            st.decode_s += dt

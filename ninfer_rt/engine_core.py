@@ -1,0 +1,208 @@
+"""Step execution shared by every TP rank: the model calls of one engine step, in a fixed order.
+
+All ranks run the same calls on their shards. The few decisions (the plan, the drafted tokens, the verdict
+of a verify) are made by rank 0 (`Engine`) and received by the others (`Follower`); these are the three
+`_decide_*` hooks. With TP1 the decisions are simply made locally.
+
+One step = [draft phase (MTP, spec only)] -> one target forward over every decode sequence ([t_0] or
+[t_0, d_1..d_k] with snapshots) and every scheduled prefill chunk -> verdict (accepted count, target token,
+emitted count, finished) -> commit / free -> one MTP forward aligning decode rounds and prefill chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import Model, MtpInput, SeqInput
+from .speculative import SpecConfig, SpecError
+from .state import CacheConfig
+
+
+@dataclass(eq=False)
+class Seq:
+    req_id: str
+    prompt: list[int]
+    state: object = None                 # SeqState
+    done_prompt: int = 0                 # prompt tokens already in the target state
+    last: int | None = None              # last emitted token, not yet fed to the target
+    mtp_logits: torch.Tensor | None = None   # [V] MTP logits for the next round's first draft
+    mtp_hidden: torch.Tensor | None = None   # [H] MTP output hidden paired with them
+    # leader only
+    params: object = None
+    out: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    counts: torch.Tensor | None = None
+    stream: object = None
+    text_delta: str = ""
+    q: list = field(default_factory=list)     # draft distributions of the current round
+    finished: bool = False
+    reason: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done_prompt < len(self.prompt)
+
+
+@dataclass
+class Plan:
+    admit: list = field(default_factory=list)     # (req_id, prompt ids)
+    free: list = field(default_factory=list)      # req_ids (aborted)
+    prefill: list = field(default_factory=list)   # (req_id, start, end)
+    decode: list = field(default_factory=list)    # (req_id, k drafts)
+
+    def message(self) -> dict:
+        return {"admit": self.admit, "free": self.free, "prefill": self.prefill, "decode": self.decode}
+
+
+@dataclass
+class Verdict:
+    n_acc: int          # accepted drafts
+    token: int          # target token after them (the first token for a final prefill chunk; -1 none)
+    n_emit: int         # tokens emitted = target columns committed
+    finished: bool
+
+    def emitted(self, drafts: list[int]) -> list[int]:
+        return (drafts[:self.n_acc] + [self.token])[:self.n_emit]
+
+
+def _ids(x: list[int]) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.long)
+
+
+class Core:
+    """Owns the model and the per-rank sequence states; subclasses make the decisions."""
+
+    def __init__(self, loaded, ops, tp, spec: SpecConfig | None, cache: CacheConfig):
+        if spec is not None and (loaded.config.mtp_num_hidden_layers == 0
+                                 or not any(n.startswith("mtp.") for n in loaded.weights)):
+            raise SpecError(f"{getattr(loaded, 'path', 'artifact')}: speculative decoding needs the MTP "
+                            f"module, and this artifact has none (packed without mtp.* tensors)")
+        self.cfg = loaded.config
+        self.model = Model(loaded.config, loaded.weights, ops, tp, cache=cache)
+        self.tp, self.spec, self.cache = tp, spec, cache
+        self.seqs: dict[str, Seq] = {}
+
+    # ---- decisions (overridden) ----
+    def _decide_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list[int]]]) -> list[int]:
+        raise NotImplementedError
+
+    def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
+        raise NotImplementedError
+
+    # ---- plan application ----
+    def _apply_membership(self, plan: Plan) -> None:
+        for rid in plan.free:
+            s = self.seqs.pop(rid, None)
+            if s is not None and s.state is not None:
+                s.state.free()
+        for rid, prompt in plan.admit:
+            self.seqs[rid] = Seq(rid, list(prompt), state=self.model.new_state())
+
+    def _execute(self, plan: Plan) -> list[tuple[Seq, Verdict, list[int]]]:
+        """Run one step; returns (seq, verdict, emitted tokens) for every sequence that emitted or ended."""
+        dec = [(self.seqs[rid], k) for rid, k in plan.decode]
+        pre = [(self.seqs[rid], a, b) for rid, a, b in plan.prefill]
+        drafts = self._draft(dec)
+        starts = [s.state.length for s, _ in dec]
+        inputs = [SeqInput(_ids([s.last] + d), s.state, snapshot=k > 0) for (s, k), d in zip(dec, drafts)]
+        inputs += [SeqInput(_ids(s.prompt[a:b]), s.state, logits="last" if b == len(s.prompt) else "none")
+                   for s, a, b in pre]
+        out = self.model.forward(inputs)
+        verdicts = self._decide_verdicts(dec, drafts, pre, out)
+        results, mtp_in, mtp_seqs = [], [], []
+        for i, ((s, k), d, v, L) in enumerate(zip(dec, drafts, verdicts, starts)):
+            if k > 0:
+                s.state.commit(v.n_emit)
+            emitted = v.emitted(d)
+            results.append((s, v, emitted))
+            if v.finished:
+                continue
+            s.last = emitted[-1]
+            if self.spec is not None:
+                s.state.mtp.rewind(L)
+                mtp_in.append(MtpInput(_ids(emitted), self._rows(out, i, v.n_emit), s.state.mtp, logits="last"))
+                mtp_seqs.append(s)
+        for i, ((s, a, b), v) in enumerate(zip(pre, verdicts[len(dec):]), start=len(dec)):
+            s.done_prompt = b
+            final = b == len(s.prompt)
+            if final:
+                results.append((s, v, [v.token]))
+                s.last = v.token
+            if v.finished or self.spec is None:
+                continue
+            nxt = s.prompt[a + 1:b] + [v.token if final else s.prompt[b]]
+            mtp_in.append(MtpInput(_ids(nxt), self._rows(out, i, b - a), s.state.mtp,
+                                   logits="last" if final else "none"))
+            mtp_seqs.append(s if final else None)
+        self._align(mtp_in, mtp_seqs)
+        for s, v, _ in results:
+            if v.finished:
+                self._drop(s)
+        return results
+
+    @staticmethod
+    def _rows(out, i: int, n: int) -> torch.Tensor:
+        lo = out.cu_seqlens[i]
+        return out.hidden[lo:lo + n]
+
+    def _align(self, mtp_in: list[MtpInput], mtp_seqs: list) -> None:
+        """MTP over the committed tokens with target hiddens; keep each sequence's next-draft inputs."""
+        if not mtp_in:
+            return
+        mo = self.model.mtp_forward(mtp_in)
+        row = 0
+        for b, s in enumerate(mtp_seqs):
+            if s is not None:
+                s.mtp_logits = mo.logits[row]
+                s.mtp_hidden = mo.hidden[mo.cu_seqlens[b + 1] - 1]
+                row += 1
+
+    def _draft(self, dec: list[tuple[Seq, int]]) -> list[list[int]]:
+        """Recursive MTP drafting; d_1 comes from the alignment of the previous step."""
+        drafts: list[list[int]] = [[] for _ in dec]
+        logits = [s.mtp_logits for s, _ in dec]
+        hidden = [s.mtp_hidden for s, _ in dec]
+        for j in range(1, max((k for _, k in dec), default=0) + 1):
+            idx = [i for i, (_, k) in enumerate(dec) if k >= j]
+            toks = self._decide_drafts(j, [(dec[i][0], logits[i], drafts[i]) for i in idx])
+            for i, t in zip(idx, toks):
+                drafts[i].append(int(t))
+            more = [i for i in idx if dec[i][1] > j]
+            if more:
+                mo = self.model.mtp_forward([MtpInput(_ids([drafts[i][-1]]), hidden[i][None], dec[i][0].state.mtp)
+                                             for i in more])
+                for r, i in enumerate(more):
+                    logits[i], hidden[i] = mo.logits[r], mo.hidden[r]
+        return drafts
+
+    def _drop(self, s: Seq) -> None:
+        if s.state is not None:
+            s.state.free()
+            s.state = None
+        self.seqs.pop(s.req_id, None)
+
+
+class Follower(Core):
+    """Rank r > 0: applies rank 0's plans and receives its decisions until told to stop."""
+
+    def run(self) -> None:
+        while True:
+            msg = self.tp.broadcast_object(None)
+            if msg.pop("op") == "stop":
+                break
+            plan = Plan(**msg)
+            self._apply_membership(plan)
+            self._execute(plan)
+        for s in list(self.seqs.values()):
+            self._drop(s)
+
+    def _decide_drafts(self, j, items):
+        return self.tp.broadcast(torch.empty(len(items), dtype=torch.long)).tolist()
+
+    def _decide_verdicts(self, dec, drafts, pre, out):
+        n = len(dec) + len(pre)
+        if not n:
+            return []
+        rows = self.tp.broadcast(torch.empty(n, 4, dtype=torch.long)).tolist()
+        return [Verdict(a, t, e, bool(f)) for a, t, e, f in rows]

@@ -1,0 +1,131 @@
+"""MTP speculative decoding: configuration, statistics, and the leader's verification of a round.
+
+A round for a sequence with committed length L and unfed last token t_0 (reference §11-§12):
+1. draft d_1..d_k with the MTP module: d_1 from the logits left by the previous alignment, d_{j+1} from an
+   MTP step on (d_j, previous MTP hidden) at position L + j - 1 (writes provisional MTP KV);
+2. one target forward over [t_0, d_1..d_k] at L..L+k with GDN snapshots;
+3. accept (greedy: longest matching prefix; sampling: rejection sampling vs the draft distributions) and
+   emit d_1..d_a plus one target token, cut at a stop;
+4. commit the target state to the emitted count, rewind the MTP cache to L and re-run it over positions
+   L..L+a with the emitted tokens and the *target* hiddens h_L..h_{L+a}; its last output gives the next d_1.
+The engine drives these steps (it owns batching and the TP message flow); this module owns the rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ninfer_formats.errors import NinferError
+
+from .sampling import SamplingParams, process
+from .spec_verify import greedy_verify, rejection_verify
+
+MAX_DRAFT_TOKENS = 7
+
+
+class SpecError(NinferError):
+    """Speculative decoding is misconfigured or not possible with this artifact."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "mtp"
+    num_draft_tokens: int = 3
+
+    def __post_init__(self):
+        if self.method != "mtp":
+            raise SpecError(f"spec.method: only 'mtp' is supported, got {self.method!r}")
+        k = self.num_draft_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise SpecError(f"spec.num_draft_tokens: expected an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}")
+
+
+@dataclass
+class SpecStats:
+    """Counts over rounds that drafted at least one token (1-token fallback steps are counted apart)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    fallback_steps: int = 0
+    drafted_at: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_TOKENS)
+    accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_TOKENS)
+
+    def record(self, k: int, n_acc: int) -> None:
+        if k == 0:
+            self.fallback_steps += 1
+            return
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n_acc
+        for i in range(k):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < n_acc
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft i accepted | drafted); 1 + their sum is the mean acceptance length."""
+        return [a / d for a, d in zip(self.accepted_at, self.drafted_at) if d]
+
+    @property
+    def tokens_per_round(self) -> float:
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": self.acceptance, "acceptance_per_position": self.acceptance_per_position,
+                "tokens_per_round": self.tokens_per_round, "fallback_steps": self.fallback_steps}
+
+
+def column_counts(base: torch.Tensor | None, drafts: list[int], vocab: int) -> torch.Tensor | None:
+    """Penalty counts for columns 0..k of a round: column j has also seen d_1..d_j. -> [k+1, V] or None."""
+    if base is None:
+        return None
+    k = len(drafts)
+    out = base.expand(k + 1, vocab).clone()
+    for j, d in enumerate(drafts):
+        out[j + 1:, d] += 1
+    return out
+
+
+def draft_distributions(logits: torch.Tensor, params: list[SamplingParams], counts: list,
+                        prev: list[list[int]], vocab: int) -> torch.Tensor:
+    """Processed MTP distributions [R, V] for the next draft of each row (penalties see earlier drafts)."""
+    rows = [None if c is None else column_counts(c, d, vocab)[-1] for c, d in zip(counts, prev)]
+    return process(logits, params, rows)
+
+
+@dataclass
+class RoundInput:
+    """One sequence's verify result, leader side."""
+
+    params: SamplingParams
+    logits: torch.Tensor                 # [k+1, V] target logits of [t_0, d_1..d_k]
+    drafts: list[int]
+    q: list[torch.Tensor]                # draft distributions [V] each (sampling only)
+    counts: torch.Tensor | None          # penalty counts before the round
+    generator: torch.Generator | None
+
+
+def verify(r: RoundInput) -> tuple[int, int]:
+    """-> (accepted drafts, the target token after them) for one sequence."""
+    k, vocab = len(r.drafts), r.logits.shape[-1]
+    p = process(r.logits, [r.params] * (k + 1), _split(column_counts(r.counts, r.drafts, vocab), k + 1))
+    drafts = torch.tensor([r.drafts], dtype=torch.long, device=p.device)
+    if r.params.greedy:
+        n, tok = greedy_verify(p.argmax(-1)[None], drafts)
+    else:
+        q = torch.stack(r.q)[None] if k else p.new_zeros(1, 0, vocab)
+        u = torch.rand(1, k, generator=r.generator, device=p.device)
+        noise = torch.empty(1, vocab, device=p.device).exponential_(generator=r.generator)
+        n, tok = rejection_verify(p[None], q, drafts, u, noise)
+    return int(n[0]), int(tok[0])
+
+
+def _split(counts: torch.Tensor | None, n: int) -> list:
+    return [None] * n if counts is None else list(counts)

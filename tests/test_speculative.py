@@ -1,0 +1,225 @@
+"""MTP speculative decoding in the engine: greedy losslessness, rigged full acceptance with rollbacks at every
+position, draft alignment against the HF-built MTP oracle, context/max_tokens/stop cuts, abort, errors."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hf_tiny import artifact_weights, build_hf_model, model_config_from_hf
+
+from ninfer_rt.backends.torch_ops import TorchOps
+from ninfer_rt.engine import Engine, EngineError
+from ninfer_rt.sampling import SamplingParams
+from ninfer_rt.speculative import SpecConfig, SpecError
+
+NONSPECIAL = 246                  # hf_tiny: ids >= 246 are special tokens
+PROMPT_LENS = (5, 19, 33)         # with CHUNK = 7: one chunk, and chunk boundaries inside the prompt
+CHUNK, NEW = 7, 24
+MTP_TOL = 1e-4                    # rel L2 of engine MTP logits vs the fp32 oracle
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: threads only add contention on the shared CI cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_hf_model(seed=3)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return types.SimpleNamespace(config=model_config_from_hf(tiny.text_config), weights=artifact_weights(tiny),
+                                 path="tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def run(engine, prompts, params=GREEDY):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    out, reasons = {f"r{i}": [] for i in range(len(prompts))}, {}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.req_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.req_id] = o.finish_reason
+    assert engine.model.kv_pool.free_pages() == engine.cache.num_pages       # everything returned
+    return out, reasons
+
+
+@pytest.fixture(scope="module")
+def reference(loaded, prompts):
+    return run(Engine(loaded, TorchOps(), prefill_chunk=CHUNK), prompts)[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5], ids=lambda k: f"K{k}")
+def test_mtp_greedy_is_lossless(loaded, prompts, reference, k):
+    eng = Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=k), prefill_chunk=CHUNK)
+    out, reasons = run(eng, prompts)
+    assert out == reference
+    assert set(reasons.values()) == {"length"}
+    st = eng.stats.spec
+    assert st.rounds > 0 and st.drafted >= st.rounds and 0 <= st.accepted <= st.drafted
+
+
+def test_greedy_with_penalties_is_lossless(loaded, prompts):
+    params = SamplingParams(temperature=0, max_tokens=NEW, presence_penalty=0.5, frequency_penalty=0.3,
+                            ignore_eos=True)
+    ref = run(Engine(loaded, TorchOps(), prefill_chunk=CHUNK), prompts, params)[0]
+    got = run(Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=CHUNK),
+              prompts, params)[0]
+    assert got == ref
+
+
+class RiggedEngine(Engine):
+    """Drafts the known greedy continuation for the first `pattern(round)` drafts, then a wrong token."""
+
+    def __init__(self, *a, truth, pattern, **kw):
+        super().__init__(*a, **kw)
+        self.truth, self.pattern, self.rounds, self.n_acc_seen = truth, pattern, {}, set()
+
+    def _decide_drafts(self, j, items):
+        toks = []
+        for s, _, prev in items:
+            if j == 1:
+                self.rounds[s.req_id] = self.rounds.get(s.req_id, -1) + 1
+            good = self.pattern(self.rounds[s.req_id])
+            right = self.truth[s.req_id][len(s.out) + j - 1]
+            toks.append(right if j <= good else (right + 1) % NONSPECIAL)
+        return toks
+
+    def _decide_verdicts(self, dec, drafts, pre, out):
+        verdicts = super()._decide_verdicts(dec, drafts, pre, out)
+        self.n_acc_seen.update(v.n_acc for v, (_, k) in zip(verdicts, dec) if k)
+        return verdicts
+
+
+@pytest.mark.parametrize("k,mode", [(3, "all"), (5, "all"), (2, "cycle"), (4, "cycle")],
+                         ids=["K3-all", "K5-all", "K2-cycle", "K4-cycle"])
+def test_rigged_drafts_accept_and_roll_back_exactly(loaded, prompts, reference, k, mode):
+    """'all': every draft right (100% acceptance, K+1 tokens a round). 'cycle': round r gets r % (K+1) right
+    drafts, so the target state is committed / rolled back at every position."""
+    pattern = (lambda r: k) if mode == "all" else (lambda r: r % (k + 1))
+    eng = RiggedEngine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=k), prefill_chunk=CHUNK,
+                       truth=reference, pattern=pattern)
+    out, _ = run(eng, prompts)
+    assert out == reference
+    st = eng.stats.spec
+    if mode == "all":
+        assert st.accepted == st.drafted and st.tokens_per_round > 1 + 0.5 * k
+    else:
+        assert 0 < st.accepted < st.drafted
+        assert eng.n_acc_seen == set(range(k + 1))         # commit(n) at every n = 1..K+1
+
+
+def _hf_draft_logits(tiny, tokens):
+    """Oracle logits of the first draft after committed `tokens` (x_0..x_L, x_L unfed by the target)."""
+    lm = tiny.causal_lm()
+    ids = torch.tensor(tokens)
+    with torch.no_grad():
+        h = lm(ids[None, :-1], output_hidden_states=True).hidden_states[-1][0]
+        d = tiny.mtp(tiny.embed, ids[1:], h)
+        return tiny.lm_head(d[-1])
+
+
+def test_first_draft_matches_mtp_oracle_every_round(tiny, loaded, prompts):
+    """d_1 of every round comes from MTP KV rebuilt with target hiddens (prefill chunks, then rewind +
+    re-alignment after each verify): its logits equal the oracle run over the whole committed sequence."""
+    seen = []
+
+    class Spy(Engine):
+        def _decide_drafts(self, j, items):
+            if j == 1:
+                seen.extend((s.prompt + list(s.out), lg.clone()) for s, lg, _ in items)
+            return super()._decide_drafts(j, items)
+
+    eng = Spy(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=CHUNK)
+    run(eng, prompts[1:], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert len(seen) >= 6
+    for tokens, lg in seen[::2]:
+        want = _hf_draft_logits(tiny, tokens)
+        assert ((lg - want).norm() / want.norm()).item() <= MTP_TOL
+
+
+def test_context_limit_falls_back_to_single_steps(loaded, prompts, reference):
+    max_len = PROMPT_LENS[1] + 8          # 1 (prefill) + 6 (K=5 round) + 1 (no room for a draft)
+    truth = {"r0": reference["r1"]}
+    eng = RiggedEngine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=5), prefill_chunk=CHUNK,
+                       max_model_len=max_len, truth=truth, pattern=lambda r: 5)
+    out, reasons = run(eng, [prompts[1]])
+    assert out["r0"] == reference["r1"][:8] and reasons["r0"] == "length"
+    assert eng.stats.spec.fallback_steps >= 1
+
+
+def test_max_tokens_and_stop_inside_a_round(loaded, prompts, reference):
+    truth = {"r0": reference["r2"]}
+    spec = SpecConfig(num_draft_tokens=5)
+    eng = RiggedEngine(loaded, TorchOps(), spec=spec, prefill_chunk=CHUNK, truth=truth, pattern=lambda r: 5)
+    out, reasons = run(eng, [prompts[2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out["r0"] == reference["r2"][:8] and reasons["r0"] == "length"
+    # a stop token that first occurs mid-round: emitted up to and including it
+    ref = reference["r2"]
+    idx = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i] and i % 6 not in (0, 5))
+    eng = RiggedEngine(loaded, TorchOps(), spec=spec, prefill_chunk=CHUNK, truth=truth, pattern=lambda r: 5)
+    out, reasons = run(eng, [prompts[2]], SamplingParams(temperature=0, max_tokens=NEW,
+                                                         stop_token_ids=[ref[idx]], ignore_eos=True))
+    assert out["r0"] == ref[:idx + 1] and reasons["r0"] == "stop"
+
+
+def test_sampling_with_mtp_is_seed_reproducible(loaded, prompts):
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, presence_penalty=0.2, seed=17, max_tokens=12,
+                            ignore_eos=True)
+
+    def go():
+        return run(Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=CHUNK),
+                   prompts, params)[0]
+
+    a, b = go(), go()
+    assert a == b and all(len(v) == 12 for v in a.values())
+
+
+def test_abort_frees_state_at_once(loaded, prompts, reference):
+    eng = Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=2), prefill_chunk=CHUNK)
+    eng.add_request("a", prompts[2], GREEDY)
+    eng.add_request("b", prompts[1], GREEDY)
+    got = []
+    for _ in range(6):
+        got += [t for o in eng.step() if o.req_id == "b" for t in o.new_token_ids]
+    before = eng.model.kv_pool.free_pages()
+    assert eng.abort("a") and not eng.abort("a")
+    assert eng.model.kv_pool.free_pages() > before
+    while eng.has_work():
+        got += [t for o in eng.step() for t in o.new_token_ids]
+    assert got == reference["r1"]
+
+
+def test_request_errors(loaded, tiny):
+    eng = Engine(loaded, TorchOps(), max_model_len=40)
+    with pytest.raises(EngineError, match="prompt has 40 tokens"):
+        eng.add_request("x", [1] * 40, GREEDY)
+    with pytest.raises(EngineError, match="token id 999"):
+        eng.add_request("x", [1, 999], GREEDY)
+    with pytest.raises(EngineError, match="stop strings"):
+        eng.add_request("x", [1], SamplingParams(stop=["a"]))
+    eng.add_request("x", [1, 2], GREEDY)
+    with pytest.raises(EngineError, match="already in use"):
+        eng.add_request("x", [1, 2], GREEDY)
+    no_mtp = types.SimpleNamespace(config=model_config_from_hf(tiny.text_config, mtp=False),
+                                   weights={k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")},
+                                   path="nomtp")
+    with pytest.raises(SpecError, match="MTP"):
+        Engine(no_mtp, TorchOps(), spec=SpecConfig(num_draft_tokens=2))
+    with pytest.raises(SpecError, match="num_draft_tokens"):
+        SpecConfig(num_draft_tokens=8)
