@@ -138,7 +138,8 @@ class SeqState:
 
     def trim(self) -> None:
         """Return pages beyond what the main and MTP caches still hold."""
-        used = max(self.length, self.mtp.length if self.mtp else 0)
+        main = self.length + (self.pending.tokens if self.pending else 0)   # uncommitted KV stays
+        used = max(main, self.mtp.length if self.mtp else 0)
         keep = self._kv.pages_for(used)
         if len(self.pages) > keep:
             self._kv.release(self.pages[keep:])

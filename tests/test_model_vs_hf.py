@@ -186,6 +186,8 @@ def test_kv_pages_return_to_pool(case32):
     assert pool.free_pages() == 6 - 3 - 1
     m.forward([SeqInput(case32["prompt"][:4], b, snapshot=True)])      # positions 3..6 -> 2 pages
     assert pool.free_pages() == 1
+    b.mtp.rewind(0)                                                  # pending verify KV is kept
+    assert pool.free_pages() == 1
     b.commit(1)                                                      # length 4 -> back to 1 page
     assert pool.free_pages() == 2
     with pytest.raises(Exception, match="slots"):
