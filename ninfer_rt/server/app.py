@@ -168,7 +168,7 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     ids = H.chat_prompt(tok, req) if chat else H.completion_prompt(tok, req, state.vocab_size)
     requested = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
     max_tokens = sched.max_tokens_for(len(ids), requested, "messages" if chat else "prompt")
-    params = H.sampling_params(req, state.defaults, max_tokens)
+    params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids)
     handle = sched.submit(ids, params, H.splitter(tok, ids) if chat else None)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await H.respond(handle, request, chat=chat, model=state.model_id, stream=req.stream,

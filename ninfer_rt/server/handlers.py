@@ -29,7 +29,8 @@ def sampling_defaults(generation_config: dict) -> dict:
             if isinstance(generation_config.get(k), (int, float)) and not isinstance(generation_config.get(k), bool)}
 
 
-def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int) -> SamplingParams:
+def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=()) -> SamplingParams:
+    """`stop_ids`: the tokenizer's stop ids (e.g. `<|im_end|>`), which the engine's config eos may lack."""
     kw = {}
     for name in SAMPLING_FIELDS:
         v = getattr(req, name)
@@ -38,7 +39,8 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int) -> Sampli
             kw[name] = v
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     try:
-        return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=req.ignore_eos, **kw)
+        return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=req.ignore_eos,
+                              stop_token_ids=() if req.ignore_eos else tuple(sorted(stop_ids)), **kw)
     except SamplingError as e:
         msg = str(e)
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None

@@ -79,8 +79,10 @@ class Handle:
 
 
 class Scheduler:
-    def __init__(self, engine, kv_pool, tokenizer, config: SchedulerConfig, metrics, log=None):
+    def __init__(self, engine, kv_pool, tokenizer, config: SchedulerConfig, metrics, log=None, thread_init=None):
+        """`thread_init` runs first in the engine thread (per-thread torch state: CUDA device, grad mode)."""
         self.engine, self.pool, self.tok, self.cfg, self.metrics = engine, kv_pool, tokenizer, config, metrics
+        self._thread_init = thread_init
         self.log = log or NullLog()
         self.page_size, self.total_pages = kv_pool.page_size, kv_pool.num_pages
         self._cv = threading.Condition()
@@ -175,6 +177,8 @@ class Scheduler:
 
     # ---- engine thread ----
     def _run(self) -> None:
+        if self._thread_init is not None:
+            self._thread_init()
         while True:
             with self._cv:
                 while not (self._stopping or self._cancels or self._busy or self._can_admit()):
@@ -344,13 +348,17 @@ class Scheduler:
 
 
 def spec_totals(stats) -> tuple[int, int, list[int], list[int]]:
-    """(drafted, accepted, drafted per position, accepted per position) from the engine's stats."""
-    if stats is None:
+    """(drafted, accepted, drafted per position, accepted per position) from the engine's stats.
+
+    Engine.stats is an EngineStats whose `spec` is a SpecStats (None without speculative decoding);
+    a plain dict with the same names is accepted too.
+    """
+    spec = stats.get("spec", stats) if isinstance(stats, dict) else getattr(stats, "spec", None)
+    if spec is None:
         return 0, 0, [], []
-    get = stats.get if isinstance(stats, dict) else (lambda k, d=None: getattr(stats, k, d))
-    pos_d = [int(x) for x in (get("drafted_per_pos", None) or [])]
-    pos_a = [int(x) for x in (get("accepted_per_pos", None) or [])]
-    return int(get("drafted", 0) or 0), int(get("accepted", 0) or 0), pos_d, pos_a
+    get = spec.get if isinstance(spec, dict) else (lambda k, d=None: getattr(spec, k, d))
+    return (int(get("drafted", 0) or 0), int(get("accepted", 0) or 0),
+            [int(x) for x in get("drafted_at", None) or []], [int(x) for x in get("accepted_at", None) or []])
 
 
 def _finish_reason(reason) -> str:

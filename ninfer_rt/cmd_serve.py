@@ -1,0 +1,78 @@
+"""`ninfer-rt serve`: OpenAI-compatible HTTP server (thin wrapper over ninfer_rt.server.serve.run_server)."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .cli import main, user_errors
+
+
+def _kv_capacity(ctx, param, value):
+    if value is None or value == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a number of tokens or 'auto', got {value!r}") from None
+    if n < 2:
+        raise click.BadParameter(f"expected at least 2 tokens, got {n}")
+    return n
+
+
+@main.command("serve")
+@click.argument("artifact")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--model-id", default=None, help="Model name clients send (default: the folder or repo name).")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1, 8), help="Tensor-parallel ranks.")
+@click.option("--spec", type=click.Choice(["none", "mtp"]), default="none", show_default=True,
+              help="Speculative decoding with the artifact's MTP module.")
+@click.option("--draft-tokens", default=3, show_default=True, type=click.IntRange(1, 7),
+              help="MTP draft tokens per round (with --spec mtp).")
+@click.option("--max-concurrency", default=4, show_default=True, type=click.IntRange(1, 256),
+              help="Sequences batched together (continuous batching slots).")
+@click.option("--kv-capacity", default="auto", show_default=True, callback=_kv_capacity,
+              help="Tokens in the shared KV pool, or 'auto' (free device memory after weights).")
+@click.option("--max-context", default=None, type=click.IntRange(2), help="Prompt + completion tokens per request.")
+@click.option("--max-pending", default=64, show_default=True, type=click.IntRange(1),
+              help="Queued requests before answering 429.")
+@click.option("--default-max-tokens", default=4096, show_default=True, type=click.IntRange(1),
+              help="Completion budget of requests that give no max_tokens (capped by the context).")
+@click.option("--api-key", default=None, envvar="NINFER_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on every route but /health (env NINFER_API_KEY).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Default: cuda when a GPU is visible, else cpu.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="Activation and KV dtype (default: bfloat16 on cuda, float32 on cpu).")
+@click.option("--backend", type=click.Choice(["torch", "triton"]), default=None,
+              help="Ops backend (default: triton on cuda, torch on cpu).")
+@click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
+              help="Prompt tokens per engine step (shared by all prefilling requests).")
+@click.option("--log-requests", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Append a JSONL record per request (timings, token counts, MTP stats; no text).")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds in-flight requests get to finish on SIGTERM.")
+@click.option("--max-body-mib", default=4.0, show_default=True, type=click.FloatRange(0.001),
+              help="Largest accepted request body (413 beyond).")
+@click.option("--no-verify", is_flag=True, help="Skip the artifact checksum verification at load.")
+@user_errors
+def serve(artifact, host, port, model_id, tp, spec, draft_tokens, max_concurrency, kv_capacity, max_context,
+          max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
+          drain_timeout, max_body_mib, no_verify):
+    """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
+    from .server.runtime import RuntimeOptions
+    from .server.serve import ServeOptions, run_server
+    if device is None:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    backend = backend or ("triton" if device == "cuda" else "torch")
+    rt = RuntimeOptions(artifact=artifact, tp=tp, device=device, dtype=dtype, backend=backend,
+                        draft_tokens=draft_tokens if spec == "mtp" else 0, max_concurrency=max_concurrency,
+                        kv_capacity=kv_capacity, max_context=max_context, verify=not no_verify,
+                        prefill_chunk=prefill_chunk)
+    opts = ServeOptions(runtime=rt, host=host, port=port, model_id=model_id, max_pending=max_pending,
+                        api_key=api_key, log_requests=log_requests, drain_timeout_s=drain_timeout,
+                        max_body_bytes=int(max_body_mib * (1 << 20)), default_max_tokens=default_max_tokens)
+    sys.exit(run_server(opts))

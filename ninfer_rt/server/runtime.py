@@ -1,0 +1,223 @@
+"""Build the serving Engine from command-line options: load, size the KV pool, start TP followers.
+
+KV sizing (`--kv-capacity auto`): on CUDA, the free device memory after the weights are placed, minus a
+headroom (1 GiB + the GDN states of every slot + the speculative snapshot buffers + a prefill workspace),
+divided by the KV bytes of one token; with TP every rank measures and the smallest answer wins. On CPU a
+fixed default. Either way it is capped at max_concurrency x max_context: more could never be used.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_formats.errors import NinferError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_TOKENS = 32768
+HEADROOM_BYTES = 1 << 30
+DEFAULT_CONTEXT = 8192
+PAGE_SIZE = 16
+
+
+class ServeError(NinferError):
+    """The serving options are inconsistent with each other or with the artifact."""
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    artifact: str                       # local folder or rank-0 file
+    tp: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    backend: str = "torch"
+    draft_tokens: int = 0               # 0 = no speculative decoding
+    max_concurrency: int = 4
+    kv_capacity: int | None = None      # tokens; None = auto
+    max_context: int | None = None      # None = min(model limit, DEFAULT_CONTEXT)
+    verify: bool = True
+    prefill_chunk: int = 512
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ServeError(f"--device: expected cpu or cuda, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ServeError(f"--dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("tp", "max_concurrency", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ServeError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
+        for name in ("kv_capacity", "max_context"):
+            v = getattr(self, name)
+            if v is not None and v < 2:
+                raise ServeError(f"--{name.replace('_', '-')}: expected at least 2 tokens, got {v}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ServeError("--device cuda: no CUDA device is visible")
+
+
+@dataclass
+class Runtime:
+    engine: object
+    loaded: object
+    tokenizer: object
+    max_context: int
+    launch: object = None               # tp.Launch with TP > 1
+
+    def close(self) -> None:
+        try:
+            self.engine.shutdown()
+        finally:
+            if self.launch is not None:
+                self.launch.close()
+            self.loaded.close()
+
+
+def kv_bytes_per_token(cfg, tp: int, dtype: torch.dtype) -> int:
+    n_kv = sum(cfg.is_full(i) for i in range(cfg.num_hidden_layers)) + (cfg.mtp_num_hidden_layers > 0)
+    return 2 * n_kv * (cfg.num_key_value_heads // tp) * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def gdn_bytes_per_slot(cfg, tp: int) -> int:
+    n_gdn = sum(not cfg.is_full(i) for i in range(cfg.num_hidden_layers))
+    per = (cfg.linear_conv_kernel_dim - 1) * (cfg.conv_dim // tp) + \
+        (cfg.linear_num_value_heads // tp) * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    return 4 * n_gdn * per
+
+
+def model_context(cfg, opts: RuntimeOptions) -> int:
+    limit = cfg.max_position_embeddings
+    if opts.max_context is not None and opts.max_context > limit:
+        raise ServeError(f"--max-context {opts.max_context}: the model supports at most {limit} positions")
+    return opts.max_context or min(limit, DEFAULT_CONTEXT)
+
+
+def auto_kv_tokens(cfg, opts: RuntimeOptions, device: torch.device) -> int:
+    """This rank's KV capacity in tokens for `--kv-capacity auto` (weights already on the device)."""
+    if device.type != "cuda":
+        return CPU_KV_TOKENS
+    free, _ = torch.cuda.mem_get_info(device)
+    slot = gdn_bytes_per_slot(cfg, opts.tp)
+    snapshots = opts.max_concurrency * (opts.draft_tokens + 1) * slot if opts.draft_tokens else 0
+    workspace = opts.prefill_chunk * (cfg.intermediate_size // opts.tp + 4 * cfg.hidden_size) * 4 * 4
+    budget = free - HEADROOM_BYTES - opts.max_concurrency * slot - snapshots - workspace
+    return max(0, budget // kv_bytes_per_token(cfg, opts.tp, DTYPES[opts.dtype]))
+
+
+def kv_pages(cfg, opts: RuntimeOptions, device: torch.device, group) -> int:
+    """Pages of the shared pool; the same number on every rank."""
+    ctx = model_context(cfg, opts)
+    tokens = opts.kv_capacity if opts.kv_capacity is not None else auto_kv_tokens(cfg, opts, device)
+    if group is not None and group.size > 1:
+        tokens = min(group.all_gather_object(tokens))
+    tokens = min(tokens, opts.max_concurrency * ctx)
+    if tokens < 2 * PAGE_SIZE:
+        raise ServeError(f"--kv-capacity: only {tokens} tokens of KV cache fit; free device memory or lower "
+                         f"--max-concurrency / --draft-tokens")
+    return tokens // PAGE_SIZE
+
+
+def _load(opts: RuntimeOptions, rank: int, device: torch.device):
+    from ..backends import get_ops
+    from ..loader import load
+    loaded = load(opts.artifact, rank=rank, tp_size=opts.tp, verify=opts.verify, device=device,
+                  dtype=DTYPES[opts.dtype])
+    return loaded, get_ops(opts.backend)
+
+
+def _spec(opts: RuntimeOptions):
+    if not opts.draft_tokens:
+        return None
+    from ..speculative import SpecConfig
+    return SpecConfig(num_draft_tokens=opts.draft_tokens)
+
+
+def _phase(group, fn):
+    """Run fn on every rank; with TP, every rank raises if any rank failed (no rank is left in a collective)."""
+    if group is None or group.size == 1:
+        return fn()
+    from ..tp import agree
+    out, err = None, None
+    try:
+        out = fn()
+    except (NinferError, OSError, torch.OutOfMemoryError) as e:
+        err = str(e)
+    agree(group, err)
+    return out
+
+
+def _build(opts: RuntimeOptions, group, device, make):
+    """load -> agree -> size the pool (collective) -> make(loaded, ops, pages) -> agree."""
+    rank = group.rank if group is not None else 0
+    loaded, ops = _phase(group, lambda: _load(opts, rank, device))
+    pages = kv_pages(loaded.config, opts, device, group)
+    return loaded, pages, _phase(group, lambda: make(loaded, ops, pages))
+
+
+def follower_main(group, opts: RuntimeOptions) -> None:
+    """Rank r > 0 (spawned by tp.launch): load the shard, then mirror rank 0's steps until told to stop."""
+    from ..engine import cache_config
+    from ..engine_core import Follower
+    torch.set_grad_enabled(False)
+    _, _, follower = _build(opts, group, group.device, lambda loaded, ops, pages: Follower(
+        loaded, ops, group, _spec(opts), cache_config(loaded.config, opts.max_concurrency, pages, PAGE_SIZE)))
+    follower.run()
+
+
+def open_runtime(opts: RuntimeOptions) -> Runtime:
+    """Rank 0: launch followers (TP > 1), load, size the pool, build the Engine and the tokenizer."""
+    from ..engine import Engine
+    from ..tokenizer import Tokenizer
+    from ..tp import launch, rank_device
+    torch.set_grad_enabled(False)
+    lch = launch(opts.tp, follower_main, (opts,), device=opts.device) if opts.tp > 1 else None
+    group = lch.group if lch is not None else None
+
+    def make(loaded, ops, pages):
+        engine = Engine(loaded, ops, group, _spec(opts), max_batch=opts.max_concurrency, kv_pages=pages,
+                        page_size=PAGE_SIZE, max_model_len=model_context(loaded.config, opts),
+                        prefill_chunk=opts.prefill_chunk)
+        return engine, Tokenizer.from_resources(loaded.resources, eos_token_ids=loaded.config.eos_token_ids)
+    try:
+        loaded, pages, (engine, tok) = _build(opts, group, rank_device(opts.device, 0), make)
+    except BaseException:
+        if lch is not None:
+            lch.close(timeout_s=10)
+        raise
+    print(f"ninfer-rt serve: KV pool {pages} pages x {PAGE_SIZE} tokens, context {engine.max_model_len}, "
+          f"{opts.max_concurrency} slots, tp {opts.tp}", file=sys.stderr)
+    return Runtime(engine, loaded, tok, engine.max_model_len, lch)
+
+
+HF_SCHEME = "hf://"
+
+
+def default_model_id(spec: str) -> str:
+    """ORG/REPO for hf://ORG/REPO[@REV], else the artifact folder's (or file's) name."""
+    import os
+    if spec.startswith(HF_SCHEME):
+        return spec[len(HF_SCHEME):].partition("@")[0]
+    return os.path.basename(os.path.normpath(spec))
+
+
+def resolve_artifact(spec: str, verify: bool = True) -> tuple[str, bool]:
+    """-> (local folder or file, downloaded). `hf://ORG/REPO[@REVISION]` is fetched with huggingface_hub
+    and, unless verify is off, every rank file is checked (checksums, complete TP set) before use."""
+    if not spec.startswith(HF_SCHEME):
+        from ..loader import find_rank_file
+        find_rank_file(spec)                # fails fast: no such folder / no rank files
+        return spec, False
+    repo, _, rev = spec[len(HF_SCHEME):].partition("@")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise ServeError(f"{spec}: expected hf://ORG/REPO[@REVISION]")
+    from huggingface_hub import snapshot_download
+    try:
+        path = snapshot_download(repo_id=repo, revision=rev or None)
+    except Exception as e:    # hub errors come in many types; all mean "cannot get this artifact"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ServeError(f"{spec}: cannot download from the Hugging Face Hub: {first}") from None
+    if verify:
+        from ninfer_formats.container import verify_paths
+        problems = verify_paths([path])
+        if problems:
+            raise ServeError(f"{spec}: downloaded artifact failed verification: {problems[0]}")
+    return path, True
