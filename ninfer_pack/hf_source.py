@@ -2,12 +2,14 @@
 
 `open_source` reads only safetensors headers and small JSON files: it builds the ModelConfig, matches every
 tensor against the inventory the config implies (missing, extra, misshaped, unsupported dtype -> SourceError
-naming it) and collects the resources. Tensor data is read later, lazily and by row range (`read_rows`),
-in whichever process needs it.
+naming it) and collects the resources. Headers are parsed by `safe_open` (a corrupt one is a SourceError naming the file);
+tensor data is read later, lazily and by row range (`TensorReader`, plain `pread` at the validated offsets,
+so nothing stays mapped), in whichever process needs it.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ class SourceTensor:
     file: str                    # absolute path of the safetensors file
     fmt: str                     # plain format of the stored dtype: bf16 / f16 / f32
     hf_shape: tuple[int, ...]
+    offset: int = 0              # absolute file offset of the data (from the validated header)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -106,8 +109,17 @@ def _shard_files(root: Path) -> list[Path]:
     return files
 
 
-def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{hf name: (safetensors dtype, shape)} via safe_open; a corrupt file is a SourceError naming it."""
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Absolute data offset per tensor. Called only after safe_open accepted the header, which checks
+    the offsets tile the buffer exactly, so the raw JSON can be trusted here."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """{hf name: (safetensors dtype, shape, data offset)}; a corrupt file is a SourceError naming it."""
     from safetensors import safe_open
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -115,41 +127,42 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             for k in f.keys():
                 sl = f.get_slice(k)
                 out[k] = (sl.get_dtype(), tuple(int(d) for d in sl.get_shape()))
-            return out
+        offsets = _data_offsets(path)
+        return {k: (dt, shape, offsets[k]) for k, (dt, shape) in out.items()}
     except Exception as e:  # SafetensorError and friends: the header cannot be trusted
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SourceError(f"{path}: corrupt safetensors header ({first})") from None
 
 
-def _scan(files: list[Path]) -> dict[str, tuple[str, str, str, tuple[int, ...]]]:
-    """artifact name -> (hf name, file, dtype, shape) over all shards; unknown names are errors."""
-    found: dict[str, tuple[str, str, str, tuple[int, ...]]] = {}
+def _scan(files: list[Path]) -> dict[str, tuple]:
+    """artifact name -> (hf name, file, dtype, shape, offset) over all shards; unknown names are errors."""
+    found: dict[str, tuple] = {}
     for f in files:
-        for hf_name, (dtype, shape) in read_header(f).items():
+        for hf_name, (dtype, shape, offset) in read_header(f).items():
             name = artifact_name(hf_name)
             if name is None:
                 raise SourceError(f"{f}: unexpected tensor {hf_name} (not part of a Qwen3.8 checkpoint)")
             if name in found:
                 raise SourceError(f"{f}: tensor {hf_name} also appears as {found[name][0]} in "
                                   f"{Path(found[name][1]).name}")
-            found[name] = (hf_name, str(f), dtype, shape)
+            found[name] = (hf_name, str(f), dtype, shape, offset)
     return found
 
 
 def _match(found: dict, expected: dict, skip: tuple[str, ...], where: str) -> dict[str, SourceTensor]:
-    for name, (hf_name, f, _, _) in found.items():
+    for name, (hf_name, f, *_) in found.items():
         if name not in expected and not name.startswith(skip):
             raise SourceError(f"{f}: unexpected tensor {hf_name} (the config implies no such tensor)")
     out = {}
     for name, shape in expected.items():
         if name not in found:
             raise SourceError(f"{where}: missing tensor {name} (in no *.safetensors file)")
-        hf_name, f, dtype, got = found[name]
+        hf_name, f, dtype, got, offset = found[name]
         if got != shape:
             raise SourceError(f"{f}: tensor {hf_name} has shape {list(got)}, config.json implies {list(shape)}")
         if dtype not in DTYPES:
             raise SourceError(f"{f}: tensor {hf_name} has dtype {dtype}; supported: {', '.join(DTYPES)}")
-        out[name] = SourceTensor(name, hf_name, f, DTYPES[dtype], shape)
+        out[name] = SourceTensor(name, hf_name, f, DTYPES[dtype], shape, offset)
     return out
 
 
@@ -192,26 +205,35 @@ def open_source(source: str, *, vision: bool = True, mtp: bool = True) -> HFSour
                     _fingerprint(files, tensors, cfg_path.read_bytes()))
 
 
+_NP = {"bf16": "<u2", "f16": "<f2", "f32": "<f4"}     # bf16 travels as its uint16 bits
+
+
 class TensorReader:
-    """Lazy row-range reads of one source tensor (one safe_open per tensor, not per chunk)."""
+    """Row-range reads of one source tensor with pread: no mmap, so nothing stays resident after a chunk."""
 
     def __init__(self, t: SourceTensor):
-        from safetensors import safe_open
         self.t = t
-        self._f = safe_open(t.file, framework="pt")
-        self._f.__enter__()
+        self.dtype = np.dtype(_NP[t.fmt])
+        self.row_bytes = int(np.prod(t.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        self._fd = os.open(t.file, os.O_RDONLY)
 
     def rows(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) in the artifact shape, as stored: bf16 as uint16 bits, f16, f32."""
-        import torch
         t = self.t
-        stop = t.hf_shape[0] if stop is None else stop
-        x = self._f.get_slice(t.hf_name)[start:stop].contiguous()
-        a = x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
-        return a.reshape((stop - start,) + t.shape[1:])
+        stop = (t.hf_shape[0] if t.hf_shape else 1) if stop is None else stop
+        want, pos = (stop - start) * self.row_bytes, t.offset + start * self.row_bytes
+        buf = bytearray(want)
+        view, got = memoryview(buf), 0
+        while got < want:
+            n = os.preadv(self._fd, [view[got:]], pos + got)
+            if n <= 0:
+                raise SourceError(f"{t.file}: tensor {t.hf_name} is truncated (file changed while packing?)")
+            got += n
+        a = np.frombuffer(buf, dtype=self.dtype)
+        return a.reshape((stop - start,) + t.shape[1:]) if t.hf_shape else a.reshape(())
 
     def close(self) -> None:
-        self._f.__exit__(None, None, None)
+        os.close(self._fd)
 
     def __enter__(self):
         return self
