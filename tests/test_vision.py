@@ -291,6 +291,36 @@ def test_expand_placeholders(tiny):
         vis.expand_placeholders([IMG, IMG], grids[:1])
 
 
+def test_vision_prompt_rows_past_the_prompt(tiny):
+    """Decode rows get 1-D positions row + rope_delta and no embedding override; a chunk spanning the
+    prompt end gets 3 rows (prompt part from the table, the rest shifted by the delta)."""
+    from ninfer_rt.model import Model
+    _, cfg, w = tiny
+    ops = TorchOps()
+    vis = VisionRuntime(cfg, w, {"preprocessor_config.json": json.dumps(PRE).encode()}, ops)
+    vp = vis.prepare(_chat_ids(1), [_synthetic_images()["rgb_odd_37x53"]])
+    model = Model(cfg, w, ops)
+    t, d = len(vp), vp.rope_delta
+    kw = vp.seq_kwargs(model, t + 3, torch.tensor([5, 6]))
+    assert kw["inputs_embeds"] is None and kw["positions"].tolist() == [t + 3 + d, t + 4 + d]
+    span = vp.positions_for(t - 2, 4)
+    assert torch.equal(span[:, :2], vp.positions[:, -2:]) and span[:, 2:].tolist() == [[t + d, t + 1 + d]] * 3
+    assert vp.seq_kwargs(model, 0, vp.token_ids[:5])["inputs_embeds"] is None       # text-only chunk
+
+
+def test_vision_runtime_setup_errors(tiny):
+    _, cfg, w = tiny
+    res = {"preprocessor_config.json": json.dumps(PRE).encode()}
+    with pytest.raises(NinferError, match="the artifact has no vision tower"):
+        VisionRuntime(dataclasses.replace(cfg, vision=None), w, res, TorchOps())
+    with pytest.raises(NinferError, match="model.image_token_id: missing"):
+        VisionRuntime(dataclasses.replace(cfg, image_token_id=None), w, res, TorchOps())
+    with pytest.raises(VisionError, match="below the preprocessor's min_pixels 256"):
+        VisionRuntime(cfg, w, res, TorchOps(), max_pixels=100)
+    small = VisionRuntime(cfg, w, res, TorchOps(), max_pixels=16 * 16)
+    assert small.encode([_synthetic_images()["rgba_150x90_downscaled"]])[1].tolist() == [[1, 4, 2]]  # 16x8 px
+
+
 # ---- (5) bad images -> one-line VisionError ----------------------------------------------------------------
 
 def _png(w=8, h=8) -> bytes:

@@ -22,7 +22,7 @@ from PIL import Image
 
 from ninfer_formats.model_config import VisionConfig
 
-from .errors import VisionError
+from .errors import VisionError, one_line
 
 # transformers' Qwen2VLImageProcessor class defaults (used only for keys the config leaves out)
 DEFAULT_MIN_PIXELS = 56 * 56
@@ -151,7 +151,10 @@ def to_rgb(img: Image.Image) -> Image.Image:
 def normalized_pixels(img: Image.Image, cfg: PreprocessConfig, where: str = "image") -> np.ndarray:
     """float32 [3, H', W'] after convert, resize, rescale and normalise."""
     if cfg.do_convert_rgb or img.mode != "RGB":
-        img = to_rgb(img)
+        try:
+            img = to_rgb(img)
+        except (ValueError, OSError) as e:
+            raise VisionError(f"{where}: cannot convert a {img.mode} image to RGB ({one_line(e)})") from None
     if cfg.do_resize:
         h, w = smart_resize(img.height, img.width, cfg.factor, cfg.min_pixels, cfg.max_pixels, where)
         img = img.resize((w, h), resample=cfg.resample)

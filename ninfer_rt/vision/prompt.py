@@ -14,6 +14,7 @@ the prompt (decode, recompute after preemption) sit at row + rope_delta on all t
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,9 @@ class VisionRuntime:
 
     def __init__(self, config: ModelConfig, weights: dict, resources: dict, ops, *,
                  dtype: torch.dtype | None = None, limits: ImageLimits = ImageLimits(),
-                 preprocess: PreprocessConfig | None = None):
+                 preprocess: PreprocessConfig | None = None, max_pixels: int | None = None):
+        """`max_pixels` lowers the resize target of the artifact's preprocessor config (fewer tokens per
+        image: tokens ~ pixels / (patch * merge)^2)."""
         if config.vision is None:
             raise LoadError("vision: the artifact has no vision tower (packed with --no-vision?)")
         if config.image_token_id is None:
@@ -86,7 +89,13 @@ class VisionRuntime:
             raise LoadError(f"vision_config.out_hidden_size: {config.vision.out_hidden_size} differs from "
                             f"hidden_size {config.hidden_size}")
         self.config, self.limits = config, limits
-        self.preprocess = preprocess or PreprocessConfig.from_resources(resources, config.vision)
+        pre = preprocess or PreprocessConfig.from_resources(resources, config.vision)
+        if max_pixels is not None:
+            if not isinstance(max_pixels, int) or max_pixels < pre.min_pixels:
+                raise VisionError(f"max_pixels: {max_pixels!r} is below the preprocessor's min_pixels "
+                                  f"{pre.min_pixels}")
+            pre = dataclasses.replace(pre, max_pixels=max_pixels)
+        self.preprocess = pre
         self.tower = VisionTower(config.vision, weights, ops, dtype=dtype)
         self.image_token_id = int(config.image_token_id)
         self.merge = config.vision.spatial_merge_size
