@@ -1,0 +1,227 @@
+"""The one skeleton every fused dequant-GEMV / skinny-GEMM kernel is built from.
+
+A format supplies three @triton.jit functions and three constants:
+  LOAD(w0..w5, rows, g, wm, G) -> state   load the packed bytes of rows x groups `g` (GS weights per group)
+  RAW(state, i) -> fp32 [BN, BG]           weight i of every group, before its group scale
+  SCALE(state) -> fp32 [BN, BG] / [BN, 1]  the group (or row) scale
+  w = RAW * XS * SCALE * SW * fscale
+GS = weights per group along K; XS = a power of two the activations are multiplied by so that RAW may be a
+subnormal float32 built straight from the code bits (no conversion instruction, no table); SW = a power of
+two kept out of SCALE so that every intermediate stays a normal float32 (applied once at the end of the
+elementwise path, folded into SCALE for the dot path and the dequantizer).
+
+Two inner products share the decode:
+  * elementwise (USE_DOT=False): per group sum_i RAW_i * x_i in fp32 FMAs, then one FMA with the group
+    scale; no tensor cores, so it is the sm_70 path and the fast path for very small T;
+  * tensor-core (USE_DOT=True): RAW_i * SCALE interleaved back into natural K order (a join tree that
+    stays in registers), cast to the activation dtype and fed to tl.dot (T tile >= 16); on sm_70 tl.dot
+    lowers to FMAs.
+Grid = (row blocks, K splits, T tiles). With K splits every CTA writes an fp32 partial to a workspace, the
+last CTA of a row block (an acq_rel counter, reset by that CTA so the workspace is reusable and graph-safe)
+sums the partials in split order -- deterministic -- and runs the epilogue: * fscale, + residual, cast.
+The weight bytes of a row block are read once for all T columns of a T tile.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def ld(ptr, wm):
+    """Load with an optional mask (None when the K range is a whole number of tiles)."""
+    if wm is None:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=wm, other=0)
+
+
+@triton.jit
+def e4m3_magnitude(s):
+    """|E4M3FN| of code bytes (int32) in fp32 without an fp8 type (sm_70 has none): the 7 magnitude bits
+    placed at fp32 bits 26..20 are the value * 2**-120 exactly (subnormal codes included, since fp32
+    subnormals are kept), and * 2**120 is exact. The sign bit is ignored (NVFP4 block scales are >= 0) and
+    the NaN code 0x7F reads as 480 (the codecs never emit it)."""
+    return ((s & 0x7F) << 20).to(tl.float32, bitcast=True) * 1.329227995784916e+36
+
+
+@triton.jit
+def _j2(a, b):
+    return tl.join(a, b)
+
+
+@triton.jit
+def _j4(a0, a1, a2, a3):
+    # the most significant index bit is joined first so the final row-major reshape is natural order
+    return tl.join(_j2(a0, a2), _j2(a1, a3))
+
+
+@triton.jit
+def _j8(a0, a1, a2, a3, a4, a5, a6, a7):
+    return tl.join(_j4(a0, a2, a4, a6), _j4(a1, a3, a5, a7))
+
+
+@triton.jit
+def _w(st, sc, RAW: tl.constexpr, i: tl.constexpr, XS: tl.constexpr):
+    # RAW * XS first: XS * SCALE alone may overflow fp32 (both carry large powers of two)
+    if XS == 1.0:
+        return RAW(st, i) * sc
+    else:
+        return (RAW(st, i) * XS) * sc
+
+
+@triton.jit
+def weight_tile(st, sc, RAW: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_G: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_G * GS] weights in natural K order (column = GS * g + i)."""
+    if GS == 16:
+        w = tl.join(_j8(_w(st, sc, RAW, 0, XS), _w(st, sc, RAW, 2, XS), _w(st, sc, RAW, 4, XS),
+                        _w(st, sc, RAW, 6, XS), _w(st, sc, RAW, 8, XS), _w(st, sc, RAW, 10, XS),
+                        _w(st, sc, RAW, 12, XS), _w(st, sc, RAW, 14, XS)),
+                    _j8(_w(st, sc, RAW, 1, XS), _w(st, sc, RAW, 3, XS), _w(st, sc, RAW, 5, XS),
+                        _w(st, sc, RAW, 7, XS), _w(st, sc, RAW, 9, XS), _w(st, sc, RAW, 11, XS),
+                        _w(st, sc, RAW, 13, XS), _w(st, sc, RAW, 15, XS)))
+    elif GS == 8:
+        w = _j8(_w(st, sc, RAW, 0, XS), _w(st, sc, RAW, 1, XS), _w(st, sc, RAW, 2, XS), _w(st, sc, RAW, 3, XS),
+                _w(st, sc, RAW, 4, XS), _w(st, sc, RAW, 5, XS), _w(st, sc, RAW, 6, XS), _w(st, sc, RAW, 7, XS))
+    elif GS == 4:
+        w = _j4(_w(st, sc, RAW, 0, XS), _w(st, sc, RAW, 1, XS), _w(st, sc, RAW, 2, XS), _w(st, sc, RAW, 3, XS))
+    else:
+        tl.static_assert(GS == 2)
+        w = _j2(_w(st, sc, RAW, 0, XS), _w(st, sc, RAW, 1, XS))
+    return tl.reshape(w, [BLOCK_N, BLOCK_G * GS])
+
+
+@triton.jit
+def _dot(w, xt, acc, DOT_KIND: tl.constexpr):
+    if DOT_KIND == 0:
+        return tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
+    elif DOT_KIND == 1:
+        return tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16), acc)
+    else:
+        return tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _store_out(v, t, offs_n, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES: tl.constexpr):
+    if HAS_RES:
+        v += tl.load(res_ptr + t[None, :] * stride_rt + offs_n[:, None], mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t[None, :] * stride_ot + offs_n[:, None], v.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _finish(v, t, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
+            HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr):
+    """v [BLOCK_N, T_TILE] fp32 -> out (through the split-K workspace when USE_SPLIT)."""
+    m = (offs_n < N)[:, None] & (t < T)[None, :]
+    if USE_SPLIT:
+        tl.store(ws_ptr + (tl.program_id(1) * T + t)[None, :] * N + offs_n[:, None], v, mask=m)
+        tl.debug_barrier()  # every thread's partial is issued before the counter is released
+        cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+        arrived = tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu")
+        if arrived == split - 1:
+            tot = tl.zeros_like(v)
+            for s in range(0, split):  # fixed order: bitwise reproducible
+                tot += tl.load(ws_ptr + (s * T + t)[None, :] * N + offs_n[:, None], mask=m, other=0.0,
+                               cache_modifier=".cg")
+            _store_out(tot, t, offs_n, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES)
+            tl.atomic_xchg(cnt_ptr + cidx, 0, sem="relaxed", scope="gpu")
+    else:
+        _store_out(v, t, offs_n, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES)
+
+
+@triton.jit
+def _tset(tup, k: tl.constexpr, v):
+    return tup[:k] + (v,) + tup[k + 1:]
+
+
+@triton.jit
+def _zeros(n: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    z = ()
+    for _ in tl.static_range(n):
+        z = z + (tl.zeros([BLOCK_N, BLOCK_G], tl.float32),)
+    return z
+
+
+@triton.jit
+def _fma_step(accs, st, sc, g, xm, t0, T, x_ptr, stride_xt, RAW: tl.constexpr, GS: tl.constexpr,
+              XS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """accs[t] += SCALE * sum_i RAW_i * x[t, GS*g + i]: every decoded weight is used for all T columns.
+    Everything is 2-D [BLOCK_N, BLOCK_G] in the layout of the packed-word load (no layout conversions);
+    the per-column accumulators are a tuple because T_TILE is a compile-time constant. Columns past T
+    re-read row T-1 (never stored), so only a ragged K tail needs a mask (xm, else None)."""
+    parts = _zeros(T_TILE, BLOCK_N, BLOCK_G)
+    for i in tl.static_range(GS):
+        raw = RAW(st, i)
+        for tt in tl.static_range(T_TILE):
+            xi = ld(x_ptr + tl.minimum(t0 + tt, T - 1) * stride_xt + g * GS + i, xm)
+            parts = _tset(parts, tt, parts[tt] + raw * (xi.to(tl.float32) * XS)[None, :])
+    for tt in tl.static_range(T_TILE):
+        accs = _tset(accs, tt, accs[tt] + parts[tt] * sc)
+    return accs
+
+
+@triton.jit
+def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
+              T, N, G, split, stride_xt, stride_ot, stride_rt,
+              LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
+              SW: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr,
+              USE_DOT: tl.constexpr, DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+              VEC: tl.constexpr = 2):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row and are never stored
+    t0 = tl.program_id(2) * T_TILE
+    t = t0 + tl.arange(0, T_TILE)
+    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
+    g_lo = tl.program_id(1) * g_per
+    g_hi = tl.minimum(G, g_lo + g_per)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
+    else:
+        accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        # VEC groups per thread and row: 16-byte loads, the rest of a thread's registers go to more rows
+        # (each activation it loads is reused for every row it owns)
+        g = tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, BLOCK_G), VEC), VEC)
+        gmask = g < g_hi
+        if EVEN_G:
+            wm = None
+            xm = None
+        else:
+            wm = gmask[None, :]
+            xm = gmask
+        st = LOAD(w0, w1, w2, w3, w4, w5, rows, g, wm, G)
+        sc = SCALE(st)
+        if USE_DOT:
+            k = g0 * GS + tl.arange(0, BLOCK_G * GS)
+            xt = tl.load(x_ptr + t[None, :] * stride_xt + k[:, None],
+                         mask=(k < g_hi * GS)[:, None] & (t < T)[None, :], other=0.0)
+            acc = _dot(weight_tile(st, sc * SW, RAW, GS, XS, BLOCK_N, BLOCK_G), xt, acc, DOT_KIND)
+        else:
+            accs = _fma_step(accs, st, sc, g, xm, t0, T, x_ptr, stride_xt, RAW, GS, XS, T_TILE, BLOCK_N,
+                             BLOCK_G)
+    if USE_DOT:
+        acc = acc * fscale
+    else:
+        cols = tl.arange(0, T_TILE)
+        acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
+        for tt in tl.static_range(T_TILE):
+            acc = tl.where(cols[None, :] == tt, tl.sum(accs[tt], axis=1)[:, None], acc)
+        acc = acc * SW * fscale
+    _finish(acc, t, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
+            HAS_RES, USE_SPLIT)
+
+
+@triton.jit
+def dequant_body(w0, w1, w2, w3, w4, w5, out_ptr, fscale, N, G,
+                 LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
+                 SW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """out[N, G*GS] = the dense weights (prefill on sm_70: dequantize, then a cuBLAS matmul)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    st = LOAD(w0, w1, w2, w3, w4, w5, rows, g, (g < G)[None, :], G)
+    w = weight_tile(st, SCALE(st) * SW * fscale, RAW, GS, XS, BLOCK_N, BLOCK_G)
+    k = tl.program_id(1) * (BLOCK_G * GS) + tl.arange(0, BLOCK_G * GS)
+    m = (offs_n < N)[:, None] & (k < G * GS)[None, :]
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * (G * GS) + k[None, :], w.to(out_ptr.dtype.element_ty), mask=m)

@@ -1,0 +1,159 @@
+"""GGML IQ3_S fused dequant-GEMV / skinny GEMM: y[T, N] = x[T, K] @ W[N, K]^T (+ residual).
+
+Load-time repack (`repack_iq3_s`, same 110 bytes per 256 weights): the 2-byte-aligned GGML blocks are split
+into planar arrays, each row-major over the row's weights, indexed by 16-weight group g:
+  qs    int32 [N, K/16]  low 8 bits of the grid index of the four 4-weight groups of g (one byte each)
+  signs int16 [N, K/16]  sign bits, bit i = weight 16g + i
+  qh    u8    [N, K/32]  bit 8 of the grid indices, bit k = group k of the 32-weight sub-block
+  sc    u8    [N, K/64]  4-bit sub-block scales, even sub-block in the low nibble
+  d     fp16  [N, K/256] super-block scales
+The 512-entry grid (`ninfer_formats.codecs.iq3_s_tables.grid_bytes`, byte j = coordinate j) is an int32 lookup
+table in global memory (2 KB, L1-resident). Per group the four sign bits are spread to byte masks and the
+grid word is negated bytewise (two's complement, no carries since coordinates are 1..15), so a weight is one
+byte extract: byte ^ 0x80 | 0x4B000000 is the float 2**23 + 128 + coordinate, one FADD from the value.
+w = d * (1 + 2 * s4) * coordinate * sign.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv_common import dequant_body, gemv_body, ld
+from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv
+
+GS = 16
+QK = 256
+BLOCK_BYTES = 110
+_GS = tl.constexpr(GS)
+_ONE = tl.constexpr(1.0)
+_MAGIC = tl.constexpr(0x4B000080)          # float bits of 2**23 + 128 (the xor with 0x80 is folded in)
+_OFFSET = tl.constexpr(8388608.0 + 128.0)
+_GRID: dict = {}
+
+
+def grid_table(device) -> torch.Tensor:
+    """int32 [512] iq3s grid words on `device` (cached)."""
+    key = str(device)
+    if key not in _GRID:
+        from ninfer_formats.codecs.iq3_s_tables import grid_bytes
+        _GRID[key] = torch.from_numpy(grid_bytes().astype("<u4").view("<i4").copy()).to(device)
+    return _GRID[key]
+
+
+@triton.jit
+def _signed_group(qs, qh4, sg, grid, k: tl.constexpr):
+    idx = ((qs >> (8 * k)) & 0xFF) | (((qh4 >> k) & 1) << 8)
+    gw = tl.load(grid + idx)
+    m = ((((sg >> (4 * k)) & 0xF) * 0x00204081) & 0x01010101) * 0xFF  # sign bit j -> byte j all ones
+    return (gw ^ m) + (m & 0x01010101)
+
+
+@triton.jit
+def _load(qs, signs, qh, sc, d, grid, rows, g, wm, G):
+    r = rows[:, None]
+    q = ld(qs + r * G + g[None, :], wm)
+    sg = ld(signs + r * G + g[None, :], wm).to(tl.int32)
+    qh4 = ld(qh + r * (G // 2) + (g // 2)[None, :], wm).to(tl.int32) >> (4 * (g % 2))[None, :]
+    s4 = (ld(sc + r * (G // 4) + (g // 4)[None, :], wm).to(tl.int32) >> (4 * ((g // 2) % 2))[None, :]) & 0xF
+    s = ld(d + r * (G // 16) + (g // 16)[None, :], wm).to(tl.float32) * (1 + 2 * s4).to(tl.float32)
+    return (_signed_group(q, qh4, sg, grid, 0), _signed_group(q, qh4, sg, grid, 1),
+            _signed_group(q, qh4, sg, grid, 2), _signed_group(q, qh4, sg, grid, 3), s)
+
+
+@triton.jit
+def _raw(st, i: tl.constexpr):
+    v0, v1, v2, v3, s = st
+    if i // 4 == 0:
+        v = v0
+    elif i // 4 == 1:
+        v = v1
+    elif i // 4 == 2:
+        v = v2
+    else:
+        v = v3
+    return ((((v >> (8 * (i % 4))) & 0xFF) ^ _MAGIC)).to(tl.float32, bitcast=True) - _OFFSET
+
+
+@triton.jit
+def _scale(st):
+    v0, v1, v2, v3, s = st
+    return s
+
+
+@triton.jit
+def iq3_s_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G,
+                      split, stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+                      DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr):
+    gemv_body(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
+              T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _ONE, _ONE,
+              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G)
+
+
+@triton.jit
+def iq3_s_dequant_kernel(qs, signs, qh, sc, d, grid, out_ptr, fscale, N, G, BLOCK_N: tl.constexpr,
+                         BLOCK_G: tl.constexpr):
+    dequant_body(qs, signs, qh, sc, d, grid, out_ptr, fscale, N, G, _load, _raw, _scale, _GS, _ONE, _ONE,
+                 BLOCK_N, BLOCK_G)
+
+
+def _repack_rows(b: torch.Tensor) -> tuple:
+    n, nb = b.shape[0], b.shape[1] // BLOCK_BYTES
+    b = b.reshape(n, nb, BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, nb)
+    qs = b[..., 2:66].reshape(n, nb * 64).contiguous().view(torch.int32)
+    qh = b[..., 66:74].reshape(n, nb * 8).contiguous()
+    signs = b[..., 74:106].reshape(n, nb * 32).contiguous().view(torch.int16)
+    sc = b[..., 106:110].reshape(n, nb * 4).contiguous()
+    return qs, signs, qh, sc, d
+
+
+def repack_iq3_s(blocks: torch.Tensor, K: int, *, chunk_rows: int = 8192) -> dict:
+    """GGML IQ3_S rows u8 [N, K/256*110] -> {"qs", "signs", "qh", "sc", "d", "grid"} (module docstring)."""
+    if K % QK or not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.dtype != torch.uint8 \
+            or blocks.shape[1] != K // QK * BLOCK_BYTES:
+        got = (tuple(blocks.shape), blocks.dtype) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+        raise KernelInputError(f"repack_iq3_s: blocks must be u8 [N, {K // QK * BLOCK_BYTES}] for K={K} "
+                               f"(K a multiple of {QK}), got {got}")
+    parts = [_repack_rows(blocks[r:r + chunk_rows]) for r in range(0, blocks.shape[0], chunk_rows)]
+    qs, signs, qh, sc, d = (torch.cat(p) for p in zip(*parts))
+    return {"qs": qs, "signs": signs, "qh": qh, "sc": sc, "d": d, "grid": grid_table(blocks.device)}
+
+
+def _weights(packed: dict, K: int, device, what: str):
+    if K % QK:
+        raise KernelInputError(f"{what}: K={K} is not a multiple of {QK}")
+    qs = packed.get("qs")
+    n = qs.shape[0] if isinstance(qs, torch.Tensor) and qs.dim() == 2 else -1
+    g = K // GS
+    return n, (check_weight(qs, "qs", (n, g), (torch.int32,), what, device),
+               check_weight(packed.get("signs"), "signs", (n, g), (torch.int16,), what, device),
+               check_weight(packed.get("qh"), "qh", (n, K // 32), (torch.uint8,), what, device),
+               check_weight(packed.get("sc"), "sc", (n, K // 64), (torch.uint8,), what, device),
+               check_weight(packed.get("d"), "d", (n, K // QK), (torch.float16,), what, device),
+               check_weight(packed.get("grid"), "grid", (512,), (torch.int32,), what, device))
+
+
+def gemv_iq3_s(x, packed: dict, out=None, residual=None, *, config=None):
+    """x [T, K] fp16/bf16/fp32, packed = repack_iq3_s(blocks, K) -> [T, N] in x.dtype."""
+    x = check_x(x, None, "gemv_iq3_s")
+    K = x.shape[1]
+    n, w = _weights(packed, K, x.device, "gemv_iq3_s")
+    return gemv(iq3_s_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_iq3_s")
+
+
+def dequant_iq3_s(packed: dict, K: int, dtype=torch.float16):
+    """Dense [N, K] `dtype` weights from repacked IQ3_S arrays."""
+    dev = packed["qs"].device
+    n, w = _weights(packed, K, dev, "dequant_iq3_s")
+    return dequant(iq3_s_dequant_kernel, w, n, K // GS, GS, 1.0, dtype, dev)
+
+
+def packed_bytes(N: int, K: int) -> int:
+    return N * (K // QK) * BLOCK_BYTES
+
+
+def kernel_for(fmt: str = "iq3_s"):
+    return iq3_s_gemv_kernel, {"qs": "*i32", "signs": "*i16", "qh": "*u8", "sc": "*u8", "d": "*fp16",
+                               "grid": "*i32"}

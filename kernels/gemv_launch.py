@@ -1,0 +1,228 @@
+"""Host side of the GEMV skeleton: argument checks, launch configs, the split-K workspace and a small tuner.
+
+Configs: `GemvConfig` (frozen). `candidates()` lists the configs worth trying for a shape; the first is the
+default (used in the interpreter, without CUDA, while a CUDA graph is being captured, or with
+NINFER_GEMV_TUNE=0). On a GPU the first call for a (kernel, N, K, T bucket, dtype, residual, device) key
+times every candidate with triton.testing.do_bench and remembers the fastest (`tuned_configs()` lists them);
+warm up before capturing a CUDA graph.
+
+Workspace: split-K partials go to one fp32 buffer per device and the arrival counters to one int32 buffer per
+device (zeroed once; each launch leaves them at zero). Kernels on two streams of one device must therefore not
+run split-K GEMVs concurrently.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ninfer_formats.errors import NinferError
+
+X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class KernelInputError(NinferError):
+    """A kernel was called with tensors of the wrong shape, dtype or layout."""
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_g: int
+    num_warps: int = 4
+    num_stages: int = 2
+    split: int = 1          # K splits (1 = none); clamped to the number of K tiles
+    use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
+    t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
+
+    def __post_init__(self):
+        for f in ("block_n", "block_g", "num_warps", "num_stages", "split"):
+            v = getattr(self, f)
+            if v < 1 or (f in ("block_n", "block_g", "num_warps") and v & (v - 1)):
+                raise ValueError(f"GemvConfig.{f} must be a positive power of two (split: positive), got {v}")
+        if self.t_tile and (self.t_tile & (self.t_tile - 1) or (self.use_dot and self.t_tile < 16)):
+            raise ValueError(f"GemvConfig.t_tile must be a power of two (>= 16 with use_dot), got {self.t_tile}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def auto_split(n_ctas: int, g_tiles: int, sms: int) -> int:
+    """K splits so that about two CTAs per SM exist (row blocks alone rarely fill an H200 at N ~ 5k)."""
+    if n_ctas >= 2 * sms:
+        return 1
+    return max(1, min(16, g_tiles, triton.cdiv(2 * sms, n_ctas)))
+
+
+def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device) -> list[GemvConfig]:
+    """Configs for [T, K] x [N, K]^T; the first is the default."""
+    if interpreting() or device.type != "cuda":
+        # the interpreter pays per program and per op, not per element: few, large tiles
+        return [GemvConfig(min(64, next_pow2(N)), min(64, next_pow2(G)), use_dot=T > 16)]
+    cc = torch.cuda.get_device_capability(device)
+    sms = sm_count(device)
+    ggs = max(1, 256 // GS)  # groups in a 256-wide K step
+    if T > 16:  # prefill: a GEMM with decode fused into the A-operand load
+        shapes = [(128, ggs // 2, 8, 64, 3), (64, ggs // 2, 4, 64, 3), (128, ggs // 2, 8, 128, 3),
+                  (64, ggs // 4, 4, 32, 4)]
+        return [GemvConfig(bn, max(1, bg), w, st, 1, True, tt) for bn, bg, w, st, tt in shapes]
+    out = []
+    for bn, bg, w, st in ((64, ggs, 4, 2), (32, ggs, 4, 2), (128, ggs, 8, 2), (64, 2 * ggs, 8, 1), (32, ggs, 4, 1)):
+        nb = triton.cdiv(N, bn)
+        out.append(GemvConfig(bn, bg, w, st, auto_split(nb, triton.cdiv(G, bg), sms)))
+    if T >= 2 and x_dtype != torch.float32:
+        # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
+        if cc >= (8, 0) or T >= 4:
+            for bn, bg, w in ((64, ggs // 2, 4), (128, ggs // 2, 8)):
+                nb = triton.cdiv(N, bn)
+                out.append(GemvConfig(bn, max(1, bg), w, 2, auto_split(nb, triton.cdiv(G, bg), sms), True))
+    return out
+
+
+_WS: dict = {}
+
+
+def workspace(device: torch.device, n_ws: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device.type, device.index)
+    ws, cnt = _WS.get(key, (None, None))
+    if ws is None or ws.numel() < n_ws:
+        ws = torch.empty(max(n_ws, 1 << 16), dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < n_cnt:
+        cnt = torch.zeros(max(n_cnt, 1024), dtype=torch.int32, device=device)
+    _WS[key] = (ws, cnt)
+    return ws, cnt
+
+
+def check_x(x: torch.Tensor, K: int | None, what: str) -> torch.Tensor:
+    """x must be [T >= 1, K] (any K when K is None) fp16/bf16/fp32; returned with unit column stride."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != (K or x.shape[1]) or x.shape[0] < 1:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise KernelInputError(f"{what}: activations must be [T >= 1, K={K}], got {shape}")
+    if x.dtype not in X_DTYPES:
+        raise KernelInputError(f"{what}: activations must be fp16/bf16/fp32, got {x.dtype}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def check_weight(t: torch.Tensor, name: str, shape: tuple, dtypes, what: str, device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype not in dtypes:
+        got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise KernelInputError(f"{what}: {name} must be {tuple(shape)} {'/'.join(map(str, dtypes))}, got {got}")
+    if t.device != device:
+        raise KernelInputError(f"{what}: {name} is on {t.device}, activations on {device}")
+    return t.contiguous()
+
+
+def as_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret a contiguous u8 [N, B] as [N, B / itemsize] `dtype` (copies if the start is misaligned)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    if t.storage_offset() % item or t.data_ptr() % 16:
+        t = t.clone()
+    return t.view(dtype)
+
+
+def _check_out(out, residual, T: int, N: int, x: torch.Tensor, what: str):
+    if out is None:
+        out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (T, N) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+        raise KernelInputError(f"{what}: out must be [{T}, {N}] {x.dtype} with unit column stride")
+    if residual is not None and (tuple(residual.shape) != (T, N) or residual.stride(1) != 1
+                                 or residual.device != x.device):
+        raise KernelInputError(f"{what}: residual must be [{T}, {N}] with unit column stride on {x.device}")
+    return out
+
+
+def dot_kind(x_dtype) -> int:
+    """0 fp16, 1 bf16, 2 fp32 (the interpreter computes bf16 dots wrongly, so it gets fp32)."""
+    if x_dtype == torch.float16:
+        return 0
+    if x_dtype == torch.bfloat16 and not interpreting():
+        return 1
+    return 2
+
+
+def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig):
+    T = x.shape[0]
+    tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
+    grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
+    split = max(1, min(cfg.split, triton.cdiv(G, cfg.block_g)))
+    if split > 1:
+        ws, cnt = workspace(x.device, split * T * N, grid_n * grid_t)
+    else:
+        ws, cnt = out, out
+    res = residual if residual is not None else out
+    kernel[(grid_n, split, grid_t)](
+        x, *weights, out, res, ws, cnt, float(fscale), T, N, G, split, x.stride(0), out.stride(0), res.stride(0),
+        T_TILE=tt, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, USE_SPLIT=split > 1, USE_DOT=cfg.use_dot,
+        DOT_KIND=dot_kind(x.dtype), HAS_RES=residual is not None, EVEN_G=G % cfg.block_g == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+_TUNED: dict = {}
+
+
+def tuned_configs() -> dict:
+    """{key: GemvConfig} chosen so far (the benchmark reports them)."""
+    return dict(_TUNED)
+
+
+def _tuning_allowed(device: torch.device) -> bool:
+    return (device.type == "cuda" and not interpreting() and os.environ.get("NINFER_GEMV_TUNE", "1") != "0"
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _time(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=3, rep=15, return_mode="median")
+
+
+def pick_config(key, cands: list[GemvConfig], run, device: torch.device) -> GemvConfig:
+    """The remembered config for `key`, else the fastest of `cands` (run(cfg) launches one)."""
+    if key in _TUNED:
+        return _TUNED[key]
+    if len(cands) == 1 or not _tuning_allowed(device):
+        return cands[0]
+    best, best_t = cands[0], float("inf")
+    for c in cands:
+        try:
+            t = _time(lambda: run(c))
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError):
+            continue  # a config the device cannot hold is simply not a candidate
+        if t < best_t:
+            best, best_t = c, t
+    _TUNED[key] = best
+    return best
+
+
+def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out, residual, config, what: str):
+    """Validate out/residual, pick a config (tuned on GPU), launch; returns out [T, N]."""
+    T = x.shape[0]
+    out = _check_out(out, residual, T, N, x, what)
+    if config is not None:
+        return launch(kernel, weights, x, N, G, fscale, out, residual, config)
+    bucket = next_pow2(T) if T <= 16 else min(next_pow2(T), 4096)
+    key = (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), N, G, bucket, str(x.dtype),
+           residual is not None, str(x.device))
+    cands = candidates(T, N, G, GS, x.dtype, x.device)
+    cfg = pick_config(key, cands, lambda c: launch(kernel, weights, x, N, G, fscale, out, residual, c), x.device)
+    return launch(kernel, weights, x, N, G, fscale, out, residual, cfg)
+
+
+def dequant(kernel, weights: tuple, N: int, G: int, GS: int, fscale: float, dtype, device, block=(32, 8)):
+    """Dense [N, G*GS] weights in `dtype` (sm_70 prefill path and tests)."""
+    out = torch.empty((N, G * GS), dtype=dtype, device=device)
+    bn, bg = block
+    kernel[(triton.cdiv(N, bn), triton.cdiv(G, bg))](*weights, out, float(fscale), N, G, BLOCK_N=bn, BLOCK_G=bg)
+    return out

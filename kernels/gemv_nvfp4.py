@@ -1,0 +1,100 @@
+"""NVFP4 (ModelOpt layout) fused dequant-GEMV / skinny GEMM: y[T, N] = x[T, K] @ W[N, K]^T (+ residual).
+
+Reads the stored layout directly, no repack: codes u8 [N, K/2] viewed as int64 [N, K/16] -- one word is one
+16-weight block and weight i of the block sits in nibble i (the even element is the low nibble) -- and the
+E4M3 block scales u8 [N, K/16]; gscale is the per-tensor float.
+
+Decode, without a table or a conversion instruction: shifting nibble i to the top of an int32 and back down
+arithmetically by 6 lands its sign on bit 31 and its magnitude bits e1 e0 m on bits 24..22; masked, that is
+the float32 e2m1(c) * 2**-126 exactly (e = 0 gives the subnormal 0.5*m * 2**-126, which the FMAs keep: Triton
+does not flush fp32 subnormals). The activations are scaled by 2**64 (XS) and the result by 2**62 (SW), so
+the products stay normal and the scaling is exact; the E4M3 block scale is decoded from its bits the same way.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv_common import dequant_body, e4m3_magnitude, gemv_body, ld
+from .gemv_launch import as_words, check_weight, check_x, dequant, gemv, KernelInputError
+
+GS = 16                          # weights per block (one int64 word of codes, one E4M3 scale)
+_GS = tl.constexpr(GS)
+_XS = tl.constexpr(2.0 ** 64)     # activation pre-scale
+_SW = tl.constexpr(2.0 ** 62)     # RAW * XS * SW = e2m1 exactly
+_SIGN_MAG = tl.constexpr(-0x7E400000)  # 0x81C00000 as int32: bit 31 and bits 24..22
+
+
+@triton.jit
+def _load(codes, scales, w2, w3, w4, w5, rows, g, wm, G):
+    off = rows[:, None] * G + g[None, :]
+    words = ld(codes + off, wm)
+    s = ld(scales + off, wm).to(tl.int32)
+    return words.to(tl.int32), (words >> 32).to(tl.int32), s
+
+
+@triton.jit
+def _raw(st, i: tl.constexpr):
+    lo, hi, s = st
+    if i < 8:
+        w = lo
+    else:
+        w = hi
+    return (((w << (28 - 4 * (i % 8))) >> 6) & _SIGN_MAG).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale(st):
+    lo, hi, s = st
+    return e4m3_magnitude(s)
+
+
+@triton.jit
+def nvfp4_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
+                      stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+                      DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr):
+    gemv_body(x_ptr, codes, scales, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
+              T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _XS, _SW,
+              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G)
+
+
+@triton.jit
+def nvfp4_dequant_kernel(codes, scales, out_ptr, fscale, N, G, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    dequant_body(codes, scales, None, None, None, None, out_ptr, fscale, N, G, _load, _raw, _scale, _GS, _XS, _SW,
+                 BLOCK_N, BLOCK_G)
+
+
+def _weights(codes, scales, K: int, device, what: str):
+    if K % GS:
+        raise KernelInputError(f"{what}: K={K} is not a multiple of {GS}")
+    n = codes.shape[0] if isinstance(codes, torch.Tensor) and codes.dim() == 2 else -1
+    codes = check_weight(codes, "codes", (n, K // 2), (torch.uint8,), what, device)
+    scales = check_weight(scales, "scales", (n, K // GS), (torch.uint8,), what, device)
+    return n, (as_words(codes, torch.int64), scales)
+
+
+def gemv_nvfp4(x, codes, scales, gscale, out=None, residual=None, *, config=None):
+    """x [T, K] fp16/bf16/fp32, codes u8 [N, K/2], scales u8 [N, K/16], gscale float -> [T, N] x.dtype."""
+    x = check_x(x, None, "gemv_nvfp4")
+    K = x.shape[1]
+    n, w = _weights(codes, scales, K, x.device, "gemv_nvfp4")
+    return gemv(nvfp4_gemv_kernel, w, x, n, K // GS, GS, float(gscale), out, residual, config, "gemv_nvfp4")
+
+
+def dequant_nvfp4(codes, scales, gscale, dtype=torch.float16):
+    """Dense [N, K] `dtype` weights on the codes' device."""
+    K = 2 * codes.shape[-1]
+    n, w = _weights(codes, scales, K, codes.device, "dequant_nvfp4")
+    return dequant(nvfp4_dequant_kernel, w, n, K // GS, GS, float(gscale), dtype, codes.device)
+
+
+def packed_bytes(N: int, K: int) -> int:
+    """Weight bytes one GEMV reads."""
+    return N * (K // 2 + K // GS)
+
+
+def kernel_for(fmt: str = "nvfp4"):
+    """(gemv kernel, signature of its weight arguments) for compile checks."""
+    return nvfp4_gemv_kernel, {"codes": "*i64", "scales": "*u8"}
