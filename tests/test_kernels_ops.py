@@ -1,0 +1,280 @@
+"""Decode-path Triton kernels against the torch backend (the one reference), through TritonOps.
+
+Without CUDA the kernels run in the Triton interpreter on CPU tensors (TRITON_INTERPRET=1 is set here before
+any kernel module is imported); with CUDA the same tests run on the GPU. Every output and workspace the
+kernels allocate is NaN-poisoned (`poisoned()`), and cache entries / state rows a kernel must not read or
+write are NaN too, so an unwritten or stray element shows up.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import contextlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+from ninfer_kernels import sampling  # noqa: E402
+from ninfer_rt.backends.torch_ops import TorchOps  # noqa: E402
+from ninfer_rt.backends.triton_ops import TritonOps  # noqa: E402
+from ninfer_rt.batch import attn_meta, gdn_routing  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# relative L2 vs the fp32-internal torch reference; bf16 allows a few ulps (the interpreter truncates casts)
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+          pytest.param(torch.bfloat16, id="bf16")]
+REF, TRI = TorchOps(), TritonOps()
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def rnd(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
+
+
+@contextlib.contextmanager
+def poisoned():
+    """torch.empty / empty_like return NaN (floats) or -7 (ints) while the kernels allocate their outputs."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
+    torch.empty_like = lambda *a, **k: fill(real_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_like
+
+
+def check(got, want, dtype):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all(), "unwritten (NaN) output elements"
+    assert rel(got, want) <= TOL[dtype], rel(got, want)
+
+
+# ---- norms and gated activations ----
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plus_one", [True, False], ids=["1+w", "w"])
+def test_rmsnorm_and_add_rmsnorm(dtype, plus_one):
+    x, r, w = rnd(3, 5, 40, dtype=dtype), rnd(3, 5, 40, dtype=dtype, seed=1), rnd(40, seed=2, scale=0.3)
+    with poisoned():
+        y = TRI.rmsnorm(x, w, 1e-6, plus_one)
+        y2, r2 = TRI.add_rmsnorm(x, r, w, 1e-6, plus_one)
+    check(y, REF.rmsnorm(x, w, 1e-6, plus_one), dtype)
+    want_y, want_r = REF.add_rmsnorm(x, r, w, 1e-6, plus_one)
+    check(r2, want_r, dtype)
+    check(y2, want_y, dtype)
+
+
+def test_rmsnorm_strided_head_slice():
+    """q half of the per-head [q | gate] projection, a view with row strides (total, 2D), normalised per head."""
+    fused = rnd(3, 7 * 2 * 24 + 11)[:, : 7 * 2 * 24].view(3, 7, 48)
+    q, w = fused[..., :24], rnd(24, seed=3, scale=0.2)
+    with poisoned():
+        y = TRI.rmsnorm(q, w, 1e-6, True)
+    check(y, REF.rmsnorm(q, w, 1e-6, True), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rmsnorm_silu_mul_sigmoid_gate(dtype):
+    zfull = rnd(3, 4 * 24 + 5, dtype=dtype)
+    o, z, w = rnd(3, 4, 24, dtype=dtype, seed=1), zfull[:, 5:].view(3, 4, 24), rnd(24, seed=2)
+    gu, g = rnd(3, 2 * 37, dtype=dtype, seed=4), rnd(3, 37, dtype=dtype, seed=5)
+    with poisoned():
+        got = (TRI.gated_rmsnorm(o, z, w, 1e-6), TRI.silu_mul(gu), TRI.sigmoid_gate(gu[:, :37], g))
+    want = (REF.gated_rmsnorm(o, z, w, 1e-6), REF.silu_mul(gu), REF.sigmoid_gate(gu[:, :37], g))
+    for a, b in zip(got, want):
+        check(a, b, dtype)
+
+
+# ---- rope / kv write / attention ----
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["text", "mrope", "full-rot"])
+def test_rope(dtype, kind):
+    t, d = 3, 32
+    q, k = rnd(t, 3, d, dtype=dtype), rnd(t, 2 * d + 1, dtype=dtype, seed=1)[:, :2 * d].view(t, 2, d)
+    rot, sec = (d, None) if kind == "full-rot" else (d // 4, (2, 1, 1))
+    pos = torch.tensor([0, 77, 262_143], device=DEV)
+    if kind == "mrope":
+        pos = torch.tensor([[5, 6, 9], [5, 7, 8], [5, 3, 9]], device=DEV)
+    with poisoned():
+        got = TRI.rope(q, k, pos, rot, 1e7, sec)
+    for a, b in zip(got, REF.rope(q, k, pos, rot, 1e7, sec)):
+        check(a, b, dtype)
+
+
+def test_kv_write_exact_with_strided_v():
+    cache_k, cache_v = rnd(5, 16, 2, 32), rnd(5, 16, 2, 32, seed=1)
+    k, vfull = rnd(3, 2, 32, seed=2), rnd(3, 2 * 32 + 32 + 3, seed=3)
+    v = vfull[:, 32:96].view(3, 2, 32)
+    slots = torch.tensor([17, 3, 79], device=DEV)
+    want_k, want_v = cache_k.clone(), cache_v.clone()
+    REF.kv_write(want_k, want_v, k, v, slots)
+    TRI.kv_write(cache_k, cache_v, k, v, slots)
+    assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
+
+
+def _attn_case(dtype, seq_lens, kv_lens, seed=0, page=16, hq=6, hk=2, d=32):
+    """Paged caches with out-of-order page tables; every slot not holding a live token is NaN."""
+    n_pages = sum(-(-kv // page) for kv in kv_lens) + 3
+    perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    pages, used = [], 0
+    for kv in kv_lens:
+        n = -(-kv // page)
+        pages.append(perm[used:used + n])
+        used += n
+    starts = [kv - t for kv, t in zip(kv_lens, seq_lens)]
+    meta = attn_meta(pages, starts, list(seq_lens), page, DEV)
+    k_cache = torch.full((n_pages, page, hk, d), float("nan"), dtype=dtype, device=DEV)
+    v_cache = k_cache.clone()
+    for b, kv in enumerate(kv_lens):
+        ids = torch.tensor(pages[b], device=DEV)
+        live = (ids[:, None] * page + torch.arange(page, device=DEV)[None, :]).flatten()[:kv]
+        k_cache.view(-1, hk, d)[live] = rnd(kv, hk, d, dtype=dtype, seed=seed + 10 + b)
+        v_cache.view(-1, hk, d)[live] = rnd(kv, hk, d, dtype=dtype, seed=seed + 20 + b)
+    q = rnd(sum(seq_lens), hq, d, dtype=dtype, seed=seed + 1)
+    return q, k_cache, v_cache, meta
+
+
+def _paged_attention(q, kc, vc, meta, splits):
+    from ninfer_kernels.attention_decode import paged_attention
+    return paged_attention(q, kc, vc, meta.cu_seqlens, meta.kv_lens_t, meta.block_tables, meta.page_size,
+                           q.shape[-1] ** -0.5, meta.max_q_len, meta.max_kv_len, num_splits=splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("seq_lens,kv_lens", [((1, 1), (1, 40)), ((3, 3), (17, 33)), ((3, 1), (40, 16))],
+                         ids=["decode-kv1+40", "verify3-kv17+33", "mixed-kv40+16"])
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split3"])
+def test_paged_attention(dtype, seq_lens, kv_lens, splits):
+    q, kc, vc, meta = _attn_case(dtype, seq_lens, kv_lens, seed=sum(kv_lens))
+    want = REF.attention(q, torch.nan_to_num(kc), torch.nan_to_num(vc), meta, q.shape[-1] ** -0.5)
+    with poisoned():
+        got = _paged_attention(q, kc, vc, meta, splits)
+    check(got, want, dtype)
+
+
+def test_attention_prefill_chunk_through_backend():
+    """A prefill chunk (T = 20 > one row block of the GQA group) after 9 cached tokens, via TritonOps."""
+    q, kc, vc, meta = _attn_case(torch.float32, (20, 2), (29, 5), seed=5)
+    want = REF.attention(q, torch.nan_to_num(kc), torch.nan_to_num(vc), meta, 0.17)
+    with poisoned():
+        got = TRI.attention(q, kc, vc, meta, 0.17)
+    check(got, want, torch.float32)
+
+
+# ---- gated deltanet ----
+HK, HV, DK, DV, C, CK = 2, 6, 16, 24, 40, 4
+
+
+def _gdn_meta(lens, snapshot, slots):
+    full, _, snap, n_snap = gdn_routing(list(lens), list(slots), list(snapshot), DEV)
+    return full, n_snap
+
+
+SNAP_CASES = [((3, 1), (False, False)), ((3, 1), (True, False)), ((1, 2), (True, True)), ((20, 2), (False, True))]
+SNAP_IDS = ["T3+1-inplace", "T3snap+1", "T1snap+2snap", "T20+2snap"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,snapshot", SNAP_CASES, ids=SNAP_IDS)
+def test_causal_conv(dtype, lens, snapshot):
+    meta, n_snap = _gdn_meta(lens, snapshot, slots=(2, 0))
+    x, w = rnd(sum(lens), C, dtype=dtype), rnd(C, CK, seed=1, scale=0.5)
+    pool = rnd(4, CK - 1, C, seed=2)
+    pool[[1, 3]] = float("nan")                 # slots nobody owns: never read
+    snaps = torch.full((n_snap + 2, CK - 1, C), float("nan"), device=DEV)   # 2 spare rows stay NaN
+    want_pool, want_snaps = pool.clone(), snaps.clone()
+    want = REF.causal_conv(x, w, want_pool, meta, want_snaps)
+    with poisoned():
+        got = TRI.causal_conv(x, w, pool, meta, snaps)
+    check(got, want, dtype)
+    assert torch.allclose(pool, want_pool, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.allclose(snaps, want_snaps, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.isnan(snaps[n_snap:]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_gates(dtype):
+    ba = rnd(3, 2 * HV + 1, dtype=dtype, scale=8.0)          # strided b / a columns, softplus far into both tails
+    b, a = ba[:, :HV], ba[:, HV + 1:]
+    A_log, dt = rnd(HV, seed=1), rnd(HV, seed=2)
+    with poisoned():
+        g, beta = TRI.gdn_gates(a, b, A_log, dt)
+    want_g, want_beta = REF.gdn_gates(a, b, A_log, dt)
+    check(g, want_g, torch.float32)
+    check(beta, want_beta, torch.float32)
+
+
+def _gdn_inputs(t, dtype, seed=0):
+    q, k = rnd(t, HK, DK, dtype=dtype, seed=seed), rnd(t, HK, DK, dtype=dtype, seed=seed + 1)
+    v = rnd(t, HV, DV, dtype=dtype, seed=seed + 2)
+    g, beta = REF.gdn_gates(rnd(t, HV, seed=seed + 3), rnd(t, HV, seed=seed + 4), rnd(HV, seed=seed + 5) * 0.5,
+                            rnd(HV, seed=seed + 6))
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,snapshot", SNAP_CASES, ids=SNAP_IDS)
+def test_gdn_recurrent(dtype, lens, snapshot):
+    meta, n_snap = _gdn_meta(lens, snapshot, slots=(0, 2))
+    args = _gdn_inputs(sum(lens), dtype, seed=len(lens))
+    pool = rnd(3, HV, DK, DV, seed=7, scale=0.3)
+    pool[1] = float("nan")
+    snaps = torch.full((n_snap + 1, HV, DK, DV), float("nan"), device=DEV)
+    want_pool, want_snaps = pool.clone(), snaps.clone()
+    want = REF.gdn_recurrent(*args, want_pool, meta, want_snaps)
+    with poisoned():
+        got = TRI.gdn_recurrent(*args, pool, meta, snaps)
+    check(got, want, dtype)
+    assert torch.isnan(pool[1]).all() and torch.isnan(snaps[n_snap:]).all()
+    live = [0, 2]
+    assert rel(pool[live], want_pool[live]) <= TOL[torch.float32]
+    if n_snap:
+        assert rel(snaps[:n_snap], want_snaps[:n_snap]) <= TOL[torch.float32]
+
+
+def test_gdn_chunk_matches_reference():
+    """Prefill through the backend (CPU / fp32: the token-by-token kernel over the chunk)."""
+    lens = (21, 5)
+    meta, _ = _gdn_meta(lens, (False, False), slots=(1, 0))
+    args = _gdn_inputs(sum(lens), torch.float32, seed=11)
+    pool = rnd(2, HV, DK, DV, seed=8, scale=0.3)
+    want_pool = pool.clone()
+    want = REF.gdn_chunk(*args, want_pool, meta)
+    with poisoned():
+        got = TRI.gdn_chunk(*args, pool, meta)
+    check(got, want, torch.float32)
+    assert rel(pool, want_pool) <= 1e-5           # chunked vs token-by-token forms of the recurrence
+
+
+# ---- argmax ----
+def test_argmax_ties_offsets_and_rank_combine():
+    v = 5000                                      # > one 4096-column block: the cross-block tie is exercised
+    logits = rnd(3, 2 * v, seed=4)
+    logits[0, [4097, 10, 7000]] = 50.0            # ties across blocks and shards -> lowest index 10
+    logits[1, [v + 3, v + 4100]] = 60.0           # tie inside shard 1 only -> v + 3
+    logits[2] = -3.0                              # all equal -> 0
+    with poisoned():
+        parts = [TRI.argmax_partial(logits[:, r * v:(r + 1) * v].contiguous(), r * v) for r in range(2)]
+    want = torch.tensor([10, v + 3, 0], device=DEV)
+    key = torch.maximum(parts[0][2], parts[1][2])            # what an all-reduce(MAX) over ranks gives
+    val, idx = sampling.unpack_key(key)
+    assert torch.equal(idx, want)
+    assert torch.equal(val, logits.max(-1).values)
+    for r, (pv, pi, pk) in enumerate(parts):
+        shard = logits[:, r * v:(r + 1) * v]
+        assert torch.equal(pi, shard.argmax(-1) + r * v)   # torch's argmax also takes the first maximum
+        assert torch.equal(pv, shard.max(-1).values)
+        assert torch.equal(pk, sampling.pack_key(pv, pi))
