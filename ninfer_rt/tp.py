@@ -121,6 +121,8 @@ def _init(rank: int, size: int, store, device: str) -> DistGroup:
     dev = rank_device(device, rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    else:        # ranks share the host's cores: oversubscribed BLAS threads slow every rank down
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // size)))
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)

@@ -1,0 +1,212 @@
+"""`ninfer-rt generate`: one prompt through the engine; text to stdout, timings and MTP stats to stderr.
+
+Sampling defaults come from the artifact's generation_config.json (greedy when it does not sample);
+any --temperature/--top-k/--top-p/--min-p given on the command line wins.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import click
+
+from ninfer_formats.errors import NinferError
+
+from .cli import main, user_errors
+
+
+class GenerateError(NinferError):
+    """The generate command's input (prompt source, messages file, options) is unusable."""
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    artifact: str
+    prompt: str | None = None
+    messages: str | None = None          # path of a JSON list of chat messages
+    raw: str | None = None
+    max_new: int = 128
+    draft_tokens: int = 0                # 0 = no speculative decoding
+    tp: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    backend: str = "torch"
+    verify: bool = True
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    thinking: bool = True
+    max_context: int | None = None
+    stats_json: str | None = None
+
+    def __post_init__(self):
+        given = [n for n in ("prompt", "messages", "raw") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise GenerateError("give exactly one of --prompt, --messages, --raw"
+                                + (f" (got {', '.join('--' + g for g in given)})" if given else ""))
+
+
+def _read_messages(path: str) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            msgs = json.load(f)
+    except ValueError as e:
+        raise GenerateError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(msgs, dict) and "messages" in msgs:
+        msgs = msgs["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise GenerateError(f"{path}: expected a non-empty JSON list of messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                not isinstance(m.get("content"), (str, list)):
+            raise GenerateError(f"{path}: message {i}: expected an object with string 'role' and 'content'")
+    return msgs
+
+
+def prompt_ids(opts: GenerateOptions, tok) -> list[int]:
+    if opts.raw is not None:
+        return tok.encode(opts.raw)
+    msgs = _read_messages(opts.messages) if opts.messages else [{"role": "user", "content": opts.prompt}]
+    kw = {} if opts.thinking else {"enable_thinking": False}
+    return tok.encode(tok.render_chat(msgs, add_generation_prompt=True, **kw))
+
+
+def sampling_params(opts: GenerateOptions, generation_config: dict, stop_ids):
+    from .sampling import SamplingParams
+    sample = bool(generation_config.get("do_sample", False))
+
+    def pick(value, key, off):
+        if value is not None:
+            return value
+        return generation_config.get(key, off) if sample else off
+
+    temp = pick(opts.temperature, "temperature", 0.0 if not sample else 1.0)
+    return SamplingParams(temperature=float(temp), top_k=int(pick(opts.top_k, "top_k", 0)),
+                          top_p=float(pick(opts.top_p, "top_p", 1.0)), min_p=float(pick(opts.min_p, "min_p", 0.0)),
+                          presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
+                          seed=opts.seed, max_tokens=opts.max_new, stop_token_ids=tuple(sorted(stop_ids)))
+
+
+def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
+    """Generate; stream text to `out`; return the stats (also written to opts.stats_json)."""
+    from .server.runtime import RuntimeOptions, open_runtime
+    from .tokenizer import TextStream
+    out, log = out or sys.stdout, log or sys.stderr
+    t0 = time.perf_counter()
+    rt = open_runtime(RuntimeOptions(artifact=opts.artifact, tp=opts.tp, device=opts.device, dtype=opts.dtype,
+                                     backend=opts.backend, draft_tokens=opts.draft_tokens, max_concurrency=1,
+                                     max_context=opts.max_context, verify=opts.verify))
+    load_s = time.perf_counter() - t0
+    try:
+        tok, eng = rt.tokenizer, rt.engine
+        ids = prompt_ids(opts, tok)
+        params = sampling_params(opts, rt.loaded.generation_config, tok.stop_ids)
+        eng.add_request("generate", ids, params)
+        stream, reason, n_out = TextStream(tok), None, 0
+        while eng.has_work():
+            for o in eng.step():
+                n_out += len(o.new_token_ids)
+                out.write(stream.push(o.new_token_ids))
+                out.flush()
+                reason = o.finish_reason or reason
+        out.write(stream.flush() + "\n")
+        out.flush()
+        stats = _stats(eng.stats, load_s, len(ids), n_out, reason, opts.draft_tokens)
+    finally:
+        rt.close()
+    _report(stats, log)
+    if opts.stats_json:
+        _write_json(opts.stats_json, stats)
+    return stats
+
+
+def _stats(es, load_s: float, n_prompt: int, n_out: int, reason, k: int) -> dict:
+    spec = es.spec.to_dict() if es.spec is not None else {}
+    return {"load_s": load_s, "prefill_tok_s": es.prefill_tok_s, "decode_tok_s": es.decode_tok_s,
+            "prompt_tokens": n_prompt, "generated_tokens": n_out, "finish_reason": reason,
+            "draft_tokens": k, "drafted": spec.get("drafted", 0), "accepted": spec.get("accepted", 0),
+            "acceptance_per_position": spec.get("acceptance_per_position", []),
+            "tokens_per_round": spec.get("tokens_per_round", 1.0), "spec_rounds": spec.get("rounds", 0)}
+
+
+def _report(s: dict, log) -> None:
+    print(f"load {s['load_s']:.2f} s | prefill {s['prompt_tokens']} tok at {s['prefill_tok_s']:.1f} tok/s | "
+          f"decode {s['generated_tokens']} tok at {s['decode_tok_s']:.1f} tok/s | finish {s['finish_reason']}",
+          file=log)
+    if s["draft_tokens"]:
+        rate = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
+        per = ", ".join(f"{a:.2f}" for a in s["acceptance_per_position"])
+        print(f"mtp K={s['draft_tokens']}: accepted {s['accepted']}/{s['drafted']} ({rate:.1%}), "
+              f"per position [{per}], {s['tokens_per_round']:.2f} tokens/round over {s['spec_rounds']} rounds",
+              file=log)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    """Temp file + rename: a reader never sees a half-written stats file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".stats-", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@main.command("generate")
+@click.argument("artifact_dir")
+@click.option("--prompt", help="User message, rendered with the artifact's chat template.")
+@click.option("--messages", type=click.Path(dir_okay=False), help="JSON file with a list of chat messages.")
+@click.option("--raw", help="Text fed to the model as is (no chat template).")
+@click.option("--max-new", default=128, show_default=True, type=click.IntRange(1), help="Tokens to generate at most.")
+@click.option("--spec", type=click.Choice(["none", "mtp"]), default="none", show_default=True,
+              help="Speculative decoding with the artifact's MTP module.")
+@click.option("--draft-tokens", default=3, show_default=True, type=int, help="MTP drafts per round (1..7).")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel ranks.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: cuda when visible, else cpu.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Activation dtype. Default: bfloat16 on cuda, float32 on cpu.")
+@click.option("--backend", type=click.Choice(["torch", "triton"]), default="torch", show_default=True)
+@click.option("--temperature", type=float, help="0 = greedy. Default: generation_config.json.")
+@click.option("--top-k", type=int)
+@click.option("--top-p", type=float)
+@click.option("--min-p", type=float)
+@click.option("--presence-penalty", type=float, default=0.0)
+@click.option("--frequency-penalty", type=float, default=0.0)
+@click.option("--seed", type=int, help="Seed of the request's sampler (reproducible output).")
+@click.option("--no-think", is_flag=True, help="Render the chat template with enable_thinking=False.")
+@click.option("--max-context", type=int, help="Context length in tokens (prompt + generated).")
+@click.option("--no-verify", is_flag=True, help="Skip checksum verification at load.")
+@click.option("--stats-json", type=click.Path(dir_okay=False), help="Write load/throughput/MTP stats here.")
+@user_errors
+def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_tokens, tp, device, dtype, backend,
+                 temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, seed, no_think,
+                 max_context, no_verify, stats_json):
+    """Generate text for one prompt from ARTIFACT_DIR."""
+    from .speculative import SpecConfig
+    device = device or _default_device()
+    if spec == "mtp":
+        SpecConfig(num_draft_tokens=draft_tokens)          # validates K with a clear message
+    opts = GenerateOptions(
+        artifact=artifact_dir, prompt=prompt, messages=messages, raw=raw, max_new=max_new,
+        draft_tokens=draft_tokens if spec == "mtp" else 0, tp=tp, device=device,
+        dtype=dtype or ("bfloat16" if device == "cuda" else "float32"), backend=backend, verify=not no_verify,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed, thinking=not no_think, max_context=max_context,
+        stats_json=stats_json)
+    run_generate(opts)
