@@ -308,6 +308,24 @@ def test_vision_prompt_rows_past_the_prompt(tiny):
     assert vp.seq_kwargs(model, 0, vp.token_ids[:5])["inputs_embeds"] is None       # text-only chunk
 
 
+def test_two_phase_request_and_tp_meta(tiny):
+    """preprocess_request (CPU) + encode_request (device) == prepare; meta/from_meta rebuilds the prompt
+    (what the other TP ranks do with the broadcast embeddings) through a pickle round trip."""
+    import pickle
+    _, cfg, w = tiny
+    vis = VisionRuntime(cfg, w, {"preprocessor_config.json": json.dumps(PRE).encode()}, TorchOps())
+    imgs = [_synthetic_images()["gray_9x20_upscaled"], _synthetic_images()["rgb_odd_37x53"]]
+    vr = vis.preprocess_request(_chat_ids(2), imgs)
+    vp, ref = vis.encode_request(vr), vis.prepare(_chat_ids(2), imgs)
+    assert len(vr) == len(vp) == len(ref) and vr.token_ids == ref.token_ids.tolist()
+    assert torch.equal(vp.image_embeds, ref.image_embeds) and torch.equal(vp.positions, ref.positions)
+    meta = pickle.loads(pickle.dumps(vp.meta()))
+    back = type(vp).from_meta(meta, vp.image_embeds.clone())
+    for f in dataclasses.fields(vp):
+        a, b = getattr(vp, f.name), getattr(back, f.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 def test_vision_runtime_setup_errors(tiny):
     _, cfg, w = tiny
     res = {"preprocessor_config.json": json.dumps(PRE).encode()}

@@ -12,10 +12,10 @@ from .errors import VisionError
 from .image_io import ImageLimits, decode_image, load_image, load_images, read_source
 from .positions import decode_positions, mrope_positions, placeholder_runs
 from .preprocess import PreprocessConfig, num_image_tokens, preprocess_image, preprocess_images, smart_resize
-from .prompt import VisionPrompt, VisionRuntime
+from .prompt import VisionPrompt, VisionRequest, VisionRuntime
 from .tower import VisionTower
 
 __all__ = ["VisionError", "ImageLimits", "decode_image", "load_image", "load_images", "read_source",
            "decode_positions", "mrope_positions", "placeholder_runs", "PreprocessConfig", "num_image_tokens",
-           "preprocess_image", "preprocess_images", "smart_resize", "VisionPrompt", "VisionRuntime",
+           "preprocess_image", "preprocess_images", "smart_resize", "VisionPrompt", "VisionRequest", "VisionRuntime",
            "VisionTower"]

@@ -1,16 +1,22 @@
 """Image+text prompts for the decoder: placeholder expansion, the tower, MRoPE positions, and the per-forward
 arguments the model takes (`SeqInput.positions` / `SeqInput.inputs_embeds`).
 
+Two phases, so the server can check the prompt length before anything touches the GPU:
+
     vis = VisionRuntime.from_loaded(loaded, ops)                 # once, when serving with --vision
-    images = vis.load_images(urls)                               # VisionError -> HTTP 400
-    vp = vis.prepare(prompt_ids, images)                         # template ids: one <|image_pad|> per image
+    # request thread (CPU; VisionError -> HTTP 400). Template ids hold one <|image_pad|> per image:
+    vr = vis.preprocess_request(prompt_ids, vis.load_images(urls, names))   # len(vr) = expanded prompt length
+    # engine thread (GPU):
+    vp = vis.encode_request(vr)                                  # or vis.prepare(prompt_ids, images): both
     # every forward of that sequence (prefill chunks, decode, verify), rows start .. start + len(ids) - 1:
     model.forward([SeqInput(ids, st, **vp.seq_kwargs(model, st.length, ids))])
-    # MTP rows pair the target rows, so they take the same positions:
-    MtpInput(next_ids, hidden, st.mtp, positions=vp.positions_for(start, len(next_ids)))
+    # MTP row p pairs target row p, so it takes the same position:
+    MtpInput(next_ids, hidden, st.mtp, positions=vp.positions_for(st.mtp.length, len(next_ids)))
 
 `vp.token_ids` is the prompt to prefill (each placeholder expanded to its image's token count). Rows past
-the prompt (decode, recompute after preemption) sit at row + rope_delta on all three axes.
+the prompt (decode, recompute after preemption) sit at row + rope_delta on all three axes. With TP, rank 0
+sends `vp.meta()` (small, picklable) and broadcasts `vp.image_embeds`; the other ranks rebuild it with
+`VisionPrompt.from_meta(meta, embeds)`, so every rank splices identical embeddings.
 """
 from __future__ import annotations
 
@@ -73,6 +79,32 @@ class VisionPrompt:
                 "inputs_embeds": self.embeds_for(model, start, ids)}
 
 
+    def meta(self) -> dict:
+        """Everything but the embeddings, for `broadcast_object` to the other TP ranks."""
+        return {"token_ids": self.token_ids, "positions": self.positions, "rope_delta": self.rope_delta,
+                "image_rows": self.image_rows, "grid_thw": self.grid_thw,
+                "embeds_shape": tuple(self.image_embeds.shape), "embeds_dtype": self.image_embeds.dtype}
+
+    @classmethod
+    def from_meta(cls, meta: dict, image_embeds: torch.Tensor) -> "VisionPrompt":
+        """Rank r > 0: `image_embeds` = the tensor broadcast from rank 0 (allocate it with
+        `torch.empty(meta["embeds_shape"], dtype=meta["embeds_dtype"], device=...)`)."""
+        kw = {k: v for k, v in meta.items() if k not in ("embeds_shape", "embeds_dtype")}
+        return cls(image_embeds=image_embeds, **kw)
+
+
+@dataclass
+class VisionRequest:
+    """The CPU half of a vision prompt: expanded ids and the preprocessed pixels (no tower run yet)."""
+
+    token_ids: list[int]          # placeholders expanded
+    pixel_values: torch.Tensor    # float32 [patches, C*tp*p*p]
+    grid_thw: torch.Tensor        # int64 [images, 3]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
 class VisionRuntime:
     """The vision side of a loaded artifact: limits, preprocessing, the tower, prompt preparation."""
 
@@ -108,12 +140,6 @@ class VisionRuntime:
     def load_images(self, sources, names=None) -> list:
         return load_images(sources, self.limits, names)
 
-    def encode(self, images, names=None) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Images -> (per image [tokens, H] merged embeddings, grid_thw [n, 3])."""
-        self.limits.check_count(len(images))
-        pixels, grid = preprocess_images(images, self.preprocess, names)
-        return self.tower(pixels, grid), grid
-
     def expand_placeholders(self, ids: list[int], grids: torch.Tensor) -> list[int]:
         """Each image's placeholder run (1 token from a chat template, or already its full length) gets
         exactly that image's token count."""
@@ -131,14 +157,31 @@ class VisionRuntime:
             prev = b
         return out + ids[prev:]
 
-    def prepare(self, prompt_ids, images, names=None) -> VisionPrompt:
+    def preprocess_request(self, prompt_ids, images, names=None) -> VisionRequest:
+        """CPU phase: pixels + grids, placeholders expanded and checked (VisionError on any mismatch)."""
         ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+        images = list(images)
         if not images:
             raise VisionError("images: a vision prompt needs at least one image")
-        embeds, grid = self.encode(images, names)
+        self.limits.check_count(len(images))
+        pixels, grid = preprocess_images(images, self.preprocess, names)
         ids = self.expand_placeholders(ids, grid)
-        positions, delta = mrope_positions(ids, grid, self.image_token_id, self.merge)
-        token_ids = torch.tensor(ids, dtype=torch.long)
+        return VisionRequest(ids, pixels, grid)
+
+    def encode_request(self, req: VisionRequest) -> VisionPrompt:
+        """Device phase: run the tower, lay out MRoPE positions."""
+        positions, delta = mrope_positions(req.token_ids, req.grid_thw, self.image_token_id, self.merge)
+        token_ids = torch.tensor(req.token_ids, dtype=torch.long)
         rows = torch.nonzero(token_ids == self.image_token_id).flatten()
+        embeds = torch.cat(self.tower(req.pixel_values, req.grid_thw))
         return VisionPrompt(token_ids=token_ids, positions=positions, rope_delta=delta, image_rows=rows,
-                            image_embeds=torch.cat(embeds), grid_thw=grid)
+                            image_embeds=embeds, grid_thw=req.grid_thw)
+
+    def encode(self, images, names=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Images -> (per image [tokens, H] merged embeddings, grid_thw [n, 3])."""
+        self.limits.check_count(len(images))
+        pixels, grid = preprocess_images(images, self.preprocess, names)
+        return self.tower(pixels, grid), grid
+
+    def prepare(self, prompt_ids, images, names=None) -> VisionPrompt:
+        return self.encode_request(self.preprocess_request(prompt_ids, images, names))
