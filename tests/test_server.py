@@ -22,6 +22,43 @@ from ninfer_rt.tokenizer import Tokenizer
 import hf_tiny
 
 MODEL_ID = "tiny-test"
+CTX = 256                      # per-request context of the real-engine servers
+DRAFT_TOKENS = 2               # the real-engine server runs MTP speculative decoding
+_ARTIFACT: dict = {}
+
+
+# ---- the tiny fp32 artifact (built once per session, shared with test_server_load.py) -------------------
+
+def tiny_artifact(tmp_path_factory) -> str:
+    """tests/hf_tiny.py checkpoint (with MTP) packed by the real packer, every tensor kept at fp32."""
+    if "dir" not in _ARTIFACT:
+        from ninfer_pack.convert import convert
+        from ninfer_pack.recipes import ROLES
+        root = tmp_path_factory.mktemp("serve-artifact")
+        hf_tiny.make_tiny_checkpoint(root / "hf", seed=3)
+        convert(str(root / "hf"), root / "art", recipe="bf16", overrides=tuple(f"{r}=source" for r in ROLES),
+                jobs=1, progress=False, vision=False)
+        _ARTIFACT["dir"] = str(root / "art")
+    return _ARTIFACT["dir"]
+
+
+def real_runtime(artifact: str, *, max_concurrency=4, draft_tokens=DRAFT_TOKENS, kv_capacity=None):
+    from ninfer_rt.server.runtime import RuntimeOptions, open_runtime
+    return open_runtime(RuntimeOptions(artifact=artifact, device="cpu", dtype="float32", backend="torch",
+                                       max_concurrency=max_concurrency, draft_tokens=draft_tokens,
+                                       kv_capacity=kv_capacity, max_context=CTX, verify=False))
+
+
+def real_server(artifact: str, *, max_pending=64, api_key=None, log=None, **rt_kw):
+    """(LiveServer, Runtime): the real Engine behind the HTTP app."""
+    rt = real_runtime(artifact, **rt_kw)
+    state = ServerState(model_id=MODEL_ID, api_key=api_key)
+    cfg = SchedulerConfig(max_concurrency=rt.engine.cache.max_seqs, max_context=rt.max_context,
+                          max_pending=max_pending)
+    sched = Scheduler(rt.engine, rt.engine.model.kv_pool, rt.tokenizer, cfg, state.metrics, log)
+    sched.start()
+    state.ready(sched, rt.tokenizer, rt.loaded.config.vocab_size, rt.loaded.generation_config)
+    return LiveServer(state, sched), rt
 
 
 # ---- stand-ins ----------------------------------------------------------------------------------------
@@ -51,7 +88,7 @@ class FakeEngine:
         self.pool, self.per_step, self.chunk, self.step_s, self.fail_on = pool, per_step, chunk, step_s, fail_on
         self.seqs: dict[str, dict] = {}
         self.steps = 0
-        self.stats = {"drafted": 0, "accepted": 0, "drafted_per_pos": [0, 0], "accepted_per_pos": [0, 0]}
+        self.stats = {"drafted": 0, "accepted": 0, "drafted_at": [0, 0], "accepted_at": [0, 0]}
 
     def add_request(self, rid, prompt_ids, params) -> None:
         assert rid not in self.seqs
@@ -344,3 +381,282 @@ def test_disconnect_aborts_request_and_frees_pages(stream):
         assert metric(srv, "ninfer_requests_total", 'finish_reason="abort"') == 1
     finally:
         srv.close()
+
+
+# ---- the real Engine (tiny fp32 artifact, MTP K=2) ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    from types import SimpleNamespace
+    from ninfer_rt.server.request_log import RequestLog
+    art = tiny_artifact(tmp_path_factory)
+    log_path = tmp_path_factory.mktemp("serve-log") / "requests.jsonl"
+    srv, rt = real_server(art, log=RequestLog(str(log_path)))
+    ref = real_runtime(art, max_concurrency=1, draft_tokens=0)      # the Engine driven directly, no MTP
+    yield SimpleNamespace(srv=srv, rt=rt, ref=ref, tok=rt.tokenizer, log_path=log_path)
+    srv.close()
+    rt.close()
+    ref.close()
+
+
+def solo_ids(ref, prompt_ids, max_tokens: int) -> list[int]:
+    """Greedy tokens of one request served alone by the reference Engine."""
+    from ninfer_rt.sampling import SamplingParams
+    eng = ref.engine
+    eng.add_request("solo", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                       stop_token_ids=tuple(sorted(ref.tokenizer.stop_ids))))
+    out = []
+    while eng.has_work():
+        for o in eng.step():
+            out += o.new_token_ids
+    return out
+
+
+def expected_text(tok, ids, split=None) -> tuple[str, str]:
+    """(reasoning, answer) text the server must produce for these ids (same incremental detokenizer)."""
+    from ninfer_rt.server.reasoning import OutputText
+    t = OutputText(tok, (), split)
+    r, c = t.push(ids)
+    r2, c2 = t.flush()
+    return r + r2, c + c2
+
+
+PROMPTS = ["The quick brown fox", "a", "Once upon a time, in a land far away, there lived", "0123456789 " * 4,
+           "Zebra", "ü-umlaut and 漢字"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "stream"])
+def test_greedy_completion_equals_engine(real, stream):
+    c = real.srv.client()
+    prompt, n = PROMPTS[0], 13
+    ids = solo_ids(real.ref, real.tok.encode(prompt), n)
+    want = expected_text(real.tok, ids)[1]
+    if stream:
+        chunks = list(c.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert chunks[-1].usage.completion_tokens == len(ids) and not chunks[-1].choices
+        assert chunks[-1].usage.prompt_tokens == len(real.tok.encode(prompt))
+    else:
+        r = c.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=n, temperature=0)
+        text, finish = r.choices[0].text, [r.choices[0].finish_reason]
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(real.tok.encode(prompt)), len(ids))
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert text == want
+    assert finish == ["length" if len(ids) == n else "stop"]
+
+
+def test_chat_thinking_split_and_stream_matches_blocking(real):
+    c = real.srv.client()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    ids = real.tok.encode(real.tok.render_chat(msgs, add_generation_prompt=True, enable_thinking=False))
+    from ninfer_rt.server.handlers import splitter
+    want_r, want_c = expected_text(real.tok, solo_ids(real.ref, ids, 10), splitter(real.tok, ids))
+    r = c.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=10, temperature=0, extra_body=off)
+    m = r.choices[0].message
+    assert (m.content, getattr(m, "reasoning_content", None) or "") == (want_c, want_r)
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(c.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=10, temperature=0,
+                                            stream=True, extra_body=off))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want_c
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].usage is None                      # no include_usage -> no usage chunk
+    # thinking on (the template opens <think>): the tiny model never closes it, so all of it is reasoning
+    t = c.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=10, temperature=0)
+    assert t.choices[0].message.content == "" and t.choices[0].message.reasoning_content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "stream"])
+def test_stop_string_cuts_and_is_excluded(real, stream):
+    c = real.srv.client()
+    prompt = PROMPTS[2]
+    full = c.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    cut = next(i for i in range(3, len(full)) if full[i] != "\ufffd" and not full[i].isspace())
+    stop = full[cut]
+    want = full[:full.index(stop)]
+    kw = dict(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "never-there"])
+    if stream:
+        chunks = list(c.completions.create(stream=True, **kw))
+        text = "".join(ch.choices[0].text for ch in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        r = c.completions.create(**kw)
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert r.usage.completion_tokens < 24
+    assert (text, finish) == (want, "stop")
+
+
+def test_seeded_sampling_is_reproducible(real):
+    c = real.srv.client()
+    kw = dict(model=MODEL_ID, prompt=PROMPTS[4], max_tokens=16, temperature=1.0, top_p=0.95)
+    a = c.completions.create(seed=7, **kw).choices[0].text
+    b = "".join(ch.choices[0].text for ch in c.completions.create(seed=7, stream=True, **kw))
+    other = c.completions.create(seed=8, **kw).choices[0].text
+    assert a == b and a != other
+
+
+def test_concurrent_requests_match_solo(real):
+    from concurrent.futures import ThreadPoolExecutor
+    c = real.srv.client()
+    jobs = [(p, n) for p, n in zip(PROMPTS, (9, 17, 5, 12, 20, 7))]
+
+    def one(job):
+        p, n = job
+        if len(p) % 2:
+            return c.completions.create(model=MODEL_ID, prompt=p, max_tokens=n, temperature=0).choices[0].text
+        s = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=n, temperature=0, stream=True)
+        return "".join(ch.choices[0].text for ch in s)
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        got = list(ex.map(one, jobs))
+    for (p, n), text in zip(jobs, got):
+        assert text == expected_text(real.tok, solo_ids(real.ref, real.tok.encode(p), n))[1], p
+
+
+def _pool_is_whole(rt) -> bool:
+    m = rt.engine.model
+    return m.kv_pool.free_pages() == m.kv_pool.num_pages and m.gdn_pool.free_slots() == m.gdn_pool.max_seqs
+
+
+def test_disconnect_mid_stream_frees_kv_and_state(real):
+    before = metric(real.srv, "ninfer_requests_total", 'finish_reason="abort"')
+    body = {"model": MODEL_ID, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=real.srv.url, timeout=30) as h:
+        with h.stream("POST", "/v1/completions", json=body) as r:
+            got = [line for _, line in zip(range(6), r.iter_lines()) if line.startswith("data:")]
+    assert got
+    wait_idle(real.srv)
+    assert _pool_is_whole(real.rt)
+    assert metric(real.srv, "ninfer_requests_total", 'finish_reason="abort"') == before + 1
+
+
+def test_metrics_and_request_log_account_for_requests(real):
+    srv = real.srv
+    names = ["ninfer_prompt_tokens_total", "ninfer_generation_tokens_total", "ninfer_time_to_first_token_seconds_count",
+             "ninfer_spec_decode_drafted_tokens_total"]
+    before = {n: metric(srv, n) for n in names}
+    c = srv.client()
+    rs = [c.completions.create(model=MODEL_ID, prompt=p, max_tokens=11, temperature=0) for p in PROMPTS[:2]]
+    wait_idle(srv)
+    after = {n: metric(srv, n) for n in names}
+    assert after[names[0]] - before[names[0]] == sum(r.usage.prompt_tokens for r in rs)
+    assert after[names[1]] - before[names[1]] == sum(r.usage.completion_tokens for r in rs)
+    assert after[names[2]] - before[names[2]] == 2
+    assert after[names[3]] > before[names[3]]             # MTP drafted during these greedy requests
+    assert metric(srv, "ninfer_spec_decode_drafted_tokens_per_pos_total", 'position="0"') > 0
+    assert metric(srv, "ninfer_requests_running") == 0 and metric(srv, "ninfer_requests_waiting") == 0
+    assert metric(srv, "ninfer_kv_pages_used") == 0
+    lines = [json.loads(x) for x in real.log_path.read_text().splitlines()]
+    done = [x for x in lines if x["event"] == "request_done"]
+    assert done and all(set(d) == {"event", "time", "id", "finish_reason", "prompt_tokens", "completion_tokens",
+                                   "timings_seconds", "speculative"} for d in done)
+    assert all(d["timings_seconds"]["total"] >= d["timings_seconds"]["ttft"] >= 0 for d in done
+               if d["timings_seconds"]["ttft"] is not None)
+
+
+# ---- the command line -----------------------------------------------------------------------------------
+
+def _start_cli(args: list[str]):
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", "from ninfer_rt.cli import main; main()", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "listening on http://" in line:
+            return proc, line.split("http://")[1].split()[0], lines
+    proc.wait(10)
+    raise AssertionError("server did not start: " + "".join(lines))
+
+
+def test_cli_serves_then_drains_on_sigterm(tmp_path_factory):
+    import signal
+    art = tiny_artifact(tmp_path_factory)
+    proc, addr, _ = _start_cli([art, "--port", "0", "--device", "cpu", "--max-context", str(CTX),
+                                "--model-id", MODEL_ID, "--no-verify", "--drain-timeout", "60"])
+    url = f"http://{addr}"
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        body = {"model": MODEL_ID, "prompt": "drain me", "max_tokens": 40, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        events = []
+        with httpx.Client(base_url=url, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    proc.send_signal(signal.SIGTERM)
+                    time.sleep(0.3)
+                    with pytest.raises(httpx.ConnectError):      # no new connections while draining
+                        httpx.get(url + "/health", timeout=2)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 40     # ran to the end
+        assert proc.wait(60) == 0
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _cli(args):
+    from click.testing import CliRunner
+    from ninfer_rt.cli import main
+    return CliRunner().invoke(main, ["serve", *args])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["/definitely/not/here"], "no such file or folder"),
+    (["{art}", "--kv-capacity", "lots"], "expected a number of tokens or 'auto'"),
+    (["{art}", "--port", "{busy}"], "cannot bind"),
+    (["{art}", "--max-context", "100000", "--port", "0", "--device", "cpu"], "at most 512 positions"),
+    (["hf://not-a-repo"], "expected hf://ORG/REPO"),
+], ids=["missing-artifact", "bad-kv-capacity", "port-in-use", "context-over-model", "bad-hf-spec"])
+def test_cli_errors_are_one_line(tmp_path_factory, args, needle):
+    art = tiny_artifact(tmp_path_factory)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        res = _cli([a.format(art=art, busy=busy.getsockname()[1]) for a in args])
+    finally:
+        busy.close()
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+    assert sum(line.startswith(("error:", "Error:")) for line in res.output.splitlines()) == 1
+
+
+def _copy_artifact(art: str, dst) -> str:
+    import shutil
+    shutil.copytree(art, dst)
+    return str(dst)
+
+
+def test_hf_artifact_is_downloaded_and_verified(tmp_path_factory, tmp_path, monkeypatch):
+    import huggingface_hub
+    from ninfer_rt.server.runtime import ServeError, default_model_id, resolve_artifact
+    art = tiny_artifact(tmp_path_factory)
+    good, bad = _copy_artifact(art, tmp_path / "good"), _copy_artifact(art, tmp_path / "bad")
+    rank = next(p for p in (tmp_path / "bad").iterdir() if p.suffix == ".ninfer")
+    data = bytearray(rank.read_bytes())
+    data[-100] ^= 0xFF                                  # inside the last tensor's payload
+    rank.write_bytes(bytes(data))
+    seen = {}
+
+    def fake(repo_id, revision=None, **kw):
+        seen.update(repo_id=repo_id, revision=revision)
+        return good if repo_id == "org/good" else bad
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert resolve_artifact("hf://org/good@v1") == (good, True) and seen == {"repo_id": "org/good", "revision": "v1"}
+    assert default_model_id("hf://org/good@v1") == "org/good"
+    with pytest.raises(ServeError, match="failed verification"):
+        resolve_artifact("hf://org/bad")
+    res = _cli(["hf://org/bad", "--port", "0", "--device", "cpu"])      # the loader fails -> server stops
+    assert res.exit_code == 2 and "failed verification" in res.output, res.output

@@ -61,8 +61,9 @@ class Handle:
     first: float | None = None
     last: float | None = None
     generated: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    steps: int = 0                     # engine steps that emitted tokens for this request
+    drafted: int | None = None         # per-request MTP counts, when the engine's StepOutput carries them
+    accepted: int | None = None
     in_engine: bool = False
     done: bool = False
     cancelled: bool = False
@@ -269,12 +270,15 @@ class Scheduler:
             for _ in range(n):
                 self.metrics.itl.observe(gap)
         h.last = now
+        h.steps += 1
         h.generated += n
         self.metrics.generation_tokens.inc(n)
 
     def _take_spec(self, h: Handle, o) -> None:
-        h.drafted += int(getattr(o, "drafted", 0) or 0)
-        h.accepted += int(getattr(o, "accepted", 0) or 0)
+        for name in ("drafted", "accepted"):
+            v = getattr(o, name, None)
+            if v is not None:
+                setattr(h, name, (getattr(h, name) or 0) + int(v))
 
     def _finish(self, h: Handle, reason: str, *, push: bool = True, in_engine: bool = True) -> None:
         """Release the request in the engine (abort if it is still there) and its reservation."""
@@ -300,7 +304,7 @@ class Scheduler:
         self.metrics.e2e.observe(now - h.arrival)
         self.log.write("request_done", id=h.id, finish_reason=reason, prompt_tokens=len(h.prompt_ids),
                        completion_tokens=h.generated, timings_seconds=_timings(h, now),
-                       speculative={"drafted": h.drafted, "accepted": h.accepted})
+                       speculative=_spec_record(h))
 
     def _fail(self, h: Handle, e: Exception) -> None:
         err = e if isinstance(e, ApiError) else _engine_error(e)
@@ -372,6 +376,14 @@ def _engine_error(e: Exception) -> ApiError:
         return bad_request(str(e))
     return ApiError(500, f"internal engine error: {type(e).__name__}: {e}", type="server_error",
                     code="engine_error")
+
+
+def _spec_record(h: Handle) -> dict:
+    """Tokens per emitting step (1 + mean accepted drafts with MTP); drafted/accepted if the engine reports them."""
+    rec = {"steps": h.steps, "tokens_per_step": round(h.generated / h.steps, 4) if h.steps else None}
+    if h.drafted is not None:
+        rec.update(drafted=h.drafted, accepted=h.accepted or 0)
+    return rec
 
 
 def _timings(h: Handle, now: float) -> dict:

@@ -136,9 +136,7 @@ def run_server(opts: ServeOptions) -> int:
           file=sys.stderr)
     # uvicorn re-raises the signal that stopped it once it returns; with these handlers in place that
     # re-raise lands here (a no-op) instead of killing the process before the engine and TP ranks shut down
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _note_signal)
-    t_stop = None
+    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run(sockets=[sock])
     finally:
@@ -146,6 +144,8 @@ def run_server(opts: ServeOptions) -> int:
         _shutdown(loader, opts.drain_timeout_s)
         log.close()
         sock.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(f"ninfer-rt serve: stopped ({time.monotonic() - t_stop:.1f} s to shut down)", file=sys.stderr)
     return 2 if loader.failed else 0
 
