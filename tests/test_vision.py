@@ -19,8 +19,8 @@ from PIL import Image
 from ninfer_formats import codecs
 from ninfer_formats.errors import NinferError
 from ninfer_rt.backends.torch_ops import TorchOps
-from ninfer_rt.vision import (ImageLimits, PreprocessConfig, VisionError, VisionRuntime, VisionTower, load_images,
-                              mrope_positions, preprocess_images)
+from ninfer_rt.vision import (ImageLimits, PreprocessConfig, VisionError, VisionRuntime, VisionTower, image_urls,
+                              load_images, mrope_positions, preprocess_images)
 from ninfer_rt.weights import dequantize, from_encoded
 
 TOWER_TOL = 1e-4            # rel L2, fp32, vs HF model.visual
@@ -393,3 +393,19 @@ def test_extreme_aspect_ratio(tiny):
     img = Image.new("RGB", (402, 2))
     with pytest.raises(VisionError, match=r"image 0: aspect ratio 201.0 of a 402x2 image exceeds 200"):
         preprocess_images([img], PreprocessConfig.from_json(PRE, tiny[1].vision))
+
+
+def test_chat_image_parts_in_order_and_named():
+    png = _b64(_png())
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "image_url", "image_url": {"url": png}},
+                                         {"type": "image", "image": "data:image/png;base64,AAAA"}]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": "file:///x.png"}]}]
+    urls, names = image_urls(msgs)
+    assert urls == [png, "data:image/png;base64,AAAA", "file:///x.png"]
+    assert names == ["messages.1.content.1.image_url", "messages.1.content.2.image", "messages.2.content.0.image_url"]
+    with pytest.raises(VisionError, match=r"messages.0.content.0.image_url.url: expected a non-empty image URL"):
+        image_urls([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}])
+    with pytest.raises(VisionError, match="messages.1.content.1.image_url: not an image"):
+        load_images([_b64(b"nope" * 9)], names=["messages.1.content.1.image_url"])

@@ -195,10 +195,10 @@ class VisionTower:
         q, k = (_rotate(q, cos, sin).to(self.dtype), _rotate(k, cos, sin).to(self.dtype))
         out, start = [], 0
         for s in segments:      # attention never crosses an image / frame boundary
-            sl = slice(start, start + s)
-            o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
-                                               scale=d ** -0.5)
-            out.append(o.transpose(0, 1).reshape(s, self.heads * d))
+            # 4-D [1, heads, s, d]: the layout CUDA's flash / memory-efficient SDPA kernels take
+            qs, ks, vs = (t[start:start + s].transpose(0, 1)[None] for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=d ** -0.5)
+            out.append(o[0].transpose(0, 1).reshape(s, self.heads * d))
             start += s
         return self._lin(torch.cat(out), blk.proj)
 
