@@ -26,7 +26,7 @@ from ninfer_formats.model_config import VisionConfig
 from ..weights import QWeight, as_qweight
 from .errors import VisionError
 
-ROPE_THETA = 10000.0     # HF Qwen3_5VisionConfig default ("axial" rope); not a config field of the artifact
+ROPE_THETA = 10000.0     # HF Qwen3_5VisionConfig default ("axial" rope), used while VisionConfig has no rope_theta
 LN_EPS = 1e-6
 _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
          "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "quick_gelu":
@@ -87,6 +87,7 @@ class VisionTower:
         if side * side != vcfg.num_position_embeddings:
             raise LoadError(f"vision_config.num_position_embeddings: {vcfg.num_position_embeddings} is not a square")
         self.cfg, self.ops, self.side = vcfg, ops, side
+        self.theta = float(getattr(vcfg, "rope_theta", ROPE_THETA))
         self.heads, self.head_dim = vcfg.num_heads, vcfg.hidden_size // vcfg.num_heads
         if self.head_dim % 4:
             raise LoadError(f"vision_config: head dim {self.head_dim} is not a multiple of 4 (2-D RoPE)")
@@ -116,7 +117,9 @@ class VisionTower:
         grid = self._check(pixel_values, grid_thw)
         return list(torch.split(self.forward_packed(pixel_values, grid), self.tokens_per_image(grid)))
 
+    @torch.no_grad()
     def forward_packed(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """All images' merged tokens concatenated [sum tokens, out_hidden]; `grid` as checked by `__call__`."""
         x = self._lin(pixel_values.to(self.device, self.dtype), self.patch)
         x = (x.float() + self._pos_embed(grid)).to(self.dtype)
         cos, sin = self._rope(grid)
@@ -184,7 +187,7 @@ class VisionTower:
     def _rope(self, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, cols = self._block_order(grid)
         half = self.head_dim // 2
-        inv = 1.0 / (ROPE_THETA ** (torch.arange(0, half, 2, dtype=torch.float, device=self.device) / half))
+        inv = 1.0 / (self.theta ** (torch.arange(0, half, 2, dtype=torch.float, device=self.device) / half))
         ang = torch.cat([rows.float()[:, None] * inv, cols.float()[:, None] * inv], -1)   # [N, D/2]
         ang = torch.cat([ang, ang], -1)[:, None]                                          # [N, 1, D]
         return ang.cos(), ang.sin()
