@@ -218,8 +218,10 @@ def test_gdn_gates(dtype):
 
 
 def _gdn_inputs(t, dtype, seed=0):
-    q, k = rnd(t, HK, DK, dtype=dtype, seed=seed), rnd(t, HK, DK, dtype=dtype, seed=seed + 1)
-    v = rnd(t, HV, DV, dtype=dtype, seed=seed + 2)
+    """q, k, v as the model hands them over: strided head views of one [T, q|k|v] conv output."""
+    qkv = rnd(t, 2 * HK * DK + HV * DV, dtype=dtype, seed=seed)
+    q, k, v = qkv.split((HK * DK, HK * DK, HV * DV), dim=-1)
+    q, k, v = q.reshape(t, HK, DK), k.reshape(t, HK, DK), v.reshape(t, HV, DV)
     g, beta = REF.gdn_gates(rnd(t, HV, seed=seed + 3), rnd(t, HV, seed=seed + 4), rnd(HV, seed=seed + 5) * 0.5,
                             rnd(HV, seed=seed + 6))
     return q, k, v, g, beta
