@@ -7,6 +7,8 @@ the real model's head sizes (head_dim 256, GQA 24/4, GDN 48/16 x 128) against th
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -95,6 +97,14 @@ def test_model_triton_equals_torch_interpreter():
 
 def test_get_ops_triton():
     assert isinstance(get_ops("triton"), TritonOps)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_triton_backend_refuses_cpu_without_interpreter():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from ninfer_rt.backends import get_ops\ntry:\n    get_ops('triton')\nexcept Exception as e:\n    print(type(e).__name__, e)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.stdout.startswith("LoadError --backend triton: needs a CUDA device"), r.stdout + r.stderr[-500:]
 
 
 @gpu
