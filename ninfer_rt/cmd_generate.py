@@ -71,10 +71,9 @@ def _read_messages(path: str) -> list[dict]:
     return msgs
 
 
-def prompt_ids(opts: GenerateOptions, tok) -> list[int]:
+def prompt_ids(opts: GenerateOptions, tok, msgs: list[dict] | None) -> list[int]:
     if opts.raw is not None:
         return tok.encode(opts.raw)
-    msgs = _read_messages(opts.messages) if opts.messages else [{"role": "user", "content": opts.prompt}]
     kw = {} if opts.thinking else {"enable_thinking": False}
     return tok.encode(tok.render_chat(msgs, add_generation_prompt=True, **kw))
 
@@ -100,6 +99,9 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
     from .server.runtime import RuntimeOptions, open_runtime
     from .tokenizer import TextStream
     out, log = out or sys.stdout, log or sys.stderr
+    msgs = None
+    if opts.raw is None:            # read before the (slow) load so a bad file fails fast
+        msgs = _read_messages(opts.messages) if opts.messages else [{"role": "user", "content": opts.prompt}]
     t0 = time.perf_counter()
     rt = open_runtime(RuntimeOptions(artifact=opts.artifact, tp=opts.tp, device=opts.device, dtype=opts.dtype,
                                      backend=opts.backend, draft_tokens=opts.draft_tokens, max_concurrency=1,
@@ -107,7 +109,7 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
     load_s = time.perf_counter() - t0
     try:
         tok, eng = rt.tokenizer, rt.engine
-        ids = prompt_ids(opts, tok)
+        ids = prompt_ids(opts, tok, msgs)
         params = sampling_params(opts, rt.loaded.generation_config, tok.stop_ids)
         eng.add_request("generate", ids, params)
         stream, reason, n_out = TextStream(tok), None, 0

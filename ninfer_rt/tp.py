@@ -138,6 +138,8 @@ def _follower_entry(rank, size, port, device, follower_fn, args):
         store.set(f"joined/{rank}", "1")
         group = _init(rank, size, store, device)
         follower_fn(group, *args)
+    except TPError:
+        sys.exit(2)             # agreed by every rank: rank 0 reports it, once
     except NinferError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)

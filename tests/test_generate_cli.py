@@ -1,0 +1,133 @@
+"""`ninfer-rt generate` end to end on a tiny artifact made by the packer; one-line errors on bad input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hf_tiny import build_hf_model, make_tiny_artifact, make_tiny_checkpoint
+
+from ninfer_formats.container import open_artifact
+from ninfer_rt.cli import main
+
+STATS_KEYS = {"load_s", "prefill_tok_s", "decode_tok_s", "drafted", "accepted", "acceptance_per_position",
+              "tokens_per_round"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    from ninfer_pack.convert import convert
+    base = tmp_path_factory.mktemp("gen")
+    make_tiny_checkpoint(base / "hf", seed=3)
+    convert(str(base / "hf"), base / "art", recipe="bf16", tp=1, jobs=1, progress=False)
+    return base / "art"
+
+
+def cli(*args):
+    res = CliRunner().invoke(main, ["generate", *map(str, args)])
+    assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit), res.exception
+    return res
+
+
+def test_generate_with_mtp_matches_plain_greedy_and_writes_stats(packed, tmp_path):
+    common = ["--raw", "The quick brown fox", "--max-new", "16", "--temperature", "0"]
+    plain = cli(packed, *common)
+    assert plain.exit_code == 0, plain.stderr
+    stats = tmp_path / "stats.json"
+    spec = cli(packed, *common, "--spec", "mtp", "--draft-tokens", "3", "--stats-json", stats)
+    assert spec.exit_code == 0, spec.stderr
+    assert spec.stdout == plain.stdout and spec.stdout.endswith("\n")
+    s = json.loads(stats.read_text())
+    assert STATS_KEYS <= set(s)
+    assert s["generated_tokens"] == 16 and s["drafted"] > 0 and len(s["acceptance_per_position"]) == 3
+    assert s["tokens_per_round"] >= 1.0 and s["load_s"] > 0 and s["decode_tok_s"] > 0
+    assert "mtp K=3: accepted" in spec.stderr and "tok/s" in spec.stderr
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".stats-")]      # temp file renamed away
+
+
+def test_chat_prompt_messages_and_sampling_seed(packed, tmp_path):
+    msgs = tmp_path / "m.json"
+    msgs.write_text(json.dumps([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))
+    args = ["--max-new", "8", "--temperature", "0.9", "--top-k", "20", "--seed", "3", "--spec", "mtp",
+            "--draft-tokens", "2"]
+    a, b = cli(packed, "--messages", msgs, *args), cli(packed, "--messages", msgs, *args)
+    assert a.exit_code == 0 and a.stdout == b.stdout
+    assert cli(packed, "--prompt", "hi", "--no-think", "--max-new", "4").exit_code == 0
+
+
+def test_generate_subprocess_end_to_end(packed, tmp_path):
+    """The installed entry point as a user runs it (fresh process, real stdout/stderr)."""
+    stats = tmp_path / "s.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    entry = "import sys; from ninfer_rt.cli import main; sys.exit(main())"     # what the ninfer-rt script runs
+    p = subprocess.run([sys.executable, "-c", entry, "generate", str(packed), "--prompt", "hello",
+                        "--max-new", "6", "--spec", "mtp", "--draft-tokens", "2", "--temperature", "0",
+                        "--stats-json", str(stats)], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(stats.read_text())["generated_tokens"] == 6
+
+
+def _flip_byte(path, tensor: str) -> None:
+    with open_artifact(path) as a:
+        off = a.header.payload_offset + a.tensors[tensor].offset + 5
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x20]))
+
+
+@pytest.fixture(scope="module")
+def bad_artifacts(tmp_path_factory, packed):
+    base = tmp_path_factory.mktemp("bad")
+    corrupt = base / "corrupt"
+    corrupt.mkdir()
+    (src,) = [packed / f for f in os.listdir(packed) if f.endswith(".ninfer")]
+    (corrupt / src.name).write_bytes(src.read_bytes())
+    _flip_byte(corrupt / src.name, "layers.1.mlp.down_proj.weight")
+    # config of one model, tensors of another (hidden 96 instead of 64)
+    from hf_tiny import artifact_tensors
+    other = build_hf_model(seed=1, hidden=96)
+    make_tiny_artifact(base / "other", build_hf_model(seed=1), ranks=artifact_tensors(other))
+    make_tiny_artifact(base / "nomtp", build_hf_model(seed=1, mtp=False))
+    return {"corrupt": corrupt, "other": base / "other", "nomtp": base / "nomtp"}
+
+
+@pytest.mark.parametrize("case,args,message", [
+    ("corrupt", ["--raw", "x"], r"layers\.1\.mlp\.down_proj\.weight: checksum mismatch"),
+    ("other", ["--raw", "x"], r"embed_tokens\.weight"),
+    ("nomtp", ["--raw", "x", "--spec", "mtp"], r"MTP"),
+    ("packed", ["--raw", "y" * 600], r"prompt has 600 tokens.*512"),
+    ("packed", [], r"exactly one of --prompt, --messages, --raw"),
+    ("packed", ["--raw", "x", "--prompt", "y"], r"exactly one of"),
+    ("packed", ["--raw", "x", "--spec", "mtp", "--draft-tokens", "9"], r"num_draft_tokens"),
+    ("packed", ["--raw", "x", "--top-p", "0"], r"top_p"),
+    ("packed", ["--messages", "MISSING"], r"missing\.json: No such file"),
+    ("packed", ["--messages", "BADJSON"], r"not valid JSON"),
+    ("missing", ["--raw", "x"], r"no such file or folder"),
+], ids=["corrupt-tensor", "other-model", "no-mtp", "overlong-prompt", "no-prompt", "two-prompts", "bad-k",
+        "bad-top-p", "missing-messages", "bad-messages", "missing-artifact"])
+def test_bad_input_is_one_line_error(packed, bad_artifacts, tmp_path, case, args, message):
+    import re
+    art = {"packed": packed, "missing": tmp_path / "nope", **bad_artifacts}[case]
+    bad = tmp_path / "bad.json"
+    bad.write_text("[{")
+    args = [str(bad) if a == "BADJSON" else str(tmp_path / "missing.json") if a == "MISSING" else a for a in args]
+    res = cli(art, *args)
+    assert res.exit_code == 2, (res.exit_code, res.stderr)
+    errors = [ln for ln in res.stderr.strip().splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and res.stderr.strip().endswith(errors[0]), res.stderr     # logs may precede it
+    assert re.search(message, errors[0]), errors[0]
+    assert "Traceback" not in res.stderr and res.stdout == ""
