@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops_common import dot_precision, num_sms, pow2
+from .ops_common import KernelInputError, dot_precision, num_sms, pow2
 
 BLOCK_N = 32              # keys per inner step
 MAX_BLOCK_M = 64          # query rows per program
@@ -132,9 +132,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     total, hq, d = q.shape
     hk = k_cache.shape[2]
     if hq % hk or k_cache.shape[1] != page_size or k_cache.shape[3] != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"attention: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)} / page {page_size}")
+        raise KernelInputError(f"attention: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)} / page {page_size}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("attention: the KV caches must be contiguous [num_pages, page_size, Hk, D]")
+        raise KernelInputError("attention: the KV caches must be contiguous [num_pages, page_size, Hk, D]")
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops_common import pow2, rows3, warps_for
+from .ops_common import KernelInputError, pow2, rows3, warps_for
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, H, so_t, so_h, sz_t, sz_h, 
 def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """o, z [T, Hv, dv] (or any [..., dv] of equal shape), w [dv] -> [same shape] in o's dtype."""
     if o.shape != z.shape or w.shape != (o.shape[-1],):
-        raise ValueError(f"gated_rmsnorm: o {tuple(o.shape)} z {tuple(z.shape)} w {tuple(w.shape)}")
+        raise KernelInputError(f"gated_rmsnorm: o {tuple(o.shape)} z {tuple(z.shape)} w {tuple(w.shape)}")
     o3, z3 = rows3(o), rows3(z)
     y = torch.empty(o.shape, dtype=o.dtype, device=o.device)
     n_rows = o3.shape[0] * o3.shape[1]

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .ops_common import KernelInputError
+
 BLOCK_T = 16
 BLOCK_C = 128
 
@@ -72,11 +74,11 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_se
     total, c = x.shape
     ck = w.shape[1]
     if w.shape[0] != c or conv_pool.shape[1:] != (ck - 1, c) or not conv_pool.is_contiguous():
-        raise ValueError(f"causal_conv: x {tuple(x.shape)} w {tuple(w.shape)} pool {tuple(conv_pool.shape)}")
+        raise KernelInputError(f"causal_conv: x {tuple(x.shape)} w {tuple(w.shape)} pool {tuple(conv_pool.shape)}")
     if ck - 1 > BLOCK_T:
-        raise ValueError(f"causal_conv: kernel width {ck} exceeds {BLOCK_T + 1}")
+        raise KernelInputError(f"causal_conv: kernel width {ck} exceeds {BLOCK_T + 1}")
     if snapshots is not None and (snapshots.shape[1:] != conv_pool.shape[1:] or not snapshots.is_contiguous()):
-        raise ValueError(f"causal_conv: snapshots {tuple(snapshots.shape)} vs pool {tuple(conv_pool.shape)}")
+        raise KernelInputError(f"causal_conv: snapshots {tuple(snapshots.shape)} vs pool {tuple(conv_pool.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w.contiguous()
     y = torch.empty(total, c, dtype=x.dtype, device=x.device)

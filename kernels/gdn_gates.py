@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops_common import pow2
+from .ops_common import KernelInputError, pow2
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     """a, b [T, Hv] -> (g, beta) fp32 [T, Hv] (contiguous)."""
     t, h = a.shape
     if b.shape != a.shape or A_log.shape != (h,) or dt_bias.shape != (h,):
-        raise ValueError(f"gdn_gates: a {tuple(a.shape)} b {tuple(b.shape)} A_log {tuple(A_log.shape)} "
+        raise KernelInputError(f"gdn_gates: a {tuple(a.shape)} b {tuple(b.shape)} A_log {tuple(A_log.shape)} "
                          f"dt_bias {tuple(dt_bias.shape)}")
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b if b.stride(-1) == 1 else b.contiguous()

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops_common import pow2
+from .ops_common import KernelInputError, pow2
 
 MAX_BLOCK_V = 32
 
@@ -66,12 +66,12 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     total, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if k.shape != q.shape or v.shape[0] != total or hv % hk or state_pool.shape[1:] != (hv, dk, dv):
-        raise ValueError(f"gdn_recurrent: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+        raise KernelInputError(f"gdn_recurrent: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
                          f"state {tuple(state_pool.shape)}")
     if not state_pool.is_contiguous() or state_pool.dtype != torch.float32:
-        raise ValueError("gdn_recurrent: the state pool must be contiguous fp32")
+        raise KernelInputError("gdn_recurrent: the state pool must be contiguous fp32")
     if snapshots is not None and (snapshots.shape[1:] != state_pool.shape[1:] or not snapshots.is_contiguous()):
-        raise ValueError(f"gdn_recurrent: snapshots {tuple(snapshots.shape)} vs state {tuple(state_pool.shape)}")
+        raise KernelInputError(f"gdn_recurrent: snapshots {tuple(snapshots.shape)} vs state {tuple(state_pool.shape)}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = g.float().contiguous(), beta.float().contiguous()
     out = torch.empty(total, hv, dv, dtype=v.dtype, device=v.device)

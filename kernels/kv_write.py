@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops_common import pow2
+from .ops_common import KernelInputError, pow2
 
 
 @triton.jit
@@ -33,11 +33,11 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """k, v [T, Hk, D] -> k_cache/v_cache [num_pages, page_size, Hk, D] at flat slots (in place)."""
     t, hk, d = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (hk, d) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"kv_write: k {tuple(k.shape)} v {tuple(v.shape)} cache {tuple(k_cache.shape)}")
+        raise KernelInputError(f"kv_write: k {tuple(k.shape)} v {tuple(v.shape)} cache {tuple(k_cache.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("kv_write: the KV caches must be contiguous")
+        raise KernelInputError("kv_write: the KV caches must be contiguous")
     if slot_mapping.numel() != t:
-        raise ValueError(f"kv_write: {slot_mapping.numel()} slots for {t} tokens")
+        raise KernelInputError(f"kv_write: {slot_mapping.numel()} slots for {t} tokens")
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     if t:

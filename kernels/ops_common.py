@@ -6,6 +6,8 @@ import os
 import torch
 import triton
 
+from .gemv_launch import KernelInputError  # noqa: F401  (the kernels' one bad-input error, a NinferError)
+
 
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (TRITON_INTERPRET=1)."""
@@ -23,7 +25,7 @@ def rows3(x: torch.Tensor) -> torch.Tensor:
     column slice) without a copy; anything else is made contiguous first.
     """
     if x.dim() == 0:
-        raise ValueError("rows3: expected at least 1 dim")
+        raise KernelInputError("rows3: expected at least 1 dim")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if x.dim() == 1:

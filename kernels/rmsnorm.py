@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops_common import pow2, rows3, warps_for
+from .ops_common import KernelInputError, pow2, rows3, warps_for
 
 
 @triton.jit
@@ -39,13 +39,13 @@ def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, n_inner, sx_a, sx_b, sr
 def _launch(x, residual, w, eps, plus_one):
     d = x.shape[-1]
     if w.shape != (d,):
-        raise ValueError(f"rmsnorm: weight shape {tuple(w.shape)} does not match the last dim {d}")
+        raise KernelInputError(f"rmsnorm: weight shape {tuple(w.shape)} does not match the last dim {d}")
     x3 = rows3(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rsum = torch.empty_like(y) if residual is not None else y
     r3 = rows3(residual) if residual is not None else x3
     if residual is not None and r3.shape != x3.shape:
-        raise ValueError(f"add_rmsnorm: residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
+        raise KernelInputError(f"add_rmsnorm: residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
     n_rows = x3.shape[0] * x3.shape[1]
     if n_rows:
         block = pow2(d)

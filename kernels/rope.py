@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops_common import pow2
+from .ops_common import KernelInputError, pow2
 
 HEADS_PER_PROGRAM = 8
 _INV_FREQ: dict = {}
@@ -82,7 +82,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: 
     t, hq, d = q.shape
     hk = k.shape[1]
     if rotary_dim % 2 or not 0 < rotary_dim <= d or k.shape[0] != t or k.shape[2] != d:
-        raise ValueError(f"rope: rotary_dim {rotary_dim} / q {tuple(q.shape)} / k {tuple(k.shape)} mismatch")
+        raise KernelInputError(f"rope: rotary_dim {rotary_dim} / q {tuple(q.shape)} / k {tuple(k.shape)} mismatch")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -96,7 +96,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: 
         s = tuple(mrope_section) if mrope_section else (rotary_dim // 2, 0, 0)
         sec = (s[1], s[2])
     if pos.shape[-1] != t:
-        raise ValueError(f"rope: positions {tuple(positions.shape)} do not cover {t} tokens")
+        raise KernelInputError(f"rope: positions {tuple(positions.shape)} do not cover {t} tokens")
     half = rotary_dim // 2
     if t:
         block_h = min(HEADS_PER_PROGRAM, pow2(hq + hk))

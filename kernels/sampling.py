@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops_common import pow2
+from .ops_common import KernelInputError, pow2
 
 BLOCK_V = 4096
 LOW_MASK = 0xFFFFFFFF
@@ -52,7 +52,7 @@ def argmax_partial(logits: torch.Tensor, vocab_offset: int = 0
     (max fp32 [T], global index int64 [T], combine key int64 [T]). Ties -> lowest index."""
     t, v = logits.shape
     if v == 0 or vocab_offset < 0 or vocab_offset + v > LOW_MASK:
-        raise ValueError(f"argmax: vocab shard of {v} columns at offset {vocab_offset} is not representable")
+        raise KernelInputError(f"argmax: vocab shard of {v} columns at offset {vocab_offset} is not representable")
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     nb = triton.cdiv(v, BLOCK_V)
     dev = logits.device

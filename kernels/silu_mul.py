@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .ops_common import KernelInputError
+
 BLOCK = 1024
 
 
@@ -37,7 +39,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate columns first) -> silu(gate) * up [T, I] in gate_up's dtype."""
     t, two_i = gate_up.shape
     if two_i % 2:
-        raise ValueError(f"silu_mul: last dim {two_i} is odd")
+        raise KernelInputError(f"silu_mul: last dim {two_i} is odd")
     x = _rows(gate_up)
     y = torch.empty(t, two_i // 2, dtype=x.dtype, device=x.device)
     if y.numel():
@@ -49,7 +51,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def sigmoid_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """o, gate [T, W] -> o * sigmoid(gate) in o's dtype."""
     if o.shape != gate.shape or o.dim() != 2:
-        raise ValueError(f"sigmoid_gate: o {tuple(o.shape)} vs gate {tuple(gate.shape)}")
+        raise KernelInputError(f"sigmoid_gate: o {tuple(o.shape)} vs gate {tuple(gate.shape)}")
     o, gate = _rows(o), _rows(gate)
     t, w = o.shape
     y = torch.empty(t, w, dtype=o.dtype, device=o.device)

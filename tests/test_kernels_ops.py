@@ -280,3 +280,19 @@ def test_argmax_ties_offsets_and_rank_combine():
         assert torch.equal(pi, shard.argmax(-1) + r * v)   # torch's argmax also takes the first maximum
         assert torch.equal(pv, shard.max(-1).values)
         assert torch.equal(pk, sampling.pack_key(pv, pi))
+
+
+# ---- bad input: one-line KernelInputError (a NinferError) naming the op ----
+def test_bad_shapes_raise_clear_errors():
+    from ninfer_formats.errors import NinferError
+    x = rnd(2, 8)
+    cases = [(lambda: TRI.rmsnorm(x, rnd(7), 1e-6, True), "rmsnorm"),
+             (lambda: TRI.silu_mul(rnd(2, 7)), "silu_mul"),
+             (lambda: TRI.rope(rnd(2, 1, 8), rnd(2, 1, 8), torch.arange(3, device=DEV), 4, 1e4), "rope"),
+             (lambda: TRI.kv_write(rnd(2, 4, 1, 8), rnd(2, 4, 1, 8), rnd(2, 2, 8), rnd(2, 2, 8),
+                                   torch.arange(2, device=DEV)), "kv_write"),
+             (lambda: TRI.gdn_gates(x, x, rnd(3), rnd(8)), "gdn_gates")]
+    for fn, op in cases:
+        with pytest.raises(NinferError, match=op) as e:
+            fn()
+        assert "\n" not in str(e.value)
