@@ -13,12 +13,14 @@ import os
 import signal
 import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
 from ninfer_formats.container import RankWriter, finalize_set, open_artifact, rank_file_name
+from ninfer_formats.errors import NinferError
 
 from . import out_dir
 from .hf_source import open_source
@@ -30,6 +32,10 @@ from .report import build_report
 
 MEM_SLACK = 1 << 30            # bytes of encoded shards allowed in flight beside the largest task
 KILL_HOOK = "NINFER_PACK_TEST_KILL_AFTER"   # tests: SIGKILL this process after N finished tasks
+
+
+class PackError(NinferError):
+    """The conversion itself failed (a worker died); the output folder stays resumable."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,9 @@ def _run_pool(tasks: list[Task], writers, jobs: int, on_done) -> None:
                 t = inflight.pop(f)
                 used -= t.cost
                 on_done(t, f.result())
+    except BrokenProcessPool:
+        raise PackError("a worker process died (out of memory? try a smaller -j); "
+                        "rerun the same command to resume") from None
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
 

@@ -159,12 +159,14 @@ def check_artifact(src, out, tp, mtp=True, vision=True):
     return errs
 
 
-IQ3S_OVERRIDES = ("attn_in=bf16", "gdn_in=bf16", "mlp_in=bf16")   # numpy IQ3_S is ~1 M w/s: cut columns only
+IQ3S_OVERRIDES = ("attn_in=bf16", "gdn_in=bf16", "mlp_in=bf16", "mlp_out=bf16")  # numpy IQ3_S: ~1 M w/s
+MIXED = ("attn_out=f8_e4m3_row", "mlp_out=f16", "gdn_gates=nvfp4")
 CASES = [("nvfp4", 1, ()), ("nvfp4", 2, ()), ("nvfp4", 4, ()), ("q6_k", 1, ()), ("q6_k", 2, ()),
-         ("q6_k", 4, ()), ("bf16", 2, ()), ("iq3_s", 2, IQ3S_OVERRIDES)]
+         ("q6_k", 4, ()), ("bf16", 2, ()), ("iq3_s", 2, IQ3S_OVERRIDES), ("nvfp4", 4, MIXED)]
 
 
-@pytest.mark.parametrize("recipe,tp,overrides", CASES, ids=[f"{r}-tp{t}" for r, t, _ in CASES])
+@pytest.mark.parametrize("recipe,tp,overrides", CASES,
+                         ids=[f"{r}-tp{t}" + ("-mixed" if o == MIXED else "") for r, t, o in CASES])
 def test_recipe_tp_matrix(wide, runs, recipe, tp, overrides):
     out = runs(wide, recipe, tp, overrides)
     errs = check_artifact(wide, out, tp)
@@ -175,7 +177,7 @@ def test_recipe_tp_matrix(wide, runs, recipe, tp, overrides):
         fm = {n: e.fmt for n, e in a.tensors.items()}
         c = a.config
     assert fm["layers.0.linear_attn.A_log"] == "f32"                  # F32 in the source stays f32
-    assert fm["layers.0.linear_attn.in_proj_a.weight"] == "bf16"      # gdn_gates
+    assert fm["layers.0.linear_attn.in_proj_a.weight"] == ("nvfp4" if overrides == MIXED else "bf16")
     assert fm["embed_tokens.weight"] == "bf16"
     if recipe in ("nvfp4", "iq3_s"):
         assert fm["lm_head.weight"] == "q6_k"
@@ -248,6 +250,26 @@ def test_kill_resume_args_guard_and_determinism(wide, runs, tmp_path, monkeypatc
     assert _bytes(out) == _bytes(ref)
 
 
+def test_publish_after_kill_between_finalize_and_card(small, runs, tmp_path):
+    """Rank files final but the card/report not yet published: a rerun only publishes."""
+    from ninfer_pack.convert import _state
+    from ninfer_pack.hf_source import open_source
+    from ninfer_pack.pack_plan import make_plan
+    from ninfer_pack.recipes import load_recipe
+    ref = runs(small, "nvfp4", 2, SMALL_NVFP4)
+    out = _copy(ref, tmp_path / "o")
+    plan = make_plan(open_source(str(small)), load_recipe("nvfp4", SMALL_NVFP4), 2)
+    (out / out_dir.STATE).write_text(json.dumps(_state(plan)))
+    tensors = json.loads((ref / "report.json").read_text())["tensors"]     # the journal survives such a kill
+    out_dir.append_reports(out, [{"name": n, **e} for n, e in tensors.items()])
+    (out / "README.md").unlink()
+    mtimes = {f.name: f.stat().st_mtime_ns for f in out.glob("*.ninfer")}
+    convert(str(small), out, tp=2, overrides=SMALL_NVFP4, jobs=1, progress=False)
+    assert (out / "README.md").read_bytes() == (ref / "README.md").read_bytes()
+    assert {f.name: f.stat().st_mtime_ns for f in out.glob("*.ninfer")} == mtimes
+    assert not (out / out_dir.STATE).exists()
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
@@ -290,6 +312,12 @@ def _bad_header(d):
     f.write_bytes(bytes(b))
 
 
+def _bad_layer_types(d):
+    c = json.loads((d / "config.json").read_text())
+    c["layer_types"] = c["layer_types"][:3]
+    (d / "config.json").write_text(json.dumps(c))
+
+
 def _bad_model_type(d):
     c = json.loads((d / "config.json").read_text())
     c["model_type"] = "llama"
@@ -304,6 +332,7 @@ BAD = [  # (mutation, extra args, message regex)
     (_bad_dtype, (), r"tensor model\.language_model\.norm\.weight has dtype F64"),
     (_bad_header, (), r"model-\d+-of-\d+\.safetensors: corrupt safetensors header"),
     (_bad_model_type, (), r"config\.json: model_type 'llama' is not a Qwen3\.8 model"),
+    (_bad_layer_types, (), r"config\.json: layer_types: 3 entries for num_hidden_layers=4"),
     (None, ("--tp", "4"), r"layers\.0\.linear_attn\.in_proj_qkv\.weight: cannot split linear_num_key_heads=2 over --tp 4"),
     (None, ("--recipe", "q6_k"), r"error: layers\.0\.[\w.]+\.weight: q6_k needs K \(= 64\) to be a multiple of 256; "
                                  r"use --override \w+=bf16$"),
