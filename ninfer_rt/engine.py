@@ -99,6 +99,7 @@ class Engine(Core):
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self._free_msg: list[str] = []
+        self._broken = False
         self.stats = EngineStats(spec=SpecStats() if spec else None)
         self.device = self.model.device
 
@@ -149,9 +150,13 @@ class Engine(Core):
         if self.tp.size > 1:
             self.tp.broadcast_object({"op": "step", **plan.message()})
         t0 = time.perf_counter()
-        results = self._execute(plan)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        try:
+            results = self._execute(plan)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except BaseException:
+            self._broken = True      # followers may sit in a collective: do not message them again
+            raise
         self._account(plan, results, time.perf_counter() - t0)
         outs = []
         for s, v, emitted in results:
@@ -164,7 +169,7 @@ class Engine(Core):
 
     def shutdown(self) -> None:
         """Release the followers (TP); the engine is unusable afterwards."""
-        if self.tp.size > 1:
+        if self.tp.size > 1 and not self._broken:
             self.tp.broadcast_object({"op": "stop"})
         for s in list(self.running):
             self._drop(s)
