@@ -44,7 +44,8 @@ def compile_kernel(fn, signature: dict, constexprs: dict, cc: int, *, divisible=
 
 @dataclass(frozen=True)
 class Variant:
-    """One kernel instantiation: format module name, activation dtype, launch constants."""
+    """One kernel instantiation: format ("nvfp4", "q6_k", "iq3_s", "f8", "plain:bf16|f16|f32"), activation
+    dtype, launch constants; dequant=True is the format's dequantizer (prefill path on sm_70)."""
     fmt: str
     x_dtype: str = "float16"
     t_tile: int = 1
@@ -54,44 +55,70 @@ class Variant:
     use_dot: bool = False
     has_res: bool = False
     num_warps: int = 4
+    dequant: bool = False
 
     @property
     def name(self) -> str:
-        return (f"{self.fmt}-{self.x_dtype}-T{self.t_tile}-n{self.block_n}-g{self.block_g}"
+        if self.dequant:
+            return f"{self.fmt}-dequant-{self.x_dtype}-n{self.block_n}-g{self.block_g}"
+        return (f"{self.fmt}-{self.x_dtype}-T{self.t_tile}-n{self.block_n}-g{self.block_g}-w{self.num_warps}"
                 f"{'-split' if self.use_split else ''}{'-dot' if self.use_dot else ''}{'-res' if self.has_res else ''}")
 
 
 def _module(fmt: str):
     import importlib
-    return importlib.import_module(f"ninfer_kernels.gemv_{fmt}")
+    return importlib.import_module(f"ninfer_kernels.gemv_{fmt.split(':')[0]}")
 
 
 def compile_variant(v: Variant, cc: int):
-    mod = _module(v.fmt.split(":")[0])
-    kernel, wsig = mod.kernel_for(v.fmt)
+    kernel, wsig, extra = _module(v.fmt).kernel_for(v.fmt, dequant=v.dequant)
     xt = _TORCH_TO_TRITON[v.x_dtype]
+    if v.dequant:
+        sig = {**wsig, "out_ptr": f"*{xt}", "fscale": "fp32", "N": "i32", "G": "i32",
+               "BLOCK_N": "constexpr", "BLOCK_G": "constexpr"}
+        return compile_kernel(kernel, sig, {"BLOCK_N": v.block_n, "BLOCK_G": v.block_g}, cc,
+                              divisible=("out_ptr", "G") + tuple(wsig), num_warps=v.num_warps)
     sig = {"x_ptr": f"*{xt}", **wsig, **{k: (val or f"*{xt}") for k, val in _BASE_SIG.items()}}
     dot_kind = {"float16": 0, "bfloat16": 1}.get(v.x_dtype, 2)
     const = {"T_TILE": v.t_tile, "BLOCK_N": v.block_n, "BLOCK_G": v.block_g, "USE_SPLIT": v.use_split,
-             "USE_DOT": v.use_dot, "DOT_KIND": dot_kind, "HAS_RES": v.has_res, "EVEN_G": True}
+             "USE_DOT": v.use_dot, "DOT_KIND": dot_kind, "HAS_RES": v.has_res, "EVEN_G": True, **extra}
     for k in const:
         sig[k] = "constexpr"
-    div = _DIVISIBLE + tuple(wsig)
-    return compile_kernel(kernel, sig, const, cc, divisible=div, num_warps=v.num_warps)
+    return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps)
 
 
-def variants(ccs=(70, 90)) -> list[tuple[Variant, int]]:
-    """Every kernel and path the dispatcher can launch, per target (fp16 on sm_70, bf16 on sm_90)."""
-    fmts = ("nvfp4", "q6_k", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
+FORMATS = ("nvfp4", "q6_k", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
+_GS = {"nvfp4": 16, "q6_k": 16, "iq3_s": 16, "f8": 8, "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
+
+
+def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
+    """Per target (fp16 activations on sm_70, bf16 on sm_90): every kernel's elementwise path (T tile 2,
+    split-K, residual) and tl.dot path (T tile 16), and every dequantizer. `full` adds the decode tiles the
+    tuner tries (T 1/4/8/16, 64/128 rows) for register and instruction-count inspection."""
     out = []
     for cc in ccs:
         xd = "float16" if cc < 80 else "bfloat16"
-        for f in fmts:
-            bg = 32 if f.startswith("plain") else 16
-            out.append((Variant(f, xd, 1, block_g=bg), cc))
-            out.append((Variant(f, xd, 4, block_g=bg, use_split=True, has_res=True), cc))
-            out.append((Variant(f, xd, 16, block_g=bg // 2, use_dot=True, use_split=True), cc))
+        for f in FORMATS:
+            bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
+            out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True), cc))
+            out.append((Variant(f, xd, 16, 64, bg_dot, use_dot=True), cc))
+            if not f.startswith("plain"):
+                out.append((Variant(f, xd, dequant=True, block_n=32, block_g=8), cc))
+            if full:
+                for t, bn, w in ((1, 64, 4), (1, 128, 4), (4, 64, 4), (8, 32, 4), (16, 32, 4)):
+                    out.append((Variant(f, xd, t, bn, bg, num_warps=w), cc))
+                out.append((Variant(f, xd, 16, 128, bg_dot, num_warps=8, use_dot=True, use_split=True), cc))
     return out
+
+
+def _compile_row(item) -> dict:
+    v, cc = item
+    t0 = time.time()
+    try:
+        c = compile_variant(v, cc)
+        return {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
+    except Exception as e:  # report every failing variant, not only the first
+        return {"variant": v.name, "cc": cc, "ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
 
 
 def _cuda_tool(name: str, compiled, *args) -> str:
@@ -122,32 +149,34 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cc", type=int, nargs="+", default=[70, 90])
     ap.add_argument("--json", action="store_true", help="one JSON list on stdout")
+    ap.add_argument("--full", action="store_true", help="also the tuner's decode tiles")
     ap.add_argument("--only", default="", help="substring filter on variant names")
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument("--sass", default="", help="print the SASS of the first variant whose name contains this")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("error: unset TRITON_INTERPRET to compile for a GPU target", file=sys.stderr)
         return 2
-    rows, failed = [], 0
-    for v, cc in variants(tuple(args.cc)):
-        if args.only not in v.name:
-            continue
-        t0 = time.time()
-        try:
-            c = compile_variant(v, cc)
-            row = {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
-            if args.sass and args.sass in v.name:
-                print(sass(c))
-                return 0
-        except Exception as e:  # report every failing variant, not only the first
-            failed += 1
-            row = {"variant": v.name, "cc": cc, "ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
-        rows.append(row)
-        if not args.json:
-            print(" ".join(f"{k}={val}" for k, val in row.items()), file=sys.stderr if not row["ok"] else sys.stdout)
+    todo = [(v, cc) for v, cc in variants(tuple(args.cc), args.full) if args.only in v.name]
+    if args.sass:
+        v, cc = next(((v, cc) for v, cc in todo if args.sass in v.name), (None, None))
+        if v is None:
+            print(f"error: no variant matches {args.sass!r}", file=sys.stderr)
+            return 2
+        print(sass(compile_variant(v, cc)))
+        return 0
+    if args.jobs > 1 and len(todo) > 1:
+        import multiprocessing as mp
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            rows = pool.map(_compile_row, todo, chunksize=1)
+    else:
+        rows = [_compile_row(item) for item in todo]
     if args.json:
         print(json.dumps(rows))
-    return 1 if failed else 0
+    else:
+        for row in rows:
+            print(" ".join(f"{k}={val}" for k, val in row.items()), file=sys.stdout if row["ok"] else sys.stderr)
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -150,10 +150,7 @@ def dequant_iq3_s(packed: dict, K: int, dtype=torch.float16):
     return dequant(iq3_s_dequant_kernel, w, n, K // GS, GS, 1.0, dtype, dev)
 
 
-def packed_bytes(N: int, K: int) -> int:
-    return N * (K // QK) * BLOCK_BYTES
-
-
-def kernel_for(fmt: str = "iq3_s"):
-    return iq3_s_gemv_kernel, {"qs": "*i32", "signs": "*i16", "qh": "*u8", "sc": "*u8", "d": "*fp16",
-                               "grid": "*i32"}
+def kernel_for(fmt: str = "iq3_s", dequant: bool = False):
+    """(kernel, signature of its weight arguments, extra constexprs) for compile checks."""
+    sig = {"qs": "*i32", "signs": "*i16", "qh": "*u8", "sc": "*u8", "d": "*fp16", "grid": "*i32"}
+    return (iq3_s_dequant_kernel if dequant else iq3_s_gemv_kernel), sig, {}

@@ -71,7 +71,7 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device) -
     """Configs for [T, K] x [N, K]^T; the first is the default."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
-        return [GemvConfig(min(64, next_pow2(N)), min(64, next_pow2(G)), use_dot=T > 16)]
+        return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
     cc = torch.cuda.get_device_capability(device)
     sms = sm_count(device)
     ggs = max(1, 256 // GS)  # groups in a 256-wide K step
@@ -210,6 +210,8 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
     """Validate out/residual, pick a config (tuned on GPU), launch; returns out [T, N]."""
     T = x.shape[0]
     out = _check_out(out, residual, T, N, x, what)
+    if config is not None and config.use_dot and config.block_g * GS < 16:
+        raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config)
     bucket = next_pow2(T) if T <= 16 else min(next_pow2(T), 4096)

@@ -90,11 +90,6 @@ def dequant_nvfp4(codes, scales, gscale, dtype=torch.float16):
     return dequant(nvfp4_dequant_kernel, w, n, K // GS, GS, float(gscale), dtype, codes.device)
 
 
-def packed_bytes(N: int, K: int) -> int:
-    """Weight bytes one GEMV reads."""
-    return N * (K // 2 + K // GS)
-
-
-def kernel_for(fmt: str = "nvfp4"):
-    """(gemv kernel, signature of its weight arguments) for compile checks."""
-    return nvfp4_gemv_kernel, {"codes": "*i64", "scales": "*u8"}
+def kernel_for(fmt: str = "nvfp4", dequant: bool = False):
+    """(kernel, signature of its weight arguments, extra constexprs) for compile checks."""
+    return (nvfp4_dequant_kernel if dequant else nvfp4_gemv_kernel), {"codes": "*i64", "scales": "*u8"}, {}

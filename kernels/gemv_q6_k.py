@@ -139,9 +139,7 @@ def dequant_q6_k(packed: dict, K: int, dtype=torch.float16):
     return dequant(q6_k_dequant_kernel, w, n, K // GS, GS, 1.0, dtype, dev)
 
 
-def packed_bytes(N: int, K: int) -> int:
-    return N * (K // QK) * BLOCK_BYTES
-
-
-def kernel_for(fmt: str = "q6_k"):
-    return q6_k_gemv_kernel, {"ql": "*i64", "qh": "*i32", "sc": "*i8", "d": "*fp16"}
+def kernel_for(fmt: str = "q6_k", dequant: bool = False):
+    """(kernel, signature of its weight arguments, extra constexprs) for compile checks."""
+    sig = {"ql": "*i64", "qh": "*i32", "sc": "*i8", "d": "*fp16"}
+    return (q6_k_dequant_kernel if dequant else q6_k_gemv_kernel), sig, {}

@@ -1,0 +1,146 @@
+"""`linear(x, qw)`: pick the kernel for a `ninfer_rt.weights.QWeight` by format and number of tokens T.
+
+* T <= 16 (decode, MTP verify): the fused dequant-GEMV of the format; the weight bytes are read once for all
+  T rows and no 16-bit copy of the weight is ever made.
+* T > 16 (prefill): two paths, chosen per (format, shape, T bucket, dtype, device) by timing both on the
+  first call (`prefill_choices()` reports the winners):
+    "fused"   the same kernel as a GEMM: decoded tiles feed tl.dot (tensor cores on sm_80+, FMAs on sm_70);
+    "dequant" dequantize to a dense fp16/bf16 weight, then torch.matmul (cuBLAS; what sm_70 wants).
+  Without CUDA timing (the interpreter) "fused" is used; `prefill_path=` forces one.
+* plain bf16/f16/f32 weights: the plain GEMV for T <= 16, torch.matmul for prefill and for K that the
+  plain kernel cannot read as 8-byte words.
+Repacked forms (Q6_K / IQ3_S planar arrays) are built once per weight and kept in `qw.cache` under
+"triton.<fmt>"; `prepare(qw)` builds them eagerly (call it at load time, before CUDA-graph capture).
+x may have leading dimensions ([..., K] -> [..., N]); residual has the output's shape.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .gemv_f8 import dequant_f8, gemv_f8
+from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s
+from .gemv_launch import KernelInputError, interpreting, next_pow2
+from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4
+from .gemv_plain import _WIDTH, gemv_plain
+from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k
+
+DECODE_MAX_T = 16
+_REPACK = {"q6_k": repack_q6_k, "iq3_s": repack_iq3_s}
+_PREFILL: dict = {}
+
+
+def prepare(qw) -> None:
+    """Build the kernel-side forms of `qw` now (repacked GGML planes), so the first call does not."""
+    if qw.fmt in _REPACK:
+        _packed(qw)
+
+
+def _packed(qw) -> dict:
+    key = f"triton.{qw.fmt}"
+    if key not in qw.cache:
+        qw.cache[key] = _REPACK[qw.fmt](qw.data["blocks"], qw.shape[1])
+    return qw.cache[key]
+
+
+def _gemv(x, qw, out, residual):
+    d = qw.data
+    if qw.fmt == "nvfp4":
+        return gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], out, residual)
+    if qw.fmt == "q6_k":
+        return gemv_q6_k(x, _packed(qw), out, residual)
+    if qw.fmt == "iq3_s":
+        return gemv_iq3_s(x, _packed(qw), out, residual)
+    if qw.fmt == "f8_e4m3_row":
+        return gemv_f8(x, d["codes"], d["row_scale"], out, residual)
+    return gemv_plain(x, d["w"], out, residual)
+
+
+def dense_weight(qw, dtype) -> torch.Tensor:
+    """[N, K] `dtype` copy of the weight (the prefill "dequant" path)."""
+    d = qw.data
+    if qw.fmt == "nvfp4":
+        return dequant_nvfp4(d["codes"], d["scales"], d["gscale"], dtype)
+    if qw.fmt == "q6_k":
+        return dequant_q6_k(_packed(qw), qw.shape[1], dtype)
+    if qw.fmt == "iq3_s":
+        return dequant_iq3_s(_packed(qw), qw.shape[1], dtype)
+    if qw.fmt == "f8_e4m3_row":
+        return dequant_f8(d["codes"], d["row_scale"], dtype)
+    return d["w"].to(dtype)
+
+
+def _torch_linear(x, w, out, residual):
+    y = torch.matmul(x, w.to(x.dtype).T)
+    if residual is not None:
+        y = y + residual
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+def _dequant_path(x, qw, out, residual):
+    dt = x.dtype if x.dtype != torch.float32 else torch.float32
+    return _torch_linear(x, dense_weight(qw, dt), out, residual)
+
+
+def _prefill(x, qw, out, residual, path):
+    if path is None:
+        key = (qw.fmt, qw.shape, min(next_pow2(x.shape[0]), 4096), str(x.dtype), str(x.device))
+        path = _PREFILL.get(key)
+        if path is None:
+            path = _choose_prefill(x, qw, residual)
+            _PREFILL[key] = path
+    if path == "fused":
+        return _gemv(x, qw, out, residual)
+    if path == "dequant":
+        return _dequant_path(x, qw, out, residual)
+    raise KernelInputError(f"linear: prefill_path must be 'fused' or 'dequant', got {path!r}")
+
+
+def _choose_prefill(x, qw, residual) -> str:
+    if x.device.type != "cuda" or interpreting() or os.environ.get("NINFER_GEMV_TUNE", "1") == "0" \
+            or torch.cuda.is_current_stream_capturing():
+        return "fused"
+    times = {}
+    for path, fn in (("fused", _gemv), ("dequant", _dequant_path)):
+        try:
+            times[path] = triton.testing.do_bench(lambda: fn(x, qw, None, residual), warmup=3, rep=20,
+                                                  return_mode="median")
+        except (RuntimeError, triton.CompilationError, triton.runtime.errors.OutOfResources):
+            continue  # e.g. out of memory for the dense copy: the other path wins
+    return min(times, key=times.get) if times else "fused"
+
+
+def prefill_choices() -> dict:
+    return dict(_PREFILL)
+
+
+def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None) -> torch.Tensor:
+    """y[..., N] = x[..., K] @ W^T (+ residual), W = `qw` in any supported format."""
+    N, K = qw.shape
+    if not isinstance(x, torch.Tensor) or x.shape[-1] != K:
+        raise KernelInputError(f"linear {qw.name or qw.fmt}: x must end in K={K}, got "
+                               f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.device.type != "cuda" and not interpreting():
+        raise KernelInputError(f"linear {qw.name or qw.fmt}: Triton kernels need CUDA tensors "
+                               f"(or TRITON_INTERPRET=1), got {x.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    o2 = None if out is None else out.view(-1, N)
+    r2 = None if residual is None else residual.reshape(-1, N)
+    T = x2.shape[0]
+    if qw.fmt in ("f32", "f16", "bf16"):
+        w = qw.data["w"]
+        if T > DECODE_MAX_T or K % _WIDTH[w.dtype]:
+            y = _torch_linear(x2, w, o2, r2)
+        else:
+            y = gemv_plain(x2, w, o2, r2)
+    elif T > DECODE_MAX_T:
+        y = _prefill(x2, qw, o2, r2, prefill_path)
+    else:
+        y = _gemv(x2, qw, o2, r2)
+    return y.view(*lead, N) if out is None else out

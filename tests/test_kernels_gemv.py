@@ -1,0 +1,200 @@
+"""Fused dequant-GEMV kernels vs the codec-based torch references.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 (set here before ninfer_kernels is imported, or by
+tools/test.sh) on small odd shapes; with CUDA (and no TRITON_INTERPRET) the same tests run compiled, and the
+`gpu` tests add the real Qwen3.8 shapes.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ninfer_formats import codecs  # noqa: E402
+from ninfer_kernels import dispatch, randweights, reference  # noqa: E402
+from ninfer_kernels.gemv_f8 import dequant_f8, gemv_f8  # noqa: E402
+from ninfer_kernels.gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s  # noqa: E402
+from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
+from ninfer_kernels.gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4  # noqa: E402
+from ninfer_kernels.gemv_plain import gemv_plain  # noqa: E402
+from ninfer_kernels.gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k  # noqa: E402
+from ninfer_rt.weights import QWeight  # noqa: E402
+
+RTOL_FP32 = 1e-5     # fp32 activations: only summation order differs
+RTOL_HALF = 1e-2     # fp16/bf16 activations: output rounding (bf16: 2^-9) dominates
+RTOL_DEQUANT = 1e-6  # dense weights: at most two fp32 roundings per weight
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+FMTS = ("nvfp4", "q6_k", "iq3_s", "f8_e4m3_row", "bf16", "f16", "f32")
+K_SMALL = {"nvfp4": 80, "q6_k": 512, "iq3_s": 512, "f8_e4m3_row": 88, "bf16": 84, "f16": 84, "f32": 86}
+K_RAGGED = {"nvfp4": 176, "q6_k": 768, "iq3_s": 768, "f8_e4m3_row": 200, "bf16": 100, "f16": 100, "f32": 98}
+N_SMALL = 37
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def rtol(dtype) -> float:
+    return RTOL_FP32 if dtype == torch.float32 else RTOL_HALF
+
+
+def quantized(fmt: str, N: int, K: int, seed: int = 0) -> QWeight:
+    """A weight quantized from N(0, 1) by the numpy codecs (the packer's path)."""
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    if fmt == "nvfp4":
+        c, s, g = codecs.nvfp4.quantize(w)
+        data = {"codes": torch.from_numpy(c), "scales": torch.from_numpy(s), "gscale": float(g)}
+    elif fmt in ("q6_k", "iq3_s"):
+        data = {"blocks": torch.from_numpy(codecs.quantize(fmt, w))}
+    elif fmt == "f8_e4m3_row":
+        s, c = codecs.fp8.quantize_rows(w)
+        data = {"codes": torch.from_numpy(c), "row_scale": torch.from_numpy(s)}
+    else:
+        data = {"w": torch.from_numpy(w).to({"bf16": torch.bfloat16, "f16": torch.float16}.get(fmt, torch.float32))}
+    data = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in data.items()}
+    return QWeight(fmt, (N, K), data, name=f"test.{fmt}")
+
+
+def run_kernel(qw: QWeight, x, out=None, residual=None, config=None):
+    """The format's kernel entry point called directly (dispatch.linear is tested separately)."""
+    d = qw.data
+    if qw.fmt == "nvfp4":
+        return gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], out, residual, config=config)
+    if qw.fmt == "q6_k":
+        return gemv_q6_k(x, repack_q6_k(d["blocks"], qw.shape[1]), out, residual, config=config)
+    if qw.fmt == "iq3_s":
+        return gemv_iq3_s(x, repack_iq3_s(d["blocks"], qw.shape[1]), out, residual, config=config)
+    if qw.fmt == "f8_e4m3_row":
+        return gemv_f8(x, d["codes"], d["row_scale"], out, residual, config=config)
+    return gemv_plain(x, d["w"], out, residual, config=config)
+
+
+def poisoned(T: int, N: int, dtype) -> torch.Tensor:
+    return torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
+
+
+@pytest.mark.parametrize("T,dtype", [(1, torch.float32), (3, torch.bfloat16), (16, torch.float16)],
+                         ids=["T1-f32", "T3-bf16", "T16-f16"])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gemv_matches_reference(fmt, T, dtype):
+    K = K_SMALL[fmt]
+    qw = quantized(fmt, N_SMALL, K, seed=T)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, K, generator=g).to(dtype).to(DEV)
+    res = torch.randn(T, N_SMALL, generator=g).to(dtype).to(DEV)
+    y = run_kernel(qw, x, out=poisoned(T, N_SMALL, dtype), residual=res)
+    ref = reference.ref_linear(x, fmt, qw.data, residual=res)
+    assert y.dtype == dtype and y.shape == (T, N_SMALL) and torch.isfinite(y).all()
+    assert rel_l2(y, ref) < rtol(dtype)
+
+
+PATHS = {"split-ragged": (2, torch.float32, 64, dict(split=3)),
+         "dot-split": (5, torch.float16, 16, dict(split=2, use_dot=True)),
+         "dot-ttiles": (21, torch.float32, 16, dict(use_dot=True, t_tile=16))}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gemv_paths(fmt, path):
+    """Split-K (partials + last-CTA epilogue), ragged K tails, several row blocks and T tiles, tl.dot."""
+    T, dtype, bn, kw = PATHS[path]
+    K = K_RAGGED[fmt]
+    gs = {"nvfp4": 16, "q6_k": 16, "iq3_s": 16, "f8_e4m3_row": 8, "f32": 2}.get(fmt, 4)
+    bg = max(4, 16 // gs) if (K // gs) % max(4, 16 // gs) else 32  # a block that leaves a K tail
+    qw = quantized(fmt, N_SMALL, K, seed=7)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
+    cfg = GemvConfig(bn, bg, **kw)
+    y = run_kernel(qw, x, out=poisoned(T, N_SMALL, dtype), config=cfg)
+    assert rel_l2(y, reference.ref_linear(x, fmt, qw.data)) < rtol(dtype)
+    if cfg.split > 1:  # deterministic, and the arrival counters are back at zero for the next launch
+        assert torch.equal(run_kernel(qw, x, config=cfg), y)
+        assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
+
+
+def test_decode_every_code_pattern():
+    """Dense weights from the kernels' decode vs the codecs on all codes: every E2M1 nibble with normal and
+    subnormal E4M3 block scales, all non-NaN E4M3 bytes, random GGML block bytes."""
+    rng = np.random.default_rng(3)
+    codes = (np.arange(12 * 128) % 256).astype(np.uint8).reshape(12, 128)       # [12, K/2]: every byte
+    scales = np.array([0x01, 0x07, 0x08, 0x38, 0x7E, 0x30] * 32, dtype=np.uint8).reshape(12, 16)
+    ref = codecs.nvfp4.dequantize(codes, scales, np.float32(0.37))
+    got = dequant_nvfp4(torch.from_numpy(codes).to(DEV), torch.from_numpy(scales).to(DEV), 0.37, torch.float32)
+    assert rel_l2(got, torch.from_numpy(ref)) < RTOL_DEQUANT
+    f8 = np.concatenate([np.arange(256, dtype=np.uint8)[(np.arange(256) & 0x7F) != 0x7F],
+                         np.zeros(2, np.uint8)]).reshape(2, 128)
+    rs = np.array([0.5, 3e-3], dtype=np.float32)
+    ref = codecs.decode("f8_e4m3_row", codecs.fp8.join(rs, f8), f8.shape)
+    got = dequant_f8(torch.from_numpy(f8).to(DEV), torch.from_numpy(rs).to(DEV), torch.float32)
+    assert torch.equal(got.cpu(), torch.from_numpy(ref))
+    for fmt, repack, deq in (("q6_k", repack_q6_k, dequant_q6_k), ("iq3_s", repack_iq3_s, dequant_iq3_s)):
+        blocks = randweights.make(fmt, 9, 768, seed=int(rng.integers(1 << 30)))["blocks"]
+        ref = codecs.dequantize(fmt, blocks.numpy(), (9, 768))
+        got = deq(repack(blocks.to(DEV), 768), 768, torch.float32)
+        assert torch.equal(got.cpu(), torch.from_numpy(ref)), fmt
+
+
+@pytest.mark.parametrize("path", ["fused", "dequant"])
+@pytest.mark.parametrize("fmt", ("nvfp4", "q6_k", "iq3_s", "f8_e4m3_row", "bf16"))
+def test_linear_prefill_paths(fmt, path):
+    K = K_SMALL[fmt]
+    qw = quantized(fmt, N_SMALL, K, seed=11)
+    x = torch.randn(2, 10, K, generator=torch.Generator().manual_seed(2)).to(DEV)   # T = 20 > 16
+    res = torch.randn(2, 10, N_SMALL).to(DEV)
+    y = dispatch.linear(x, qw, residual=res, prefill_path=path)
+    ref = reference.ref_linear(x.reshape(20, K), fmt, qw.data, residual=res.reshape(20, N_SMALL))
+    assert y.shape == (2, 10, N_SMALL)
+    assert rel_l2(y.reshape(20, N_SMALL), ref) < RTOL_FP32
+
+
+@pytest.mark.parametrize("fmt", ("q6_k", "iq3_s", "f16"))
+def test_linear_decode_caches_repack(fmt):
+    qw = quantized(fmt, N_SMALL, K_SMALL[fmt], seed=5)
+    dispatch.prepare(qw)
+    x = torch.randn(4, K_SMALL[fmt]).to(DEV)
+    out = poisoned(4, N_SMALL, torch.float32)
+    assert dispatch.linear(x, qw, out=out) is out
+    assert rel_l2(out, reference.ref_linear(x, fmt, qw.data)) < RTOL_FP32
+    assert (f"triton.{fmt}" in qw.cache) == (fmt in ("q6_k", "iq3_s"))
+
+
+def test_bad_inputs_are_named():
+    qw = quantized("nvfp4", 8, 32)
+    d = qw.data
+    with pytest.raises(KernelInputError, match="activations must be"):
+        gemv_nvfp4(torch.zeros(3, dtype=torch.float32, device=DEV), d["codes"], d["scales"], 1.0)
+    with pytest.raises(KernelInputError, match="K=40 is not a multiple of 16"):
+        gemv_nvfp4(torch.zeros(1, 40, device=DEV), d["codes"], d["scales"], 1.0)
+    with pytest.raises(KernelInputError, match="scales must be"):
+        gemv_nvfp4(torch.zeros(1, 32, device=DEV), d["codes"], d["scales"][:, :1], 1.0)
+    with pytest.raises(KernelInputError, match="out must be"):
+        gemv_nvfp4(torch.zeros(2, 32, device=DEV), d["codes"], d["scales"], 1.0, out=torch.zeros(2, 9, device=DEV))
+    with pytest.raises(KernelInputError, match="blocks must be u8"):
+        repack_q6_k(torch.zeros(4, 100, dtype=torch.uint8), 256)
+    with pytest.raises(KernelInputError, match="x must end in K=32"):
+        dispatch.linear(torch.zeros(2, 31, device=DEV), qw)
+    with pytest.raises(ValueError, match="power of two"):
+        GemvConfig(48, 4)
+
+
+# ---- real shapes (GPU only) ------------------------------------------------------------------------
+GPU_SHAPES = [(14336, 5120), (5120, 6144), (5120, 8704), (124160, 5120)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (and TRITON_INTERPRET unset)")
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gpu_real_shapes(fmt, shape):
+    N, K = shape
+    qw = QWeight(fmt, shape, randweights.make(fmt, N, K, device="cuda", seed=N % 97), name="gpu")
+    rows = np.unique(np.concatenate([np.arange(8), np.arange(N - 8, N), np.random.default_rng(0).integers(0, N, 240)]))
+    for T, dtype in ((1, torch.bfloat16), (8, torch.float16), (16, torch.bfloat16), (40, torch.bfloat16)):
+        x = torch.randn(T, K, device="cuda").to(dtype)
+        res = torch.randn(T, N, device="cuda").to(dtype)
+        y = dispatch.linear(x, qw, residual=res)
+        ref = reference.ref_linear(x, fmt, qw.data, residual=res, rows=rows)
+        assert rel_l2(y[:, torch.as_tensor(rows, device="cuda")], ref) < RTOL_HALF, (T, dtype)
