@@ -131,3 +131,19 @@ def test_bad_input_is_one_line_error(packed, bad_artifacts, tmp_path, case, args
     assert len(errors) == 1 and res.stderr.strip().endswith(errors[0]), res.stderr     # logs may precede it
     assert re.search(message, errors[0]), errors[0]
     assert "Traceback" not in res.stderr and res.stdout == ""
+
+
+def test_tp2_generate_matches_tp1_and_reports_a_bad_follower_shard(tmp_path):
+    """The real multi-process CLI path: same text as TP1; a corrupted rank-1 shard is reported once by rank 0."""
+    tiny = build_hf_model(seed=2)
+    make_tiny_artifact(tmp_path / "tp1", tiny)
+    make_tiny_artifact(tmp_path / "tp2", tiny, tp=2)
+    args = ["--raw", "abc", "--max-new", "8", "--temperature", "0", "--spec", "mtp", "--draft-tokens", "2"]
+    one, two = cli(tmp_path / "tp1", *args), cli(tmp_path / "tp2", *args, "--tp", "2")
+    assert one.exit_code == 0 and two.exit_code == 0, two.stderr
+    assert two.stdout == one.stdout
+    _flip_byte(tmp_path / "tp2" / "model.tp2-rank1.ninfer", "layers.0.mlp.up_proj.weight")
+    bad = cli(tmp_path / "tp2", *args, "--tp", "2")
+    assert bad.exit_code == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: rank 1: ")
+    assert "layers.0.mlp.up_proj.weight: checksum mismatch" in bad.stderr and "Traceback" not in bad.stderr
