@@ -6,16 +6,11 @@ time), so it is set here, ahead of every test module, rather than in individual 
 import os
 import sys
 
-if os.environ.get("NINFER_TEST_GPU") != "1":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-# flash-linear-attention, when importable on a CPU box, makes transformers route GDN to Triton kernels
-# that cannot run here; block it so the torch reference path is used.
-try:
-    import torch
-    _cuda = torch.cuda.is_available()
-except Exception:  # pragma: no cover - torch missing is reported by the tests themselves
-    _cuda = False
-if not _cuda:
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # flash-linear-attention, when importable on a CPU box, makes transformers route GDN to Triton
+    # kernels that cannot run here; block it so the torch reference path is used.
     sys.modules.setdefault("fla", None)
     sys.modules.setdefault("causal_conv1d", None)
