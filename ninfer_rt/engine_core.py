@@ -7,6 +7,13 @@ of a verify) are made by rank 0 (`Engine`) and received by the others (`Follower
 One step = [draft phase (MTP, spec only)] -> one target forward over every decode sequence ([t_0] or
 [t_0, d_1..d_k] with snapshots) and every scheduled prefill chunk -> verdict (accepted count, target token,
 emitted count, finished) -> commit / free -> one MTP forward aligning decode rounds and prefill chunks.
+
+Step protocol (TP > 1, all over the CPU gloo control group, rank 0 -> everyone):
+  1. object  {"op": "step", "admit": [(req_id, prompt ids)], "free": [req_id], "prefill": [(req_id, a, b)],
+             "decode": [(req_id, k)]}   or  {"op": "stop"}
+  2. for j = 1..max k: int64 [n_j]  the j-th drafts of the decode sequences with k >= j, in plan order
+  3. if anything was scheduled: int64 [n_decode + n_prefill, 4] verdict rows (n_acc, token, n_emit, finished)
+Followers never sample; they apply the same plan, drafts and verdicts to their shards.
 """
 from __future__ import annotations
 
