@@ -15,6 +15,8 @@ import json
 import sys
 import sysconfig
 import tokenize
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import numpy as np
 
 EXCLUDED_PARTS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 HELDOUT_PER_10000 = 200                 # ~2 % of files
+SPLIT_RULE = "heldout iff int.from_bytes(sha256(relpath)[:8], 'little') % 10000 < 200"
 CHAT_MAX_PER_FILE = 6
 CHAT_LINES = (3, 40)                    # top-level defs of this many lines become chat examples
 _QUESTIONS = ("Write the {kind} `{name}` from the module `{module}`.",
@@ -41,7 +44,12 @@ class Corpus:
     train: tuple[tuple[str, str], ...]      # (relative path, text)
     heldout: tuple[tuple[str, str], ...]
     skipped: tuple[str, ...]                # unreadable / undecodable files
-    corpus_hash: str
+    corpus_hash: str                        # paths + contents of the files used
+
+    @property
+    def file_list_hash(self) -> str:
+        rels = sorted(r for r, _ in self.train + self.heldout)
+        return hashlib.sha256("\n".join(rels).encode()).hexdigest()
 
     def __post_init__(self):
         if not self.train or not self.heldout:
@@ -112,7 +120,9 @@ def module_name(rel: str) -> str:
 def chat_examples(rel: str, text: str) -> list[list[dict]]:
     """Short top-level functions/classes as ChatML conversations (user asks, assistant answers with code)."""
     try:
-        tree = ast.parse(text)
+        with warnings.catch_warnings():       # 3.12+ warns about invalid escapes in old test files
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return []
     lines = text.splitlines()
@@ -136,20 +146,30 @@ def chat_examples(rel: str, text: str) -> list[list[dict]]:
     return out
 
 
+@contextmanager
+def _plain_specials(tok):
+    """Special-token strings inside source text stay plain text (never control tokens)."""
+    saved, tok.encode_special_tokens = tok.encode_special_tokens, True
+    try:
+        yield tok
+    finally:
+        tok.encode_special_tokens = saved
+
+
 def encode_documents(tok, texts, specials: dict[str, int]) -> list[np.ndarray]:
-    """Raw files: text tokens + <|endoftext|>. Special-token strings inside source text stay plain text."""
-    tok.encode_special_tokens = True       # never let file contents produce control tokens
-    encs = tok.encode_batch_fast(list(texts)) if hasattr(tok, "encode_batch_fast") else tok.encode_batch(list(texts))
+    """Raw files: text tokens + <|endoftext|>."""
+    with _plain_specials(tok):
+        encs = tok.encode_batch_fast(list(texts))
     eot = specials["<|endoftext|>"]
     return [np.asarray(e.ids + [eot], dtype=np.int32) for e in encs]
 
 
 def encode_chats(tok, convs, specials: dict[str, int]) -> list[np.ndarray]:
     """ChatML ids exactly as chat_template.jinja renders them, then <|endoftext|>."""
-    tok.encode_special_tokens = True
     pieces = [f"{m['role']}\n{m['content']}" for conv in convs for m in conv]
-    ids = iter(e.ids for e in tok.encode_batch(pieces))
-    nl = tok.encode("\n").ids
+    with _plain_specials(tok):
+        ids = iter([e.ids for e in tok.encode_batch_fast(pieces)])
+        nl = tok.encode("\n").ids
     out = []
     for conv in convs:
         seq = []

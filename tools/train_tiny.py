@@ -149,7 +149,10 @@ def forward_losses(model, mtp, ids):
 
 
 def autocast(opts):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if opts.device == "cuda" else torch.autocast("cpu", enabled=False)
+    """bf16 autocast on the GPU; plain fp32 on the CPU (smoke runs and tests)."""
+    if opts.device == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 @torch.no_grad()
@@ -204,13 +207,17 @@ def snapshot(model, mtp):
             {k: v.detach().clone() for k, v in mtp.state_dict().items()})
 
 
-def train_step(model, mtp, opt, batch, opts) -> tuple[float, float]:
+def train_step(model, mtp, opt, batch, opts) -> tuple[float, float] | None:
+    """One update; None (and no update) when the loss or the gradient is not finite."""
     with autocast(opts):
         ce, ce_mtp, _, _ = forward_losses(model, mtp, batch)
         loss = ce + opts.mtp_weight * ce_mtp
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+    norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+    if not bool(torch.isfinite(norm)):
+        opt.zero_grad(set_to_none=True)
+        return None
     opt.step()
     return ce.item(), ce_mtp.item()
 
@@ -222,7 +229,7 @@ def train_loop(model, mtp, train_ids: torch.Tensor, val: torch.Tensor, opts, dea
     opt = make_optimizer(model, mtp, opts)
     gen = torch.Generator().manual_seed(opts.seed)
     span = torch.arange(opts.seq + 2, device=opts.device)
-    t_start, step, seen, ema, bsz = time.time(), 0, 0, None, opts.batch
+    t_start, step, seen, ema, bsz, bad = time.time(), 0, 0, None, opts.batch, 0
     best, last_eval, last_log = (math.inf, None, -1), t_start, t_start
     budget = max(deadline - t_start, 1e-3)
     while True:
@@ -243,6 +250,11 @@ def train_loop(model, mtp, train_ids: torch.Tensor, val: torch.Tensor, opts, dea
             opt.zero_grad(set_to_none=True), torch.cuda.empty_cache()
             continue
         step, seen = step + 1, seen + bsz * opts.seq
+        if cur is None:
+            bad += 1
+            if bad > 20:
+                raise TrainError(f"step {step}: loss/gradient not finite in {bad} steps (lower --lr)")
+            continue
         ema = cur if ema is None else tuple(0.98 * e + 0.02 * c for e, c in zip(ema, cur))
         now = time.time()
         if now - last_log > 15 or step == 1:
@@ -254,8 +266,9 @@ def train_loop(model, mtp, train_ids: torch.Tensor, val: torch.Tensor, opts, dea
             log(f"eval step {step}: heldout {m['loss']:.4f} mtp {m['mtp_loss']:.4f}")
             if m["loss"] < best[0]:
                 best = (m["loss"], snapshot(model, mtp), step)
-    return {"steps": step, "batch_used": bsz, "tokens": seen, "train_loss": ema[0], "train_mtp_loss": ema[1],
-            "train_seconds": time.time() - t_start, "best": best}
+    ema = ema or (math.nan, math.nan)
+    return {"steps": step, "skipped_steps": bad, "batch_used": bsz, "tokens": seen, "train_loss": ema[0],
+            "train_mtp_loss": ema[1], "train_seconds": time.time() - t_start, "best": best}
 
 
 def log(msg: str) -> None:
@@ -270,6 +283,7 @@ def prepare_data(opts):
     if len(train_ids) < opts.seq + 3:
         raise TrainError(f"train stream has {len(train_ids)} tokens, need more than {opts.seq + 2}")
     info = {"python_version": corpus.python_version, "corpus_hash": corpus.corpus_hash,
+            "file_list_hash": corpus.file_list_hash, "split_rule": tiny_data.SPLIT_RULE,
             "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
             "skipped_files": len(corpus.skipped), "chat_examples": n_chats,
             "train_tokens_unique": int(len(train_ids)), "heldout_tokens_total": int(len(held_ids)),
