@@ -1,0 +1,262 @@
+"""Serving throughput: aggregate decode tok/s at concurrency 1, 2, 4, 8 over HTTP, against its own ceiling.
+
+Measured in the same run, on the same loaded model:
+  direct   the Engine driven in-process (c requests added at once, step() until done): the ceiling
+  http     `ninfer-rt serve`'s app (uvicorn + scheduler thread, in this process) with c concurrent streaming
+           clients in a separate process (so client work does not share this process's GIL)
+Per request: prompt of --prompt-tokens random ids, --max-tokens completion tokens (ignore_eos, greedy).
+agg_tok_s = sum(tokens after the first) / (last token of any request - first token of any request);
+itl = a request's (last - first token time) / (tokens - 1); ttft from sending the request. Over HTTP a
+token's time is its SSE chunk's arrival (the finish chunk for the last one); text held back by the
+detokenizer (a partial UTF-8 character) arrives with a later token, so use a real tokenizer's artifact.
+
+    python bench/serve.py --artifact DIR [--concurrency 1,2,4,8 --max-tokens 128 --prompt-tokens 128
+                          --spec mtp --draft-tokens 3 --tp 1 --device cuda --json]
+
+Prints a table (or JSON with --json) and writes bench/results/serve.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "results" / "serve.json"
+
+
+# ---- client side (runs in a child process) --------------------------------------------------------------
+
+async def _one(client, body: dict) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            choice = (chunk.get("choices") or [{}])[0]
+            if choice.get("text") and first is None:
+                first = now
+            if choice.get("finish_reason"):       # sent right after the last token, text or not
+                last = now
+                first = first if first is not None else now
+    return {"start": t0, "first": first, "last": last, "tokens": tokens}
+
+
+async def _clients(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    import httpx
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                   "stream_options": {"include_usage": True}} for p in prompts]
+        return await asyncio.gather(*[_one(client, b) for b in bodies])
+
+
+def client_main(args) -> None:
+    spec = json.loads(sys.stdin.read())
+    print(json.dumps(asyncio.run(_clients(args.client, spec["prompts"], spec["max_tokens"]))))
+
+
+# ---- measurement ----------------------------------------------------------------------------------------
+
+def summarize(reqs: list[dict]) -> dict:
+    """Aggregate decode rate and medians from per-request {start, first, last, tokens} (seconds)."""
+    firsts = [r["first"] for r in reqs]
+    lasts = [r["last"] for r in reqs]
+    span = max(lasts) - min(firsts)
+    decoded = sum(r["tokens"] - 1 for r in reqs)
+    itl = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in reqs if r["tokens"] > 1]
+    return {"agg_tok_s": decoded / span if span > 0 else 0.0,
+            "ttft_ms_p50": 1e3 * statistics.median(r["first"] - r["start"] for r in reqs),
+            "itl_ms_p50": 1e3 * statistics.median(itl) if itl else None}
+
+
+def in_engine_thread(fn, init):
+    """Run fn in a fresh thread, as the server's scheduler does (torch's per-thread state and CPU thread
+    pools differ between the main thread and others, so the ceiling is measured under the same conditions)."""
+    box = {}
+
+    def body():
+        init()
+        try:
+            box["out"] = fn()
+        except BaseException as e:
+            box["err"] = e
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+def run_direct(engine, prompts, max_tokens: int, sync) -> dict:
+    from ninfer_rt.sampling import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    reqs = {f"d{i}": {"start": t0, "first": None, "last": None, "tokens": 0} for i in range(len(prompts))}
+    for rid, p in zip(reqs, prompts):
+        engine.add_request(rid, p, params)
+    while engine.has_work():
+        outs = engine.step()
+        sync()
+        now = time.perf_counter()
+        for o in outs:
+            r = reqs[o.req_id]
+            if o.new_token_ids:
+                r["first"] = r["first"] if r["first"] is not None else now
+                r["last"], r["tokens"] = now, r["tokens"] + len(o.new_token_ids)
+    return summarize(list(reqs.values()))
+
+
+def run_http(url: str, prompts, max_tokens: int) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--client", url], input=json.dumps(
+        {"prompts": prompts, "max_tokens": max_tokens}), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"client process failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return summarize(json.loads(proc.stdout))
+
+
+def thread_init(rt):
+    import torch
+    dev = rt.engine.device
+
+    def init():
+        torch.set_grad_enabled(False)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+    return init
+
+
+def start_server(rt, max_concurrency: int):
+    import socket
+
+    import uvicorn
+    from ninfer_rt.server import ServerState, create_app
+    from ninfer_rt.server.scheduler import Scheduler, SchedulerConfig
+    state = ServerState(model_id="bench")
+    init = thread_init(rt)
+    sched = Scheduler(rt.engine, rt.engine.model.kv_pool, rt.tokenizer,
+                      SchedulerConfig(max_concurrency=max_concurrency, max_context=rt.max_context, max_pending=1024),
+                      state.metrics, thread_init=init)
+    sched.start()
+    state.ready(sched, rt.tokenizer, rt.loaded.config.vocab_size, {})
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+    threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, sched
+
+
+def random_prompts(tok, vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    usable = [i for i in range(min(vocab, 50000)) if i not in tok.special_ids]
+    return [[rng.choice(usable) for _ in range(length)] for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--artifact", help="artifact folder (e.g. the 27B-shaped one bench/decode.py builds)")
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--spec", choices=["none", "mtp"], default="none")
+    ap.add_argument("--draft-tokens", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
+    ap.add_argument("--client", help=argparse.SUPPRESS)       # internal: client process mode
+    args = ap.parse_args()
+    if args.client:
+        return client_main(args)
+    if not args.artifact:
+        ap.error("--artifact is required")
+    try:
+        records = measure(args)
+    except Exception as e:         # NinferError, OSError, client failures: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    report(records, args)
+
+
+def measure(args) -> list[dict]:
+    import torch
+    from ninfer_rt.server.runtime import RuntimeOptions, open_runtime
+    levels = sorted({int(c) for c in args.concurrency.split(",")})
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ctx = args.prompt_tokens + args.max_tokens + 16
+    rt = open_runtime(RuntimeOptions(
+        artifact=args.artifact, tp=args.tp, device=device,
+        dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+        backend=args.backend or ("triton" if device == "cuda" else "torch"),
+        draft_tokens=args.draft_tokens if args.spec == "mtp" else 0, max_concurrency=max(levels),
+        kv_capacity=max(levels) * ctx, max_context=ctx))
+    gpu = torch.cuda.get_device_name(rt.engine.device) if device == "cuda" else "cpu"
+    sync = (lambda: torch.cuda.synchronize(rt.engine.device)) if device == "cuda" else (lambda: None)
+    vocab = rt.loaded.config.vocab_size
+    try:
+        def direct_all():
+            run_direct(rt.engine, random_prompts(rt.tokenizer, vocab, 1, args.prompt_tokens, 99), 8, sync)  # warm-up
+            return {c: run_direct(rt.engine, random_prompts(rt.tokenizer, vocab, c, args.prompt_tokens, c),
+                                  args.max_tokens, sync) for c in levels}
+        direct = in_engine_thread(direct_all, thread_init(rt))
+        url, server, sched = start_server(rt, max(levels))
+        run_http(url, random_prompts(rt.tokenizer, vocab, 1, args.prompt_tokens, 99), 8)              # warm-up
+        records = []
+        for c in levels:
+            h = run_http(url, random_prompts(rt.tokenizer, vocab, c, args.prompt_tokens, c), args.max_tokens)
+            records.append({"concurrency": c, **h, "gpu": gpu, "direct_agg_tok_s": direct[c]["agg_tok_s"],
+                            "direct_itl_ms_p50": direct[c]["itl_ms_p50"],
+                            "ratio_to_direct": h["agg_tok_s"] / direct[c]["agg_tok_s"] if direct[c]["agg_tok_s"] else None,
+                            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                            "draft_tokens": args.draft_tokens if args.spec == "mtp" else 0, "tp": args.tp,
+                            "artifact": os.path.abspath(args.artifact)})
+        server.should_exit = True
+        sched.stop()
+    finally:
+        rt.close()
+    return records
+
+
+def report(records: list[dict], args) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".serve-", dir=out.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, out)                 # a reader never sees a half-written file
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return
+    print(f"{'conc':>4} {'http tok/s':>11} {'direct tok/s':>13} {'ratio':>6} {'ttft p50 ms':>12} {'itl p50 ms':>11}")
+    for r in records:
+        ratio = f"{r['ratio_to_direct']:.2f}" if r["ratio_to_direct"] is not None else "-"
+        itl = f"{r['itl_ms_p50']:.2f}" if r["itl_ms_p50"] is not None else "-"
+        print(f"{r['concurrency']:>4} {r['agg_tok_s']:>11.1f} {r['direct_agg_tok_s']:>13.1f} {ratio:>6} "
+              f"{r['ttft_ms_p50']:>12.1f} {itl:>11}")
+    print(f"gpu: {records[0]['gpu'] if records else '-'}; wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
