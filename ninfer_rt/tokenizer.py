@@ -52,7 +52,7 @@ class Tokenizer:
                  bos_token: str | None = None, eos_token: str | None = None):
         try:
             self._tok = _HFTokenizer.from_str(tokenizer_json)
-        except Exception as e:   # the Rust side raises a plain Exception with a multi-line message
+        except Exception as e:  # noqa: BLE001 -- the Rust side raises a plain Exception, multi-line
             raise TokenizerError(f"resource tokenizer.json: cannot be parsed "
                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
         self.chat_template = chat_template
@@ -62,7 +62,7 @@ class Tokenizer:
         self._template = None
 
     @classmethod
-    def from_resources(cls, resources: dict, eos_token_ids=()) -> "Tokenizer":
+    def from_resources(cls, resources: dict, eos_token_ids=()) -> Tokenizer:
         """From the artifact's resources {name: bytes|str} and the model config's eos ids."""
         text = _resource_text(resources, "tokenizer.json")
         if text is None:

@@ -1,4 +1,6 @@
 """Sampling parameters, processed distributions, seeded sampling, and the speculative acceptance rules."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -121,8 +123,8 @@ def test_invalid_params_name_the_field(field, value):
 def test_params_normalise_sequences():
     p = SamplingParams(stop="##", stop_token_ids=[3, 4], top_k=-1)
     assert p.stop == ("##",) and p.stop_token_ids == (3, 4) and p.top_k == 0
-    with pytest.raises(Exception):
-        p.temperature = 2.0                                    # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = 2.0
 
 
 # ---- acceptance rules ------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ import types
 
 import pytest
 import torch
-from hf_tiny import (CHAT_TEMPLATE, EOS_ID, IM_END_ID, SPECIALS, artifact_weights, build_hf_model,
-                     model_config_from_hf, tiny_resources, tokenizer_json)
+from hf_tiny import (EOS_ID, IM_END_ID, SPECIALS, artifact_weights, build_hf_model, model_config_from_hf,
+                     tiny_resources, tokenizer_json)
 
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.engine import Engine

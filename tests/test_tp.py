@@ -13,8 +13,8 @@ from ninfer_rt.tp_group import LocalGroup, TPGroup
 # TP partial sums are added in another order than the TP1 GEMM reduction (fp32)
 TP_TOL = 1e-5
 # geometry legal for TP4: 4 KV heads, 4 GDN key heads
-GEOMETRY = dict(linear_num_key_heads=4, linear_num_value_heads=8, num_key_value_heads=4, num_attention_heads=8,
-                head_dim=16, intermediate_size=192)
+GEOMETRY = {"linear_num_key_heads": 4, "linear_num_value_heads": 8, "num_key_value_heads": 4,
+            "num_attention_heads": 8, "head_dim": 16, "intermediate_size": 192}
 
 
 def rel(a, b) -> float:
