@@ -144,6 +144,11 @@ class Engine(Core):
         return bool(self.waiting or self.running)
 
     def step(self) -> list[StepOutput]:
+        """One step for every running request. After a failed step abort the requests it ran (TP1); with
+        TP > 1 the ranks may be out of step, so every later step is refused."""
+        if self._broken and self.tp.size > 1:
+            raise EngineError("a previous engine step failed; the tensor-parallel ranks are out of step "
+                              "(restart the process)")
         if not self.has_work():
             return []
         plan = self._schedule()
