@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -31,8 +32,13 @@ def convert_cmd(source, out_dir, recipe, overrides, tp, jobs, no_vision, no_mtp,
                 as_json):
     """Pack a Hugging Face Qwen3.8 checkpoint (folder or Hub repo id) into OUT_DIR."""
     from .convert import convert
-    res = convert(source, out_dir, recipe=recipe, overrides=overrides, tp=int(tp), jobs=jobs,
-                  vision=not no_vision, mtp=not no_mtp, force=force, progress=not quiet, base_model=base_model)
+    try:
+        res = convert(source, out_dir, recipe=recipe, overrides=overrides, tp=int(tp), jobs=jobs,
+                      vision=not no_vision, mtp=not no_mtp, force=force, progress=not quiet,
+                      base_model=base_model)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted; rerun the same command to resume", err=True)
+        sys.exit(130)
     t = res.report["totals"]
     if as_json:
         click.echo(json.dumps({"out_dir": str(res.out_dir), "files": [str(f) for f in res.files],

@@ -1,10 +1,10 @@
 """A Hugging Face Qwen3.8 checkpoint (local folder or Hub repo id), checked completely before any work.
 
-`open_source` reads only safetensors headers and small JSON files: it builds the ModelConfig, matches every
-tensor against the inventory the config implies (missing, extra, misshaped, unsupported dtype -> SourceError
-naming it) and collects the resources. Headers are parsed by `safe_open` (a corrupt one is a SourceError naming the file);
-tensor data is read later, lazily and by row range (`TensorReader`, plain `pread` at the validated offsets,
-so nothing stays mapped), in whichever process needs it.
+`open_source` reads only safetensors headers and small JSON files: it builds the ModelConfig, matches
+every tensor against the inventory the config implies (missing, extra, misshaped, unsupported dtype ->
+SourceError naming it) and collects the resources. Headers are parsed by `safe_open` (a corrupt one is a
+SourceError naming the file); tensor data is read later, lazily and by row range (`TensorReader`: plain
+`pread` at the validated offsets, so nothing stays mapped), in whichever process needs it.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import numpy as np
 import xxhash
 
 from ninfer_formats.errors import SourceError
+from ninfer_formats.model_config import ModelConfig
 
 from .hf_config import to_model_config
 from .inventory import artifact_name, artifact_shape, expected_shapes
@@ -52,7 +53,7 @@ class SourceTensor:
 class HFSource:
     root: Path
     label: str                               # "owner/name@commit" or the folder name (informative)
-    config: object                           # ModelConfig
+    config: ModelConfig
     hf_config: dict
     tensors: dict                            # artifact name -> SourceTensor, in inventory order
     resources: dict                          # resource name -> bytes
@@ -249,6 +250,5 @@ def read_rows(t: SourceTensor, start: int = 0, stop: int | None = None) -> np.nd
 
 def to_f32(a: np.ndarray) -> np.ndarray:
     """Source values widened exactly to float32 (bf16 bits arrive as uint16)."""
-    if a.dtype == np.uint16:
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32, copy=False)
+    from ninfer_formats.codecs import bf16_to_f32
+    return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32, copy=False)

@@ -287,7 +287,8 @@ def _rewrite(d, hf_name, fn):
 
 
 def _bad_missing(d):
-    _rewrite(d, TEXT_PREFIX + "layers.1.mlp.down_proj.weight", lambda sd: sd.pop(TEXT_PREFIX + "layers.1.mlp.down_proj.weight"))
+    n = TEXT_PREFIX + "layers.1.mlp.down_proj.weight"
+    _rewrite(d, n, lambda sd: sd.pop(n))
 
 
 def _bad_shape(d):
@@ -333,7 +334,8 @@ BAD = [  # (mutation, extra args, message regex)
     (_bad_header, (), r"model-\d+-of-\d+\.safetensors: corrupt safetensors header"),
     (_bad_model_type, (), r"config\.json: model_type 'llama' is not a Qwen3\.8 model"),
     (_bad_layer_types, (), r"config\.json: layer_types: 3 entries for num_hidden_layers=4"),
-    (None, ("--tp", "4"), r"layers\.0\.linear_attn\.in_proj_qkv\.weight: cannot split linear_num_key_heads=2 over --tp 4"),
+    (None, ("--tp", "4"), r"layers\.0\.linear_attn\.in_proj_qkv\.weight: "
+                          r"cannot split linear_num_key_heads=2 over --tp 4"),
     (None, ("--recipe", "q6_k"), r"error: layers\.0\.[\w.]+\.weight: q6_k needs K \(= 64\) to be a multiple of 256; "
                                  r"use --override \w+=bf16$"),
     (None, ("--override", "mlp=bf16"), r"--override 'mlp=bf16': unknown role 'mlp'"),
@@ -357,12 +359,33 @@ def test_bad_input_one_line_error(small, tmp_path, mutate, args, msg):
     assert not out.exists() or not any(out.iterdir())          # refused before any work
 
 
+@pytest.mark.parametrize("tensor,recipe", [("layers.0.mlp.up_proj.weight", "nvfp4"),
+                                           ("layers.1.post_attention_layernorm.weight", "bf16")],
+                         ids=["nvfp4-group", "passthrough"])
+def test_nan_in_source_is_one_line(small, tmp_path, tensor, recipe):
+    from click.testing import CliRunner
+    from ninfer_pack.cli import main
+    src = _copy(small, tmp_path / "src")
+    n = TEXT_PREFIX + tensor
+
+    def poison(sd):
+        sd[n] = sd[n].clone()
+        sd[n].view(-1)[7] = float("nan")
+    _rewrite(src, n, poison)
+    res = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--quiet", "-j", "1",
+                                    "--recipe", recipe, *[a for o in SMALL_NVFP4 for a in ("--override", o)]])
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and tensor.split(".weight")[0] in lines[0] and "NaN" in lines[0], lines
+
+
 def test_recipe_file_and_overrides(wide, tmp_path):
     from ninfer_pack.hf_source import open_source
     from ninfer_pack.pack_plan import make_plan
     from ninfer_pack.recipes import load_recipe
     f = tmp_path / "mix.toml"
-    f.write_text('base = "q6_k"\n[roles]\nmlp_out = "nvfp4"\n[tensors]\n"layers\\\\.0\\\\..*_proj\\\\.weight" = "bf16"\n')
+    f.write_text('base = "q6_k"\n[roles]\nmlp_out = "nvfp4"\n'
+                 '[tensors]\n"layers\\\\.0\\\\..*_proj\\\\.weight" = "bf16"\n')
     src = open_source(str(wide))
     plan = make_plan(src, load_recipe(str(f), ("lm_head=bf16",)), 2)
     fm = {j.name: j.fmt for j in plan.jobs}
