@@ -223,3 +223,22 @@ def test_request_errors(loaded, tiny):
         Engine(no_mtp, TorchOps(), spec=SpecConfig(num_draft_tokens=2))
     with pytest.raises(SpecError, match="num_draft_tokens"):
         SpecConfig(num_draft_tokens=8)
+
+
+def test_failed_step_then_abort_keeps_serving(loaded, prompts, reference):
+    """TP1: a step that raises (after drafting moved the MTP cache) can be cleaned up with abort()."""
+    eng = Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=64)
+    eng.add_request("a", prompts[1], GREEDY)
+    eng.step()                                   # prefill + first token
+    forward = eng.model.forward
+
+    def boom(*a, **kw):
+        raise RuntimeError("device lost")
+
+    eng.model.forward = boom
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
+    eng.model.forward = forward
+    assert eng.abort("a") and not eng.has_work()
+    out, _ = run(eng, prompts[:1])
+    assert out["r0"] == reference["r0"]
