@@ -147,6 +147,7 @@ def start_server(rt, max_concurrency: int):
     import socket
 
     import uvicorn
+
     from ninfer_rt.server import ServerState, create_app
     from ninfer_rt.server.scheduler import Scheduler, SchedulerConfig
     state = ServerState(model_id="bench")
@@ -201,6 +202,7 @@ def main() -> None:
 
 def measure(args) -> list[dict]:
     import torch
+
     from ninfer_rt.server.runtime import RuntimeOptions, open_runtime
     levels = sorted({int(c) for c in args.concurrency.split(",")})
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

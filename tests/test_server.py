@@ -12,14 +12,13 @@ import socket
 import threading
 import time
 
+import hf_tiny
 import httpx
 import pytest
 
 from ninfer_rt.server import ServerState, create_app
 from ninfer_rt.server.scheduler import Scheduler, SchedulerConfig
 from ninfer_rt.tokenizer import Tokenizer
-
-import hf_tiny
 
 MODEL_ID = "tiny-test"
 CTX = 256                      # per-request context of the real-engine servers
@@ -29,22 +28,24 @@ _ARTIFACT: dict = {}
 
 # ---- the tiny fp32 artifact (built once per session, shared with test_server_load.py) -------------------
 
-def tiny_artifact(tmp_path_factory) -> str:
+def tiny_artifact(tmp_path_factory, tp: int = 1) -> str:
     """tests/hf_tiny.py checkpoint (with MTP) packed by the real packer, every tensor kept at fp32."""
-    if "dir" not in _ARTIFACT:
-        from ninfer_pack.convert import convert
-        from ninfer_pack.recipes import ROLES
-        root = tmp_path_factory.mktemp("serve-artifact")
-        hf_tiny.make_tiny_checkpoint(root / "hf", seed=3)
-        convert(str(root / "hf"), root / "art", recipe="bf16", overrides=tuple(f"{r}=source" for r in ROLES),
-                jobs=1, progress=False, vision=False)
-        _ARTIFACT["dir"] = str(root / "art")
-    return _ARTIFACT["dir"]
+    from ninfer_pack.convert import convert
+    from ninfer_pack.recipes import ROLES
+    if "hf" not in _ARTIFACT:
+        _ARTIFACT["root"] = tmp_path_factory.mktemp("serve-artifact")
+        _ARTIFACT["hf"] = hf_tiny.make_tiny_checkpoint(_ARTIFACT["root"] / "hf", seed=3)
+    if tp not in _ARTIFACT:
+        out = _ARTIFACT["root"] / f"art-tp{tp}"
+        convert(str(_ARTIFACT["hf"]), out, recipe="bf16", overrides=tuple(f"{r}=source" for r in ROLES),
+                jobs=1, progress=False, vision=False, tp=tp)
+        _ARTIFACT[tp] = str(out)
+    return _ARTIFACT[tp]
 
 
-def real_runtime(artifact: str, *, max_concurrency=4, draft_tokens=DRAFT_TOKENS, kv_capacity=None):
+def real_runtime(artifact: str, *, max_concurrency=4, draft_tokens=DRAFT_TOKENS, kv_capacity=None, tp=1):
     from ninfer_rt.server.runtime import RuntimeOptions, open_runtime
-    return open_runtime(RuntimeOptions(artifact=artifact, device="cpu", dtype="float32", backend="torch",
+    return open_runtime(RuntimeOptions(artifact=artifact, tp=tp, device="cpu", dtype="float32", backend="torch",
                                        max_concurrency=max_concurrency, draft_tokens=draft_tokens,
                                        kv_capacity=kv_capacity, max_context=CTX, verify=False))
 
@@ -344,7 +345,7 @@ def test_queue_over_max_pending_is_429_and_kv_reservation_is_fifo():
         assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
         wait_idle(srv)
         assert pool.free_pages() == pool.num_pages
-        assert metric(srv, "ninfer_requests_rejected_total", 'status="429"') == codes.count(429)
+        assert metric(srv, "ninfer_request_errors_total", 'status="429"') == codes.count(429)
         assert metric(srv, "ninfer_kv_pages_reserved") == 0
     finally:
         srv.close()
@@ -388,6 +389,7 @@ def test_disconnect_aborts_request_and_frees_pages(stream):
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     from types import SimpleNamespace
+
     from ninfer_rt.server.request_log import RequestLog
     art = tiny_artifact(tmp_path_factory)
     log_path = tmp_path_factory.mktemp("serve-log") / "requests.jsonl"
@@ -520,6 +522,26 @@ def _pool_is_whole(rt) -> bool:
     return m.kv_pool.free_pages() == m.kv_pool.num_pages and m.gdn_pool.free_slots() == m.gdn_pool.max_seqs
 
 
+def test_tp2_server_matches_tp1(real, tmp_path_factory):
+    """Rank 0 serves, rank 1 (a spawned process, gloo) mirrors its steps; greedy text equals TP1's."""
+    from concurrent.futures import ThreadPoolExecutor
+    srv, rt = real_server(tiny_artifact(tmp_path_factory, tp=2), tp=2)
+    try:
+        c = srv.client()
+        jobs = [(p, n) for p, n in zip(PROMPTS[:3], (8, 14, 6))]
+        with ThreadPoolExecutor(len(jobs)) as ex:
+            got = list(ex.map(lambda j: c.completions.create(model=MODEL_ID, prompt=j[0], max_tokens=j[1],
+                                                             temperature=0).choices[0].text, jobs))
+        for (p, n), text in zip(jobs, got):
+            assert text == expected_text(real.tok, solo_ids(real.ref, real.tok.encode(p), n))[1], p
+        wait_idle(srv)
+        assert _pool_is_whole(rt)
+    finally:
+        srv.close()
+        rt.close()
+    assert all(not p.is_alive() for p in rt.launch.procs)
+
+
 def test_disconnect_mid_stream_frees_kv_and_state(real):
     before = metric(real.srv, "ninfer_requests_total", 'finish_reason="abort"')
     body = {"model": MODEL_ID, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True}
@@ -608,6 +630,7 @@ def test_cli_serves_then_drains_on_sigterm(tmp_path_factory):
 
 def _cli(args):
     from click.testing import CliRunner
+
     from ninfer_rt.cli import main
     return CliRunner().invoke(main, ["serve", *args])
 
@@ -641,6 +664,7 @@ def _copy_artifact(art: str, dst) -> str:
 
 def test_hf_artifact_is_downloaded_and_verified(tmp_path_factory, tmp_path, monkeypatch):
     import huggingface_hub
+
     from ninfer_rt.server.runtime import ServeError, default_model_id, resolve_artifact
     art = tiny_artifact(tmp_path_factory)
     good, bad = _copy_artifact(art, tmp_path / "good"), _copy_artifact(art, tmp_path / "bad")
@@ -660,3 +684,53 @@ def test_hf_artifact_is_downloaded_and_verified(tmp_path_factory, tmp_path, monk
         resolve_artifact("hf://org/bad")
     res = _cli(["hf://org/bad", "--port", "0", "--device", "cpu"])      # the loader fails -> server stops
     assert res.exit_code == 2 and "failed verification" in res.output, res.output
+
+
+def test_unknown_fields_ignored_and_max_completion_tokens(fake):
+    srv, _, _ = fake
+    body = {**CHAT, "max_tokens": 9, "max_completion_tokens": 3, "frobnicate": {"x": 1}, "user": "u1",
+            "chat_template_kwargs": {"enable_thinking": False}}
+    r = _post(srv, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    assert r.json()["choices"][0]["message"]["reasoning_content"] is None
+
+
+# ---- reasoning split (token level) ----------------------------------------------------------------------
+
+S, E = hf_tiny.SPECIALS["<think>"], hf_tiny.SPECIALS["</think>"]
+A, B = list(b"ab"), list(b"cd")
+
+SPLITS = [
+    # (prompt tail, generated ids, expected (reasoning, content))
+    ("open", [S, 10], A + [E] + B, ("ab", "cd")),
+    ("open-never-closed", [S, 10], A + B, ("abcd", "")),
+    ("closed", [S, 10, 10, E, 10, 10], A + B, ("", "abcd")),
+    ("closed-later-tags-are-content", [S, E], A + [S] + B + [E], ("", "abcd")),
+    ("no-tags-model-opens", [10], [S] + A + [E] + B, ("ab", "cd")),
+    ("no-tags-late-open-is-content", [10], A + [S] + B, ("", "abcd")),
+]
+
+
+@pytest.mark.parametrize("prompt,gen,want", [s[1:] for s in SPLITS], ids=[s[0] for s in SPLITS])
+@pytest.mark.parametrize("chunk", [1, 2, 100], ids=["tok-by-tok", "pairs", "whole"])
+def test_reasoning_split_is_chunking_independent(prompt, gen, want, chunk):
+    from ninfer_rt.server.reasoning import OutputText, ReasoningSplitter, prompt_think_state
+    tok = tiny_tokenizer()
+    text = OutputText(tok, (), ReasoningSplitter(S, E, prompt_think_state(prompt, S, E)))
+    r = c = ""
+    for i in range(0, len(gen), chunk):
+        dr, dc = text.push(gen[i:i + chunk])
+        r, c = r + dr, c + dc
+    fr, fc = text.flush()
+    assert (r + fr, c + fc) == want
+
+
+def test_reasoning_holds_partial_utf8_across_the_close_tag():
+    from ninfer_rt.server.reasoning import OPEN, OutputText, ReasoningSplitter
+    tok = tiny_tokenizer()
+    euro = list("€".encode())                     # 3 bytes = 3 tokens in the byte-level tiny vocab
+    text = OutputText(tok, ("cd",), ReasoningSplitter(S, E, OPEN))
+    assert text.push(euro[:2]) == ("", "")         # incomplete character: held back
+    assert text.push(euro[2:] + [E] + list(b"xcdy")) == ("€", "x")
+    assert text.stopped and text.flush() == ("", "")

@@ -133,7 +133,7 @@ def test_load_sixteen_clients_with_disconnects(tmp_path_factory):
         total = sum(m("ninfer_requests_total", f'finish_reason="{r}"') for r in ("stop", "length", "abort"))
         assert total == done + tally.dropped
         assert m("ninfer_requests_total", 'finish_reason="abort"') <= tally.dropped
-        assert m("ninfer_requests_rejected_total", 'status="400"') == tally.bad_sent
+        assert m("ninfer_request_errors_total", 'status="400"') == tally.bad_sent
         assert m("ninfer_prompt_tokens_total") >= tally.prompt_tokens
         assert m("ninfer_generation_tokens_total") >= tally.completion_tokens
         assert m("ninfer_time_to_first_token_seconds_count") >= done

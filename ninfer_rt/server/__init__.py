@@ -2,4 +2,4 @@
 from .app import ServerState, create_app
 from .scheduler import Scheduler, SchedulerConfig
 
-__all__ = ["ServerState", "create_app", "Scheduler", "SchedulerConfig"]
+__all__ = ["Scheduler", "SchedulerConfig", "ServerState", "create_app"]

@@ -61,7 +61,7 @@ class _Guard:
         headers = dict(scope.get("headers") or [])
         err = self._check(scope, headers)
         if err is not None:
-            self.state.metrics.rejected.labels(status=str(err.status)).inc()
+            self.state.metrics.errors.labels(status=str(err.status)).inc()
             return await _error(err)(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -109,7 +109,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(P.ApiError)
     async def _api_error(request, e: P.ApiError):
-        state.metrics.rejected.labels(status=str(e.status)).inc()
+        state.metrics.errors.labels(status=str(e.status)).inc()
         return _error(e)
 
     @app.exception_handler(StarletteHTTPException)

@@ -21,7 +21,7 @@ class ServerMetrics:
                              registry=r)
         self.requests = Counter("ninfer_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
-        self.rejected = Counter("ninfer_requests_rejected", "Requests answered with an error status (4xx/5xx), by status",
+        self.errors = Counter("ninfer_request_errors", "Requests answered with an error status (4xx/5xx), by status",
                                 ["status"], registry=r)
         self.prompt_tokens = Counter("ninfer_prompt_tokens", "Prompt tokens of requests that entered the engine",
                                      registry=r)

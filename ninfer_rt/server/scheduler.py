@@ -67,7 +67,7 @@ class Handle:
     in_engine: bool = False
     done: bool = False
     cancelled: bool = False
-    scheduler: "Scheduler | None" = field(default=None, repr=False)
+    scheduler: Scheduler | None = field(default=None, repr=False)
 
     def cancel(self) -> None:
         """Client gone: free the request's KV and state at the next step boundary (idempotent)."""
