@@ -734,3 +734,13 @@ def test_reasoning_holds_partial_utf8_across_the_close_tag():
     assert text.push(euro[:2]) == ("", "")         # incomplete character: held back
     assert text.push(euro[2:] + [E] + list(b"xcdy")) == ("€", "x")
     assert text.stopped and text.flush() == ("", "")
+
+
+def test_a_handler_bug_is_a_500_error_body(fake, monkeypatch):
+    from ninfer_rt.server import handlers
+    srv, _, _ = fake
+    monkeypatch.setattr(handlers, "chat_prompt", lambda *a: 1 / 0)
+    r = _post(srv, "/v1/chat/completions", CHAT)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    monkeypatch.undo()
+    assert _post(srv, "/v1/chat/completions", CHAT).status_code == 200

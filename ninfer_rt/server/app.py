@@ -117,6 +117,13 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found" if e.status_code == 404 else "method_not_allowed" if e.status_code == 405 else None
         return _error(P.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=kind))
 
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):
+        # a bug, not a client error: keep the OpenAI error shape; Starlette still logs the traceback
+        state.metrics.errors.labels(status="500").inc()
+        return _error(P.ApiError(500, f"internal server error: {type(e).__name__}", type="server_error",
+                                 code="internal_error"))
+
     @app.get("/health")
     async def health():
         if state.scheduler is None:
