@@ -172,10 +172,6 @@ class Scheduler:
             self._thread.join(timeout_s)
         self.log.close()
 
-    def kv_free_pages(self) -> int:
-        """Pages free in the engine's pool (read between steps by tests and /metrics)."""
-        return self.pool.free_pages()
-
     # ---- engine thread ----
     def _run(self) -> None:
         if self._thread_init is not None:
@@ -285,7 +281,10 @@ class Scheduler:
         if h.done:
             return
         if in_engine and h.in_engine:
-            self.engine.abort(h.id)
+            try:
+                self.engine.abort(h.id)
+            except Exception:       # still return the reservation and answer the client
+                traceback.print_exc(file=sys.stderr)
         h.in_engine = False
         with self._cv:
             if self._running.pop(h.id, None) is not None:
@@ -308,10 +307,7 @@ class Scheduler:
 
     def _fail(self, h: Handle, e: Exception) -> None:
         err = e if isinstance(e, ApiError) else _engine_error(e)
-        try:
-            self._finish(h, "error", push=False)
-        except Exception:           # abort itself failed: the reservation is still returned above
-            traceback.print_exc(file=sys.stderr)
+        self._finish(h, "error", push=False)
         self._push(h, ("error", err))
         self.log.write("request_error", id=h.id, status=err.status, message=err.message)
 
