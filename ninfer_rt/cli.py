@@ -45,4 +45,6 @@ _register()
 
 
 if __name__ == "__main__":
-    main()
+    # run the module object the command modules registered on, not this __main__ copy
+    from ninfer_rt.cli import main as _main
+    _main()
