@@ -342,8 +342,9 @@ def run(opts: Options) -> dict:
     val = val_all[:256]
     total = math.ceil(opts.epochs * len(train_ids) / (opts.batch * opts.seq))
     total = min(total, opts.steps) if opts.steps else total
-    stats = train_loop(model, mtp, torch.from_numpy(train_ids.astype(np.int64)).to(opts.device), val, opts,
-                       deadline=t0 + 60 * opts.minutes, total_steps=max(total, 1))
+    with torch.enable_grad():   # callers (e.g. a test process that served a model) may have turned grad off
+        stats = train_loop(model, mtp, torch.from_numpy(train_ids.astype(np.int64)).to(opts.device), val,
+                           opts, deadline=t0 + 60 * opts.minutes, total_steps=max(total, 1))
     chosen = select_checkpoint(model, mtp, val, stats.pop("best"), opts)
     m = evaluate(model, mtp, val_all, opts)
     report = make_report(opts, cfg, model, mtp, stats, chosen, m, info)
