@@ -359,6 +359,10 @@ def test_engine_failure_is_500_then_keeps_serving():
         assert _post(srv, "/v1/chat/completions", CHAT).status_code == 200
         wait_idle(srv)
         assert not engine.seqs
+        engine.usable = False          # an engine that can no longer step (a failed TP step): 503, not 500s
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = _post(srv, "/v1/chat/completions", CHAT)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unusable"
     finally:
         srv.close()
 

@@ -129,6 +129,8 @@ def create_app(state: ServerState) -> FastAPI:
         if state.scheduler is None:
             status = "error" if state.load_error else "loading"
             return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)
+        if not state.scheduler.healthy():
+            return JSONResponse({"status": "error", "detail": "the engine can no longer step"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

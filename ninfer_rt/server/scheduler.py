@@ -126,6 +126,9 @@ class Scheduler:
                    events=asyncio.Queue(), scheduler=self)
         self.max_tokens_for(len(prompt_ids), params.max_tokens)
         h.pages = -(-(len(prompt_ids) + params.max_tokens + self.cfg.reserve_slack) // self.page_size)
+        if not self.healthy():
+            raise ApiError(503, "the engine failed and cannot serve; restart the server", type="server_error",
+                           code="engine_unusable")
         with self._cv:
             if self._draining:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
@@ -144,6 +147,10 @@ class Scheduler:
             h.cancelled = True
             self._cancels.append(h)
             self._cv.notify()
+
+    def healthy(self) -> bool:
+        """False once the engine says it can no longer step (e.g. a failed TP step left the ranks out of step)."""
+        return bool(getattr(self.engine, "usable", True))
 
     def idle(self) -> bool:
         with self._cv:
