@@ -81,7 +81,8 @@ def compile_variant(v: Variant, cc: int):
     sig = {"x_ptr": f"*{xt}", **wsig, **{k: (val or f"*{xt}") for k, val in _BASE_SIG.items()}}
     dot_kind = {"float16": 0, "bfloat16": 1}.get(v.x_dtype, 2)
     const = {"T_TILE": v.t_tile, "BLOCK_N": v.block_n, "BLOCK_G": v.block_g, "USE_SPLIT": v.use_split,
-             "USE_DOT": v.use_dot, "DOT_KIND": dot_kind, "HAS_RES": v.has_res, "EVEN_G": True, **extra}
+             "USE_DOT": v.use_dot, "DOT_KIND": dot_kind, "HAS_RES": v.has_res, "EVEN_G": True,
+             "FOLD": v.use_dot, **extra}
     for k in const:
         sig[k] = "constexpr"
     return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps)

@@ -167,7 +167,7 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
               LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
               SW: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr,
               USE_DOT: tl.constexpr, DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-              VEC: tl.constexpr = 2):
+              FOLD: tl.constexpr, VEC: tl.constexpr = 2):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
@@ -196,12 +196,17 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
             k = g0 * GS + tl.arange(0, BLOCK_G * GS)
             xt = tl.load(x_ptr + t[None, :] * stride_xt + k[:, None],
                          mask=(k < g_hi * GS)[:, None] & (t < T)[None, :], other=0.0)
-            acc = _dot(weight_tile(st, sc * SW, RAW, GS, XS, BLOCK_N, BLOCK_G), xt, acc, DOT_KIND)
+            if FOLD:  # one multiply per weight; the host checked SCALE * XS * SW * fscale stays finite
+                w = weight_tile(st, sc * (fscale * (XS * SW)), RAW, GS, 1.0, BLOCK_N, BLOCK_G)
+            else:
+                w = weight_tile(st, sc * SW, RAW, GS, XS, BLOCK_N, BLOCK_G)
+            acc = _dot(w, xt, acc, DOT_KIND)
         else:
             accs = _fma_step(accs, st, sc, g, xm, t0, T, x_ptr, stride_xt, RAW, GS, XS, T_TILE, BLOCK_N,
                              BLOCK_G)
     if USE_DOT:
-        acc = acc * fscale
+        if not FOLD:
+            acc = acc * fscale
     else:
         cols = tl.arange(0, T_TILE)
         acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)

@@ -48,10 +48,11 @@ def _scale(st):
 def f8_gemv_kernel(x_ptr, codes, row_scale, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
                    stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                   DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr):
+                   DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                      FOLD: tl.constexpr):
     gemv_body(x_ptr, codes, row_scale, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
               T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _XS, _SW,
-              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G)
+              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD)
 
 
 @triton.jit
@@ -74,7 +75,9 @@ def gemv_f8(x, codes, row_scale, out=None, residual=None, *, config=None):
     x = check_x(x, None, "gemv_f8")
     K = x.shape[1]
     n, w = _weights(codes, row_scale, K, x.device, "gemv_f8")
-    return gemv(f8_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_f8")
+    # no folded multiplier in the dot path: row_scale * 2**120 overflows for row scales >= 2**7, and the host
+    # does not read the scales
+    return gemv(f8_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_f8", fold=False)
 
 
 def dequant_f8(codes, row_scale, dtype=torch.float16):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
@@ -60,36 +61,46 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def auto_split(n_ctas: int, g_tiles: int, sms: int) -> int:
-    """K splits so that about two CTAs per SM exist (row blocks alone rarely fill an H200 at N ~ 5k)."""
-    if n_ctas >= 2 * sms:
+def auto_split(n_ctas: int, g_tiles: int, sms: int, waves: int = 4) -> int:
+    """K splits so that about `waves` CTAs per SM exist: row blocks alone rarely fill an H200 at N ~ 5k,
+    and a streaming kernel needs several resident CTAs per SM to keep enough loads in flight."""
+    if n_ctas >= waves * sms:
         return 1
-    return max(1, min(16, g_tiles, triton.cdiv(2 * sms, n_ctas)))
+    return max(1, min(16, g_tiles, triton.cdiv(waves * sms, n_ctas)))
+
+
+# decode tiles (block_n, block_g, num_warps) per T bucket: block_g = 16 groups is 144..208 bytes of a row per
+# step (2 groups = one 16-byte load per thread); more rows per thread amortize the activation loads, fewer
+# keep the T-fold accumulators in registers
+_DECODE_TILES = {1: ((128, 16, 4), (64, 16, 4), (256, 16, 4), (256, 16, 8), (64, 16, 2), (128, 32, 4)),
+                 2: ((128, 16, 4), (64, 16, 4), (64, 16, 2)),
+                 4: ((128, 16, 4), (64, 16, 4), (128, 16, 8)),
+                 8: ((64, 16, 4), (32, 16, 4), (64, 16, 8)),
+                 16: ((32, 16, 4), (16, 16, 4))}
+# prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
+_PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
 
 
 def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device) -> list[GemvConfig]:
-    """Configs for [T, K] x [N, K]^T; the first is the default."""
+    """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
         return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
     cc = torch.cuda.get_device_capability(device)
     sms = sm_count(device)
-    ggs = max(1, 256 // GS)  # groups in a 256-wide K step
-    if T > 16:  # prefill: a GEMM with decode fused into the A-operand load
-        shapes = [(128, ggs // 2, 8, 64, 3), (64, ggs // 2, 4, 64, 3), (128, ggs // 2, 8, 128, 3),
-                  (64, ggs // 4, 4, 32, 4)]
-        return [GemvConfig(bn, max(1, bg), w, st, 1, True, tt) for bn, bg, w, st, tt in shapes]
+    if T > 16:  # prefill: a GEMM with the decode fused into the A-operand load
+        return [GemvConfig(bn, max(1, bk // GS), w, st, 1, True, tt) for bn, bk, w, st, tt in _PREFILL_TILES]
     out = []
-    for bn, bg, w, st in ((64, ggs, 4, 2), (32, ggs, 4, 2), (128, ggs, 8, 2), (64, 2 * ggs, 8, 1), (32, ggs, 4, 1)):
-        nb = triton.cdiv(N, bn)
-        out.append(GemvConfig(bn, bg, w, st, auto_split(nb, triton.cdiv(G, bg), sms)))
-    if T >= 2 and x_dtype != torch.float32:
+    for bn, bg, w in _DECODE_TILES[next_pow2(T)]:
+        out.append(GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms)))
+    bn, bg, w = _DECODE_TILES[next_pow2(T)][0]
+    out.append(GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 8)))
+    if T >= 2 and x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
-        if cc >= (8, 0) or T >= 4:
-            for bn, bg, w in ((64, ggs // 2, 4), (128, ggs // 2, 8)):
-                nb = triton.cdiv(N, bn)
-                out.append(GemvConfig(bn, max(1, bg), w, 2, auto_split(nb, triton.cdiv(G, bg), sms), True))
-    return out
+        for bn, bk, w in ((128, 256, 8), (64, 256, 4), (128, 128, 4)):
+            bg = max(1, bk // GS)
+            out.append(GemvConfig(bn, bg, w, 3, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 2), True))
+    return list(dict.fromkeys(out))  # drop duplicates, keep order
 
 
 _WS: dict = {}
@@ -153,7 +164,10 @@ def dot_kind(x_dtype) -> int:
     return 2
 
 
-def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig):
+def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
+           warmup: bool = False, fold: bool = True):
+    """Launch one config (warmup=True only compiles it, e.g. in a precompile worker). fold: the dot path may
+    apply all scales in one multiply per weight (the caller checked that cannot overflow fp32)."""
     T = x.shape[0]
     tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
     grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
@@ -163,20 +177,27 @@ def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residu
     else:
         ws, cnt = out, out
     res = residual if residual is not None else out
-    kernel[(grid_n, split, grid_t)](
-        x, *weights, out, res, ws, cnt, float(fscale), T, N, G, split, x.stride(0), out.stride(0), res.stride(0),
+    grid = (grid_n, split, grid_t)
+    run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
+    run(x, *weights, out, res, ws, cnt, float(fscale), T, N, G, split, x.stride(0), out.stride(0), res.stride(0),
         T_TILE=tt, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, USE_SPLIT=split > 1, USE_DOT=cfg.use_dot,
         DOT_KIND=dot_kind(x.dtype), HAS_RES=residual is not None, EVEN_G=G % cfg.block_g == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        FOLD=bool(fold and cfg.use_dot), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 _TUNED: dict = {}
+_TUNE_LOG: dict = {}
 
 
 def tuned_configs() -> dict:
     """{key: GemvConfig} chosen so far (the benchmark reports them)."""
     return dict(_TUNED)
+
+
+def tuning_log() -> dict:
+    """{key: [(GemvConfig, median ms or None if it failed)]} for every tuned key."""
+    return dict(_TUNE_LOG)
 
 
 def _tuning_allowed(device: torch.device) -> bool:
@@ -194,32 +215,40 @@ def pick_config(key, cands: list[GemvConfig], run, device: torch.device) -> Gemv
         return _TUNED[key]
     if len(cands) == 1 or not _tuning_allowed(device):
         return cands[0]
-    best, best_t = cands[0], float("inf")
+    best, best_t, log = cands[0], float("inf"), []
     for c in cands:
         try:
             t = _time(lambda: run(c))
         except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError):
+            log.append((c, None))
             continue  # a config the device cannot hold is simply not a candidate
+        log.append((c, t))
         if t < best_t:
             best, best_t = c, t
-    _TUNED[key] = best
+    _TUNED[key], _TUNE_LOG[key] = best, log
     return best
 
 
-def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out, residual, config, what: str):
+def tune_key(kernel_name: str, N: int, G: int, T: int, x_dtype, has_res: bool, device) -> tuple:
+    """The tuner's key: configs are chosen per kernel, shape, T bucket (powers of two), dtype, residual, device."""
+    bucket = next_pow2(T) if T <= 16 else min(next_pow2(T), 4096)
+    return (kernel_name, N, G, bucket, str(x_dtype), bool(has_res), str(torch.device(device)))
+
+
+def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out, residual, config, what: str,
+         fold: bool = True):
     """Validate out/residual, pick a config (tuned on GPU), launch; returns out [T, N]."""
     T = x.shape[0]
     out = _check_out(out, residual, T, N, x, what)
     if config is not None and config.use_dot and config.block_g * GS < 16:
         raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
     if config is not None:
-        return launch(kernel, weights, x, N, G, fscale, out, residual, config)
-    bucket = next_pow2(T) if T <= 16 else min(next_pow2(T), 4096)
-    key = (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), N, G, bucket, str(x.dtype),
-           residual is not None, str(x.device))
+        return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
+    key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)
     cands = candidates(T, N, G, GS, x.dtype, x.device)
-    cfg = pick_config(key, cands, lambda c: launch(kernel, weights, x, N, G, fscale, out, residual, c), x.device)
-    return launch(kernel, weights, x, N, G, fscale, out, residual, cfg)
+    cfg = pick_config(key, cands, lambda c: launch(kernel, weights, x, N, G, fscale, out, residual, c, fold=fold),
+                      x.device)
+    return launch(kernel, weights, x, N, G, fscale, out, residual, cfg, fold=fold)
 
 
 def dequant(kernel, weights: tuple, N: int, G: int, GS: int, fscale: float, dtype, device, block=(32, 8)):

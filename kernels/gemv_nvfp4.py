@@ -54,10 +54,11 @@ def _scale(st):
 def nvfp4_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
                       stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                      DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr):
+                      DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                      FOLD: tl.constexpr):
     gemv_body(x_ptr, codes, scales, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
               T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _XS, _SW,
-              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G)
+              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD)
 
 
 @triton.jit
@@ -80,7 +81,10 @@ def gemv_nvfp4(x, codes, scales, gscale, out=None, residual=None, *, config=None
     x = check_x(x, None, "gemv_nvfp4")
     K = x.shape[1]
     n, w = _weights(codes, scales, K, x.device, "gemv_nvfp4")
-    return gemv(nvfp4_gemv_kernel, w, x, n, K // GS, GS, float(gscale), out, residual, config, "gemv_nvfp4")
+    # the dot path folds e4m3 * 2**126 * gscale into one multiplier when that stays a finite float32
+    fold = 448.0 * 2.0 ** 126 * abs(float(gscale)) < 3.0e38
+    return gemv(nvfp4_gemv_kernel, w, x, n, K // GS, GS, float(gscale), out, residual, config, "gemv_nvfp4",
+                fold)
 
 
 def dequant_nvfp4(codes, scales, gscale, dtype=torch.float16):

@@ -115,6 +115,16 @@ def test_gemv_paths(fmt, path):
         assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
 
 
+def test_nvfp4_large_global_scale_dot_path():
+    """gscale too large to fold e4m3 * 2**126 * gscale into one fp32 multiplier: the two-step scaling."""
+    qw = quantized("nvfp4", N_SMALL, 64, seed=3)
+    x = torch.randn(4, 64).to(torch.float16).to(DEV)
+    d = qw.data
+    y = gemv_nvfp4(x, d["codes"], d["scales"], 0.75, config=GemvConfig(16, 4, use_dot=True))
+    ref = reference.ref_nvfp4(x, d["codes"], d["scales"], 0.75)
+    assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_HALF
+
+
 def test_decode_every_code_pattern():
     """Dense weights from the kernels' decode vs the codecs on all codes: every E2M1 nibble with normal and
     subnormal E4M3 block scales, all non-NaN E4M3 bytes, random GGML block bytes."""

@@ -1,0 +1,321 @@
+"""GPU benchmark of the fused dequant-GEMV kernels at the Qwen3.8-27B linear shapes (TP1 and one TP2 rank).
+
+For every format and shape, T = 1, 2, 4, 8, 16 activation rows (bf16): median time (triton do_bench, which
+also flushes L2; weight copies are rotated on top of that), GB/s of packed weight bytes, % of the device-to-
+device copy bandwidth measured in the same run (read + write), torch's bf16 matmul on the same shape, and the
+config the tuner chose. `--check` first compares every kernel with the codec reference at the real shape
+(sampled output rows) so one device run both validates and times. Prefill (T > 16): fused tl.dot GEMM vs
+dequantize + cuBLAS vs torch bf16.
+
+    python bench/kernels.py [--quick] [--check] [--out bench/results/kernels.json] [--json]
+    python bench/kernels.py --smoke     # CPU + Triton interpreter, tiny shapes: exercises this script only
+
+Table on stdout, progress on stderr, records to --out: a list of {"format", "name", "tp", "shape": [N, K],
+"T", "us", "gbps", "pct_copy_bw", "torch_bf16_us", "gpu", ...}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = "--smoke" in sys.argv
+if SMOKE:  # must precede the first ninfer_kernels import
+    os.environ["TRITON_INTERPRET"] = "1"
+DEV = "cpu" if SMOKE else "cuda"
+# (name, tp, N, K): per-rank shapes, quant-formats.md / qwen38-architecture.md §13
+SHAPES = [("attn_qkv", 1, 14336, 5120), ("attn_o", 1, 5120, 6144), ("gdn_qkvz", 1, 16384, 5120),
+          ("gdn_ab", 1, 96, 5120), ("gdn_out", 1, 5120, 6144), ("mlp_gate_up", 1, 34816, 5120),
+          ("mlp_down", 1, 5120, 17408), ("lm_head", 1, 248320, 5120),
+          ("attn_qkv", 2, 7168, 5120), ("attn_o", 2, 5120, 3072), ("gdn_qkvz", 2, 8192, 5120),
+          ("gdn_ab", 2, 48, 5120), ("gdn_out", 2, 5120, 3072), ("mlp_gate_up", 2, 17408, 5120),
+          ("mlp_down", 2, 5120, 8704), ("lm_head", 2, 124160, 5120)]
+FORMATS = ("nvfp4", "q6_k", "iq3_s", "f8_e4m3_row", "bf16")
+BF16_ONLY = {"gdn_ab"}
+TS = (1, 2, 4, 8, 16)
+L2_ROTATE_BYTES = 240e6   # weight copies per shape: at least 4x the 60 MB L2
+_SIG_DTYPES = {"*i64": torch.int64, "*i32": torch.int32, "*i16": torch.int16, "*i8": torch.int8,
+               "*u8": torch.uint8, "*fp16": torch.float16, "*fp32": torch.float32}
+_KMOD = {"nvfp4": "nvfp4", "q6_k": "q6_k", "iq3_s": "iq3_s", "f8_e4m3_row": "f8", "bf16": "plain"}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bench_ms(fn, quick: bool) -> float:
+    import triton
+    if SMOKE:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median")
+
+
+def copy_bandwidth(quick: bool) -> float:
+    """Device-to-device copy GB/s counting read + write, 1 GiB buffers."""
+    n = 1 << (20 if SMOKE else 30)
+    src = torch.empty(n, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), quick)
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+# ---- precompile: every (kernel, config) the tuner will try, in parallel worker processes ---------------------
+def _spec(v: int) -> str:
+    return "1" if v == 1 else ("D" if v % 16 == 0 else "")
+
+
+def _kernel_spec(fmt: str):
+    import importlib
+    mod = importlib.import_module(f"ninfer_kernels.gemv_{_KMOD[fmt]}")
+    if fmt == "bf16":
+        kern, wsig, _ = mod.kernel_for("plain:bf16")
+        return mod._PlainKernel(0), wsig, 4
+    kern, wsig, _ = mod.kernel_for(fmt)
+    return kern, wsig, mod.GS
+
+
+def _precompile_job(job) -> str:
+    fmt, N, K, T = job
+    from ninfer_kernels import gemv_launch as gl
+    kern, wsig, gs = _kernel_spec(fmt)
+    dev = torch.device(DEV)
+    weights = tuple(torch.empty(64, dtype=_SIG_DTYPES[s], device=dev) for s in wsig.values())
+    x = torch.zeros(T, K, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
+    done = 0
+    for c in gl.candidates(T, N, K // gs, gs, x.dtype, dev):
+        try:
+            gl.launch(kern, weights, x, N, K // gs, 1.0, out, None, c, warmup=True)
+            done += 1
+        except Exception as e:  # the tuner skips configs that fail; so does the precompile
+            log(f"  precompile {fmt} {N}x{K} T={T} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    return f"{fmt} {N}x{K} T={T}: {done}"
+
+
+def precompile(jobs, workers: int) -> None:
+    from ninfer_kernels import gemv_launch as gl
+    import triton
+    dev = torch.device(DEV)
+    uniq = {}
+    for fmt, N, K, T in jobs:
+        _, _, gs = _kernel_spec(fmt)
+        G = K // gs
+        cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev)
+        key = (fmt, T, _spec(N), _spec(G), _spec(K), frozenset(
+            (replace(c, split=0), _spec(max(1, min(c.split, triton.cdiv(G, c.block_g))))) for c in cands))
+        uniq.setdefault(key, (fmt, N, K, T))
+    t0 = time.time()
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for msg in pool.imap_unordered(_precompile_job, list(uniq.values())):
+            log(f"  compiled {msg}")
+    log(f"precompiled {len(uniq)} kernel groups in {time.time() - t0:.0f} s with {workers} workers")
+
+
+# ---- one format at one shape -----------------------------------------------------------------------------
+def make_copies(fmt: str, N: int, K: int):
+    from ninfer_kernels import dispatch, randweights
+    from ninfer_rt.weights import QWeight
+    nbytes = randweights.packed_bytes(fmt, N, K)
+    n = int(min(8, max(2, math.ceil(L2_ROTATE_BYTES / nbytes))))
+    qws = []
+    for i in range(n):
+        qw = QWeight(fmt, (N, K), randweights.make(fmt, N, K, device=DEV, seed=i), name=f"bench.{fmt}")
+        dispatch.prepare(qw)
+        qws.append(qw)
+    return qws, nbytes
+
+
+def check(fmt: str, qw, N: int, K: int) -> list[dict]:
+    """Kernel (decode and both prefill paths) vs the codec reference on 256 sampled rows."""
+    from ninfer_kernels import dispatch, reference
+    rows = np.unique(np.concatenate([np.arange(4), np.arange(N - 4, N),
+                                     np.random.default_rng(N).integers(0, N, 248)]))
+    idx = torch.as_tensor(rows, device=DEV)
+    probes = ((1, None), (3, None), (20, "fused"), (20, "dequant")) if SMOKE else \
+        ((1, None), (8, None), (16, None), (64, "fused"), (64, "dequant"))
+    out = []
+    for T, path in probes:
+        x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
+        res = torch.randn(T, N, device=DEV).to(torch.bfloat16)
+        try:
+            y = dispatch.linear(x, qw, residual=res, prefill_path=path)[:, idx]
+            ref = reference.ref_linear(x, fmt, qw.data, residual=res, rows=rows)
+            err = float((y.double() - ref.double()).norm() / ref.double().norm())
+            out.append({"T": T, "path": path or "decode", "rel_l2": err, "ok": err < 1e-2})
+        except Exception as e:
+            out.append({"T": T, "path": path or "decode", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
+    return out
+
+
+_KERNEL_NAME = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel", "iq3_s": "iq3_s_gemv_kernel",
+                "f8_e4m3_row": "f8_gemv_kernel", "bf16": "plain_gemv_kernel[0]"}
+
+
+def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us) -> list[dict]:
+    from ninfer_kernels import dispatch, gemv_launch as gl
+    recs, t1 = [], None
+    for T in ts:
+        x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
+        out = torch.empty(T, N, device=DEV, dtype=torch.bfloat16)
+        dispatch.linear(x, qws[0], out=out)               # the first call tunes; not timed
+        it = iter(range(1 << 62))
+        us = bench_ms(lambda: dispatch.linear(x, qws[next(it) % len(qws)], out=out), quick) * 1e3
+        t1 = us if T == 1 else t1
+        key = gl.tune_key(_KERNEL_NAME[fmt], N, K // _kernel_spec(fmt)[2], T, x.dtype, False, x.device)
+        cfg = gl.tuned_configs().get(key)
+        cands = [[str(c), None if t is None else round(t * 1e3, 2)] for c, t in gl.tuning_log().get(key, [])]
+        gbps = nbytes / (us * 1e-6) / 1e9
+        recs.append({"format": fmt, "T": T, "us": round(us, 2), "gbps": round(gbps, 1),
+                     "pct_copy_bw": round(100 * gbps / copy_bw, 1), "torch_bf16_us": torch_us.get(T),
+                     "t_over_t1": round(us / t1, 3) if t1 else None, "config": str(cfg) if cfg else "default",
+                     "candidates_us": cands})
+    return recs
+
+
+def torch_times(N: int, K: int, ts, quick) -> dict:
+    n = int(min(4, max(2, math.ceil(L2_ROTATE_BYTES / (2 * N * K)))))
+    ws = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
+    res = {}
+    for T in ts:
+        x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+        it = iter(range(1 << 62))
+        res[T] = round(bench_ms(lambda: torch.matmul(x, ws[next(it) % n].T), quick) * 1e3, 2)
+    del ws
+    return res
+
+
+def prefill(fmt, qws, N, K, T, quick) -> dict:
+    from ninfer_kernels import dispatch
+    x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
+    r = {}
+    for path in ("fused", "dequant"):
+        try:
+            dispatch.linear(x, qws[0], prefill_path=path)
+            r[path] = round(bench_ms(lambda: dispatch.linear(x, qws[0], prefill_path=path), quick) * 1e3, 1)
+        except Exception as e:
+            r[path] = f"{type(e).__name__}: {str(e)[:100]}"
+    return r
+
+
+# ---- driver ----------------------------------------------------------------------------------------------
+def table(records: list[dict]) -> str:
+    head = (f"{'shape':<13}{'tp':>3}{'N x K':>15} {'format':<12}{'T':>3}{'us':>9}{'GB/s':>8}{'%copy':>7}"
+            f"{'bf16 us':>9}{'x bf16':>7}{'T/T1':>6}  config")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        if "us" not in r:
+            lines.append(f"{r.get('name', '?'):<13}{r.get('tp', ''):>3} {r.get('format', '')}: {r.get('error', r)}")
+            continue
+        sp = f"{r['torch_bf16_us'] / r['us']:.2f}" if r.get("torch_bf16_us") else "-"
+        n, k = r["shape"]
+        lines.append(f"{r['name']:<13}{r['tp']:>3}{f'{n} x {k}':>15} {r['format']:<12}{r['T']:>3}{r['us']:>9.1f}"
+                     f"{r['gbps']:>8.0f}{r['pct_copy_bw']:>7.1f}{r.get('torch_bf16_us') or 0:>9.1f}{sp:>7}"
+                     f"{r.get('t_over_t1') or 0:>6.2f}  {r['config']}")
+    return "\n".join(lines)
+
+
+def _one(fmt, name, tp, N, K, ts, args, copy_bw, torch_us, checks) -> list[dict]:
+    qws, nbytes = make_copies(fmt, N, K)
+    if args.check:
+        for c in check(fmt, qws[0], N, K):
+            checks.append({"name": name, "tp": tp, "shape": [N, K], "format": fmt, **c})
+            if not c["ok"]:
+                log(f"CHECK FAILED {name} tp{tp} {fmt}: {c}")
+    recs = time_format(fmt, qws, nbytes, N, K, ts, args.quick, copy_bw, torch_us)
+    if args.prefill_T and fmt != "bf16" and name in ("attn_qkv", "mlp_down"):
+        T = args.prefill_T
+        recs.append({"format": fmt, "T": T, "prefill_us": prefill(fmt, qws, N, K, T, args.quick),
+                     "torch_bf16_us": torch_times(N, K, (T,), args.quick)[T]})
+    return recs
+
+
+def run(args) -> tuple[list[dict], list[dict]]:
+    gpu = "cpu (smoke: Triton interpreter)" if SMOKE else torch.cuda.get_device_name()
+    copy_bw = copy_bandwidth(args.quick)
+    log(f"{gpu}: device copy bandwidth {copy_bw:.0f} GB/s (read + write)")
+    quick_names = ("attn_qkv", "attn_o", "mlp_down", "lm_head")
+    shapes = [s for s in SHAPES if s[1] in args.tp and (not args.quick or s[0] in quick_names)]
+    if SMOKE:
+        shapes = [("attn_qkv", 1, 64, 512), ("attn_o", 1, 32, 768), ("gdn_out", 1, 32, 768), ("gdn_ab", 2, 48, 512)]
+    ts = tuple(args.T) if args.T else ((1, 8) if args.quick else TS)
+    fmts = [f for f in FORMATS if f in args.formats]
+    if not (args.no_precompile or SMOKE):
+        precompile([(f, N, K, T) for name, tp, N, K in shapes for f in fmts
+                    if f == "bf16" or name not in BF16_ONLY for T in ts], args.workers)
+    records, checks, done, torch_done = [], [], {}, {}
+    for name, tp, N, K in shapes:
+        if (N, K) not in torch_done:
+            torch_done[(N, K)] = torch_times(N, K, ts, args.quick)
+        for fmt in fmts:
+            if name in BF16_ONLY and fmt != "bf16":
+                continue
+            if (N, K, fmt) not in done:   # attn_o and gdn_out share a shape: measured once
+                t0 = time.time()
+                try:
+                    done[(N, K, fmt)] = _one(fmt, name, tp, N, K, ts, args, copy_bw, torch_done[(N, K)], checks)
+                except Exception as e:  # keep going: one failing format must not lose the others' numbers
+                    done[(N, K, fmt)] = [{"format": fmt, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
+                if not SMOKE:
+                    torch.cuda.empty_cache()
+                log(f"{name} tp{tp} {N}x{K} {fmt}: {time.time() - t0:.1f} s")
+            records += [{**r, "name": name, "tp": tp, "shape": [N, K], "gpu": gpu} for r in done[(N, K, fmt)]]
+    return records, checks
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4 shapes, T in (1, 8), short timing")
+    ap.add_argument("--check", action="store_true", help="validate against the codec reference first")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "kernels.json"))
+    ap.add_argument("--json", action="store_true", help="print the records as JSON instead of the table")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--tp", nargs="+", type=int, default=[1, 2], choices=[1, 2])
+    ap.add_argument("--T", nargs="+", type=int, help=f"activation rows (default {TS})")
+    ap.add_argument("--prefill-T", type=int, default=None, help="also time the prefill paths at this T")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="precompile processes")
+    ap.add_argument("--no-precompile", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU + interpreter dry run of this script")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.T, args.quick = args.T or [1, 3], True
+    elif not torch.cuda.is_available():
+        print("error: bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    elif os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("error: unset TRITON_INTERPRET for the benchmark", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    records, checks = run(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".partial", "w") as f:
+        json.dump(records, f, indent=1)
+    os.replace(args.out + ".partial", args.out)
+    if checks:
+        with open(os.path.splitext(args.out)[0] + "_check.json", "w") as f:
+            json.dump(checks, f, indent=1)
+    print(json.dumps(records) if args.json else table([r for r in records if "prefill_us" not in r]))
+    for r in records:
+        if "prefill_us" in r:
+            print(f"prefill {r['name']} tp{r['tp']} {r['format']} T={r['T']}: {r['prefill_us']} us, "
+                  f"torch bf16 {r['torch_bf16_us']} us")
+    bad = [c for c in checks if not c["ok"]]
+    log(f"{len(records)} records -> {args.out}; checks {len(checks) - len(bad)}/{len(checks)} ok; "
+        f"{time.time() - t0:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
