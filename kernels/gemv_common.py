@@ -37,6 +37,24 @@ def ld(ptr, wm):
 
 
 @triton.jit
+def even_groups(g, wm, G):
+    """The even group of each (2h, 2h+1) pair one thread holds (g is VEC=2-contiguous), and its load mask:
+    fields shared by a pair (GGML sub-block scales, super-block scales) are loaded once per pair."""
+    tl.static_assert(g.shape[0] % 2 == 0)
+    ge, go = tl.split(tl.reshape(g, [g.shape[0] // 2, 2]))
+    if wm is None:
+        return ge, None
+    else:
+        return ge, (ge < G)[None, :]
+
+
+@triton.jit
+def pairwise(v):
+    """[BN, BG/2] -> [BN, BG], each value repeated for both groups of its pair (in registers)."""
+    return tl.reshape(tl.join(v, v), [v.shape[0], 2 * v.shape[1]])
+
+
+@triton.jit
 def e4m3_magnitude(s):
     """|E4M3FN| of code bytes (int32) in fp32 without an fp8 type (sm_70 has none): the 7 magnitude bits
     placed at fp32 bits 26..20 are the value * 2**-120 exactly (subnormal codes included, since fp32

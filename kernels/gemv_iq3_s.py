@@ -7,10 +7,11 @@ into planar arrays, each row-major over the row's weights, indexed by 16-weight 
   qh    u8    [N, K/32]  bit 8 of the grid indices, bit k = group k of the 32-weight sub-block
   sc    u8    [N, K/64]  4-bit sub-block scales, even sub-block in the low nibble
   d     fp16  [N, K/256] super-block scales
-The 512-entry grid (`ninfer_formats.codecs.iq3_s_tables.grid_bytes`, byte j = coordinate j) is an int32 lookup
-table in global memory (2 KB, L1-resident). Per group the four sign bits are spread to byte masks and the
-grid word is negated bytewise (two's complement, no carries since coordinates are 1..15), so a weight is one
-byte extract: byte ^ 0x80 | 0x4B000000 is the float 2**23 + 128 + coordinate, one FADD from the value.
+Lookup table (built once per device from `ninfer_formats.codecs.iq3_s_tables.grid_values`): entry
+idx + 512 * s (idx the 9-bit grid index, s the group's 4 sign bits) is the grid point with the signs applied,
+one byte per coordinate stored as 128 + signed coordinate -- 8192 int32 words, 32 KB, L1-resident. One gather
+per 4 weights then replaces the grid lookup and the sign handling, and a weight is one byte extract: byte |
+0x4B000000 is the float 2**23 + 128 + signed coordinate, one FADD from the value (no int->float conversion).
 w = d * (1 + 2 * s4) * coordinate * sign.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import dequant_body, gemv_body, ld
+from .gemv_common import dequant_body, even_groups, gemv_body, ld, pairwise
 from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv
 
 GS = 16
@@ -27,26 +28,30 @@ QK = 256
 BLOCK_BYTES = 110
 _GS = tl.constexpr(GS)
 _ONE = tl.constexpr(1.0)
-_MAGIC = tl.constexpr(0x4B000080)          # float bits of 2**23 + 128 (the xor with 0x80 is folded in)
+_MAGIC = tl.constexpr(0x4B000000)          # float bits of 2**23
 _OFFSET = tl.constexpr(8388608.0 + 128.0)
-_GRID: dict = {}
+TABLE_SIZE = 512 * 16
+_TABLE: dict = {}
 
 
-def grid_table(device) -> torch.Tensor:
-    """int32 [512] iq3s grid words on `device` (cached)."""
+def signed_grid_table(device) -> torch.Tensor:
+    """int32 [8192] on `device` (cached): entry idx + 512*s, byte j = 128 + grid[idx][j] * (-1 if s bit j)."""
     key = str(device)
-    if key not in _GRID:
-        from ninfer_formats.codecs.iq3_s_tables import grid_bytes
-        _GRID[key] = torch.from_numpy(grid_bytes().astype("<u4").view("<i4").copy()).to(device)
-    return _GRID[key]
+    if key not in _TABLE:
+        import numpy as np
+        from ninfer_formats.codecs.iq3_s_tables import grid_values
+        g = grid_values().astype(np.int64)                                   # [512, 4] coordinates 1..15
+        s = (np.arange(16)[:, None] >> np.arange(4)) & 1                     # [16, 4] sign bits
+        v = 128 + np.where(s[:, None, :] == 1, -g[None], g[None])            # [16, 512, 4] in 113..143
+        words = (v << (8 * np.arange(4))).sum(axis=-1).reshape(TABLE_SIZE)
+        _TABLE[key] = torch.from_numpy(words.astype(np.uint32).view(np.int32)).to(device)
+    return _TABLE[key]
 
 
 @triton.jit
-def _signed_group(qs, qh4, sg, grid, k: tl.constexpr):
-    idx = ((qs >> (8 * k)) & 0xFF) | (((qh4 >> k) & 1) << 8)
-    gw = tl.load(grid + idx)
-    m = ((((sg >> (4 * k)) & 0xF) * 0x00204081) & 0x01010101) * 0xFF  # sign bit j -> byte j all ones
-    return (gw ^ m) + (m & 0x01010101)
+def _signed_group(qs, qh4, sg, table, k: tl.constexpr):
+    idx = ((qs >> (8 * k)) & 0xFF) | (((qh4 >> k) & 1) << 8) | (((sg >> (4 * k)) & 0xF) << 9)
+    return tl.load(table + idx)
 
 
 @triton.jit
@@ -54,9 +59,11 @@ def _load(qs, signs, qh, sc, d, grid, rows, g, wm, G):
     r = rows[:, None]
     q = ld(qs + r * G + g[None, :], wm)
     sg = ld(signs + r * G + g[None, :], wm).to(tl.int32)
-    qh4 = ld(qh + r * (G // 2) + (g // 2)[None, :], wm).to(tl.int32) >> (4 * (g % 2))[None, :]
-    s4 = (ld(sc + r * (G // 4) + (g // 4)[None, :], wm).to(tl.int32) >> (4 * ((g // 2) % 2))[None, :]) & 0xF
-    s = ld(d + r * (G // 16) + (g // 16)[None, :], wm).to(tl.float32) * (1 + 2 * s4).to(tl.float32)
+    ge, wm2 = even_groups(g, wm, G)
+    h = ge // 2                                                 # 32-weight sub-block index
+    qh4 = pairwise(ld(qh + r * (G // 2) + h[None, :], wm2).to(tl.int32)) >> (4 * (g % 2))[None, :]
+    s4 = (ld(sc + r * (G // 4) + (h // 2)[None, :], wm2).to(tl.int32) >> (4 * (h % 2))[None, :]) & 0xF
+    s = pairwise(ld(d + r * (G // 16) + (h // 8)[None, :], wm2).to(tl.float32) * (1 + 2 * s4).to(tl.float32))
     return (_signed_group(q, qh4, sg, grid, 0), _signed_group(q, qh4, sg, grid, 1),
             _signed_group(q, qh4, sg, grid, 2), _signed_group(q, qh4, sg, grid, 3), s)
 
@@ -72,7 +79,7 @@ def _raw(st, i: tl.constexpr):
         v = v2
     else:
         v = v3
-    return ((((v >> (8 * (i % 4))) & 0xFF) ^ _MAGIC)).to(tl.float32, bitcast=True) - _OFFSET
+    return (((v >> (8 * (i % 4))) & 0xFF) | _MAGIC).to(tl.float32, bitcast=True) - _OFFSET
 
 
 @triton.jit
@@ -111,7 +118,8 @@ def _repack_rows(b: torch.Tensor) -> tuple:
 
 
 def repack_iq3_s(blocks: torch.Tensor, K: int, *, chunk_rows: int = 8192) -> dict:
-    """GGML IQ3_S rows u8 [N, K/256*110] -> {"qs", "signs", "qh", "sc", "d", "grid"} (module docstring)."""
+    """GGML IQ3_S rows u8 [N, K/256*110] -> {"qs", "signs", "qh", "sc", "d", "grid"} (module docstring;
+    "grid" is the shared signed lookup table)."""
     if K % QK or not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.dtype != torch.uint8 \
             or blocks.shape[1] != K // QK * BLOCK_BYTES:
         got = (tuple(blocks.shape), blocks.dtype) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
@@ -119,7 +127,7 @@ def repack_iq3_s(blocks: torch.Tensor, K: int, *, chunk_rows: int = 8192) -> dic
                                f"(K a multiple of {QK}), got {got}")
     parts = [_repack_rows(blocks[r:r + chunk_rows]) for r in range(0, blocks.shape[0], chunk_rows)]
     qs, signs, qh, sc, d = (torch.cat(p) for p in zip(*parts))
-    return {"qs": qs, "signs": signs, "qh": qh, "sc": sc, "d": d, "grid": grid_table(blocks.device)}
+    return {"qs": qs, "signs": signs, "qh": qh, "sc": sc, "d": d, "grid": signed_grid_table(blocks.device)}
 
 
 def _weights(packed: dict, K: int, device, what: str):
@@ -133,7 +141,7 @@ def _weights(packed: dict, K: int, device, what: str):
                check_weight(packed.get("qh"), "qh", (n, K // 32), (torch.uint8,), what, device),
                check_weight(packed.get("sc"), "sc", (n, K // 64), (torch.uint8,), what, device),
                check_weight(packed.get("d"), "d", (n, K // QK), (torch.float16,), what, device),
-               check_weight(packed.get("grid"), "grid", (512,), (torch.int32,), what, device))
+               check_weight(packed.get("grid"), "grid", (TABLE_SIZE,), (torch.int32,), what, device))
 
 
 def gemv_iq3_s(x, packed: dict, out=None, residual=None, *, config=None):

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import dequant_body, gemv_body, ld
+from .gemv_common import dequant_body, even_groups, gemv_body, ld, pairwise
 from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv
 
 GS = 16
@@ -37,7 +37,9 @@ def _load(ql, qh, sc, d, w4, w5, rows, g, wm, G):
     a = q.to(tl.int32)
     b = (q >> 32).to(tl.int32)
     h = ld(qh + off, wm)
-    s = ld(sc + off, wm).to(tl.float32) * ld(d + rows[:, None] * (G // 16) + (g // 16)[None, :], wm).to(tl.float32)
+    ge, wm2 = even_groups(g, wm, G)
+    dd = pairwise(ld(d + rows[:, None] * (G // 16) + (ge // 16)[None, :], wm2).to(tl.float32))
+    s = ld(sc + off, wm).to(tl.float32) * dd
     qe_a = (a & 0x0F0F0F0F) | (h & 0x30303030)
     qo_a = ((a >> 4) & 0x0F0F0F0F) | ((h << 2) & 0x30303030)
     qe_b = (b & 0x0F0F0F0F) | ((h >> 2) & 0x30303030)
