@@ -1,0 +1,295 @@
+"""End-to-end decode / MTP verify / prefill / load speed on one GPU, with a 27B-shaped synthetic artifact.
+
+    python bench/decode.py [--quick] [--recipes nvfp4,q6_k,iq3_s] [--parts decode,verify,prefill] [--tp 1]
+                           [--out bench/results/decode.json] [--dir DIR] [--keep] [--eager]
+    python bench/decode.py --device cpu --tiny --contexts 64,256 --prefill-tokens 128     # CPU dry run
+
+Per recipe: build (or reuse) the artifact with bench/synth_artifact.py, then in a spawned process (fresh GPU
+memory) measure, in this order:
+  ceilings  device copy bandwidth (one large device copy, bytes read + written) and bf16 torch.matmul n^3
+  load      ninfer_rt.loader.load(rank file, cuda, bf16, checksums verified) from the page cache; Model build;
+            CUDA-graph warm-up + capture (ninfer_rt.graphs)
+  decode    per context, greedy decode with CUDA graphs, MTP off. The context is made by writing random KV and
+            GDN state (no 32K prefill). ms/step with the token read back every step (engine-like) and with the
+            device argmax fed straight back (GPU-pipelined); bytes/step = packed weights + KV read + GDN state
+            read and written; % of roofline = (bytes/step / copy bandwidth) / step time
+  verify    MTP verify steps K = 1..max (GDN snapshots, commit) vs K = 0, one MTP draft step, and tok/s at a
+            per-position acceptance a: tokens/round = sum_{i=0..K} a^i, tok/s = that / (verify_K + K * draft)
+  prefill   eager prefill of N random tokens (chunks of --prefill-chunk), tok/s, and TFLOP/s as % of the
+            matmul ceiling with FLOPs = 2 * (decoder-layer linear params) * tokens
+Results: a JSON list of records, rewritten after every recipe (--out), and a table on stdout. --budget-s skips
+recipes that would not fit and stops one that overruns, so a single time-limited device call still returns.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import synth_artifact as synth
+from ninfer_formats.errors import NinferError
+
+OUT = Path(__file__).resolve().parent / "results" / "decode.json"
+PARTS = ("decode", "verify", "prefill")
+GOALS = {"decode_pct_roofline_1k": 80.0, "verify_ratio_k3": 1.25, "prefill_tok_s": 8000.0, "load_s": 10.0}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        v = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not v or min(v) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return v
+
+
+def _names(allowed):
+    def parse(text: str) -> tuple[str, ...]:
+        v = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [x for x in v if allowed and x not in allowed]
+        if not v or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {', '.join(allowed)}, got {text!r}")
+        return v
+    return parse
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="nvfp4 only (unless --recipes), fewer steps, one prefill run")
+    ap.add_argument("--recipes", type=_names(("nvfp4", "q6_k", "iq3_s", "bf16")), default=None,
+                    help="default nvfp4,q6_k,iq3_s (--quick: nvfp4)")
+    ap.add_argument("--parts", type=_names(PARTS), default=PARTS, help="decode,verify,prefill (load always runs)")
+    ap.add_argument("--contexts", type=_ints, default=(1024, 32768))
+    ap.add_argument("--verify-contexts", type=_ints, default=None, help="default: the first context")
+    ap.add_argument("--max-draft", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 64, --quick 24)")
+    ap.add_argument("--warm", type=int, default=None, help="untimed steps first (default 8, --quick 4)")
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the whole prompt in one forward")
+    ap.add_argument("--prefill-runs", type=int, default=None, help="timed runs, best kept (default 2, --quick 1)")
+    ap.add_argument("--tp", type=int, default=1, help="ranks (one process and GPU each, NCCL)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default cuda when available")
+    ap.add_argument("--backend", choices=("triton", "torch"), default=None,
+                    help="ops backend (default triton on cuda, torch on cpu unless TRITON_INTERPRET=1)")
+    ap.add_argument("--eager", action="store_true", help="run the graph runner's bodies without CUDA graphs")
+    ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm when it fits, else the temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the artifacts (default: delete after each recipe)")
+    ap.add_argument("--workers", type=int, default=None, help="artifact writer processes (default: all cores)")
+    ap.add_argument("--copy-mb", type=int, default=None, help="copy-bandwidth buffer (default 4096; cpu 256)")
+    ap.add_argument("--matmul-n", type=int, default=None, help="matmul ceiling size (default 8192; cpu 512)")
+    ap.add_argument("--budget-s", type=float, default=510.0, help="wall-clock budget for the whole run")
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--json", action="store_true", help="print the records as JSON instead of the table")
+    synth.add_shape_args(ap)
+    return ap.parse_args(argv)
+
+
+def _cuda_available() -> bool:
+    # without importing torch here: the orchestrator forks artifact writers and must stay CUDA-free
+    import subprocess
+    code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def options(args) -> dict:
+    """The per-rank options (decode_rank.BenchOptions fields) from the command line."""
+    device = args.device or ("cuda" if _cuda_available() else "cpu")
+    cpu = device == "cpu"
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    for name in ("max_draft", "prefill_tokens", "tp"):
+        if getattr(args, name) < (0 if name == "max_draft" else 1):
+            raise NinferError(f"--{name.replace('_', '-')}: {getattr(args, name)} is out of range")
+    return {"parts": tuple(args.parts), "contexts": tuple(args.contexts),
+            "verify_contexts": tuple(args.verify_contexts or args.contexts[:1]), "max_draft": args.max_draft,
+            "steps": args.steps or (24 if args.quick else 64), "warm": args.warm or (4 if args.quick else 8),
+            "prefill_tokens": args.prefill_tokens, "prefill_chunk": args.prefill_chunk or args.prefill_tokens,
+            "prefill_runs": args.prefill_runs or (1 if args.quick else 2), "tp": args.tp, "device": device,
+            "backend": args.backend or ("torch" if cpu and not interp else "triton"),
+            "dtype": "float32" if cpu else "bfloat16", "eager": args.eager or cpu,
+            "copy_mb": args.copy_mb or (256 if cpu else 4096), "matmul_n": args.matmul_n or (512 if cpu else 8192)}
+
+
+def pick_dir(given: str | None, need: int) -> str:
+    if given:
+        return given
+    for base in ("/dev/shm", tempfile.gettempdir()):
+        try:
+            free = shutil.disk_usage(base).free
+        except OSError:
+            continue
+        if free > need * 1.05 + (1 << 30):
+            return os.path.join(base, "ninfer-bench")
+    raise NinferError(f"no folder with {need / 1e9:.1f} GB free (tried /dev/shm and {tempfile.gettempdir()}); "
+                      f"pass --dir")
+
+
+# ---- one recipe in a spawned child ----
+def _child(conn, opts: dict, recipe: str, paths: list, info: dict) -> None:
+    import decode_rank
+    decode_rank.child_main(conn, decode_rank.BenchOptions(**opts), recipe, paths, info)
+
+
+def run_child(opts: dict, recipe: str, paths: list, info: dict, deadline: float) -> tuple[list, str | None]:
+    ctx = mp.get_context("spawn")
+    rd, wr = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child, args=(wr, opts, recipe, paths, info))
+    p.start()
+    wr.close()
+    records, error = [], None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                error = "stopped: time budget exhausted"
+                break
+            if not rd.poll(min(left, 1.0)):
+                if not p.is_alive() and not rd.poll():
+                    error = f"measurement process exited (code {p.exitcode})"
+                    break
+                continue
+            try:
+                msg = rd.recv()
+            except EOFError:
+                error = f"measurement process exited (code {p.exitcode})"
+                break
+            if "record" in msg:
+                records.append(msg["record"])
+                log(f"  {_brief(msg['record'])}")
+            else:
+                error = msg.get("error")
+                break
+    finally:
+        p.join(30 if error is None else 5)
+        if p.is_alive():
+            p.terminate()
+            p.join(10)
+    return records, error
+
+
+def _brief(r: dict) -> str:
+    keys = ("kind", "context", "draft_tokens", "tok_s", "ms_step", "pct_roofline", "verify_ratio", "load_s",
+            "capture_s", "copy_tbps", "matmul_tflops")
+    return " ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r)
+
+
+def write(records: list, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, out)
+
+
+def run(args) -> list[dict]:
+    opts = options(args)
+    shape = synth.shape_from_args(args)
+    recipes = args.recipes or (("nvfp4",) if args.quick else ("nvfp4", "q6_k", "iq3_s"))
+    start, records, last = time.monotonic(), [], None
+    for recipe in recipes:
+        need = synth.planned_bytes(shape, recipe, opts["tp"])
+        elapsed = time.monotonic() - start
+        if last is not None and elapsed + last[0] * need / last[1] > args.budget_s:
+            log(f"{recipe}: skipped, would not fit the {args.budget_s:.0f} s budget ({elapsed:.0f} s used)")
+            records.append({"kind": "skipped", "recipe": recipe, "tp": opts["tp"], "reason": "time budget"})
+            continue
+        t0 = time.monotonic()
+        folder = pick_dir(args.dir, need)
+        log(f"{recipe}: building {need / 1e9:.1f} GB in {folder}")
+        paths, info = synth.build(folder, shape, recipe, opts["tp"], workers=args.workers, log=log)
+        info["dir"] = folder
+        log(f"{recipe}: artifact {'reused' if info['reused'] else 'built'} in {info['build_s']:.1f} s; measuring")
+        try:
+            recs, error = run_child(opts, recipe, paths, info, start + args.budget_s)
+        finally:
+            if not args.keep and not info["reused"]:
+                for p in paths:
+                    os.unlink(p)
+        records += recs
+        if error:
+            log(f"{recipe}: error: {error}")
+            records.append({"kind": "error", "recipe": recipe, "tp": opts["tp"], "error": error})
+        write(records, args.out)
+        last = (time.monotonic() - t0, need)
+    return records
+
+
+# ---- table ----
+def _row(r: dict) -> str | None:
+    k = r["kind"]
+    head = f"{r.get('recipe', ''):<7}{r.get('tp', ''):>3}  {k:<8}"
+    if k == "decode":
+        return (f"{head}{r['context']:>7}  K=0 {r['tok_s']:9.1f} tok/s {r['ms_step']:8.3f} ms "
+                f"(gpu {r['ms_step_gpu']:.3f}) {r['bytes_step'] / 1e9:7.2f} GB/step {r['pct_roofline']:6.1f}% roofline "
+                f"(gpu {r['pct_roofline_gpu']:.1f}%)")
+    if k == "verify":
+        extra = ""
+        if r.get("tok_s_by_acceptance"):
+            extra = " tok/s@a=" + "/".join(f"{v:.0f}" for v in r["tok_s_by_acceptance"].values()) + \
+                    f" (a={'/'.join(r['tok_s_by_acceptance'])}; draft {r['draft_ms']:.3f} ms)"
+        return (f"{head}{r['context']:>7}  K={r['draft_tokens']} {r['ms_step']:8.3f} ms = "
+                f"{r['verify_ratio']:.3f} x K=0{extra}")
+    if k == "prefill":
+        return (f"{head}{r['tokens']:>7}      {r['tok_s']:9.1f} tok/s {r['s']:8.3f} s  {r['tflops']:.1f} TFLOP/s "
+                f"= {r['pct_matmul_peak']:.1f}% of matmul peak")
+    if k == "load":
+        return (f"{head}{'':>7}      load {r['load_s']:.2f} s ({r['file_bytes'] / 1e9:.2f} GB, {r['gbps']:.2f} GB/s, "
+                f"checksums) build {r['model_build_s']:.2f} s capture {r['capture_s']:.1f} s "
+                f"({r['graphs_captured']} graphs)")
+    if k == "ceilings":
+        return f"{head}{'':>7}      copy {r['copy_tbps']:.3f} TB/s  matmul {r['matmul_tflops']:.1f} TFLOP/s  ({r['gpu']})"
+    if k in ("error", "skipped"):
+        return f"{head}{r.get('error') or r.get('reason')}"
+    return None
+
+
+def goals(records: list) -> list[str]:
+    out = []
+    for r in records:
+        if r.get("recipe") != "nvfp4":
+            continue
+        if r["kind"] == "decode" and r["context"] <= 1024:
+            out.append(f"nvfp4 decode @{r['context']}: {r['pct_roofline']:.1f}% of roofline "
+                       f"(goal >= {GOALS['decode_pct_roofline_1k']:.0f}%)")
+        elif r["kind"] == "verify" and r["draft_tokens"] == 3:
+            out.append(f"nvfp4 verify K=3: {r['verify_ratio']:.3f} x K=0 (goal <= {GOALS['verify_ratio_k3']})")
+        elif r["kind"] == "prefill":
+            out.append(f"nvfp4 prefill {r['tokens']}: {r['tok_s']:.0f} tok/s (goal >= {GOALS['prefill_tok_s']:.0f})")
+        elif r["kind"] == "load":
+            out.append(f"nvfp4 load: {r['load_s']:.2f} s (goal <= {GOALS['load_s']:.0f} s)")
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        records = run(args)
+    except (NinferError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(records, indent=1))
+    else:
+        for r in records:
+            line = _row(r)
+            if line:
+                print(line)
+        for g in goals(records):
+            print("goal: " + g)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 1 if any(r["kind"] == "error" for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""The measurements of bench/decode.py, one function each: device ceilings, bytes per step, context filling,
+and the timed decode / verify / draft / prefill loops. Everything takes the model (or graph runner) already
+built; `decode_rank.py` strings them together per TP rank.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ninfer_rt.model import MtpInput, SeqInput
+from ninfer_rt.weights import QWeight
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best(fn, reps: int, device) -> float:
+    fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+# ---- ceilings ----
+def copy_tbps(device, mbytes: int, reps: int = 10) -> float:
+    """Device copy bandwidth in TB/s, counting bytes read + written (a large contiguous copy)."""
+    n = mbytes << 20
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    t = _best(lambda: dst.copy_(src), reps, device)
+    del src, dst
+    return 2 * n / t / 1e12
+
+
+def matmul_tflops(device, n: int, dtype, reps: int = 10) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = _best(lambda: torch.matmul(a, b), reps, device)
+    return 2 * n ** 3 / t / 1e12
+
+
+# ---- bytes per step ----
+def _tensors(obj, seen: set, out: list) -> None:
+    if isinstance(obj, QWeight):
+        for v in obj.data.values():
+            _tensors(v, seen, out)
+    elif isinstance(obj, torch.Tensor):
+        key = (obj.data_ptr(), obj.nbytes)
+        if key not in seen:
+            seen.add(key)
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, seen, out)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("ninfer_rt"):
+        for name, v in vars(obj).items():
+            if name not in ("cfg", "tp", "ops"):
+                _tensors(v, seen, out)
+
+
+def weight_bytes(model) -> dict:
+    """Bytes a decode step reads from weights: every layer, the final norm and lm_head (target); the MTP
+    module apart. The embedding table is left out (one row per token is read)."""
+    seen, target, mtp = set(), [], []
+    _tensors([model.blocks, model.norm, model.lm_head], seen, target)
+    if model.mtp is not None:
+        _tensors(model.mtp, seen, mtp)
+    return {"target": sum(t.nbytes for t in target), "mtp": sum(t.nbytes for t in mtp)}
+
+
+def layer_params(model) -> int:
+    """Logical parameters of the decoder layers' linear weights (excludes embedding, lm_head, MTP)."""
+    seen, ws = set(), []
+
+    def walk(obj):
+        if isinstance(obj, QWeight):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                ws.append(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("ninfer_rt"):
+            for name, v in vars(obj).items():
+                if name not in ("cfg", "tp", "ops"):
+                    walk(v)
+    for b in model.blocks:
+        walk(b)
+    return sum(w.shape[0] * w.shape[1] for w in ws)
+
+
+def state_bytes(model, kv_len: int, tokens: int = 1, snapshot: bool = False) -> int:
+    """KV read (+ the new tokens' writes) over the main attention layers, GDN states read + written (and the
+    per-token snapshot writes plus the commit copy of a verify step)."""
+    kv = model.kv_pool
+    n_main = kv.k.shape[0] - (model.mtp is not None)
+    per_tok = 2 * kv.k[0, 0, 0].numel() * kv.k.element_size()           # K and V of one token, one layer
+    kv_bytes = n_main * per_tok * (kv_len + tokens)
+    slot = model.gdn_pool.rec[0, 0].numel() * 4 + model.gdn_pool.conv[0, 0].numel() * 4
+    gdn = model.n_gdn * slot * (2 + (tokens + 2 if snapshot else 0))
+    return kv_bytes + gdn
+
+
+# ---- context ----
+def fill_context(model, state, length: int) -> None:
+    """Make `state` look like a sequence of `length` tokens without a prefill: random KV in every attention
+    layer (the MTP layer too) and random GDN states, drawn on the device (seed with torch.manual_seed).
+    Timing does not depend on the values."""
+    state.ensure_capacity(length + 1)
+    ps, kv, pool = model.kv_pool.page_size, model.kv_pool, model.gdn_pool
+    idx = torch.tensor(state.pages[:math.ceil(length / ps)], dtype=torch.long, device=kv.k.device)
+    shape = (len(idx), ps) + tuple(kv.k.shape[3:])
+    for layer in range(kv.k.shape[0]):
+        for cache in (kv.k, kv.v):
+            cache[layer].index_copy_(0, idx, torch.randn(shape, device=cache.device, dtype=cache.dtype))
+    rec, conv = pool.rec[:, state.slot], pool.conv[:, state.slot]
+    rec.copy_(torch.randn(rec.shape, device=rec.device) * 0.01)
+    conv.copy_(torch.randn(conv.shape, device=conv.device))
+    state.length = length
+    if state.mtp is not None:
+        state.mtp.length = length
+
+
+def rewind(state, length: int) -> None:
+    """Back to `length` tokens (KV past it is stale and gets overwritten; the GDN state just keeps evolving)."""
+    state.length = length
+    if state.mtp is not None:
+        state.mtp.length = min(state.mtp.length, length)
+    state.trim()
+
+
+# ---- timed loops ----
+def _timed(step, steps: int, warm: int, device) -> float:
+    """ms per step: `warm` untimed steps, then `steps` timed ones, one sync at the end."""
+    for _ in range(warm):
+        step()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def decode_ms(runner, state, steps: int, warm: int, *, host_tokens: bool) -> float:
+    """Greedy decode of one sequence. host_tokens: read each token back to the host (what an engine does,
+    one sync per step); else feed the device argmax straight back (GPU time per step, steps pipelined)."""
+    tok = [torch.tensor([1])]
+    base = state.length
+
+    def step():
+        out = runner.forward([SeqInput(tok[0], state)])
+        t = out.logits[-1:].argmax(-1)
+        tok[0] = t.cpu() if host_tokens else t
+    ms = _timed(step, steps, warm, runner.model.device)
+    rewind(state, base)
+    return ms
+
+
+def verify_ms(runner, state, k: int, steps: int, warm: int, gen: torch.Generator) -> float:
+    """A target forward over [t_0, d_1..d_k] with GDN snapshots, then commit of all k+1 (k = 0: plain decode);
+    the verdict needs the logits on the host each round."""
+    ids = torch.randint(0, runner.model.cfg.vocab_size, (k + 1,), generator=gen)
+    base = state.length
+
+    def step():
+        out = runner.forward([SeqInput(ids, state, snapshot=k > 0)])
+        if k:
+            state.commit(k + 1)
+        out.logits.argmax(-1).cpu()
+    ms = _timed(step, steps, warm, runner.model.device)
+    rewind(state, base)
+    return ms
+
+
+def draft_ms(runner, state, steps: int, warm: int) -> float:
+    """One MTP draft step (T = 1, the previous MTP hidden in, argmax to the host)."""
+    m = runner.model
+    cur = [torch.tensor([1]), torch.zeros(1, m.cfg.hidden_size, dtype=m.dtype, device=m.device)]
+    base = state.mtp.length
+
+    def step():
+        out = runner.mtp_forward([MtpInput(cur[0], cur[1], state.mtp)])
+        cur[0], cur[1] = out.logits.argmax(-1).cpu(), out.hidden
+    ms = _timed(step, steps, warm, m.device)
+    state.mtp.rewind(base)
+    return ms
+
+
+def prefill_s(model, tokens: int, chunk: int, gen: torch.Generator) -> float:
+    """Seconds for an eager prefill of `tokens` random ids in chunks of `chunk` (logits of the last only)."""
+    ids = torch.randint(0, model.cfg.vocab_size, (tokens,), generator=gen)
+    st = model.new_state()
+    try:
+        sync(model.device)
+        t = time.perf_counter()
+        for a in range(0, tokens, chunk):
+            b = min(tokens, a + chunk)
+            model.forward([SeqInput(ids[a:b], st, logits="last" if b == tokens else "none")])
+        sync(model.device)
+        return time.perf_counter() - t
+    finally:
+        st.free()
+
+
+def spec_tok_s(verify: float, draft: float, k: int, a: float) -> tuple[float, float]:
+    """(expected tokens per round, tok/s) for per-position acceptance a: sum_{i=0..k} a^i tokens per
+    verify_time(k) + k * draft_time."""
+    tokens = sum(a ** i for i in range(k + 1))
+    return tokens, tokens / ((verify + k * draft) / 1e3)

@@ -1,0 +1,209 @@
+"""One TP rank of bench/decode.py for one recipe: measure the ceilings, load the rank file, build the model and
+the graph runner, run the enabled parts, and stream the records back (rank 0; followers run the same calls).
+
+Runs in a spawned child per recipe (`child_main`), so the orchestrator never touches CUDA (its artifact
+builder forks freely) and each recipe starts with an empty GPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+import decode_measure as M
+
+ACCEPTANCE = (0.6, 0.75, 0.9)
+PAGE = 16
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    parts: tuple[str, ...] = ("decode", "verify", "prefill")
+    contexts: tuple[int, ...] = (1024, 32768)
+    verify_contexts: tuple[int, ...] = (1024,)
+    max_draft: int = 5
+    steps: int = 64
+    warm: int = 8
+    headroom: int = 1024               # KV positions past each context the loops may use
+    prefill_tokens: int = 8192
+    prefill_chunk: int = 8192
+    prefill_runs: int = 2
+    tp: int = 1
+    device: str = "cuda"
+    backend: str = "triton"
+    dtype: str = "bfloat16"
+    eager: bool = False
+    copy_mb: int = 4096
+    matmul_n: int = 8192
+
+
+def _device(group, opts: BenchOptions) -> torch.device:
+    dev = getattr(group, "device", None)
+    if dev is not None:
+        return torch.device(dev)
+    return torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
+
+
+def _gpu_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def _warm_page_cache(path: str) -> None:
+    buf = bytearray(64 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while os.readv(fd, [buf]):
+            pass
+    finally:
+        os.close(fd)
+
+
+def _check_backend(opts: BenchOptions, device) -> str:
+    if opts.backend != "triton":
+        return opts.backend
+    from ninfer_rt.backends import triton_ops
+    if device.type == "cuda" and triton_ops.LINEAR_BACKEND != "ninfer_kernels.dispatch":
+        from ninfer_formats.errors import NinferError
+        raise NinferError("the fused GEMV dispatch (ninfer_kernels.dispatch) is not importable: linear would "
+                          "dequantize every weight through numpy; refusing to benchmark that")
+    return f"triton+{triton_ops.LINEAR_BACKEND}"
+
+
+def _runner(model, opts: BenchOptions):
+    from ninfer_rt.graphs import GraphConfig, GraphRunner
+    verify = "verify" in opts.parts
+    buckets = tuple(sorted({c + opts.headroom for c in opts.contexts}))
+    cfg = GraphConfig(batch_sizes=(1,), tokens=tuple(range(1, opts.max_draft + 2)) if verify else (1,),
+                      mtp_tokens=(1,) if verify and model.mtp is not None else (), kv_buckets=buckets,
+                      eager=opts.eager)
+    return GraphRunner(model, cfg)
+
+
+def _load(group, opts: BenchOptions, paths: list[str], device, info: dict):
+    from ninfer_rt.backends import get_ops
+    from ninfer_rt.loader import load
+    from ninfer_rt.model import Model
+    from ninfer_rt.state import CacheConfig
+    path = paths[group.rank]
+    if info.get("reused"):
+        _warm_page_cache(path)
+    dtype = getattr(torch, opts.dtype)
+    t = time.perf_counter()
+    loaded = load(path, rank=group.rank, tp_size=opts.tp, verify=True, device=device, dtype=dtype)
+    M.sync(device)
+    load_s = time.perf_counter() - t
+    need = max(max(opts.contexts) + opts.headroom, opts.prefill_tokens) + 2 * PAGE
+    cache = CacheConfig(num_pages=math.ceil(need / PAGE) + 8, page_size=PAGE, max_seqs=3)
+    t = time.perf_counter()
+    model = Model(loaded.config, loaded.weights, get_ops(opts.backend), group, cache=cache, dtype=dtype,
+                  consume_weights=True)
+    M.sync(device)
+    build_s = time.perf_counter() - t
+    loaded.close()
+    size = os.path.getsize(path)
+    rec = {"kind": "load", "file_bytes": size, "load_s": load_s, "gbps": size / load_s / 1e9, "verify": True,
+           "model_build_s": build_s, "artifact_build_s": info.get("build_s"), "reused": info.get("reused")}
+    return model, rec
+
+
+def _decode_parts(model, runner, opts, ceil, base, emit, gen) -> None:
+    wb = M.weight_bytes(model)
+    for ctx in opts.contexts:
+        st = model.new_state()
+        M.fill_context(model, st, ctx)
+        if "decode" in opts.parts:
+            ms = M.decode_ms(runner, st, opts.steps, opts.warm, host_tokens=True)
+            ms_gpu = M.decode_ms(runner, st, opts.steps, opts.warm, host_tokens=False)
+            nbytes = wb["target"] + M.state_bytes(model, ctx)
+            roof = nbytes / (ceil["copy_tbps"] * 1e12) * 1e3
+            emit({**base, "kind": "decode", "context": ctx, "draft_tokens": 0, "tok_s": 1e3 / ms, "ms_step": ms,
+                  "ms_step_gpu": ms_gpu, "tok_s_gpu": 1e3 / ms_gpu, "bytes_step": nbytes,
+                  "weight_bytes": wb["target"], "pct_roofline": 100 * roof / ms,
+                  "pct_roofline_gpu": 100 * roof / ms_gpu})
+        if "verify" in opts.parts and ctx in opts.verify_contexts:
+            _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb)
+        st.free()
+
+
+def _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb) -> None:
+    times = [M.verify_ms(runner, st, k, opts.steps, opts.warm, gen) for k in range(opts.max_draft + 1)]
+    draft = M.draft_ms(runner, st, opts.steps, opts.warm) if model.mtp is not None else None
+    for k in range(1, opts.max_draft + 1):
+        nbytes = wb["target"] + M.state_bytes(model, ctx, k + 1, snapshot=True)
+        rec = {**base, "kind": "verify", "context": ctx, "draft_tokens": k, "ms_step": times[k],
+               "ms_step_k0": times[0], "verify_ratio": times[k] / times[0], "draft_ms": draft,
+               "bytes_step": nbytes,
+               "pct_roofline": 100 * nbytes / (ceil["copy_tbps"] * 1e12) * 1e3 / times[k]}
+        if draft is not None:
+            by = {str(a): M.spec_tok_s(times[k], draft, k, a) for a in ACCEPTANCE}
+            rec.update(tok_s=by["0.75"][1], tok_s_by_acceptance={a: v[1] for a, v in by.items()},
+                       tokens_per_round_by_acceptance={a: v[0] for a, v in by.items()},
+                       tok_s_k0=1e3 / times[0])
+        emit(rec)
+
+
+def _prefill(model, opts, ceil, base, emit, gen) -> None:
+    M.prefill_s(model, opts.prefill_tokens, opts.prefill_chunk, gen)        # compile, tune, first-touch
+    s = min(M.prefill_s(model, opts.prefill_tokens, opts.prefill_chunk, gen) for _ in range(opts.prefill_runs))
+    params = M.layer_params(model)
+    tflops = 2 * params * opts.prefill_tokens / s / 1e12
+    emit({**base, "kind": "prefill", "tokens": opts.prefill_tokens, "chunk": opts.prefill_chunk,
+          "tok_s": opts.prefill_tokens / s, "s": s, "params": params, "tflops": tflops,
+          "pct_matmul_peak": 100 * tflops / ceil["matmul_tflops"]})
+
+
+def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dict, emit) -> None:
+    """All measurements of one recipe on this rank; emit(record) is called on rank 0 only."""
+    device = _device(group, opts)
+    out = emit if group.rank == 0 else (lambda r: None)
+    torch.manual_seed(1234 + group.rank)
+    gen = torch.Generator().manual_seed(99)
+    backend = _check_backend(opts, device)
+    ceil = {"copy_tbps": M.copy_tbps(device, opts.copy_mb),
+            "matmul_tflops": M.matmul_tflops(device, opts.matmul_n, getattr(torch, opts.dtype))}
+    base = {"recipe": recipe, "tp": opts.tp, "gpu": _gpu_name(device), "copy_tbps": ceil["copy_tbps"],
+            "backend": backend, "graphs": not opts.eager, "dtype": opts.dtype}
+    out({**base, "kind": "ceilings", **ceil})
+    model, rec = _load(group, opts, paths, device, info)
+    runner = _runner(model, opts)
+    rec["capture_s"] = runner.capture()
+    rec["graphs_captured"] = runner.stats.captured
+    out({**base, **rec})
+    if {"decode", "verify"} & set(opts.parts):
+        _decode_parts(model, runner, opts, ceil, base, out, gen)
+        out({**base, "kind": "graph_stats", "replays": runner.stats.replays, "eager_steps": runner.stats.eager_steps,
+             "fallbacks": runner.stats.fallbacks, "fallback_reasons": runner.stats.reasons})
+    if "prefill" in opts.parts:
+        _prefill(model, opts, ceil, base, out, gen)
+    runner.close()
+
+
+def _follower(group, opts, recipe, paths, info):
+    run_rank(group, opts, recipe, paths, info, lambda r: None)
+
+
+def child_main(conn, opts: BenchOptions, recipe: str, paths: list[str], info: dict) -> None:
+    """Entry of the spawned per-recipe process: records go to `conn` as they are made, then {"done": True}."""
+    emit = lambda r: conn.send({"record": r})      # noqa: E731
+    try:
+        if opts.tp == 1:
+            from ninfer_rt.tp_group import LocalGroup
+            run_rank(LocalGroup(), opts, recipe, paths, info, emit)
+        else:
+            from ninfer_rt import tp
+            with tp.launch(opts.tp, _follower, (opts, recipe, paths, info), device=opts.device) as launch:
+                run_rank(launch.group, opts, recipe, paths, info, emit)
+        conn.send({"done": True})
+    except BaseException as e:                       # noqa: BLE001 - reported to the orchestrator, then exit
+        traceback.print_exc(file=sys.stderr)
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+    finally:
+        conn.close()

@@ -1,0 +1,302 @@
+"""CUDA-graph runner: the decode step, each MTP verify size and the MTP draft step, captured once and replayed.
+
+    runner = GraphRunner(model, GraphConfig(batch_sizes=(1, 2, 4), tokens=(1, 4), mtp_tokens=(1,),
+                                            kv_buckets=(4096, 32768)))
+    runner.capture()                                          # warm every graph, then capture them all
+    out = runner.forward([SeqInput(ids, st), ...])            # same contract as Model.forward
+    d = runner.mtp_forward([MtpInput(ids, hidden, st.mtp)])   # same contract as Model.mtp_forward
+
+Graphs are keyed by (kind, padded batch, tokens per sequence, KV bucket). A batch the graphs cannot serve
+(ragged token counts, prefill chunks, position overrides, image embeddings, a context past the largest
+bucket, `gather=False` under TP, snapshot rows while an earlier verify is still uncommitted) goes to the
+model's own eager forward, with identical results up to rounding. `GraphConfig(eager=True)` (CLI `--eager`)
+runs the very same static-buffer step bodies without capturing, for debugging and for CPU tests.
+
+Resources: one GDN slot and enough KV pages for the padding rows (size the cache with one spare sequence),
+snapshot buffers for max_batch x max(tokens) rows (fp32 GDN states: ~144 MiB per row at 27B), and one
+private memory pool shared by all graphs (they never run concurrently). Outputs are copied out of the
+graph's static buffers unless `copy_outputs=False` (then they are overwritten by the next replay).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import RECURRENT_MAX_T
+from .graph_model import RowSpec, StaticMeta, mtp_step, target_step
+from .model import LOGITS, Output
+from .state import CapacityError, PendingSnapshot
+
+
+class GraphError(RuntimeError):
+    """The graph runner cannot be set up as configured."""
+
+
+def _sizes(name: str, v, lo: int = 1, hi: int | None = None) -> tuple[int, ...]:
+    v = tuple(v)
+    if any(not isinstance(x, int) or isinstance(x, bool) or x < lo or (hi and x > hi) for x in v) \
+            or list(v) != sorted(set(v)):
+        raise ValueError(f"graphs.{name}: expected ascending distinct integers in [{lo}, {hi or 'inf'}], got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)   # captured batch sizes; smaller batches are padded up
+    tokens: tuple[int, ...] = (1,)                # target tokens per sequence: 1 = decode, K+1 = verify of K drafts
+    mtp_tokens: tuple[int, ...] = (1,)            # MTP tokens per sequence (1 = a draft step); () = none
+    kv_buckets: tuple[int, ...] = (8192,)         # KV-length buckets; the largest bounds graph-served contexts
+    eager: bool = False                           # run the static-buffer bodies without capturing (debugging)
+    copy_outputs: bool = True                     # hand out copies, not the graph's static outputs
+
+    def __post_init__(self):
+        for name in ("batch_sizes", "tokens", "mtp_tokens", "kv_buckets"):
+            hi = RECURRENT_MAX_T if "tokens" in name else None
+            object.__setattr__(self, name, _sizes(name, getattr(self, name), 1, hi))
+        if not self.batch_sizes or not self.tokens or not self.kv_buckets:
+            raise ValueError("graphs: batch_sizes, tokens and kv_buckets must not be empty")
+
+
+@dataclass
+class GraphStats:
+    replays: int = 0          # steps served by a captured graph
+    eager_steps: int = 0      # steps served by the static-buffer bodies without a graph (eager mode)
+    fallbacks: int = 0        # steps handed to the model's own forward
+    captured: int = 0
+    capture_s: float = 0.0
+    reasons: dict = field(default_factory=dict)
+
+    def fallback(self, why: str) -> None:
+        self.fallbacks += 1
+        self.reasons[why] = self.reasons.get(why, 0) + 1
+
+
+@dataclass
+class _Graph:
+    graph: object             # torch.cuda.CUDAGraph, or None in eager mode
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class GraphRunner:
+    def __init__(self, model, config: GraphConfig = GraphConfig()):
+        self.model, self.cfg = model, config
+        if not config.eager and model.device.type != "cuda":
+            raise GraphError(f"graphs: CUDA graphs need the model on a CUDA device (it is on {model.device}); "
+                             f"use eager mode")
+        self.mtp_tokens = config.mtp_tokens if model.mtp is not None else ()
+        self.max_batch = config.batch_sizes[-1]
+        max_t = max(config.tokens + self.mtp_tokens)
+        ps = model.kv_pool.page_size
+        try:
+            self._scratch = model.new_state()         # padding rows write here
+            self._scratch.ensure_capacity(max_t)
+        except CapacityError as e:
+            raise GraphError(f"graphs: padding rows need one spare sequence slot and {math.ceil(max_t / ps)} "
+                             f"KV page(s) ({e}); size the cache for max_batch + 1 sequences") from None
+        self.meta = StaticMeta(self.max_batch, max_t, math.ceil(config.kv_buckets[-1] / ps), ps,
+                               self._scratch.pages, self._scratch.slot, model.device)
+        self.snap_conv = self.snap_rec = None
+        if max(config.tokens) > 1 and model.n_gdn:
+            rows, pool = self.max_batch * max(config.tokens), model.gdn_pool
+            self.snap_conv = torch.zeros(model.n_gdn, rows, *pool.conv.shape[2:], device=model.device)
+            self.snap_rec = torch.zeros(model.n_gdn, rows, *pool.rec.shape[2:], device=model.device)
+        self.mtp_hidden = None
+        if self.mtp_tokens:
+            self.mtp_hidden = torch.zeros(self.max_batch * max(self.mtp_tokens), model.cfg.hidden_size,
+                                          dtype=model.dtype, device=model.device)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.stats = GraphStats()
+        self._pending: list = []          # (state, PendingSnapshot) living in our snapshot buffers
+        self._pool = None
+        self._kept: list = []             # kernel workspaces a graph points at: never freed while we live
+
+    # ---- keys ----
+    def keys(self) -> list[tuple]:
+        c = self.cfg
+        out = [("target", b, t, k) for b in c.batch_sizes for t in c.tokens for k in c.kv_buckets]
+        out += [("mtp", b, t, k) for b in c.batch_sizes for t in self.mtp_tokens for k in c.kv_buckets]
+        return out
+
+    def _pad(self, n: int) -> int | None:
+        return next((b for b in self.cfg.batch_sizes if b >= n), None)
+
+    def _bucket(self, need: int) -> int | None:
+        return next((k for k in self.cfg.kv_buckets if k >= need), None)
+
+    # ---- capture ----
+    def capture(self) -> float:
+        """Warm every graph's body (compiles kernels, tunes GEMV configs, builds repacked weights), then capture
+        them all, largest first, into one memory pool. Returns the seconds spent. Idempotent."""
+        if self.cfg.eager or self.graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        keys = sorted(self.keys(), key=lambda k: (k[1] * k[2], k[3], k[0]), reverse=True)
+        stream = torch.cuda.Stream(device=self.model.device)
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):
+            for key in keys:              # all warm-ups first: nothing a graph points at may move afterwards
+                for _ in range(2):
+                    self._fill_padding(key)
+                    self._body(key, None)
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        torch.cuda.synchronize(self.model.device)
+        self._keep_workspaces()
+        self._pool = torch.cuda.graph_pool_handle()
+        for key in keys:
+            self._fill_padding(key)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                hidden, logits = self._body(key, None)
+            self.graphs[key] = _Graph(g, hidden, logits)
+        torch.cuda.synchronize(self.model.device)
+        self.stats.captured = len(self.graphs)
+        self.stats.capture_s = time.perf_counter() - t0
+        return self.stats.capture_s
+
+    def _fill_padding(self, key) -> None:
+        _, b, t, _ = key
+        self.meta.fill([RowSpec(torch.zeros(t, dtype=torch.long), 0, self._scratch.pages, self._scratch.slot)],
+                       b, t)
+
+    def _keep_workspaces(self) -> None:
+        """Hold the GEMV split-K workspaces alive: a later eager call that grows them must not free the
+        buffers the captured graphs write to (see ninfer_kernels.gemv_launch)."""
+        try:
+            from ninfer_kernels import gemv_launch
+        except ImportError:
+            return
+        self._kept = [t for pair in getattr(gemv_launch, "_WS", {}).values() for t in pair]
+
+    def _body(self, key, host):
+        """One step body over the static buffers. host: None when capturing (kernels plan for the KV bucket;
+        no host snapshot rows), else (true KV lengths, snapshot rows) for an eager run, which backends that
+        read host metadata (the torch reference) need."""
+        kind, b, t, bucket = key
+        kv, snaps = host if host is not None else ((bucket,) * b, (-1,) * b)
+        n = b * t
+        if kind == "mtp":
+            return mtp_step(self.model, self.meta, self.meta.mtp_ctx(b, t, kv), self.mtp_hidden, n)
+        ctx = self.meta.target_ctx(b, t, kv, snaps, self.snap_conv, self.snap_rec)
+        return target_step(self.model, self.meta, ctx, n)
+
+    def _run(self, key, rows: list[RowSpec]):
+        _, b, t, _ = key
+        self.meta.fill(rows, b, t)
+        if self.cfg.eager:
+            self.stats.eager_steps += 1
+            pad = b - len(rows)
+            return self._body(key, (tuple(r.start + t for r in rows) + (t,) * pad,
+                                    tuple(r.snap for r in rows) + (-1,) * pad))
+        if not self.graphs:
+            self.capture()
+        g = self.graphs.get(key)
+        if g is None:
+            raise GraphError(f"graphs: no graph captured for {key}")
+        g.graph.replay()
+        self.stats.replays += 1
+        return g.hidden, g.logits
+
+    # ---- the model's two entry points ----
+    @torch.no_grad()
+    def forward(self, batch: list, *, gather: bool = True) -> Output:
+        key, why = self._plan_target(batch, gather)
+        if key is None:
+            self.stats.fallback(why)
+            return self.model.forward(batch, gather=gather)
+        t = key[2]
+        self.model._admit([(s.token_ids, s.state, s.logits) for s in batch])
+        rows = [RowSpec(s.token_ids, s.state.length, s.state.pages, s.state.slot, b * t if s.snapshot else -1)
+                for b, s in enumerate(batch)]
+        hidden, logits = self._run(key, rows)
+        for b, s in enumerate(batch):
+            if s.snapshot:
+                s.state.pending = PendingSnapshot(t, self.snap_conv, self.snap_rec, b * t)
+                self._pending.append((s.state, s.state.pending))
+            else:
+                s.state.length += t
+        return self._output(hidden, logits, len(batch), t, [s.logits for s in batch])
+
+    @torch.no_grad()
+    def mtp_forward(self, batch: list, *, gather: bool = True) -> Output:
+        key, why = self._plan_mtp(batch, gather)
+        if key is None:
+            self.stats.fallback(why)
+            return self.model.mtp_forward(batch, gather=gather)
+        t = key[2]
+        self.model._admit([(m.token_ids, m.state, m.logits) for m in batch], mtp=True)
+        for b, m in enumerate(batch):
+            self.mtp_hidden[b * t:(b + 1) * t].copy_(m.hidden, non_blocking=True)
+        rows = [RowSpec(m.token_ids, m.state.length, m.state.parent.pages) for m in batch]
+        hidden, logits = self._run(key, rows)
+        for m in batch:
+            m.state.length += t
+        return self._output(hidden, logits, len(batch), t, [m.logits for m in batch])
+
+    # ---- planning: which graph, or why none ----
+    def _common(self, items, gather: bool, sizes) -> tuple[tuple | None, str]:
+        """items: (token_ids, start, extra-ok) per sequence -> ((padded batch, T, bucket), '') or (None, why)."""
+        if not items or len(items) > self.max_batch:
+            return None, "batch size"
+        if not gather and self.model.tp.size > 1:
+            return None, "gather=False"
+        lens = {ids.numel() if ids.dim() == 1 else -1 for ids, _, _ in items}
+        if len(lens) != 1 or (t := lens.pop()) not in sizes:
+            return None, "token count"
+        if not all(ok for _, _, ok in items):
+            return None, "position override / embeddings / logits mode"
+        bucket = self._bucket(max(start for _, start, _ in items) + t)
+        if bucket is None:
+            return None, "context past the largest KV bucket"
+        return (self._pad(len(items)), t, bucket), ""
+
+    def _plan_target(self, batch, gather):
+        items = [(s.token_ids, s.state.length, s.positions is None and s.inputs_embeds is None
+                  and s.logits in LOGITS) for s in batch]
+        key, why = self._common(items, gather, self.cfg.tokens)
+        if key is None:
+            return None, why
+        if any(s.snapshot for s in batch):
+            self._pending = [(st, p) for st, p in self._pending if st.pending is p and not st.freed]
+            if self.snap_rec is None and self.model.n_gdn:
+                return None, "snapshots not configured"
+            if self._pending:
+                return None, "snapshot buffers in use"
+        return ("target",) + key, ""
+
+    def _plan_mtp(self, batch, gather):
+        if not self.mtp_tokens:
+            return None, "no MTP graphs"
+        h = self.model.cfg.hidden_size
+        items = [(m.token_ids, m.state.length, m.positions is None and m.logits in LOGITS
+                  and tuple(m.hidden.shape) == (m.token_ids.numel(), h)) for m in batch]
+        key, why = self._common(items, gather, self.mtp_tokens)
+        return (None, why) if key is None else (("mtp",) + key, "")
+
+    def _output(self, hidden, logits, batch: int, t: int, modes) -> Output:
+        n = batch * t
+        rows = []
+        for b, mode in enumerate(modes):
+            if mode == "all":
+                rows.extend(range(b * t, (b + 1) * t))
+            elif mode == "last":
+                rows.append((b + 1) * t - 1)
+        hidden, view = hidden[:n], True
+        if rows == list(range(n)):
+            sel = logits[:n]
+        elif rows:
+            sel, view = logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(logits.device)), False
+        else:
+            sel = logits[:0]
+        if self.cfg.copy_outputs:
+            hidden, sel = hidden.clone(), (sel.clone() if view else sel)
+        return Output(logits=sel, hidden=hidden, logit_rows=rows, cu_seqlens=[b * t for b in range(batch + 1)])
+
+    def close(self) -> None:
+        """Drop the graphs and give the scratch slot and pages back."""
+        self.graphs.clear()
+        self._pool = None
+        self._scratch.free()
