@@ -105,17 +105,17 @@ def _precompile_job(job) -> str:
 
 
 def precompile(jobs, workers: int) -> None:
+    """Compile in `workers` processes what the tuner will try; the main process then loads the cached
+    binaries. Jobs that differ only in values Triton does not specialize on are compiled once."""
     from ninfer_kernels import gemv_launch as gl
-    import triton
     dev = torch.device(DEV)
     uniq = {}
     for fmt, N, K, T in jobs:
         _, _, gs = _kernel_spec(fmt)
         G = K // gs
         cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev)
-        key = (fmt, T, _spec(N), _spec(G), _spec(K), frozenset(
-            (replace(c, split=0), _spec(max(1, min(c.split, triton.cdiv(G, c.block_g))))) for c in cands))
-        uniq.setdefault(key, (fmt, N, K, T))
+        sig = frozenset((replace(c, split=0), _spec(gl.effective_split(c, G))) for c in cands)
+        uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))
     t0 = time.time()
     import multiprocessing as mp
     with mp.get_context("spawn").Pool(workers) as pool:

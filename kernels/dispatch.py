@@ -133,6 +133,9 @@ def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None) -
     o2 = None if out is None else out.view(-1, N)
     r2 = None if residual is None else residual.reshape(-1, N)
     T = x2.shape[0]
+    if T == 0:
+        y = x2.new_empty((0, N)) if out is None else out
+        return y.view(*lead, N) if out is None else out
     if qw.fmt in ("f32", "f16", "bf16"):
         w = qw.data["w"]
         if T > DECODE_MAX_T or K % _WIDTH[w.dtype]:

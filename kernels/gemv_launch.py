@@ -164,6 +164,12 @@ def dot_kind(x_dtype) -> int:
     return 2
 
 
+def effective_split(cfg: GemvConfig, G: int) -> int:
+    """cfg.split clamped to the K tiles and trimmed so that no split is empty."""
+    split = max(1, min(cfg.split, triton.cdiv(G, cfg.block_g)))
+    return triton.cdiv(G, triton.cdiv(triton.cdiv(G, split), cfg.block_g) * cfg.block_g)
+
+
 def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
            warmup: bool = False, fold: bool = True):
     """Launch one config (warmup=True only compiles it, e.g. in a precompile worker). fold: the dot path may
@@ -171,7 +177,7 @@ def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residu
     T = x.shape[0]
     tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
     grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
-    split = max(1, min(cfg.split, triton.cdiv(G, cfg.block_g)))
+    split = effective_split(cfg, G)
     if split > 1:
         ws, cnt = workspace(x.device, split * T * N, grid_n * grid_t)
     else:
@@ -240,6 +246,8 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
     """Validate out/residual, pick a config (tuned on GPU), launch; returns out [T, N]."""
     T = x.shape[0]
     out = _check_out(out, residual, T, N, x, what)
+    if N * G >= 2 ** 31:
+        raise KernelInputError(f"{what}: [{N}, {G} groups] is too large for 32-bit offsets; split the rows")
     if config is not None and config.use_dot and config.block_g * GS < 16:
         raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
     if config is not None:

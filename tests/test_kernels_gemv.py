@@ -188,6 +188,7 @@ def test_bad_inputs_are_named():
         dispatch.linear(torch.zeros(2, 31, device=DEV), qw)
     with pytest.raises(ValueError, match="power of two"):
         GemvConfig(48, 4)
+    assert dispatch.linear(torch.zeros(2, 0, 32, device=DEV), qw).shape == (2, 0, 8)
 
 
 # ---- real shapes (GPU only) ------------------------------------------------------------------------
