@@ -291,6 +291,10 @@ def _bad_missing(d):
     _rewrite(d, n, lambda sd: sd.pop(n))
 
 
+def _bad_mtp_partial(d):
+    _rewrite(d, "mtp.norm.weight", lambda sd: sd.pop("mtp.norm.weight"))
+
+
 def _bad_shape(d):
     n = TEXT_PREFIX + "layers.3.self_attn.k_proj.weight"
     _rewrite(d, n, lambda sd: sd.__setitem__(n, sd[n][:-1].contiguous()))
@@ -327,6 +331,7 @@ def _bad_model_type(d):
 
 BAD = [  # (mutation, extra args, message regex)
     (_bad_missing, (), r"missing tensor layers\.1\.mlp\.down_proj\.weight"),
+    (_bad_mtp_partial, (), r"missing tensor mtp\.norm\.weight"),
     (_bad_shape, (), r"tensor model\.language_model\.layers\.3\.self_attn\.k_proj\.weight has shape \[63, 64\], "
                      r"config\.json implies \[64, 64\]"),
     (_bad_extra, (), r"unexpected tensor model\.language_model\.layers\.0\.extra\.weight"),
@@ -398,6 +403,21 @@ def test_recipe_file_and_overrides(wide, tmp_path):
     j.write_text(json.dumps({"base": "nvfp4", "roles": {"vision": "fp3"}}))
     with pytest.raises(SourceError, match="role vision: unknown format 'fp3'"):
         load_recipe(str(j))
+
+
+def test_text_only_prefix_model_dot(small, tmp_path):
+    """Checkpoints saved from Qwen3_5ForCausalLM use `model.` instead of `model.language_model.`."""
+    from ninfer_pack.hf_source import open_source
+    src = _copy(small, tmp_path / "src")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for f in sorted(set(index["weight_map"].values())):
+        sd = load_file(str(src / f))
+        save_file({k.replace(TEXT_PREFIX, "model."): v for k, v in sd.items()}, str(src / f))
+    index["weight_map"] = {k.replace(TEXT_PREFIX, "model."): v for k, v in index["weight_map"].items()}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    got, ref = open_source(str(src)), open_source(str(small))
+    assert list(got.tensors) == list(ref.tensors) and got.config == ref.config
+    assert got.tensors["norm.weight"].hf_name == "model.norm.weight"
 
 
 def test_chat_template_from_tokenizer_config(small, tmp_path):
