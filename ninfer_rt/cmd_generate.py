@@ -2,6 +2,10 @@
 
 Sampling defaults come from the artifact's generation_config.json (greedy when it does not sample);
 any --temperature/--top-k/--top-p/--min-p given on the command line wins.
+
+Images: with `--vision`, `--messages FILE` may hold OpenAI `image_url` parts (data URIs or local paths,
+relative ones taken from FILE's folder); they are read and checked against the limits before the model
+loads, and only then is the tower bound on the device. Without `--vision` the tower stays in the file.
 """
 from __future__ import annotations
 
@@ -11,12 +15,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import click
 
 from ninfer_formats.errors import NinferError
 
 from .cli import main, user_errors
+
+if TYPE_CHECKING:
+    from .vision.setup import VisionOptions
 
 
 class GenerateError(NinferError):
@@ -46,6 +54,7 @@ class GenerateOptions:
     thinking: bool = True
     max_context: int | None = None
     stats_json: str | None = None
+    vision: VisionOptions | None = None  # None: images are refused and the tower is not loaded
 
     def __post_init__(self):
         given = [n for n in ("prompt", "messages", "raw") if getattr(self, n) is not None]
@@ -69,6 +78,30 @@ def _read_messages(path: str) -> list[dict]:
                 not isinstance(m.get("content"), (str, list)):
             raise GenerateError(f"{path}: message {i}: expected an object with string 'role' and 'content'")
     return msgs
+
+
+def _resolve(url: str, folder: str) -> str:
+    """Relative local paths are taken from the messages file's folder (data URIs etc. pass through)."""
+    u = url.strip()
+    if u.lower().startswith(("data:", "http://", "https://", "file://")) or os.path.isabs(u):
+        return u
+    return os.path.join(folder, u)
+
+
+def read_images(opts: GenerateOptions, msgs: list[dict] | None) -> tuple[list, list[str]]:
+    """The images of the messages file, decoded and within the limits -> (images, names for errors)."""
+    from .vision import image_urls, load_images
+    if not msgs:
+        return [], []
+    urls, names = image_urls(msgs)
+    if not urls:
+        return [], []
+    names = [f"{opts.messages}: {n}" for n in names]
+    if opts.vision is None:
+        raise GenerateError(f"{names[0]}: the messages hold {len(urls)} image(s); pass --vision to use the "
+                            "artifact's vision tower")
+    folder = os.path.dirname(os.path.abspath(opts.messages))
+    return load_images([_resolve(u, folder) for u in urls], opts.vision.limits(), names), names
 
 
 def prompt_ids(opts: GenerateOptions, tok, msgs: list[dict] | None) -> list[int]:
@@ -102,16 +135,20 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
     msgs = None
     if opts.raw is None:            # read before the (slow) load so a bad file fails fast
         msgs = _read_messages(opts.messages) if opts.messages else [{"role": "user", "content": opts.prompt}]
+    images, names = read_images(opts, msgs)
     t0 = time.perf_counter()
     rt = open_runtime(RuntimeOptions(artifact=opts.artifact, tp=opts.tp, device=opts.device, dtype=opts.dtype,
                                      backend=opts.backend, draft_tokens=opts.draft_tokens, max_concurrency=1,
                                      max_context=opts.max_context, verify=opts.verify))
-    load_s = time.perf_counter() - t0
     try:
         tok, eng = rt.tokenizer, rt.engine
+        vis = _attach_vision(opts, rt)
+        load_s = time.perf_counter() - t0
         ids = prompt_ids(opts, tok, msgs)
         params = sampling_params(opts, rt.loaded.generation_config, tok.stop_ids)
-        eng.add_request("generate", ids, params)
+        vr = vis.preprocess_request(ids, images, names) if images else None
+        eng.add_request("generate", ids, params, vision=vr)
+        n_prompt = len(vr) if vr is not None else len(ids)
         stream, reason, n_out = TextStream(tok), None, 0
         while eng.has_work():
             for o in eng.step():
@@ -121,13 +158,24 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
                 reason = o.finish_reason or reason
         out.write(stream.flush() + "\n")
         out.flush()
-        stats = _stats(eng.stats, load_s, len(ids), n_out, reason, opts.draft_tokens)
+        stats = _stats(eng.stats, load_s, n_prompt, n_out, reason, opts.draft_tokens)
     finally:
         rt.close()
     _report(stats, log)
     if opts.stats_json:
         _write_json(opts.stats_json, stats)
     return stats
+
+
+def _attach_vision(opts: GenerateOptions, rt):
+    """Rank 0 binds the tower (followers only receive embeddings) and the engine accepts images."""
+    if opts.vision is None:
+        return None
+    from .server.runtime import DTYPES
+    from .vision.setup import build_vision_runtime
+    vis = build_vision_runtime(rt.loaded, rt.engine.model.ops, opts.vision, dtype=DTYPES[opts.dtype])
+    rt.engine.attach_vision(vis)
+    return vis
 
 
 def _stats(es, load_s: float, n_prompt: int, n_out: int, reason, k: int) -> dict:
@@ -195,12 +243,22 @@ def _default_device() -> str:
 @click.option("--max-context", type=int, help="Context length in tokens (prompt + generated).")
 @click.option("--no-verify", is_flag=True, help="Skip checksum verification at load.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write load/throughput/MTP stats here.")
+@click.option("--vision", is_flag=True,
+              help="Accept image_url parts in --messages (data URIs or local paths); loads the vision tower.")
+@click.option("--max-images", type=click.IntRange(1), help="Images per prompt at most (--vision). [default: 8]")
+@click.option("--max-image-bytes", type=click.IntRange(1), help="Encoded bytes per image at most (--vision).")
+@click.option("--max-image-pixels", type=click.IntRange(1), help="Decoded pixels per image at most (--vision).")
+@click.option("--vision-max-pixels", type=click.IntRange(1),
+              help="Resize images to at most this many pixels (fewer vision tokens); default: the artifact's.")
 @user_errors
 def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_tokens, tp, device, dtype, backend,
                  temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, seed, no_think,
-                 max_context, no_verify, stats_json):
+                 max_context, no_verify, stats_json, vision, max_images, max_image_bytes, max_image_pixels,
+                 vision_max_pixels):
     """Generate text for one prompt from ARTIFACT_DIR."""
     from .speculative import SpecConfig
+    vis = vision_options(vision, max_images=max_images, max_image_bytes=max_image_bytes,
+                         max_image_pixels=max_image_pixels, max_pixels=vision_max_pixels)
     device = device or _default_device()
     if spec == "mtp":
         SpecConfig(num_draft_tokens=draft_tokens)          # validates K with a clear message
@@ -210,5 +268,20 @@ def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_token
         dtype=dtype or ("bfloat16" if device == "cuda" else "float32"), backend=backend, verify=not no_verify,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, thinking=not no_think, max_context=max_context,
-        stats_json=stats_json)
+        stats_json=stats_json, vision=vis)
     run_generate(opts)
+
+
+VISION_FLAGS = {"max_images": "--max-images", "max_image_bytes": "--max-image-bytes",
+                "max_image_pixels": "--max-image-pixels", "max_pixels": "--vision-max-pixels"}
+
+
+def vision_options(enabled: bool, **given) -> VisionOptions | None:
+    """--vision and its limits (unset ones keep the defaults); a limit without --vision is an error."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if not enabled:
+        if given:
+            raise GenerateError(f"{VISION_FLAGS[next(iter(given))]}: only applies with --vision")
+        return None
+    from .vision.setup import VisionOptions
+    return VisionOptions(allow_files=True, **given)

@@ -10,6 +10,11 @@ Scheduling: FIFO admission while a GDN slot is free and the KV pool can hold the
 prefill chunks (a shared token budget, `prefill_chunk`) and one decode or speculative round for ALL
 sequences whose prompt is done, batched into one target forward. Rank 0 decides; with TP > 1 the plan, the
 drafts and the verdicts go to the followers (`Follower`, engine_core.py) so every rank makes identical calls.
+
+Images (`vision=VisionRuntime`, ninfer_rt/vision): the request thread makes a `VisionRequest` (CPU:
+decode, resize, placeholder expansion), `add_request(..., vision=vr)` runs the tower on this thread and the
+sequence then carries its MRoPE positions and spliced embeddings into every forward (prefill, decode,
+verify, MTP). Only rank 0 holds the tower; followers receive the embeddings with the admitting step.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +33,9 @@ from .sampling import SamplingParams, make_generator, sample
 from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify
 from .state import CacheConfig
 from .tp_group import LocalGroup
+
+if TYPE_CHECKING:
+    from .vision.prompt import VisionRequest, VisionRuntime
 
 DEFAULT_CONTEXT = 8192          # default KV reservation per batch slot when kv_pages is not given
 DEFAULT_PAGE = 16
@@ -85,7 +94,7 @@ def cache_config(cfg, max_batch: int, kv_pages: int | None, page_size: int = DEF
 class Engine(Core):
     def __init__(self, loaded, ops, tp=None, spec: SpecConfig | None = None, *, max_batch: int = 8,
                  kv_pages: int | None = None, page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
-                 prefill_chunk: int = 512, tokenizer=None):
+                 prefill_chunk: int = 512, tokenizer=None, vision: VisionRuntime | None = None):
         tp = tp or LocalGroup()
         if tp.rank != 0:
             raise ValueError("Engine runs on rank 0; other ranks run engine_core.Follower")
@@ -102,12 +111,26 @@ class Engine(Core):
         self._broken = False
         self.stats = EngineStats(spec=SpecStats() if spec else None)
         self.device = self.model.device
+        self.vision = None
+        if vision is not None:
+            self.attach_vision(vision)
 
     # ---- public API ----
-    def add_request(self, req_id: str, prompt_ids, params: SamplingParams) -> None:
+    def attach_vision(self, vision: VisionRuntime) -> None:
+        """Accept image requests from now on (the tower runs on this rank only)."""
+        if vision.config != self.cfg:
+            raise EngineError("vision runtime: built from another artifact's config than this engine's")
+        self.vision = vision
+
+    def add_request(self, req_id: str, prompt_ids, params: SamplingParams,
+                    vision: VisionRequest | None = None) -> None:
+        """`vision`: the request's images, preprocessed against `prompt_ids` (`VisionRuntime.preprocess_request`);
+        the prompt is then its placeholder-expanded `token_ids`. The tower runs here, on the calling thread."""
         if req_id in self.seqs or any(s.req_id == req_id for s in self.waiting):
             raise EngineError(f"request {req_id!r}: id already in use")
         prompt = [int(t) for t in prompt_ids]
+        if vision is not None:
+            prompt = self._vision_prompt(req_id, prompt, vision)
         if not prompt:
             raise EngineError(f"request {req_id!r}: empty prompt")
         bad = next((t for t in prompt if not 0 <= t < self.cfg.vocab_size), None)
@@ -119,12 +142,24 @@ class Engine(Core):
         if params.stop and self.tokenizer is None:
             raise EngineError(f"request {req_id!r}: stop strings need an engine with a tokenizer")
         s = Seq(req_id, prompt, params=params)
+        if vision is not None:
+            s.vision = self.vision.encode_request(vision)
         if params.has_penalties:
             s.counts = torch.zeros(self.cfg.vocab_size, device=self.device)
         if self.tokenizer is not None:
             from .tokenizer import TextStream
             s.stream = TextStream(self.tokenizer, params.stop)
         self.waiting.append(s)
+
+    def _vision_prompt(self, req_id: str, prompt: list[int], vision: VisionRequest) -> list[int]:
+        """The expanded prompt; placeholder expansion may only lengthen the image runs of `prompt`."""
+        if self.vision is None:
+            raise EngineError(f"request {req_id!r}: has images, but this engine was started without vision "
+                              "(--vision)")
+        img = self.vision.image_token_id
+        if [t for t in prompt if t != img] != [t for t in vision.token_ids if t != img]:
+            raise EngineError(f"request {req_id!r}: the vision request was prepared from other prompt ids")
+        return list(vision.token_ids)
 
     def abort(self, req_id: str) -> bool:
         """Drop a request now; its KV pages and GDN slot are free for the next step."""
@@ -153,7 +188,7 @@ class Engine(Core):
             return []
         plan = self._schedule()
         if self.tp.size > 1:
-            self.tp.broadcast_object({"op": "step", **plan.message()})
+            self._send_plan(plan)
         t0 = time.perf_counter()
         try:
             results = self._execute(plan)
@@ -171,6 +206,12 @@ class Engine(Core):
             outs.append(StepOutput(s.req_id, emitted, s.finished, s.reason, text))
         self.running = [s for s in self.running if not s.finished]
         return outs
+
+    def _send_plan(self, plan: Plan) -> None:
+        self.tp.broadcast_object({"op": "step", **plan.message()})
+        for rid, _, meta in plan.admit:          # protocol 1b: the followers splice these embeddings
+            if meta is not None:
+                self.tp.broadcast(self.seqs[rid].vision.image_embeds)
 
     def shutdown(self) -> None:
         """Release the followers (TP); the engine is unusable afterwards."""
@@ -199,7 +240,7 @@ class Engine(Core):
             s.state, s.generator = self.model.new_state(), make_generator(s.params, self.device)
             self.seqs[s.req_id] = s
             self.running.append(s)
-            plan.admit.append((s.req_id, s.prompt))
+            plan.admit.append((s.req_id, s.prompt, s.vision.meta() if s.vision is not None else None))
         budget = self.prefill_chunk
         for s in self.running:
             if s.prefilling:

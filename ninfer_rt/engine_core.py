@@ -9,8 +9,10 @@ One step = [draft phase (MTP, spec only)] -> one target forward over every decod
 emitted count, finished) -> commit / free -> one MTP forward aligning decode rounds and prefill chunks.
 
 Step protocol (TP > 1, all over the CPU gloo control group, rank 0 -> everyone):
-  1. object  {"op": "step", "admit": [(req_id, prompt ids)], "free": [req_id], "prefill": [(req_id, a, b)],
-             "decode": [(req_id, k)]}   or  {"op": "stop"}
+  1. object  {"op": "step", "admit": [(req_id, prompt ids, vision meta | None)], "free": [req_id],
+             "prefill": [(req_id, a, b)], "decode": [(req_id, k)]}   or  {"op": "stop"}
+  1b. for every admitted image prompt, in admit order: its merged vision tokens [n, H] (`meta["embeds_shape"]`,
+     `meta["embeds_dtype"]`); only rank 0 runs the tower, so every rank splices the same embeddings
   2. for j = 1..max k: int64 [n_j]  the j-th drafts of the decode sequences with k >= j, in plan order
   3. if anything was scheduled: int64 [n_decode + n_prefill, 4] verdict rows (n_acc, token, n_emit, finished)
 Followers never sample; they apply the same plan, drafts and verdicts to their shards.
@@ -18,12 +20,16 @@ Followers never sample; they apply the same plan, drafts and verdicts to their s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .model import Model, MtpInput, SeqInput
 from .speculative import SpecConfig, SpecError
 from .state import CacheConfig
+
+if TYPE_CHECKING:
+    from .vision.prompt import VisionPrompt
 
 
 @dataclass(eq=False)
@@ -35,6 +41,7 @@ class Seq:
     last: int | None = None              # last emitted token, not yet fed to the target
     mtp_logits: torch.Tensor | None = None   # [V] MTP logits for the next round's first draft
     mtp_hidden: torch.Tensor | None = None   # [H] MTP output hidden paired with them
+    vision: VisionPrompt | None = None   # image prompt: MRoPE positions and the embeddings spliced at its rows
     # leader only
     params: object = None
     out: list[int] = field(default_factory=list)
@@ -53,7 +60,7 @@ class Seq:
 
 @dataclass
 class Plan:
-    admit: list = field(default_factory=list)     # (req_id, prompt ids)
+    admit: list = field(default_factory=list)     # (req_id, prompt ids, VisionPrompt.meta() or None)
     free: list = field(default_factory=list)      # req_ids (aborted)
     prefill: list = field(default_factory=list)   # (req_id, start, end)
     decode: list = field(default_factory=list)    # (req_id, k drafts)
@@ -97,14 +104,36 @@ class Core:
     def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
         raise NotImplementedError
 
+    def _receive_vision(self, meta: dict) -> VisionPrompt:
+        """A follower's copy of an admitted image prompt (rank 0 encodes it and sends the embeddings)."""
+        raise NotImplementedError
+
     # ---- plan application ----
     def _apply_membership(self, plan: Plan) -> None:
         for rid in plan.free:
             s = self.seqs.pop(rid, None)
             if s is not None and s.state is not None:
                 s.state.free()
-        for rid, prompt in plan.admit:
-            self.seqs[rid] = Seq(rid, list(prompt), state=self.model.new_state())
+        for rid, prompt, meta in plan.admit:
+            s = Seq(rid, list(prompt), state=self.model.new_state())
+            if meta is not None:
+                s.vision = self._receive_vision(meta)
+            self.seqs[rid] = s
+
+    # ---- per-sequence model arguments ----
+    def _seq_input(self, s: Seq, ids: list[int], **kw) -> SeqInput:
+        """Rows state.length .. +len(ids) of `s`; image prompts bring MRoPE positions and spliced embeddings."""
+        t = _ids(ids)
+        if s.vision is not None:
+            kw.update(s.vision.seq_kwargs(self.model, s.state.length, t))
+        return SeqInput(t, s.state, **kw)
+
+    @staticmethod
+    def _mtp_input(s: Seq, ids: list[int], hidden: torch.Tensor, **kw) -> MtpInput:
+        """MTP row p pairs target row p, so it takes the target's position for that row."""
+        if s.vision is not None:
+            kw["positions"] = s.vision.positions_for(s.state.mtp.length, len(ids))
+        return MtpInput(_ids(ids), hidden, s.state.mtp, **kw)
 
     def _execute(self, plan: Plan) -> list[tuple[Seq, Verdict, list[int]]]:
         """Run one step; returns (seq, verdict, emitted tokens) for every sequence that emitted or ended."""
@@ -112,8 +141,8 @@ class Core:
         pre = [(self.seqs[rid], a, b) for rid, a, b in plan.prefill]
         drafts = self._draft(dec)
         starts = [s.state.length for s, _ in dec]
-        inputs = [SeqInput(_ids([s.last] + d), s.state, snapshot=k > 0) for (s, k), d in zip(dec, drafts)]
-        inputs += [SeqInput(_ids(s.prompt[a:b]), s.state, logits="last" if b == len(s.prompt) else "none")
+        inputs = [self._seq_input(s, [s.last] + d, snapshot=k > 0) for (s, k), d in zip(dec, drafts)]
+        inputs += [self._seq_input(s, s.prompt[a:b], logits="last" if b == len(s.prompt) else "none")
                    for s, a, b in pre]
         out = self.model.forward(inputs)
         verdicts = self._decide_verdicts(dec, drafts, pre, out)
@@ -128,7 +157,7 @@ class Core:
             s.last = emitted[-1]
             if self.spec is not None:
                 s.state.mtp.rewind(L)
-                mtp_in.append(MtpInput(_ids(emitted), self._rows(out, i, v.n_emit), s.state.mtp, logits="last"))
+                mtp_in.append(self._mtp_input(s, emitted, self._rows(out, i, v.n_emit), logits="last"))
                 mtp_seqs.append(s)
         for i, ((s, a, b), v) in enumerate(zip(pre, verdicts[len(dec):]), start=len(dec)):
             s.done_prompt = b
@@ -139,8 +168,7 @@ class Core:
             if v.finished or self.spec is None:
                 continue
             nxt = s.prompt[a + 1:b] + [v.token if final else s.prompt[b]]
-            mtp_in.append(MtpInput(_ids(nxt), self._rows(out, i, b - a), s.state.mtp,
-                                   logits="last" if final else "none"))
+            mtp_in.append(self._mtp_input(s, nxt, self._rows(out, i, b - a), logits="last" if final else "none"))
             mtp_seqs.append(s if final else None)
         self._align(mtp_in, mtp_seqs)
         for s, v, _ in results:
@@ -177,7 +205,7 @@ class Core:
                 drafts[i].append(int(t))
             more = [i for i in idx if dec[i][1] > j]
             if more:
-                mo = self.model.mtp_forward([MtpInput(_ids([drafts[i][-1]]), hidden[i][None], dec[i][0].state.mtp)
+                mo = self.model.mtp_forward([self._mtp_input(dec[i][0], [drafts[i][-1]], hidden[i][None])
                                              for i in more])
                 for r, i in enumerate(more):
                     logits[i], hidden[i] = mo.logits[r], mo.hidden[r]
@@ -206,6 +234,11 @@ class Follower(Core):
 
     def _decide_drafts(self, j, items):
         return self.tp.broadcast(torch.empty(len(items), dtype=torch.long)).tolist()
+
+    def _receive_vision(self, meta: dict) -> VisionPrompt:
+        from .vision.prompt import VisionPrompt
+        embeds = self.tp.broadcast(torch.empty(meta["embeds_shape"], dtype=meta["embeds_dtype"]))
+        return VisionPrompt.from_meta(meta, embeds.to(self.model.device))
 
     def _decide_verdicts(self, dec, drafts, pre, out):
         n = len(dec) + len(pre)

@@ -7,6 +7,8 @@ the activation dtype stays a view of the mapping, so `LoadedModel` keeps the art
 Linear weights (the layers' `*_proj*.weight`, `mtp.fc.weight`, `lm_head.weight`) become `QWeight`s in their stored
 format; a quantized embedding table too. 1-D tensors (norm gains, A_log, dt_bias) and the conv taps stay
 fp32; other plain tensors take `dtype`.
+The vision tower's `visual.*` tensors are verified and inventory-checked like the rest but stay in the file
+unless `vision=True` (or a later `LoadedModel.bind_vision()`): a text-only runtime never holds them.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from . import inventory
 from .weights import from_encoded, plain_tensor
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+VISION_PREFIX = "visual."
 _RANK_FILE = re.compile(r"(?P<stem>.+)\.tp(?P<n>[1-9][0-9]*)-rank(?P<r>0|[1-9][0-9]*)" + re.escape(SUFFIX))
 _LINEAR = re.compile(r"(layers|mtp\.layers)\.\d+\..*_proj(_\w+)?\.weight|mtp\.fc\.weight|lm_head\.weight")
 
@@ -39,6 +42,8 @@ class LoadedModel:
     rank: int
     tp_size: int
     artifact: object = field(default=None, repr=False)
+    device: torch.device | str = "cpu"     # where load() placed the weights (bind_vision uses the same)
+    dtype: torch.dtype = torch.float32
 
     @property
     def tokenizer(self) -> str | None:
@@ -67,6 +72,16 @@ class LoadedModel:
         if not isinstance(out, dict):
             raise LoadError(f"{self.path}: resource {name}: expected a JSON object")
         return out
+
+    def bind_vision(self) -> dict:
+        """Bind the artifact's `visual.*` tensors on the load device (added to `weights`; idempotent)."""
+        if self.artifact is None:
+            raise LoadError(f"{self.path}: the artifact is closed; cannot bind the vision tower")
+        names = [n for n in self.artifact.tensors if n.startswith(VISION_PREFIX)]
+        for n in names:
+            if n not in self.weights:
+                self.weights[n] = _bind_tensor(self.artifact, n, self.device, self.dtype)
+        return {n: self.weights[n] for n in names}
 
     def close(self) -> None:
         """Drop the weights and the mapping (views still alive keep it until they go)."""
@@ -137,8 +152,9 @@ def _bind_tensor(art, name: str, device, dtype):
 
 
 def load(path_or_dir, rank: int = 0, tp_size: int | None = None, verify: bool = True, device="cpu",
-         dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Open, verify (checksums; mismatch -> LoadError naming the tensor), check TP set and inventory, bind."""
+         dtype: torch.dtype = torch.float32, vision: bool = False) -> LoadedModel:
+    """Open, verify (checksums; mismatch -> LoadError naming the tensor), check TP set and inventory, bind
+    (`visual.*` only with `vision=True`)."""
     from ninfer_formats.container import open_artifact
     if dtype not in ACT_DTYPES:
         raise LoadError(f"dtype: {dtype} is not an activation dtype (float32, bfloat16, float16)")
@@ -153,7 +169,8 @@ def load(path_or_dir, rank: int = 0, tp_size: int | None = None, verify: bool = 
         _check_tp(art, path, rank, tp_size)
         inventory.bind({n: tuple(e.shape) for n, e in art.tensors.items()}, art.config, art.tp["size"],
                        where=path)
-        weights = {n: _bind_tensor(art, n, device, dtype) for n in art.tensors}
+        weights = {n: _bind_tensor(art, n, device, dtype) for n in art.tensors
+                   if vision or not n.startswith(VISION_PREFIX)}
         resources = {n: art.resource(n) for n in art.resources}
     except NinferError as e:
         art.close()
@@ -161,4 +178,5 @@ def load(path_or_dir, rank: int = 0, tp_size: int | None = None, verify: bool = 
     except BaseException:
         art.close()
         raise
-    return LoadedModel(art.config, weights, resources, dict(art.identity), path, rank, art.tp["size"], art)
+    return LoadedModel(art.config, weights, resources, dict(art.identity), path, rank, art.tp["size"], art,
+                       torch.device(device), dtype)
