@@ -130,7 +130,9 @@ class Core:
 
     @staticmethod
     def _mtp_input(s: Seq, ids: list[int], hidden: torch.Tensor, **kw) -> MtpInput:
-        """MTP row p pairs target row p, so it takes the target's position for that row."""
+        """MTP row p pairs target row p, so it takes the target's position for that row. At image rows the MTP
+        embeds the placeholder token itself (MtpInput takes no embeddings): that only shapes the MTP cache and
+        so the drafts, never the output, which verification keeps lossless."""
         if s.vision is not None:
             kw["positions"] = s.vision.positions_for(s.state.mtp.length, len(ids))
         return MtpInput(_ids(ids), hidden, s.state.mtp, **kw)
