@@ -22,7 +22,7 @@ import triton
 
 from .gemv_f8 import dequant_f8, gemv_f8
 from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s
-from .gemv_launch import KernelInputError, interpreting, next_pow2
+from .gemv_launch import KernelInputError, interpreting, next_pow2, time_ms
 from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4
 from .gemv_plain import _WIDTH, gemv_plain
 from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k
@@ -108,8 +108,7 @@ def _choose_prefill(x, qw, residual) -> str:
     times = {}
     for path, fn in (("fused", _gemv), ("dequant", _dequant_path)):
         try:
-            times[path] = triton.testing.do_bench(lambda: fn(x, qw, None, residual), warmup=3, rep=20,
-                                                  return_mode="median")
+            times[path] = time_ms(lambda: fn(x, qw, None, residual))
         except (RuntimeError, triton.CompilationError, triton.runtime.errors.OutOfResources):
             continue  # e.g. out of memory for the dense copy: the other path wins
     return min(times, key=times.get) if times else "fused"

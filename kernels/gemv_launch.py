@@ -3,8 +3,8 @@
 Configs: `GemvConfig` (frozen). `candidates()` lists the configs worth trying for a shape; the first is the
 default (used in the interpreter, without CUDA, while a CUDA graph is being captured, or with
 NINFER_GEMV_TUNE=0). On a GPU the first call for a (kernel, N, K, T bucket, dtype, residual, device) key
-times every candidate with triton.testing.do_bench and remembers the fastest (`tuned_configs()` lists them);
-warm up before capturing a CUDA graph.
+times every candidate (median of 12 runs, L2 flushed before each) and remembers the fastest
+(`tuned_configs()`, `tuning_log()`); warm up before capturing a CUDA graph.
 
 Workspace: split-K partials go to one fp32 buffer per device and the arrival counters to one int32 buffer per
 device (zeroed once; each launch leaves them at zero). Kernels on two streams of one device must therefore not
@@ -211,8 +211,27 @@ def _tuning_allowed(device: torch.device) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def _time(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=3, rep=15, return_mode="median")
+_FLUSH: dict = {}
+
+
+def time_ms(fn, reps: int = 12) -> float:
+    """Median ms of fn() with L2 flushed before each run (a buffer of twice the L2 size, not triton's 256 MB:
+    the tuner runs inside a serving process)."""
+    dev = torch.cuda.current_device()
+    if dev not in _FLUSH:
+        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 64 << 20) or (64 << 20)
+        _FLUSH[dev] = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+    flush = _FLUSH[dev]
+    fn()
+    fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in events)[reps // 2]
 
 
 def pick_config(key, cands: list[GemvConfig], run, device: torch.device) -> GemvConfig:
@@ -224,7 +243,7 @@ def pick_config(key, cands: list[GemvConfig], run, device: torch.device) -> Gemv
     best, best_t, log = cands[0], float("inf"), []
     for c in cands:
         try:
-            t = _time(lambda: run(c))
+            t = time_ms(lambda: run(c))
         except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError):
             log.append((c, None))
             continue  # a config the device cannot hold is simply not a candidate
@@ -254,8 +273,13 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
     key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)
     cands = candidates(T, N, G, GS, x.dtype, x.device)
-    cfg = pick_config(key, cands, lambda c: launch(kernel, weights, x, N, G, fscale, out, residual, c, fold=fold),
-                      x.device)
+    if key not in _TUNED and len(cands) > 1 and _tuning_allowed(x.device):
+        # time into a scratch buffer: out may alias residual (in-place residual add), and each timed run would
+        # add the residual again
+        scratch = torch.empty_like(out)
+        pick_config(key, cands, lambda c: launch(kernel, weights, x, N, G, fscale, scratch, residual, c,
+                                                 fold=fold), x.device)
+    cfg = _TUNED.get(key, cands[0])
     return launch(kernel, weights, x, N, G, fscale, out, residual, cfg, fold=fold)
 
 

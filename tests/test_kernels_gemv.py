@@ -171,6 +171,17 @@ def test_linear_decode_caches_repack(fmt):
     assert (f"triton.{fmt}" in qw.cache) == (fmt in ("q6_k", "iq3_s"))
 
 
+@pytest.mark.parametrize("T", [2, 20], ids=["decode", "prefill"])
+def test_in_place_residual(T):
+    """out may be the residual itself (h += x @ W^T), decode and prefill."""
+    qw = quantized("q6_k", N_SMALL, 256, seed=9)
+    x = torch.randn(T, 256).to(DEV)
+    h = torch.randn(T, N_SMALL).to(DEV)
+    ref = reference.ref_linear(x, "q6_k", qw.data, residual=h.clone())
+    assert dispatch.linear(x, qw, out=h, residual=h) is h
+    assert rel_l2(h, ref) < RTOL_FP32
+
+
 def test_bad_inputs_are_named():
     qw = quantized("nvfp4", 8, 32)
     d = qw.data
