@@ -15,7 +15,8 @@ Two inner products share the decode:
     scale; no tensor cores, so it is the sm_70 path and the fast path for very small T;
   * tensor-core (USE_DOT=True): RAW_i * SCALE interleaved back into natural K order (a join tree that
     stays in registers), cast to the activation dtype and fed to tl.dot (T tile >= 16); on sm_70 tl.dot
-    lowers to FMAs.
+    lowers to FMAs. With FOLD (host-checked to stay finite) XS * SW * fscale ride on SCALE: one multiply
+    per weight. The same path with T tiles of 32..128 is the fused prefill GEMM.
 Grid = (row blocks, K splits, T tiles). With K splits every CTA writes an fp32 partial to a workspace, the
 last CTA of a row block (an acq_rel counter, reset by that CTA so the workspace is reusable and graph-safe)
 sums the partials in split order -- deterministic -- and runs the epilogue: * fscale, + residual, cast.
