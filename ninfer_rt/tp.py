@@ -7,6 +7,8 @@ that dies early is reported instead of hanging. gloo on CPU, NCCL on GPU (NVLink
 
 Every group is checked at startup with a known-pattern all-reduce/all-gather whose sums are exact in
 fp32 and bf16; a mismatch refuses to run (a broken transport would otherwise give plausible garbage).
+GPU groups then set up the peer-memory one-shot all-reduce for small messages (allreduce.py), which verifies
+itself the same way and falls back to NCCL for everything when it cannot be used.
 """
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ import torch.multiprocessing as mp
 
 from ninfer_formats.errors import NinferError
 
+from . import allreduce
 from .tp_group import TPGroup
 
 # NVLink SHARP / multicast paths are unreliable on the lent machines; every rank gets these
-TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+TP_ENV = dict(allreduce.NO_MULTICAST)
 JOIN_TIMEOUT_S = 300.0
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 # followers of an idle server wait on the control plane indefinitely; data collectives keep the short timeout
@@ -41,9 +44,25 @@ class DistGroup(TPGroup):
     def __init__(self, rank: int, size: int, device: torch.device, control=None):
         self.rank, self.size, self.device = rank, size, torch.device(device)
         self.control = control       # gloo group on CPU for step messages and sampled tokens
+        self.p2p = None              # allreduce.P2PAllReduce for small GPU messages (set by _init)
+        self.nccl_native = True      # 2 GPU ranks: NCCL sums bf16/fp16 partials natively (checked by allreduce.setup)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        # half-precision partials are summed in fp32 and rounded once (the reference's TP numerics)
+        # the choice depends only on shape/dtype, so every rank takes the same path for the same call
+        if self.p2p is not None:
+            impl = self.p2p.pick(x)
+            if impl != "nccl":
+                return self.p2p.run(x, impl)
+        return self.nccl_all_reduce(x)
+
+    def nccl_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The process-group all-reduce: half-precision partials are summed in fp32 and rounded once (the
+        reference's TP numerics). For two GPU ranks NCCL's native bf16/fp16 sum of the two partials is that
+        same single rounding, with half the bytes and no conversion kernels; it may reuse x's storage."""
+        if self.nccl_native and self.size == 2 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            y = x.contiguous()
+            dist.all_reduce(y)
+            return y
         y = x.float() if x.dtype != torch.float32 else x.contiguous()
         dist.all_reduce(y)
         return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -128,11 +147,13 @@ def _init(rank: int, size: int, store, device: str) -> DistGroup:
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     group = DistGroup(rank, size, dev, control)
     check_collectives(group, dev)
+    group.p2p = allreduce.setup(group)           # None on CPU, or when the peer-memory path is unusable
     return group
 
 
 def _follower_entry(rank, size, port, device, follower_fn, args):
     os.environ.update(TP_ENV)
+    group = None
     try:
         store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
         store.set(f"joined/{rank}", "1")
@@ -144,6 +165,8 @@ def _follower_entry(rank, size, port, device, follower_fn, args):
         print(f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
+        if group is not None:
+            group.p2p = None        # the symmetric buffer goes before the process group it was exchanged over
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -155,6 +178,7 @@ class Launch:
         self.group, self.procs = group, procs
 
     def close(self, timeout_s: float = 60.0) -> None:
+        self.group.p2p = None
         if dist.is_initialized():
             dist.destroy_process_group()
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,376 @@
+"""Peer-memory all-reduce: size/dtype selection, the startup pattern checks (with fake reductions), the
+agreed fallback to NCCL, and the NCCL/gloo path on CPU unchanged. GPU tests need 2 GPUs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ninfer_rt import allreduce as ar
+from ninfer_rt import allreduce_check as chk
+from ninfer_rt import tp
+from ninfer_rt.tp import DistGroup
+
+KIB = 1024
+BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+TWO_ROWS = ((64 * KIB, "one_shot"), (1024 * KIB, "two_shot"))
+
+
+# ---- selection ----
+@pytest.mark.parametrize("nbytes,want", [
+    (10 * KIB, "one_shot"), (16, "one_shot"), (64 * KIB, "one_shot"), (64 * KIB + 16, "two_shot"),
+    (1024 * KIB, "two_shot"), (1024 * KIB + 16, "nccl"), (0, "nccl"), (10 * KIB + 2, "nccl"), (8, "nccl"),
+    (2048 * KIB, "nccl")],
+    ids=["10KiB", "16B", "at_bound", "past_bound", "at_two_shot_bound", "past_table", "empty", "unaligned",
+         "under_16B", "over_capacity"])
+def test_choose_follows_the_table(nbytes, want):
+    assert ar.choose(nbytes, TWO_ROWS, capacity=ar.capacity_for(TWO_ROWS)) == want
+
+
+def test_choose_never_exceeds_the_buffer():
+    assert ar.choose(512 * KIB, ((1024 * KIB, "one_shot"),), capacity=256 * KIB) == "nccl"
+    assert ar.choose(10 * KIB, (), capacity=256 * KIB) == "nccl"
+
+
+@pytest.mark.parametrize("dtype,world,want", [(BF, 2, BF), (F32, 2, F32), (F16, 2, F32), (BF, 4, F32),
+                                              (F32, 8, F32), (torch.int32, 2, None), (torch.float64, 2, None)],
+                         ids=["bf16-2", "f32-2", "f16-2", "bf16-4", "f32-8", "i32", "f64"])
+def test_wire_dtype(dtype, world, want):
+    assert ar.wire_dtype(dtype, world) == want
+
+
+def test_rows_for_modes():
+    assert ar.rows_for(2, "auto") == ar.CROSSOVER[2]
+    assert ar.rows_for(3, "auto") == ar.DEFAULT_ROWS
+    assert ar.rows_for(2, "nccl") == ()
+    top = max(b for b, _ in ar.CROSSOVER[2])
+    assert ar.rows_for(2, "two_shot") == ((top, "two_shot"),)
+    for rows in ar.CROSSOVER.values():          # bounds ascending, known impls, 16-byte multiples
+        assert [b for b, _ in rows] == sorted(b for b, _ in rows)
+        assert all(i in ar.IMPLS and b % ar.ALIGN == 0 for b, i in rows)
+
+
+class FakeTensor:
+    """What pick() reads of a tensor."""
+
+    def __init__(self, numel, dtype=BF, cuda=True, contiguous=True, offset=0):
+        self.dtype, self.is_cuda, self._n, self._c, self._o = dtype, cuda, numel, contiguous, offset
+
+    def numel(self):
+        return self._n
+
+    def is_contiguous(self):
+        return self._c
+
+    def storage_offset(self):
+        return self._o
+
+    def element_size(self):
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def cpu_p2p(world=2, rows=TWO_ROWS):
+    return ar.P2PAllReduce(torch.zeros(ar.capacity_for(rows), dtype=torch.uint8), "0", world, rows)
+
+
+@pytest.mark.parametrize("x,want", [
+    (FakeTensor(5120), "one_shot"), (FakeTensor(5120, F32), "one_shot"), (FakeTensor(5120 * 13), "two_shot"),
+    (FakeTensor(5120, F16), "one_shot"), (FakeTensor(5120, cuda=False), "nccl"),
+    (FakeTensor(5120, contiguous=False), "nccl"), (FakeTensor(5120, offset=3), "nccl"),
+    (FakeTensor(5120, offset=8), "one_shot"), (FakeTensor(5121), "nccl"), (FakeTensor(5120, torch.int64), "nccl"),
+    (FakeTensor(1024 * KIB), "nccl")],
+    ids=["bf16_row", "f32_row", "13_rows", "f16_widened", "cpu", "strided", "odd_offset", "aligned_offset",
+         "odd_size", "int64", "huge"])
+def test_pick(x, want):
+    assert cpu_p2p().pick(x) == want
+
+
+def test_pick_in_world_four_counts_widened_bytes():
+    p = cpu_p2p(world=4)
+    assert p.pick(FakeTensor(16 * KIB)) == "one_shot"           # 32 KiB bf16 -> 64 KiB fp32: at the bound
+    assert p.pick(FakeTensor(16 * KIB + 8)) == "two_shot"       # fp32 bytes past the one-shot bound
+
+
+def test_pick_outside_capture_when_eager_is_slower(monkeypatch):
+    p = cpu_p2p()
+    p.eager = False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert p.pick(FakeTensor(5120)) == "nccl"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert p.pick(FakeTensor(5120)) == "one_shot"
+
+
+def test_fits_and_impls():
+    p = cpu_p2p()
+    assert p.impls == ("one_shot", "two_shot")
+    assert p.fits((ar.capacity_for(TWO_ROWS) // 2,), BF) and not p.fits((ar.capacity_for(TWO_ROWS) // 2 + 8,), BF)
+    assert not p.fits((3,), BF) and not p.fits((4,), torch.int32)
+
+
+# ---- DistGroup dispatch (CPU: gloo path unchanged) ----
+class FakeP2P:
+    def __init__(self, impl):
+        self.impl, self.calls = impl, []
+
+    def pick(self, x):
+        return self.impl
+
+    def run(self, x, impl):
+        self.calls.append(impl)
+        return x * 0 + 42
+
+
+def test_dist_group_routes_by_pick(monkeypatch):
+    seen = []
+    monkeypatch.setattr(tp.dist, "all_reduce", lambda y: seen.append(y.dtype) or y.mul_(2))
+    g = DistGroup(0, 2, "cpu")
+    x = torch.ones(8, dtype=BF)
+    assert g.p2p is None and torch.equal(g.all_reduce(x), torch.full((8,), 2.0, dtype=BF))
+    assert seen == [F32]                       # CPU half precision still goes as fp32 partials
+    g.p2p = FakeP2P("one_shot")
+    assert torch.equal(g.all_reduce(x), torch.full((8,), 42.0, dtype=BF)) and g.p2p.calls == ["one_shot"]
+    g.p2p = FakeP2P("nccl")
+    assert torch.equal(g.all_reduce(torch.ones(4)), torch.full((4,), 2.0)) and g.p2p.calls == []
+
+
+def test_tp_env_keeps_multicast_off():
+    assert tp.TP_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                         "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# ---- pattern checks ----
+def rne(v: float, dtype) -> float:
+    """Exact round-to-nearest-even of a Python float (an exact sum) to bf16/fp16/fp32, subnormals included."""
+    bits, emin = {BF: (8, -133), F16: (11, -24), F32: (24, -149)}[dtype]
+    if v == 0:
+        return 0.0
+    _, e = math.frexp(v)
+    q = 2.0 ** max(e - bits, emin)
+    return round(v / q) * q
+
+
+@pytest.mark.parametrize("dtype", [BF, F16, F32], ids=["bf16", "f16", "f32"])
+def test_round_expected_is_one_rounding_of_the_exact_sum(dtype):
+    c = chk.Case("round", (2048,), dtype, seed=5)
+    a, b = (chk.contribution(c, r, 2).double().tolist() for r in range(2))
+    want = torch.tensor([rne(x + y, dtype) for x, y in zip(a, b)], dtype=torch.float64)
+    got = chk.expected(c, 2).double()
+    assert torch.equal(got, want)
+    exact = torch.tensor(a, dtype=torch.float64) + torch.tensor(b, dtype=torch.float64)
+    assert exact.ne(got).any()                   # rounding actually happens in the case
+
+
+@pytest.mark.parametrize("world", [2, 4, 8], ids=["w2", "w4", "w8"])
+def test_patterns_are_exact_and_rank_dependent(world):
+    for c in chk.default_cases(world, 4 * KIB):
+        parts = [chk.contribution(c, r, world) for r in range(world)]
+        want = chk.expected(c, world)
+        assert want.dtype == c.dtype and tuple(want.shape) == c.shape
+        if c.kind != "round":
+            assert torch.equal(want.double(), sum(p.double() for p in parts)), c.label   # exact in the dtype
+        for r, p in enumerate(parts):
+            assert not torch.equal(want, p), c.label                               # peers dropped
+            assert not torch.equal(want.float(), p.float() * world), c.label       # one rank counted for all
+            shifted = sum(q.float() for k, q in enumerate(parts) if k != r) + p.flatten().roll(1).reshape(p.shape)
+            assert not torch.equal(want.float(), shifted.to(c.dtype).float()), c.label  # read at an offset
+
+
+CASES2 = [chk.Case("ramp", (40,), BF), chk.Case("blocks", (3, 256), F32), chk.Case("round", (2, 96), BF, 1)]
+
+
+def fault(kind, case, rank):
+    want = chk.expected(case, 2)
+    mine, peer = chk.contribution(case, rank, 2), chk.contribution(case, 1 - rank, 2)
+    if kind == "local_only":
+        return mine
+    if kind == "peer_only":
+        return peer
+    if kind == "doubled":
+        return (mine.float() * 2).to(case.dtype)
+    if kind == "peer_shifted":
+        return (mine.float() + peer.flatten().roll(1).reshape(peer.shape).float()).to(case.dtype)
+    if kind == "half_reduced":
+        out = want.clone().flatten()
+        out[out.numel() // 2:] = mine.flatten()[out.numel() // 2:]
+        return out.reshape(want.shape)
+    if kind == "one_ulp":
+        out = want.clone().flatten()
+        out[-1] = torch.nextafter(out[-1:].float(), torch.tensor([1e9])).to(case.dtype)[0] \
+            if case.dtype == F32 else (out[-1:].view(torch.int16) + 1).view(case.dtype)[0]
+        return out.reshape(want.shape)
+    if kind == "nan":
+        return want.clone().flatten().index_fill_(0, torch.tensor([3]), float("nan")).reshape(want.shape)
+    if kind == "truncated":       # fp32 sum truncated instead of rounded to nearest-even
+        s = (mine.float() + peer.float()).view(torch.int32) & ~0xFFFF if case.dtype == BF else None
+        return s.view(F32).to(BF) if s is not None else want.clone()
+    if kind == "shape":
+        return want.reshape(1, -1)
+    return want.to(F32 if case.dtype != F32 else BF)
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["rank0", "rank1"])
+@pytest.mark.parametrize("kind", ["local_only", "peer_only", "doubled", "peer_shifted", "half_reduced", "one_ulp",
+                                  "nan", "shape", "dtype"])
+def test_run_cases_catches_a_broken_reduction(kind, rank):
+    for case in CASES2:
+        msg = chk.run_cases(lambda x, c=case: fault(kind, c, rank), [case], rank, 2, "cpu")
+        assert msg and msg.startswith(case.label), (kind, case.label)
+
+
+def test_run_cases_catches_truncation_in_round_cases():
+    case = chk.Case("round", (4096,), BF, 9)
+    assert chk.run_cases(lambda x: fault("truncated", case, 0), [case], 0, 2, "cpu")
+
+
+def test_run_cases_accepts_a_correct_reduction_and_waits_once():
+    cases = chk.default_cases(2, 8 * KIB)
+    it, waits = iter(cases), []
+    assert chk.run_cases(lambda x: chk.expected(next(it), 2), cases, 1, 2, "cpu", lambda: waits.append(1)) is None
+    assert waits == [1]
+
+
+def test_variant_changes_every_case_contents():
+    for c in chk.default_cases(2, 4 * KIB):
+        assert not torch.equal(chk.contribution(c, 0, 2), chk.contribution(chk.variant(c), 0, 2)), c.label
+
+
+def test_case_validation():
+    with pytest.raises(ValueError, match="kind"):
+        chk.Case("zigzag", (4,), BF)
+    with pytest.raises(ValueError, match="shape"):
+        chk.Case("ramp", (0,), BF)
+    with pytest.raises(ValueError, match="2 ranks"):
+        chk.contribution(chk.Case("round", (8,), BF), 0, 4)
+
+
+# ---- startup: agreement and fallback ----
+class FakeGroup:
+    """Rank 0 of a 2-rank GPU group whose other rank answers the control-plane gathers with `peer_errors`."""
+
+    def __init__(self, peer_errors=(), device=torch.device("cuda", 0)):
+        self.rank, self.size, self.device = 0, 2, device
+        self.nccl_native, self.peer_errors, self.gathers = True, list(peer_errors), 0
+
+    def all_gather_object(self, obj):
+        self.gathers += 1
+        return [obj, self.peer_errors.pop(0) if self.peer_errors else None]
+
+    def broadcast_object(self, obj=None):
+        return obj
+
+
+class SetupSpy:
+    def __init__(self, monkeypatch, *, local=None, verify=None, nccl=None, create_error=None):
+        self.created, self.logs = [], []
+        monkeypatch.setattr(ar, "_check_nccl_native", lambda g: nccl)
+        monkeypatch.setattr(ar, "local_problem", lambda g: local)
+        monkeypatch.setattr(ar, "verify", verify if callable(verify) else (lambda p, g: verify))
+        monkeypatch.setattr(ar, "calibrate", lambda p, g: (True, 3e-6, 2.2e-5))
+
+        def create(group, rows):
+            if create_error:
+                raise RuntimeError(create_error)
+            p = cpu_p2p(rows=rows)
+            self.created.append(p)
+            return p
+        monkeypatch.setattr(ar.P2PAllReduce, "create", staticmethod(create))
+
+    def setup(self, group, mode="auto"):
+        return ar.setup(group, mode=mode, log=self.logs.append)
+
+
+def test_setup_on_cpu_does_nothing(monkeypatch):
+    spy = SetupSpy(monkeypatch, local="must not be asked")
+    g = FakeGroup(device=torch.device("cpu"))
+    assert spy.setup(g) is None and g.gathers == 0 and spy.logs == [] and g.nccl_native
+
+
+def test_setup_builds_and_reports_the_path(monkeypatch):
+    spy = SetupSpy(monkeypatch)
+    p = spy.setup(FakeGroup())
+    assert p is spy.created[0] and p.eager
+    assert len(spy.logs) == 1 and "peer memory (one_shot) up to 256 KiB" in spy.logs[0] and "22.0 us" in spy.logs[0]
+
+
+@pytest.mark.parametrize("where", ["local", "peer_local", "create", "peer_create", "verify", "peer_verify"])
+def test_any_rank_failing_sends_every_rank_to_nccl(monkeypatch, where):
+    peer = {"peer_local": [None, "cuda:1 has no peer access to cuda:0"],
+            "peer_create": [None, None, "symmetric memory setup failed: boom"],
+            "peer_verify": [None, None, None, "one_shot: ramp bfloat16[5120]: 1 of 5120 elements wrong"]}
+    spy = SetupSpy(monkeypatch, local="cuda:0 has no peer access to cuda:1" if where == "local" else None,
+                   create_error="cuMemCreate failed" if where == "create" else None,
+                   verify="one_shot: blocks float32[2, 5120]: 3 elements wrong" if where == "verify" else None)
+    g = FakeGroup(peer.get(where, []))
+    assert spy.setup(g) is None
+    assert len(spy.logs) == 1 and spy.logs[0].startswith("all-reduce: NCCL for every message; peer-memory path off")
+    assert ("rank 1: " if where.startswith("peer") else "rank 0: ") in spy.logs[0]
+    assert g.nccl_native                        # NCCL's own check passed: native bf16 stays
+
+
+@pytest.mark.parametrize("mode", ["nccl", "bogus"])
+def test_setup_mode_override(monkeypatch, mode):
+    spy = SetupSpy(monkeypatch)
+    assert spy.setup(FakeGroup(), mode=mode) is None and not spy.created
+    assert "NCCL for every message" in spy.logs[0] and mode in spy.logs[0]
+
+
+def test_setup_reads_the_environment(monkeypatch):
+    spy = SetupSpy(monkeypatch)
+    monkeypatch.setenv(ar.ENV_MODE, "nccl")
+    assert ar.setup(FakeGroup(), log=spy.logs.append) is None and "NINFER_ALLREDUCE=nccl" in spy.logs[0]
+
+
+def test_failed_native_nccl_check_widens_nccl_partials(monkeypatch):
+    spy = SetupSpy(monkeypatch)
+    g = FakeGroup(["round bfloat16[5120]: 7 of 5120 elements wrong"])     # the first gather: NCCL native
+    assert spy.setup(g) is not None and not g.nccl_native
+    assert "NCCL gets fp32 partials" in spy.logs[0] and "rank 1" in spy.logs[0]
+
+
+def test_a_hung_check_is_fatal_not_a_fallback(monkeypatch):
+    def hang(p, g):
+        raise ar.AllReduceHang("the peer-memory all-reduce check did not finish within 60 s")
+    spy = SetupSpy(monkeypatch, verify=hang)
+    with pytest.raises(ar.AllReduceHang, match="did not finish"):
+        spy.setup(FakeGroup())
+
+
+def test_an_exception_in_a_check_becomes_an_agreed_error(monkeypatch):
+    def broken(p, g):
+        raise RuntimeError("one_shot_all_reduce: input ptr + offset must be at least 16-byte aligned.\ntrace")
+    spy = SetupSpy(monkeypatch, verify=broken)
+    assert spy.setup(FakeGroup()) is None
+    assert "RuntimeError: one_shot_all_reduce: input ptr" in spy.logs[0] and "trace" not in spy.logs[0]
+
+
+def test_local_problem_names_the_reason(monkeypatch):
+    g = FakeGroup()
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    assert "NCCL_NVLS_ENABLE" in ar.local_problem(g)
+    for k, v in ar.NO_MULTICAST.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert ar.local_problem(g) == "1 GPUs visible for 2 ranks"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    assert ar.local_problem(g) == "cuda:0 has no peer access to cuda:1"
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    assert ar.local_problem(g) is None
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "gloo")
+    assert "not NCCL" in ar.local_problem(g)
+
+
+# ---- 2 GPUs ----
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_peer_memory_equals_nccl_bit_for_bit_on_two_gpus():
+    from allreduce_workers import compare_program
+    with tp.launch(2, compare_program, (3,), device="cuda") as lch:
+        res = compare_program(lch.group, 3)
+    if not res["p2p"]:
+        pytest.skip("the peer-memory path is off on this machine (see the stderr line of the launch)")
+    assert res["eager_mismatch"] == [] and res["graph_mismatch"] == []
+    assert all(p.exitcode == 0 for p in lch.procs)
