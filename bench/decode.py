@@ -8,7 +8,8 @@ Per recipe: build (or reuse) the artifact with bench/synth_artifact.py, then in 
 memory) measure, in this order:
   ceilings  device copy bandwidth (one large device copy, bytes read + written) and bf16 torch.matmul n^3
   load      ninfer_rt.loader.load(rank file, cuda, bf16, checksums verified) from the page cache; Model build;
-            CUDA-graph warm-up + capture (ninfer_rt.graphs)
+            bench/kernels.py's parallel precompile of the GEMV configs the tuner will time; CUDA-graph warm-up
+            (tuning) + capture (ninfer_rt.graphs)
   decode    per context, greedy decode with CUDA graphs, MTP off. The context is made by writing random KV and
             GDN state (no 32K prefill). ms/step with the token read back every step (engine-like) and with the
             device argmax fed straight back (GPU-pipelined); bytes/step = packed weights + KV read + GDN state
@@ -18,7 +19,8 @@ memory) measure, in this order:
   prefill   eager prefill of N random tokens (chunks of --prefill-chunk), tok/s, and TFLOP/s as % of the
             matmul ceiling with FLOPs = 2 * (decoder-layer linear params) * tokens
 Results: a JSON list of records, rewritten after every recipe (--out), and a table on stdout. --budget-s skips
-recipes that would not fit and stops one that overruns, so a single time-limited device call still returns.
+a recipe when less than its estimated build time + 90 s is left and stops one that overruns; records stream
+out of the measuring process as they are made, so a stopped recipe keeps what it had measured.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from ninfer_formats.errors import NinferError
 
 OUT = Path(__file__).resolve().parent / "results" / "decode.json"
 PARTS = ("decode", "verify", "prefill")
+MIN_MEASURE_S = 90.0       # a recipe is started only with this much budget left after its build
 GOALS = {"decode_pct_roofline_1k": 80.0, "verify_ratio_k3": 1.25, "prefill_tok_s": 8000.0, "load_s": 10.0}
 
 
@@ -73,8 +76,8 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", type=_ints, default=(1024, 32768))
     ap.add_argument("--verify-contexts", type=_ints, default=None, help="default: the first context")
     ap.add_argument("--max-draft", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 64, --quick 24)")
-    ap.add_argument("--warm", type=int, default=None, help="untimed steps first (default 8, --quick 4)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 128, --quick 48)")
+    ap.add_argument("--warm", type=int, default=None, help="untimed steps first (default 16, --quick 8)")
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the whole prompt in one forward")
     ap.add_argument("--prefill-runs", type=int, default=None, help="timed runs, best kept (default 2, --quick 1)")
@@ -83,6 +86,10 @@ def parse_args(argv=None):
     ap.add_argument("--backend", choices=("triton", "torch"), default=None,
                     help="ops backend (default triton on cuda, torch on cpu unless TRITON_INTERPRET=1)")
     ap.add_argument("--eager", action="store_true", help="run the graph runner's bodies without CUDA graphs")
+    ap.add_argument("--no-precompile", action="store_true",
+                    help="skip bench/kernels.py's parallel precompile of the GEMV configs (the tuner compiles lazily)")
+    ap.add_argument("--gemv-tune", choices=("on", "off"), default="on",
+                    help="off: NINFER_GEMV_TUNE=0, the kernels' default configs (far fewer Triton compiles)")
     ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm when it fits, else the temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the artifacts (default: delete after each recipe)")
     ap.add_argument("--workers", type=int, default=None, help="artifact writer processes (default: all cores)")
@@ -99,7 +106,7 @@ def _cuda_available() -> bool:
     # without importing torch here: the orchestrator forks artifact writers and must stay CUDA-free
     import subprocess
     code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, check=False).returncode == 0
 
 
 def options(args) -> dict:
@@ -112,11 +119,11 @@ def options(args) -> dict:
             raise NinferError(f"--{name.replace('_', '-')}: {getattr(args, name)} is out of range")
     return {"parts": tuple(args.parts), "contexts": tuple(args.contexts),
             "verify_contexts": tuple(args.verify_contexts or args.contexts[:1]), "max_draft": args.max_draft,
-            "steps": args.steps or (24 if args.quick else 64), "warm": args.warm or (4 if args.quick else 8),
+            "steps": args.steps or (48 if args.quick else 128), "warm": args.warm or (8 if args.quick else 16),
             "prefill_tokens": args.prefill_tokens, "prefill_chunk": args.prefill_chunk or args.prefill_tokens,
             "prefill_runs": args.prefill_runs or (1 if args.quick else 2), "tp": args.tp, "device": device,
             "backend": args.backend or ("torch" if cpu and not interp else "triton"),
-            "dtype": "float32" if cpu else "bfloat16", "eager": args.eager or cpu,
+            "dtype": "float32" if cpu else "bfloat16", "eager": args.eager or cpu, "precompile": not args.no_precompile,
             "copy_mb": args.copy_mb or (256 if cpu else 4096), "matmul_n": args.matmul_n or (512 if cpu else 8192)}
 
 
@@ -194,21 +201,24 @@ def write(records: list, out: str) -> None:
 
 def run(args) -> list[dict]:
     opts = options(args)
+    if args.gemv_tune == "off":
+        os.environ["NINFER_GEMV_TUNE"] = "0"         # inherited by the measurement processes
     shape = synth.shape_from_args(args)
     recipes = args.recipes or (("nvfp4",) if args.quick else ("nvfp4", "q6_k", "iq3_s"))
-    start, records, last = time.monotonic(), [], None
+    start, records, rate = time.monotonic(), [], None        # rate: build seconds per planned byte
     for recipe in recipes:
         need = synth.planned_bytes(shape, recipe, opts["tp"])
-        elapsed = time.monotonic() - start
-        if last is not None and elapsed + last[0] * need / last[1] > args.budget_s:
-            log(f"{recipe}: skipped, would not fit the {args.budget_s:.0f} s budget ({elapsed:.0f} s used)")
+        left = args.budget_s - (time.monotonic() - start)
+        if left < (rate or 0) * need + MIN_MEASURE_S:
+            log(f"{recipe}: skipped, {left:.0f} s of the {args.budget_s:.0f} s budget left")
             records.append({"kind": "skipped", "recipe": recipe, "tp": opts["tp"], "reason": "time budget"})
             continue
-        t0 = time.monotonic()
         folder = pick_dir(args.dir, need)
         log(f"{recipe}: building {need / 1e9:.1f} GB in {folder}")
         paths, info = synth.build(folder, shape, recipe, opts["tp"], workers=args.workers, log=log)
         info["dir"] = folder
+        if not info["reused"]:
+            rate = info["build_s"] / need
         log(f"{recipe}: artifact {'reused' if info['reused'] else 'built'} in {info['build_s']:.1f} s; measuring")
         try:
             recs, error = run_child(opts, recipe, paths, info, start + args.budget_s)
@@ -221,7 +231,7 @@ def run(args) -> list[dict]:
             log(f"{recipe}: error: {error}")
             records.append({"kind": "error", "recipe": recipe, "tp": opts["tp"], "error": error})
         write(records, args.out)
-        last = (time.monotonic() - t0, need)
+    write(records, args.out)
     return records
 
 
@@ -245,8 +255,10 @@ def _row(r: dict) -> str | None:
                 f"= {r['pct_matmul_peak']:.1f}% of matmul peak")
     if k == "load":
         return (f"{head}{'':>7}      load {r['load_s']:.2f} s ({r['file_bytes'] / 1e9:.2f} GB, {r['gbps']:.2f} GB/s, "
-                f"checksums) build {r['model_build_s']:.2f} s capture {r['capture_s']:.1f} s "
-                f"({r['graphs_captured']} graphs)")
+                f"checksums) build {r['model_build_s']:.2f} s "
+                + (f"precompile {r['precompile_s']:.0f} s " if r.get("precompile_s") is not None else "")
+                + (f"capture {r['capture_s']:.1f} s ({r['graphs_captured']} graphs)" if r["capture_s"] is not None
+                   else "graph capture FAILED (eager)"))
     if k == "ceilings":
         return f"{head}{'':>7}      copy {r['copy_tbps']:.3f} TB/s  matmul {r['matmul_tflops']:.1f} TFLOP/s  ({r['gpu']})"
     if k in ("error", "skipped"):

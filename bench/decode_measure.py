@@ -34,10 +34,9 @@ def _best(fn, reps: int, device) -> float:
 def copy_tbps(device, mbytes: int, reps: int = 10) -> float:
     """Device copy bandwidth in TB/s, counting bytes read + written (a large contiguous copy)."""
     n = mbytes << 20
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    t = _best(lambda: dst.copy_(src), reps, device)
-    del src, dst
+    bufs = [torch.empty(n, dtype=torch.uint8, device=device).fill_(1), torch.empty(n, dtype=torch.uint8, device=device)]
+    t = _best(lambda: bufs[1].copy_(bufs[0]), reps, device)
+    bufs.clear()
     return 2 * n / t / 1e12
 
 

@@ -11,11 +11,10 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, replace
 
 import decode_measure as M
+import torch
 
 ACCEPTANCE = (0.6, 0.75, 0.9)
 PAGE = 16
@@ -38,6 +37,7 @@ class BenchOptions:
     backend: str = "triton"
     dtype: str = "bfloat16"
     eager: bool = False
+    precompile: bool = True            # compile the GEMV configs the tuner will try in parallel processes
     copy_mb: int = 4096
     matmul_n: int = 8192
 
@@ -114,6 +114,39 @@ def _load(group, opts: BenchOptions, paths: list[str], device, info: dict):
     return model, rec
 
 
+def _linear_shapes(model) -> set:
+    """(format, N, K) of every fused linear the model calls."""
+    from ninfer_rt.weights import QWeight
+    found, stack = set(), [model.blocks, model.lm_head, model.mtp]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, QWeight):
+            found.add((obj.fmt, obj.shape[0], obj.shape[1]))
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("ninfer_rt"):
+            stack.extend(v for k, v in vars(obj).items() if k not in ("cfg", "tp", "ops"))
+    return found
+
+
+def _precompile(model, opts: BenchOptions, device) -> float | None:
+    """Best effort: bench/kernels.py's parallel precompile of every GEMV config the tuner will time, for the
+    model's shapes at the T buckets the graphs and the prefill use (None when skipped or unavailable)."""
+    if device.type != "cuda" or not opts.precompile or os.environ.get("NINFER_GEMV_TUNE", "1") == "0":
+        return None
+    t = time.perf_counter()
+    try:
+        import kernels as kernel_bench
+        ts = sorted({1 << (k.bit_length() - 1 if k & (k - 1) == 0 else k.bit_length()) for k in
+                     range(1, opts.max_draft + 2)} | ({opts.prefill_chunk} if "prefill" in opts.parts else set()))
+        jobs = [(f, n, k, t_) for f, n, k in sorted(_linear_shapes(model)) for t_ in ts]
+        kernel_bench.precompile(jobs, workers=min(16, os.cpu_count() or 1))
+    except Exception as e:                      # noqa: BLE001 - the tuner compiles lazily instead
+        print(f"precompile skipped: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    return time.perf_counter() - t
+
+
 def _decode_parts(model, runner, opts, ceil, base, emit, gen) -> None:
     wb = M.weight_bytes(model)
     for ctx in opts.contexts:
@@ -170,11 +203,23 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
     ceil = {"copy_tbps": M.copy_tbps(device, opts.copy_mb),
             "matmul_tflops": M.matmul_tflops(device, opts.matmul_n, getattr(torch, opts.dtype))}
     base = {"recipe": recipe, "tp": opts.tp, "gpu": _gpu_name(device), "copy_tbps": ceil["copy_tbps"],
-            "backend": backend, "graphs": not opts.eager, "dtype": opts.dtype}
+            "backend": backend, "graphs": not opts.eager, "dtype": opts.dtype,
+            "gemv_tune": os.environ.get("NINFER_GEMV_TUNE", "1") != "0"}
     out({**base, "kind": "ceilings", **ceil})
     model, rec = _load(group, opts, paths, device, info)
+    rec["precompile_s"] = _precompile(model, opts, device)
     runner = _runner(model, opts)
-    rec["capture_s"] = runner.capture()
+    try:
+        rec["capture_s"] = runner.capture()
+    except Exception as e:                      # noqa: BLE001 - measure without graphs rather than not at all
+        traceback.print_exc(file=sys.stderr)
+        out({**base, "kind": "error", "error": f"graph capture failed, measuring eagerly: {type(e).__name__}: {e}"})
+        runner.close()
+        M.sync(device)
+        opts = replace(opts, eager=True)
+        base["graphs"] = False
+        runner = _runner(model, opts)
+        rec["capture_s"] = None
     rec["graphs_captured"] = runner.stats.captured
     out({**base, **rec})
     if {"decode", "verify"} & set(opts.parts):
@@ -192,7 +237,7 @@ def _follower(group, opts, recipe, paths, info):
 
 def child_main(conn, opts: BenchOptions, recipe: str, paths: list[str], info: dict) -> None:
     """Entry of the spawned per-recipe process: records go to `conn` as they are made, then {"done": True}."""
-    emit = lambda r: conn.send({"record": r})      # noqa: E731
+    emit = lambda r: conn.send({"record": r})
     try:
         if opts.tp == 1:
             from ninfer_rt.tp_group import LocalGroup

@@ -28,13 +28,24 @@ import zlib
 from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
-
 from ninfer_formats.codecs import bf16_bits
-from ninfer_formats.constants import FORMATS, IQ3_S_BLOCK_BYTES, NVFP4_HEADER, Q6_K_BLOCK_BYTES
-from ninfer_formats.container import (ArtifactPlan, RankWriter, TensorSpec, finalize_set, open_artifact,
-                                      rank_file_name)
+from ninfer_formats.constants import (
+    FORMATS,
+    IQ3_S_BLOCK_BYTES,
+    NVFP4_HEADER,
+    Q6_K_BLOCK_BYTES,
+)
+from ninfer_formats.container import (
+    ArtifactPlan,
+    RankWriter,
+    TensorSpec,
+    finalize_set,
+    open_artifact,
+    rank_file_name,
+)
 from ninfer_formats.errors import NinferError
 from ninfer_formats.model_config import FULL, LINEAR, ModelConfig
+
 from ninfer_pack.recipes import load_recipe
 from ninfer_pack.tp_split import plan_split
 from ninfer_rt.inventory import expected

@@ -128,6 +128,7 @@ class GraphRunner:
         return next((k for k in self.cfg.kv_buckets if k >= need), None)
 
     # ---- capture ----
+    @torch.no_grad()
     def capture(self) -> float:
         """Warm every graph's body (compiles kernels, tunes GEMV configs, builds repacked weights), then capture
         them all, largest first, into one memory pool. Returns the seconds spent. Idempotent."""
