@@ -114,7 +114,8 @@ def precompile(jobs, workers: int) -> None:
         _, _, gs = _kernel_spec(fmt)
         G = K // gs
         cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev)
-        sig = frozenset((replace(c, split=0), _spec(gl.effective_split(c, G))) for c in cands)
+        sig = frozenset(((c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile),
+                         _spec(gl.effective_split(c, G))) for c in cands)
         uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))
     t0 = time.time()
     import multiprocessing as mp
