@@ -14,6 +14,7 @@ memory) measure, in this order:
             GDN state (no 32K prefill). ms/step with the token read back every step (engine-like) and with the
             device argmax fed straight back (GPU-pipelined); bytes/step = packed weights + KV read + GDN state
             read and written; % of roofline = (bytes/step / copy bandwidth) / step time
+  profile   the decode step's kernels under the torch profiler: count and us per step by name and group
   verify    MTP verify steps K = 1..max (GDN snapshots, commit) vs K = 0, one MTP draft step, and tok/s at a
             per-position acceptance a: tokens/round = sum_{i=0..K} a^i, tok/s = that / (verify_K + K * draft)
   prefill   eager prefill of N random tokens (chunks of --prefill-chunk), tok/s, and TFLOP/s as % of the
@@ -38,7 +39,7 @@ import synth_artifact as synth
 from ninfer_formats.errors import NinferError
 
 OUT = Path(__file__).resolve().parent / "results" / "decode.json"
-PARTS = ("decode", "verify", "prefill")
+PARTS = ("decode", "profile", "verify", "prefill")
 MIN_MEASURE_S = 90.0       # a recipe is started only with this much budget left after its build
 GOALS = {"decode_pct_roofline_1k": 80.0, "verify_ratio_k3": 1.25, "prefill_tok_s": 8000.0, "load_s": 10.0}
 
@@ -72,7 +73,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="nvfp4 only (unless --recipes), fewer steps, one prefill run")
     ap.add_argument("--recipes", type=_names(("nvfp4", "q6_k", "iq3_s", "bf16")), default=None,
                     help="default nvfp4,q6_k,iq3_s (--quick: nvfp4)")
-    ap.add_argument("--parts", type=_names(PARTS), default=PARTS, help="decode,verify,prefill (load always runs)")
+    ap.add_argument("--parts", type=_names(PARTS), default=PARTS, help="decode,profile,verify,prefill (load always runs)")
     ap.add_argument("--contexts", type=_ints, default=(1024, 32768))
     ap.add_argument("--verify-contexts", type=_ints, default=None, help="default: the first context")
     ap.add_argument("--max-draft", type=int, default=5)
@@ -92,7 +93,7 @@ def parse_args(argv=None):
                     help="off: NINFER_GEMV_TUNE=0, the kernels' default configs (far fewer Triton compiles)")
     ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm when it fits, else the temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the artifacts (default: delete after each recipe)")
-    ap.add_argument("--workers", type=int, default=None, help="artifact writer processes (default: all cores)")
+    ap.add_argument("--workers", type=int, default=None, help="artifact writer processes (default: usable cores, at most 32)")
     ap.add_argument("--copy-mb", type=int, default=None, help="copy-bandwidth buffer (default 4096; cpu 256)")
     ap.add_argument("--matmul-n", type=int, default=None, help="matmul ceiling size (default 8192; cpu 512)")
     ap.add_argument("--budget-s", type=float, default=510.0, help="wall-clock budget for the whole run")
@@ -250,6 +251,12 @@ def _row(r: dict) -> str | None:
                     f" (a={'/'.join(r['tok_s_by_acceptance'])}; draft {r['draft_ms']:.3f} ms)"
         return (f"{head}{r['context']:>7}  K={r['draft_tokens']} {r['ms_step']:8.3f} ms = "
                 f"{r['verify_ratio']:.3f} x K=0{extra}")
+    if k == "profile":
+        if "us_by_group" not in r:
+            return f"{head}{r['context']:>7}      {r.get('note', 'no kernels traced')}"
+        groups = ", ".join(f"{g} {us:.0f}" for g, us in sorted(r["us_by_group"].items(), key=lambda kv: -kv[1]))
+        return (f"{head}{r['context']:>7}      {r['kernels_per_step']:.0f} kernels, {r['kernel_us_per_step']:.0f} us "
+                f"of kernels per step ({r['source']}): {groups}")
     if k == "prefill":
         return (f"{head}{r['tokens']:>7}      {r['tok_s']:9.1f} tok/s {r['s']:8.3f} s  {r['tflops']:.1f} TFLOP/s "
                 f"= {r['pct_matmul_peak']:.1f}% of matmul peak")

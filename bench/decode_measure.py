@@ -208,6 +208,42 @@ def prefill_s(model, tokens: int, chunk: int, gen: torch.Generator) -> float:
         st.free()
 
 
+_GROUPS = (("gemv", "linear"), ("matmul", "linear"), ("gemm", "linear"), ("attn", "attention"),
+           ("kv_write", "attention"), ("rope", "attention"), ("gdn", "gdn"), ("conv", "gdn"), ("norm", "norms"),
+           ("silu", "elementwise"), ("sigmoid", "elementwise"), ("memcpy", "copies"), ("memset", "copies"),
+           ("copy", "copies"), ("argmax", "sampling"), ("index", "embedding"))
+
+
+def kernel_profile(step, steps: int, top: int = 15) -> dict:
+    """GPU kernels of `steps` calls of step() under the torch profiler: count and microseconds per step, by
+    kernel name and by coarse group (linear, attention, gdn, norms, ...). {} if nothing was traced."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        acc = by_name.setdefault(e.name, [0.0, 0])
+        acc[0] += e.time_range.elapsed_us() / steps
+        acc[1] += 1 / steps
+    if not by_name:
+        return {}
+    groups: dict[str, float] = {}
+    for name, (us, _) in by_name.items():
+        low = name.lower()
+        g = next((grp for key, grp in _GROUPS if key in low), "other")
+        groups[g] = groups.get(g, 0.0) + us
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    return {"kernels_per_step": sum(n for _, n in by_name.values()),
+            "kernel_us_per_step": sum(us for us, _ in by_name.values()), "us_by_group": groups,
+            "top": [[name[:80], us, n] for name, (us, n) in ranked[:top]]}
+
+
 def spec_tok_s(verify: float, draft: float, k: int, a: float) -> tuple[float, float]:
     """(expected tokens per round, tok/s) for per-position acceptance a: sum_{i=0..k} a^i tokens per
     verify_time(k) + k * draft_time."""

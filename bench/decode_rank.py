@@ -22,7 +22,7 @@ PAGE = 16
 
 @dataclass(frozen=True)
 class BenchOptions:
-    parts: tuple[str, ...] = ("decode", "verify", "prefill")
+    parts: tuple[str, ...] = ("decode", "profile", "verify", "prefill")
     contexts: tuple[int, ...] = (1024, 32768)
     verify_contexts: tuple[int, ...] = (1024,)
     max_draft: int = 5
@@ -129,26 +129,56 @@ def _linear_shapes(model) -> set:
     return found
 
 
-def _precompile(model, opts: BenchOptions, device) -> float | None:
+def _precompile_proc(jobs, workers: int) -> None:
+    import kernels as kernel_bench
+    kernel_bench.precompile(jobs, workers=workers)
+
+
+def _precompile(model, opts: BenchOptions, device, timeout_s: float = 300.0) -> float | None:
     """Best effort: bench/kernels.py's parallel precompile of every GEMV config the tuner will time, for the
-    model's shapes at the T buckets the graphs and the prefill use (None when skipped or unavailable)."""
+    model's shapes at the T buckets the graphs and the prefill use. Runs in its own process with a time limit
+    (the binaries land in Triton's cache); None when skipped, failed or cut off."""
     if device.type != "cuda" or not opts.precompile or os.environ.get("NINFER_GEMV_TUNE", "1") == "0":
         return None
+    import multiprocessing as mp
+
+    from synth_artifact import usable_cpus
+    ts = {1 << (k - 1).bit_length() for k in range(1, opts.max_draft + 2)}
+    if "prefill" in opts.parts:
+        ts.add(opts.prefill_chunk)
+    jobs = [(f, n, k, t_) for f, n, k in sorted(_linear_shapes(model)) for t_ in sorted(ts)]
     t = time.perf_counter()
-    try:
-        import kernels as kernel_bench
-        ts = sorted({1 << (k.bit_length() - 1 if k & (k - 1) == 0 else k.bit_length()) for k in
-                     range(1, opts.max_draft + 2)} | ({opts.prefill_chunk} if "prefill" in opts.parts else set()))
-        jobs = [(f, n, k, t_) for f, n, k in sorted(_linear_shapes(model)) for t_ in ts]
-        kernel_bench.precompile(jobs, workers=min(16, os.cpu_count() or 1))
-    except Exception as e:                      # noqa: BLE001 - the tuner compiles lazily instead
-        print(f"precompile skipped: {type(e).__name__}: {e}", file=sys.stderr)
+    p = mp.get_context("spawn").Process(target=_precompile_proc, args=(jobs, usable_cpus(16)))
+    p.start()
+    p.join(timeout_s)
+    if p.is_alive():
+        p.terminate()
+        p.join(5)
+        print(f"precompile cut off after {timeout_s:.0f} s", file=sys.stderr)
+        return None
+    if p.exitcode != 0:
+        print(f"precompile failed (exit code {p.exitcode}); the tuner compiles lazily", file=sys.stderr)
         return None
     return time.perf_counter() - t
 
 
+def _profile(model, runner, st, ctx, opts, base, emit) -> None:
+    """Where the decode step's GPU time goes: the graph replays (kernels inside graphs are traced by recent
+    CUPTI), else the model's own eager forward."""
+    from ninfer_rt.model import SeqInput
+    tok = torch.tensor([1])
+    try:
+        prof, how = M.kernel_profile(lambda: runner.forward([SeqInput(tok, st)]), 8), "graph replay"
+        if not prof:
+            prof, how = M.kernel_profile(lambda: model.forward([SeqInput(tok, st)]), 8), "eager model.forward"
+        emit({**base, "kind": "profile", "context": ctx, "source": how, **prof})
+    except Exception as e:                      # noqa: BLE001 - a diagnostic; never fails the run
+        emit({**base, "kind": "profile", "context": ctx, "note": f"profiler failed: {type(e).__name__}: {e}"})
+    M.rewind(st, ctx)
+
+
 def _decode_parts(model, runner, opts, ceil, base, emit, gen) -> None:
-    wb = M.weight_bytes(model)
+    wb, device = M.weight_bytes(model), model.device
     for ctx in opts.contexts:
         st = model.new_state()
         M.fill_context(model, st, ctx)
@@ -161,6 +191,8 @@ def _decode_parts(model, runner, opts, ceil, base, emit, gen) -> None:
                   "ms_step_gpu": ms_gpu, "tok_s_gpu": 1e3 / ms_gpu, "bytes_step": nbytes,
                   "weight_bytes": wb["target"], "pct_roofline": 100 * roof / ms,
                   "pct_roofline_gpu": 100 * roof / ms_gpu})
+        if "profile" in opts.parts and ctx == opts.contexts[0] and device.type == "cuda":
+            _profile(model, runner, st, ctx, opts, base, emit)
         if "verify" in opts.parts and ctx in opts.verify_contexts:
             _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb)
         st.free()
@@ -222,7 +254,7 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
         rec["capture_s"] = None
     rec["graphs_captured"] = runner.stats.captured
     out({**base, **rec})
-    if {"decode", "verify"} & set(opts.parts):
+    if {"decode", "verify", "profile"} & set(opts.parts):
         _decode_parts(model, runner, opts, ceil, base, out, gen)
         out({**base, "kind": "graph_stats", "replays": runner.stats.replays, "eager_steps": runner.stats.eager_steps,
              "fallbacks": runner.stats.fallbacks, "fallback_reasons": runner.stats.reasons})

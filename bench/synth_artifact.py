@@ -187,6 +187,15 @@ def _seed(base: int, rank: int, name: str) -> int:
     return (base << 40) ^ (rank << 32) ^ zlib.crc32(name.encode())
 
 
+def usable_cpus(cap: int = 32) -> int:
+    """CPUs this process may run on (a container's cpuset, not the host's count), at most `cap`."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(cap, n))
+
+
 def _job(task) -> int:
     rank, name, fmt, shape, seed = task
     data = make_tensor(name, fmt, shape, seed)
@@ -229,7 +238,7 @@ def build(folder: str, shape: SynthShape = SynthShape(), recipe: str = "nvfp4", 
         tasks = [(r, n, f, s, _seed(seed, r, n)) for r in range(tp) for n, f, s in per_rank[r] if n not in done[r]]
         tasks.sort(key=lambda t: -FORMATS[t[2]].encoded_size(t[3]))     # biggest first: better balance
         _WORKERS = writers
-        n_workers = max(1, min(workers or os.cpu_count() or 1, len(tasks) or 1))
+        n_workers = max(1, min(workers or usable_cpus(), len(tasks) or 1))
         if n_workers == 1 or len(tasks) < 2:
             written = sum(_job(t) for t in tasks)
         else:
@@ -275,7 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", required=True, help="output folder")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=None, help="writer processes (default: all cores)")
+    ap.add_argument("--workers", type=int, default=None, help="writer processes (default: usable cores, at most 32)")
     ap.add_argument("--json", action="store_true")
     add_shape_args(ap)
     args = ap.parse_args(argv)
