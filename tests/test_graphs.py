@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: bench/ must not shadow anything
 import decode_measure as M
 import synth_artifact as synth
 from ninfer_formats import codecs
