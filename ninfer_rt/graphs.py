@@ -240,6 +240,8 @@ class GraphRunner:
     # ---- planning: which graph, or why none ----
     def _common(self, items, gather: bool, sizes) -> tuple[tuple | None, str]:
         """items: (token_ids, start, extra-ok) per sequence -> ((padded batch, T, bucket), '') or (None, why)."""
+        if self._scratch.freed:
+            return None, "runner closed"
         if not items or len(items) > self.max_batch:
             return None, "batch size"
         if not gather and self.model.tp.size > 1:
@@ -297,7 +299,7 @@ class GraphRunner:
         return Output(logits=sel, hidden=hidden, logit_rows=rows, cu_seqlens=[b * t for b in range(batch + 1)])
 
     def close(self) -> None:
-        """Drop the graphs and give the scratch slot and pages back."""
+        """Drop the graphs and give the scratch slot and pages back (later calls go to the model)."""
         self.graphs.clear()
         self._pool = None
         self._scratch.free()

@@ -178,6 +178,8 @@ def test_eager_runner_equals_model(nvfp4_path):
     _step([ref], r, lambda k: [SeqInput(tok[2:3], st[k][2])])          # 69 + 1 > 64: past the largest bucket
     assert r.stats.reasons["context past the largest KV bucket"] == 1 and r.stats.eager_steps == 7
     r.close()
+    _step([ref], r, lambda k: [SeqInput(tok[1:2], st[k][1])])          # closed: the model's own forward
+    assert r.stats.reasons["runner closed"] == 1
 
 
 def test_snapshot_buffers_in_use_fall_back(nvfp4_path):
