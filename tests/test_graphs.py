@@ -252,7 +252,15 @@ def test_graph_replay_equals_eager_gpu(nvfp4_path):
         nxt = outs[0].logits.argmax(-1)
         for j, t in zip(sel, nxt):
             tok[j] = t
-    assert runners[1].stats.replays == 40 and runners[1].stats.fallbacks == 0
+    ver = torch.cat([tok[1:2], tok[:1], tok[1:2]])
+    outs = [rn.forward([SeqInput(ver, st[k][1], snapshot=True)]) for k, rn in enumerate(runners)]
+    assert rel(outs[1].logits, outs[0].logits) <= 2e-2
+    for k in (0, 1):
+        st[k][1].commit(2)
+    assert rel(models[1].gdn_pool.rec[:, st[1][1].slot], models[0].gdn_pool.rec[:, st[0][1].slot]) <= 2e-2
+    d = [rn.mtp_forward([MtpInput(tok[:1], outs[0].hidden[1:2], st[k][1].mtp)]) for k, rn in enumerate(runners)]
+    assert rel(d[1].logits, d[0].logits) <= 2e-2
+    assert runners[1].stats.replays == 42 and runners[1].stats.fallbacks == 0
 
 
 # ---- the benchmark's pieces ----
