@@ -105,9 +105,11 @@ class P2PAllReduce:
         name = dist.group.WORLD.group_name
         try:
             symm.set_backend("CUDA")        # plain CUDA IPC mappings (not NVSHMEM); refused once memory is in use
-        except (RuntimeError, AttributeError):
+        except Exception:                   # noqa: BLE001 - older builds: the default backend is CUDA
             pass
         buf = symm.empty(capacity_for(rows), dtype=torch.uint8, device=group.device)
+        buf.zero_()
+        torch.cuda.synchronize(group.device)    # allocation (signal pads zeroed) done before any peer can signal
         _rendezvous(symm, buf, name)
         return cls(buf, name, group.size, rows)
 
