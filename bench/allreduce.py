@@ -251,6 +251,7 @@ def main(argv=None) -> int:
         print(f"error: needs 2 GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
     from ninfer_formats.errors import NinferError
+
     from ninfer_rt import tp
     opts = {"sizes": args.sizes, "graph_calls": args.graph_calls, "eager_calls": args.eager_calls,
             "reps": args.reps}

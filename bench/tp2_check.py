@@ -71,7 +71,14 @@ def cut(name: str, fmt: str, data, shape: tuple, split, rank: int):
 
 def reshard(src: str, out_dir: str, tp: int) -> list[str]:
     """Cut a TP1 rank file into a TP `tp` set in `out_dir` (reused when it already holds this cut)."""
-    from ninfer_formats.container import ArtifactPlan, RankWriter, TensorSpec, finalize_set, open_artifact
+    from ninfer_formats.container import (
+        ArtifactPlan,
+        RankWriter,
+        TensorSpec,
+        finalize_set,
+        open_artifact,
+    )
+
     from ninfer_pack.tp_split import plan_split
     with open_artifact(src) as a:
         source = f"tp{tp} cut of {a.artifact_id}"
@@ -192,7 +199,7 @@ def tp2_rank(group, opts: dict, prompt: torch.Tensor, forced: list[int]):
     group.p2p = None
     with_nccl, _ = decode(model, prompt, opts["steps"], forced)
     group.p2p = p2p
-    free, free_toks = decode(model, prompt, opts["steps"])
+    _, free_toks = decode(model, prompt, opts["steps"])
     return (info, with_p2p, with_nccl, free_toks) if group.rank == 0 else None
 
 

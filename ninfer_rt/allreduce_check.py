@@ -98,8 +98,10 @@ def mismatch(case: Case, got: torch.Tensor, want: torch.Tensor) -> str | None:
 
 def run_cases(reduce_fn, cases, rank: int, world: int, device, wait=None) -> str | None:
     """Reduce every case's partial with `reduce_fn` (issue all, then `wait()`, then compare): the first failure
-    as a one-line message, or None."""
-    outs = [reduce_fn(contribution(c, rank, world).to(device)) for c in cases]
+    as a one-line message, or None. Inputs are copied to the device before the first reduction, so no host
+    copy can block behind a reduction that never completes (`wait` is where a hang is detected)."""
+    xs = [contribution(c, rank, world).to(device) for c in cases]
+    outs = [reduce_fn(x) for x in xs]
     if wait is not None:
         wait()
     for c, y in zip(cases, outs):

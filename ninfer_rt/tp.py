@@ -20,7 +20,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from ninfer_formats.errors import NinferError
 
 from . import allreduce

@@ -15,6 +15,7 @@ from ninfer_rt.tp import DistGroup
 KIB = 1024
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 TWO_ROWS = ((64 * KIB, "one_shot"), (1024 * KIB, "two_shot"))
+GPU0 = torch.device("cuda", 0)           # only described, never touched (no CUDA needed)
 
 
 # ---- selection ----
@@ -248,7 +249,7 @@ def test_case_validation():
 class FakeGroup:
     """Rank 0 of a 2-rank GPU group whose other rank answers the control-plane gathers with `peer_errors`."""
 
-    def __init__(self, peer_errors=(), device=torch.device("cuda", 0)):
+    def __init__(self, peer_errors=(), device=GPU0):
         self.rank, self.size, self.device = 0, 2, device
         self.nccl_native, self.peer_errors, self.gathers = True, list(peer_errors), 0
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import allreduce as bench  # noqa: E402
+import allreduce as bench
 
 SIZES = (2048, 10240, 65536, 262144, 1048576, 4194304)
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import synth_artifact as synth  # noqa: E402
-import tp2_check  # noqa: E402
+import synth_artifact as synth
+import tp2_check
+from ninfer_formats.codecs import decode
+from ninfer_formats.container import open_artifact
 
-from ninfer_formats.codecs import decode  # noqa: E402
-from ninfer_formats.container import open_artifact  # noqa: E402
-from ninfer_pack.tp_split import plan_split  # noqa: E402
-from ninfer_rt.loader import load  # noqa: E402
+from ninfer_pack.tp_split import plan_split
+from ninfer_rt.loader import load
 
 
 def expected_piece(full: np.ndarray, split, rank: int) -> np.ndarray:
