@@ -10,9 +10,11 @@ pages up to one rank file's size show in the parent's RSS), and derive M weights
 
 Ceiling, measured in the same run: single-core codec throughput (encode + the decode the packer does for
 its error report) on a 4M-weight chunk per format, plus a copy ceiling for pass-through tensors; the ideal
-per-core time of a recipe is the sum over its tensors of numel / ceiling(format). Ratio = ideal / (wall x
-jobs). `busy` = weights per second of worker time (report.json seconds), i.e. without idle cores: with 2
-layers, lm_head (1.27 G weights, one task) is a long serial tail; a 64-layer model hides it behind layers.
+per-core time of a recipe is the sum over its tensors of numel / ceiling(format); with a sequential
+write + fsync probe of the work folder, ideal wall = max(ideal core time / jobs, output bytes / write
+bandwidth). Ratio = ideal wall / measured wall. `busy` = weights per second of worker time (report.json
+seconds), i.e. without idle cores: with 2 layers, lm_head (1.27 G weights, one task) is a long serial
+tail; a 64-layer model hides it behind its layers.
 
 Default IQ3_S run: the numpy IQ3_S encoder runs at ~1 M weights/s/core, so by default only attn_out and
 gdn_out (o_proj, out_proj: 63 M weights over 2 layers) are IQ3_S and everything else is overridden to bf16
@@ -157,6 +159,19 @@ def codec_ceiling() -> dict[str, float]:
     return out
 
 
+def write_ceiling(d: Path, nbytes: int = 256 << 20) -> float:
+    """Bytes/s of a sequential write + fsync into the work folder (what publishing a rank file costs)."""
+    buf, f = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes(), d / "io-probe"
+    t = time.perf_counter()
+    with open(f, "wb") as fh:
+        fh.write(buf)
+        fh.flush()
+        os.fsync(fh.fileno())
+    bw = nbytes / (time.perf_counter() - t)
+    f.unlink()
+    return bw
+
+
 def ideal_core_seconds(report: dict, ceiling: dict[str, float]) -> float:
     total = 0.0
     for t in report["tensors"].values():
@@ -184,13 +199,14 @@ def main(argv=None) -> int:
         overrides = IQ3S_LIGHT if recipe == "iq3_s" and not args.iq3s_full else ()
         out = args.workdir / f"out-{recipe}"
         print(f"converting {recipe} -j {args.jobs} ...", file=sys.stderr)
-        before = codec_ceiling()        # the box may be shared: measure the ceiling around each run
-        r = run_convert(src, out, recipe, args.jobs, overrides)
-        after = codec_ceiling()
+        before = {**codec_ceiling(), "write_bytes": write_ceiling(args.workdir)}   # the box may be shared:
+        r = run_convert(src, out, recipe, args.jobs, overrides)                  # measure around each run
+        after = {**codec_ceiling(), "write_bytes": write_ceiling(args.workdir)}
         ceiling = {k: (before[k] + after[k]) / 2 for k in before}
         ceilings.append(ceiling)
         rep = r.pop("report")
         params, ideal = rep["totals"]["params"], ideal_core_seconds(rep, ceiling)
+        ideal_wall = max(ideal / args.jobs, rep["totals"]["file_bytes"] / ceiling["write_bytes"])
         largest = max(int(np.prod(t["shape"])) * (4 if t["source_dtype"] == "f32" else 2)
                       for t in rep["tensors"].values())
         rows.append({"recipe": recipe, "overrides": list(overrides), "jobs": args.jobs, "params": params,
@@ -198,7 +214,8 @@ def main(argv=None) -> int:
                      "mw_per_s_per_core": round(params / r["wall_s"] / args.jobs / 1e6, 2),
                      "worker_busy_s": rep["totals"]["seconds"],
                      "mw_per_s_busy_core": round(params / max(rep["totals"]["seconds"], 1e-9) / 1e6, 2),
-                     "ideal_core_s": round(ideal, 2), "ratio_to_ceiling": round(ideal / (r["wall_s"] * args.jobs), 3),
+                     "ideal_core_s": round(ideal, 2), "ideal_wall_s": round(ideal_wall, 2),
+                     "ratio_to_ceiling": round(ideal_wall / r["wall_s"], 3),
                      "max_process_rss_gib": round(r["max_process_rss"] / 2**30, 2),
                      "tree_rss_peak_gib": round(r["tree_rss_peak"] / 2**30, 2),
                      "tree_anon_rss_peak_gib": round(r["tree_anon_rss_peak"] / 2**30, 2),
@@ -220,7 +237,8 @@ def main(argv=None) -> int:
 def _print(rows, ceilings) -> None:
     for r, c in zip(rows, ceilings):
         print(f"{r['recipe']}: codec ceiling (M weights/s, 1 core, encode+decode) "
-              + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in c.items()))
+              + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in c.items() if k != "write_bytes")
+              + f"; write {c['write_bytes'] / 2**20:.0f} MiB/s")
     hdr = f"{'recipe':8} {'params':>14} {'GiB out':>8} {'wall s':>8} {'Mw/s/core':>10} {'busy':>8} {'vs ceil':>8} " \
           f"{'maxRSS':>7} {'treeRSS':>8} {'treeAnon':>9} {'largest':>8}   (memory in GiB)"
     print(hdr)
