@@ -9,6 +9,7 @@ SourceError naming the file); tensor data is read later, lazily and by row range
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -198,6 +199,12 @@ def open_source(source: str, *, vision: bool = True, mtp: bool = True) -> HFSour
     files = _shard_files(root)
     found = _scan(files)
     has_mtp = mtp and any(n.startswith("mtp.") for n in found)
+    text = hf.get("text_config", hf) if isinstance(hf.get("text_config"), dict) else hf
+    if mtp and not has_mtp and text.get("mtp_num_hidden_layers"):
+        # transformers drops mtp.* when it re-saves a model, but keeps the config field
+        logging.getLogger("ninfer_pack").warning(
+            "%s: config declares mtp_num_hidden_layers=%s but no mtp.* tensors exist; packing without MTP",
+            cfg_path, text.get("mtp_num_hidden_layers"))
     has_vision = vision and any(n.startswith("visual.") for n in found)
     config = to_model_config(hf, gen, mtp=has_mtp, vision=has_vision, where=str(cfg_path))
     skip = tuple(p for p, keep in (("mtp.", has_mtp), ("visual.", has_vision)) if not keep)

@@ -420,6 +420,24 @@ def test_text_only_prefix_model_dot(small, tmp_path):
     assert got.tensors["norm.weight"].hf_name == "model.norm.weight"
 
 
+def test_config_mtp_without_tensors_warns(small, tmp_path, caplog):
+    """transformers re-saves drop mtp.* but keep mtp_num_hidden_layers: pack without MTP, say so."""
+    from ninfer_pack.hf_source import open_source
+    src = _copy(small, tmp_path / "src")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for f in sorted(set(index["weight_map"].values())):
+        sd = {k: v for k, v in load_file(str(src / f)).items() if not k.startswith("mtp.")}
+        if sd:
+            save_file(sd, str(src / f))
+        else:
+            (src / f).unlink()
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("mtp.")}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    s = open_source(str(src))
+    assert s.config.mtp_num_hidden_layers == 0 and not any(n.startswith("mtp.") for n in s.tensors)
+    assert "no mtp.* tensors exist; packing without MTP" in caplog.text
+
+
 def test_chat_template_from_tokenizer_config(small, tmp_path):
     from ninfer_pack.hf_source import open_source
     src = _copy(small, tmp_path / "src")
