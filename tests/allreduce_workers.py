@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ninfer_rt.allreduce import choose
+
 SIZES = (8, 5120, 3 * 5120, 12 * 5120 + 8, 64 * 1024, 200 * 1024)
 
 
@@ -19,7 +21,7 @@ def compare_program(group, seed: int = 0) -> dict:
     for n in SIZES:
         for dt in (torch.bfloat16, torch.float32):
             x = _partial(n, dt, group.rank, seed + n)
-            impl = group.p2p.pick(x) if group.p2p.eager else "one_shot"
+            impl = choose(x.numel() * x.element_size(), group.p2p.rows, group.p2p.capacity)   # eager or not
             got = group.p2p.run(x, impl) if impl != "nccl" else group.nccl_all_reduce(x.clone())
             if not torch.equal(got, group.nccl_all_reduce(x.clone())):
                 out["eager_mismatch"].append((n, str(dt), impl))

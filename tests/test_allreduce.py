@@ -375,3 +375,48 @@ def test_peer_memory_equals_nccl_bit_for_bit_on_two_gpus():
         pytest.skip("the peer-memory path is off on this machine (see the stderr line of the launch)")
     assert res["eager_mismatch"] == [] and res["graph_mismatch"] == []
     assert all(p.exitcode == 0 for p in lch.procs)
+
+
+class FakeKernels:
+    """Stand-ins for the symm_mem kernels: check the buffer view they get, and reduce as if every one of
+    `world` ranks held the same partial."""
+
+    def __init__(self, p2p, world):
+        self.p2p, self.world, self.seen = p2p, world, []
+
+    def _check(self, view, shape, dtype):
+        assert view.data_ptr() == self.p2p.buf.data_ptr() and view.is_contiguous()
+        assert tuple(view.shape) == tuple(shape) and view.dtype == dtype
+
+    def copy(self, view, local, op, name):
+        self._check(view, local.shape, local.dtype)
+        self.seen.append(("one_shot", local.dtype))
+        view.copy_(local)
+        return view * self.world
+
+    def plain(self, view, op, name):         # one_shot_all_reduce: the caller copied the partial in
+        self.seen.append(("one_shot", view.dtype))
+        return view * self.world
+
+    def two_shot_out(self, view, op, name, out):
+        self._check(view, out.shape, out.dtype)
+        self.seen.append(("two_shot", view.dtype))
+        return out.copy_(view * self.world)
+
+
+@pytest.mark.parametrize("world,dtype,wire", [(2, BF, BF), (2, F32, F32), (2, F16, F32), (4, BF, F32)],
+                         ids=["bf16-2", "f32-2", "f16-2-widened", "bf16-4-widened"])
+@pytest.mark.parametrize("impl", ["one_shot", "one_shot_without_copy_op", "two_shot"])
+def test_run_passes_the_buffer_view_and_narrows_once(monkeypatch, world, dtype, wire, impl):
+    p = cpu_p2p(world=world)
+    k = FakeKernels(p, world)
+    p._copy_op = None if impl == "one_shot_without_copy_op" else k.copy
+    impl = impl.removesuffix("_without_copy_op")
+    monkeypatch.setattr(torch.ops.symm_mem, "two_shot_all_reduce_out", k.two_shot_out, raising=False)
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce", k.plain, raising=False)
+    x = (torch.randn(3, 40) * 7).to(dtype)
+    y = p.run(x, impl)
+    assert k.seen == [(impl, wire)] and y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(y, (x.float() * world).to(dtype)) and y.data_ptr() != p.buf.data_ptr()
+    with pytest.raises(ValueError, match="unknown implementation"):
+        p.run(x, "three_shot")
