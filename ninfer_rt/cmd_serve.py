@@ -7,6 +7,25 @@ import click
 
 from .cli import main, user_errors
 
+TEXT_BODY_MIB, VISION_BODY_MIB = 4.0, 32.0     # --max-body-mib defaults (images arrive as base64 data URIs)
+VISION_FLAGS = {"max_images": "--max-images", "max_image_bytes": "--max-image-bytes",
+                "max_image_pixels": "--max-image-pixels", "max_pixels": "--vision-max-pixels",
+                "vision_max_tokens": "--vision-max-tokens"}
+
+
+def vision_settings(enabled: bool, **given):
+    """(VisionOptions | None, image tokens per request): --vision and its limits (unset ones keep the
+    defaults); a limit without --vision is an error. A server never reads local files as images."""
+    from .server.runtime import DEFAULT_VISION_TOKENS, ServeError
+    given = {k: v for k, v in given.items() if v is not None}
+    if not enabled:
+        if given:
+            raise ServeError(f"{VISION_FLAGS[next(iter(given))]}: only applies with --vision")
+        return None, DEFAULT_VISION_TOKENS
+    from .vision.setup import VisionOptions
+    budget = given.pop("vision_max_tokens", DEFAULT_VISION_TOKENS)
+    return VisionOptions(allow_files=False, **given), budget
+
 
 def _kv_capacity(ctx, param, value):
     if value is None or value == "auto":
@@ -53,16 +72,33 @@ def _kv_capacity(ctx, param, value):
               help="Append a JSONL record per request (timings, token counts, MTP stats; no text).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="Seconds in-flight requests get to finish on SIGTERM.")
-@click.option("--max-body-mib", default=4.0, show_default=True, type=click.FloatRange(0.001),
-              help="Largest accepted request body (413 beyond).")
+@click.option("--max-body-mib", default=None, type=click.FloatRange(0.001),
+              help=f"Largest accepted request body (413 beyond). [default: {TEXT_BODY_MIB:g}, "
+                   f"{VISION_BODY_MIB:g} with --vision]")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum verification at load.")
+@click.option("--vision", is_flag=True,
+              help="Accept image_url parts (data:image/...;base64 URIs) in chat messages; loads the vision tower. "
+                   "Without it the tower stays in the file and image requests get a 400.")
+@click.option("--vision-max-tokens", type=click.IntRange(1),
+              help="Image tokens per request at most (--vision); more is a 400. [default: 4096]")
+@click.option("--max-images", type=click.IntRange(1), help="Images per request at most (--vision). [default: 8]")
+@click.option("--max-image-bytes", type=click.IntRange(1), help="Encoded bytes per image at most (--vision).")
+@click.option("--max-image-pixels", type=click.IntRange(1), help="Decoded pixels per image at most (--vision).")
+@click.option("--vision-max-pixels", type=click.IntRange(1),
+              help="Resize images to at most this many pixels (fewer vision tokens); default: the artifact's.")
 @user_errors
 def serve(artifact, host, port, model_id, tp, spec, draft_tokens, max_concurrency, kv_capacity, max_context,
           max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
-          drain_timeout, max_body_mib, no_verify):
+          drain_timeout, max_body_mib, no_verify, vision, vision_max_tokens, max_images, max_image_bytes,
+          max_image_pixels, vision_max_pixels):
     """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
     from .server.runtime import RuntimeOptions
     from .server.serve import ServeOptions, run_server
+    vis, vision_tokens = vision_settings(vision, max_images=max_images, max_image_bytes=max_image_bytes,
+                                         max_image_pixels=max_image_pixels, max_pixels=vision_max_pixels,
+                                         vision_max_tokens=vision_max_tokens)
+    if max_body_mib is None:
+        max_body_mib = VISION_BODY_MIB if vis is not None else TEXT_BODY_MIB
     if device is None:
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,7 +107,7 @@ def serve(artifact, host, port, model_id, tp, spec, draft_tokens, max_concurrenc
     rt = RuntimeOptions(artifact=artifact, tp=tp, device=device, dtype=dtype, backend=backend,
                         draft_tokens=draft_tokens if spec == "mtp" else 0, max_concurrency=max_concurrency,
                         kv_capacity=kv_capacity, max_context=max_context, verify=not no_verify,
-                        prefill_chunk=prefill_chunk)
+                        prefill_chunk=prefill_chunk, vision=vis, vision_max_tokens=vision_tokens)
     opts = ServeOptions(runtime=rt, host=host, port=port, model_id=model_id, max_pending=max_pending,
                         api_key=api_key, log_requests=log_requests, drain_timeout_s=drain_timeout,
                         max_body_bytes=int(max_body_mib * (1 << 20)), default_max_tokens=default_max_tokens)

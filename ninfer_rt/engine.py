@@ -3,7 +3,8 @@
     eng = Engine(loaded, ops, tp, spec=SpecConfig(num_draft_tokens=3), max_batch=8)
     eng.add_request("r1", prompt_ids, SamplingParams(temperature=0, max_tokens=64))
     while eng.has_work():
-        for o in eng.step(): ...          # StepOutput(req_id, new_token_ids, finished, finish_reason, text)
+        for o in eng.step(): ...          # StepOutput(req_id, new_token_ids, finished, finish_reason, text,
+                                          #            drafted, accepted)  -- MTP counts of this step
 
 Scheduling: FIFO admission while a GDN slot is free and the KV pool can hold the request's whole reservation
 (prompt + max_tokens, capped at the context), so a running sequence never waits for pages; every step runs
@@ -52,6 +53,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None          # "stop" | "length" | None
     text: str | None = None            # incremental text (engines built with a tokenizer)
+    drafted: int | None = None         # MTP drafts this request verified this step (None without MTP)
+    accepted: int | None = None        # of those, accepted (the step emitted accepted + 1 tokens at most)
 
 
 @dataclass
@@ -108,7 +111,7 @@ class Engine(Core):
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self._free_msg: list[str] = []
-        self._broken = False
+        self._unusable: str | None = None    # why step() is refused from now on (None: usable)
         self.stats = EngineStats(spec=SpecStats() if spec else None)
         self.device = self.model.device
         self.vision = None
@@ -116,12 +119,19 @@ class Engine(Core):
             self.attach_vision(vision)
 
     # ---- public API ----
+    @property
+    def usable(self) -> bool:
+        """False once the engine can no longer step: after a failed step with TP > 1 (the ranks may be out of
+        step) or after `shutdown()`. A failed TP1 step leaves it usable (abort the requests it ran)."""
+        return self._unusable is None
+
     def attach_vision(self, vision: VisionRuntime) -> None:
         """Accept image requests from now on (the tower runs on this rank only)."""
         if vision.config != self.cfg:
             raise EngineError("vision runtime: built from another artifact's config than this engine's")
         self.vision = vision
 
+    @torch.no_grad()
     def add_request(self, req_id: str, prompt_ids, params: SamplingParams,
                     vision: VisionRequest | None = None) -> None:
         """`vision`: the request's images, preprocessed against `prompt_ids` (`VisionRuntime.preprocess_request`);
@@ -178,12 +188,13 @@ class Engine(Core):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One step for every running request. After a failed step abort the requests it ran (TP1); with
-        TP > 1 the ranks may be out of step, so every later step is refused."""
-        if self._broken and self.tp.size > 1:
-            raise EngineError("a previous engine step failed; the tensor-parallel ranks are out of step "
-                              "(restart the process)")
+        TP > 1 the ranks may be out of step, so every later step is refused (`usable` turns False).
+        Grad mode is off inside (thread-local, so the caller's own mode is left alone)."""
+        if self._unusable is not None:
+            raise EngineError(self._unusable)
         if not self.has_work():
             return []
         plan = self._schedule()
@@ -195,15 +206,20 @@ class Engine(Core):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException:
-            self._broken = True      # followers may sit in a collective: do not message them again
+            if self.tp.size > 1:     # followers may sit in a collective: do not message them again
+                self._unusable = ("a previous engine step failed; the tensor-parallel ranks are out of step "
+                                  "(restart the process)")
             raise
         self._account(plan, results, time.perf_counter() - t0)
+        drafts = dict(plan.decode)
         outs = []
         for s, v, emitted in results:
             text = None
             if s.stream is not None:
                 text, s.text_delta = s.text_delta, ""
-            outs.append(StepOutput(s.req_id, emitted, s.finished, s.reason, text))
+            k = drafts.get(s.req_id, 0) if self.spec is not None else None
+            outs.append(StepOutput(s.req_id, emitted, s.finished, s.reason, text, drafted=k,
+                                   accepted=None if k is None else v.n_acc))
         self.running = [s for s in self.running if not s.finished]
         return outs
 
@@ -215,8 +231,9 @@ class Engine(Core):
 
     def shutdown(self) -> None:
         """Release the followers (TP); the engine is unusable afterwards."""
-        if self.tp.size > 1 and not self._broken:
+        if self.tp.size > 1 and self._unusable is None:
             self.tp.broadcast_object({"op": "stop"})
+        self._unusable = self._unusable or "the engine was shut down"
         for s in list(self.running):
             self._drop(s)
         self.running, self.waiting = [], deque()

@@ -223,6 +223,7 @@ class Core:
 class Follower(Core):
     """Rank r > 0: applies rank 0's plans and receives its decisions until told to stop."""
 
+    @torch.no_grad()
     def run(self) -> None:
         while True:
             msg = self.tp.broadcast_object(None)

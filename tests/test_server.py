@@ -43,11 +43,13 @@ def tiny_artifact(tmp_path_factory, tp: int = 1) -> str:
     return _ARTIFACT[tp]
 
 
-def real_runtime(artifact: str, *, max_concurrency=4, draft_tokens=DRAFT_TOKENS, kv_capacity=None, tp=1):
+def real_runtime(artifact: str, *, max_concurrency=4, draft_tokens=DRAFT_TOKENS, kv_capacity=None, tp=1,
+                 **vision_kw):
+    """`vision_kw`: RuntimeOptions.vision / .vision_max_tokens (tests/test_server_vision.py)."""
     from ninfer_rt.server.runtime import RuntimeOptions, open_runtime
     return open_runtime(RuntimeOptions(artifact=artifact, tp=tp, device="cpu", dtype="float32", backend="torch",
                                        max_concurrency=max_concurrency, draft_tokens=draft_tokens,
-                                       kv_capacity=kv_capacity, max_context=CTX, verify=False))
+                                       kv_capacity=kv_capacity, max_context=CTX, verify=False, **vision_kw))
 
 
 def real_server(artifact: str, *, max_pending=64, api_key=None, log=None, **rt_kw):
@@ -58,7 +60,8 @@ def real_server(artifact: str, *, max_pending=64, api_key=None, log=None, **rt_k
                           max_pending=max_pending)
     sched = Scheduler(rt.engine, rt.engine.model.kv_pool, rt.tokenizer, cfg, state.metrics, log)
     sched.start()
-    state.ready(sched, rt.tokenizer, rt.loaded.config.vocab_size, rt.loaded.generation_config)
+    state.ready(sched, rt.tokenizer, rt.loaded.config.vocab_size, rt.loaded.generation_config, vision=rt.vision,
+                vision_max_tokens=rt_kw.get("vision_max_tokens", 0))
     return LiveServer(state, sched), rt
 
 
@@ -254,9 +257,15 @@ BAD_REQUESTS = [
     ("empty-messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     ("bad-role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400,
      "messages.0.role"),
-    ("image-part", "/v1/chat/completions",
+    ("image-without-vision", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages.0.content"),
+     400, "messages.0.content.0.image_url"),
+    ("audio-part", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     400, "messages.0.content.0"),
+    ("image-url-number", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 3}}]}]},
+     400, "messages.0.content.0.image_url.url"),
     ("n-3", "/v1/chat/completions", {**CHAT, "n": 3}, 400, "n"),
     ("wrong-model", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model"),
     ("missing-prompt", "/v1/completions", {"model": MODEL_ID}, 400, "prompt"),
@@ -561,7 +570,7 @@ def test_disconnect_mid_stream_frees_kv_and_state(real):
 def test_metrics_and_request_log_account_for_requests(real):
     srv = real.srv
     names = ["ninfer_prompt_tokens_total", "ninfer_generation_tokens_total", "ninfer_time_to_first_token_seconds_count",
-             "ninfer_spec_decode_drafted_tokens_total"]
+             "ninfer_spec_decode_drafted_tokens_total", "ninfer_spec_decode_accepted_tokens_total"]
     before = {n: metric(srv, n) for n in names}
     c = srv.client()
     rs = [c.completions.create(model=MODEL_ID, prompt=p, max_tokens=11, temperature=0) for p in PROMPTS[:2]]
@@ -580,6 +589,125 @@ def test_metrics_and_request_log_account_for_requests(real):
                                    "timings_seconds", "speculative"} for d in done)
     assert all(d["timings_seconds"]["total"] >= d["timings_seconds"]["ttft"] >= 0 for d in done
                if d["timings_seconds"]["ttft"] is not None)
+    # per-request MTP stats (StepOutput.drafted / .accepted): these two requests' records add up to the counters
+    mine = done[-2:]
+    assert all(0 <= d["speculative"]["accepted"] <= d["speculative"]["drafted"] for d in mine)
+    assert sum(d["speculative"]["drafted"] for d in mine) == after[names[3]] - before[names[3]]
+    assert sum(d["speculative"]["accepted"] for d in mine) == after[names[4]] - before[names[4]]
+    assert all(d["speculative"]["acceptance_rate"] == round(d["speculative"]["accepted"] /
+                                                            d["speculative"]["drafted"], 4) for d in mine)
+
+
+# ---- Engine follow-ups: per-request MTP counts, usable, grad mode ---------------------------------------
+
+def _drive(engine, prompts: dict, max_tokens: int) -> tuple[dict, dict]:
+    """Step to the end; -> ({rid: tokens}, {rid: [drafted, accepted]} summed over the StepOutputs)."""
+    from ninfer_rt.sampling import SamplingParams
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    toks, spec = {rid: [] for rid in prompts}, {}
+    while engine.has_work():
+        for o in engine.step():
+            toks[o.req_id] += o.new_token_ids
+            if o.drafted is not None:
+                d = spec.setdefault(o.req_id, [0, 0])
+                d[0], d[1] = d[0] + o.drafted, d[1] + o.accepted
+                assert 0 <= o.accepted <= o.drafted and len(o.new_token_ids) <= o.accepted + 1
+    return toks, spec
+
+
+def test_step_outputs_carry_per_request_mtp_counts(real, tmp_path_factory):
+    rt = real_runtime(tiny_artifact(tmp_path_factory), max_concurrency=3, draft_tokens=3)
+    try:
+        prompts = {f"p{i}": real.tok.encode(p) for i, p in enumerate(PROMPTS[:3])}
+        toks, spec = _drive(rt.engine, prompts, 12)
+        st = rt.engine.stats.spec
+        assert set(spec) == set(prompts) and all(len(t) == 12 for t in toks.values())
+        assert sum(d for d, _ in spec.values()) == st.drafted > 0
+        assert sum(a for _, a in spec.values()) == st.accepted
+        plain, none = _drive(real.ref.engine, {"q": prompts["p0"]}, 12)   # no MTP: the counts stay None
+        assert none == {} and plain["q"] == toks["p0"]
+    finally:
+        rt.close()
+
+
+class _TwoRanks:
+    """A stand-in TP group of size 2 that swallows rank 0's messages (no follower exists)."""
+
+    rank, size = 0, 2
+
+    def __init__(self):
+        self.sent = []
+
+    def broadcast_object(self, obj):
+        self.sent.append(obj)
+        return obj
+
+    def broadcast(self, t):
+        return t
+
+
+def test_engine_usable_after_failed_steps_and_health(tmp_path_factory, monkeypatch):
+    """A failed TP1 step leaves the Engine usable; a failed TP step (ranks out of step) does not: step()
+    is refused, /health is 503 and new requests are 503, and shutdown sends the followers nothing more."""
+    from ninfer_rt.engine import EngineError
+    srv, rt = real_server(tiny_artifact(tmp_path_factory), max_concurrency=1, draft_tokens=0)
+    eng = rt.engine
+    try:
+        real_execute = eng._execute
+
+        def fail_once(plan):
+            monkeypatch.setattr(eng, "_execute", real_execute)
+            raise RuntimeError("injected step failure")
+        monkeypatch.setattr(eng, "_execute", fail_once)
+        assert _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 3}).status_code == 500
+        wait_idle(srv)
+        assert eng.usable and httpx.get(srv.url + "/health").status_code == 200
+        assert _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 3}).status_code == 200
+
+        group = eng.tp = _TwoRanks()
+        monkeypatch.setattr(eng, "_execute", fail_once)
+        assert _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "y", "max_tokens": 3}).status_code == 500
+        wait_idle(srv)
+        assert not eng.usable
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "error"
+        r = _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "z", "max_tokens": 3})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unusable"
+        with pytest.raises(EngineError, match="out of step"):
+            eng.step()
+        sent = len(group.sent)
+    finally:
+        srv.close()
+        rt.close()
+    assert len(group.sent) == sent                      # no "stop" broadcast into a broken group
+    with pytest.raises(EngineError, match="shut down|out of step"):
+        eng.step()
+
+
+def test_runtime_and_generate_leave_the_callers_grad_mode_alone(tmp_path_factory):
+    """Loading and stepping turn autograd off only inside their own calls (it is per thread); a later
+    training step in the same process still records gradients."""
+    import io
+
+    import torch
+
+    from ninfer_rt.cmd_generate import GenerateOptions, run_generate
+    art = tiny_artifact(tmp_path_factory)
+    assert torch.is_grad_enabled()
+    rt = real_runtime(art, max_concurrency=1, draft_tokens=2)
+    try:
+        assert torch.is_grad_enabled()
+        toks, _ = _drive(rt.engine, {"g": [5, 6, 7]}, 4)
+        assert len(toks["g"]) == 4 and torch.is_grad_enabled()
+    finally:
+        rt.close()
+    run_generate(GenerateOptions(artifact=art, prompt="hi", max_new=2, verify=False), out=io.StringIO(),
+                 log=io.StringIO())
+    assert torch.is_grad_enabled()
+    w = torch.ones(2, requires_grad=True)
+    (w * 3).sum().backward()
+    assert w.grad is not None
 
 
 # ---- the command line -----------------------------------------------------------------------------------

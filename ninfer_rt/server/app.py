@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import handlers as H
 from . import protocol as P
+from .images import image_prompt
 from .metrics import ServerMetrics
 
 MAX_BODY_BYTES = 4 << 20
@@ -33,12 +34,16 @@ class ServerState:
     tokenizer: object | None = None
     vocab_size: int = 0
     defaults: dict = field(default_factory=dict)
+    vision: object | None = None           # VisionRuntime with --vision; None: image parts are a 400
+    vision_max_tokens: int = 0             # image tokens per request (--vision-max-tokens)
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def ready(self, scheduler, tokenizer, vocab_size: int, generation_config: dict) -> None:
+    def ready(self, scheduler, tokenizer, vocab_size: int, generation_config: dict, *, vision=None,
+              vision_max_tokens: int = 0) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.defaults = H.sampling_defaults(generation_config)
+        self.vision, self.vision_max_tokens = vision, vision_max_tokens
         self.scheduler = scheduler       # last: the routes test this one
 
     def serving(self):
@@ -173,12 +178,19 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     if req.model is not None and req.model != state.model_id:
         raise P.ApiError(404, f"model {req.model!r} does not exist (this server serves {state.model_id!r})",
                          param="model", code="model_not_found")
-    tok = state.tokenizer
-    ids = H.chat_prompt(tok, req) if chat else H.completion_prompt(tok, req, state.vocab_size)
+    tok, img = state.tokenizer, None
+    if chat:
+        ids = H.chat_prompt(tok, req)
+        img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
+    else:
+        ids = H.completion_prompt(tok, req, state.vocab_size)
     requested = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
-    max_tokens = sched.max_tokens_for(len(ids), requested, "messages" if chat else "prompt")
+    n_prompt = len(img.request) if img is not None else len(ids)     # image placeholders expanded
+    max_tokens = sched.max_tokens_for(n_prompt, requested, "messages" if chat else "prompt")
     params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids)
-    handle = sched.submit(ids, params, H.splitter(tok, ids) if chat else None)
+    handle = sched.submit(ids, params, H.splitter(tok, ids) if chat else None,
+                          vision=img.request if img is not None else None,
+                          image_tokens=img.image_tokens if img is not None else 0)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await H.respond(handle, request, chat=chat, model=state.model_id, stream=req.stream,
                            include_usage=include_usage)

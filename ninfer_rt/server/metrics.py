@@ -23,8 +23,11 @@ class ServerMetrics:
                                 registry=r)
         self.errors = Counter("ninfer_request_errors", "Requests answered with an error status (4xx/5xx), by status",
                                 ["status"], registry=r)
-        self.prompt_tokens = Counter("ninfer_prompt_tokens", "Prompt tokens of requests that entered the engine",
-                                     registry=r)
+        self.prompt_tokens = Counter("ninfer_prompt_tokens", "Prompt tokens of requests that entered the engine "
+                                     "(image tokens included)", registry=r)
+        self.image_tokens = Counter("ninfer_image_tokens", "Image (vision) tokens of requests that entered the "
+                                    "engine; also counted in ninfer_prompt_tokens", registry=r)
+        self.images = Counter("ninfer_images", "Images of requests that entered the engine", registry=r)
         self.generation_tokens = Counter("ninfer_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("ninfer_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)

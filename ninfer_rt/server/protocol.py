@@ -39,14 +39,26 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None          # OpenAI's resolution hint; the artifact's preprocessor decides
+
+
+class ContentPart(_Strict):
+    """A text part, or an image part (`image_url` as OpenAI sends it, or the HF `image` convention)."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
+    image: str | None = None
+
+
+IMAGE_PART_TYPES = ("image_url", "image")
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None
     tool_call_id: str | None = None
@@ -94,7 +106,8 @@ def parse(model: type[_Strict], data) -> _Strict:
     try:
         req = model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        # a union field reports one error per member; the deepest one names the part that is actually wrong
+        err = max(e.errors(), key=lambda x: len(x["loc"]))
         # pydantic adds the union member tried ('str', 'list[str]') to the location; the client wants the field
         loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
         param = ".".join(loc) or None
@@ -103,7 +116,8 @@ def parse(model: type[_Strict], data) -> _Strict:
     return req
 
 
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "StreamOptions", "ChatMessage"}
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "ContentPart", "ImageURL", "StreamOptions",
+               "ChatMessage"}
 
 
 def _check_common(req: _Sampling) -> None:
@@ -122,10 +136,12 @@ def _check_chat(req: ChatRequest) -> None:
     if not req.messages:
         raise bad_request("messages: must contain at least one message", param="messages")
     for i, m in enumerate(req.messages):
-        for part in m.content if isinstance(m.content, list) else ():
-            if part.type != "text" or part.text is None:
-                raise bad_request(f"messages.{i}.content: only text parts are supported, got type {part.type!r}",
-                                  param=f"messages.{i}.content")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if (part.type == "text" and part.text is not None) or part.type in IMAGE_PART_TYPES:
+                continue           # image parts: their URLs are checked with the images (server/images.py)
+            where = f"messages.{i}.content.{j}"
+            raise bad_request(f"{where}: only text and image_url parts are supported, got type {part.type!r}"
+                              + (" without text" if part.type == "text" else ""), param=where)
     if req.logprobs:
         raise bad_request("logprobs: not supported by this server", param="logprobs")
     if req.tools:
@@ -148,14 +164,21 @@ def _check_completion(req: CompletionRequest) -> None:
         raise bad_request("logprobs: not supported by this server", param="logprobs")
 
 
+def _template_content(content):
+    """Text parts joined into one string; with image parts, the part list itself, so the chat template
+    emits one vision placeholder per image in order (the images are read from the request separately)."""
+    if not isinstance(content, list):
+        return content or ""
+    if not any(p.type in IMAGE_PART_TYPES for p in content):
+        return "".join(p.text for p in content)
+    return [p.model_dump(exclude_none=True) for p in content]
+
+
 def chat_messages(req: ChatRequest) -> list[dict]:
-    """Messages as plain dicts for the chat template (text parts joined)."""
+    """Messages as plain dicts for the chat template."""
     out = []
     for m in req.messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
-        d = {"role": m.role, "content": content or ""}
+        d = {"role": m.role, "content": _template_content(m.content)}
         for k in ("name", "reasoning_content", "tool_call_id"):
             if getattr(m, k) is not None:
                 d[k] = getattr(m, k)

@@ -1,24 +1,36 @@
 """Build the serving Engine from command-line options: load, size the KV pool, start TP followers.
 
 KV sizing (`--kv-capacity auto`): on CUDA, the free device memory after the weights are placed, minus a
-headroom (1 GiB + the GDN states of every slot + the speculative snapshot buffers + a prefill workspace),
-divided by the KV bytes of one token; with TP every rank measures and the smallest answer wins. On CPU a
-fixed default. Either way it is capped at max_concurrency x max_context: more could never be used.
+headroom (1 GiB + the GDN states of every slot + the speculative snapshot buffers + a prefill workspace +
+with `--vision` the tower's activations for a request at the image-token budget), divided by the KV bytes
+of one token; with TP every rank measures and the smallest answer wins. On CPU a fixed default. Either way
+it is capped at max_concurrency x max_context: more could never be used.
+
+Vision (`RuntimeOptions.vision`): rank 0 binds the tower's `visual.*` weights at load, before the KV pool
+is sized; the other ranks never hold them (they receive the merged embeddings with each image prompt).
+
+Grad mode is never switched globally here: loading runs under `torch.no_grad()`, and the Engine turns it
+off inside its own calls (grad mode is per thread).
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ninfer_formats.errors import NinferError
+
+if TYPE_CHECKING:
+    from ..vision.setup import VisionOptions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_TOKENS = 32768
 HEADROOM_BYTES = 1 << 30
 DEFAULT_CONTEXT = 8192
 PAGE_SIZE = 16
+DEFAULT_VISION_TOKENS = 4096        # image tokens per request (--vision-max-tokens)
 
 
 class ServeError(NinferError):
@@ -38,19 +50,25 @@ class RuntimeOptions:
     max_context: int | None = None      # None = min(model limit, DEFAULT_CONTEXT)
     verify: bool = True
     prefill_chunk: int = 512
+    vision: VisionOptions | None = None # None: text only, the tower stays in the file
+    vision_max_tokens: int = DEFAULT_VISION_TOKENS   # image tokens per request (with vision)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
             raise ServeError(f"--device: expected cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ServeError(f"--dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("tp", "max_concurrency", "prefill_chunk"):
+        for name in ("tp", "max_concurrency", "prefill_chunk", "vision_max_tokens"):
             if getattr(self, name) < 1:
                 raise ServeError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
         for name in ("kv_capacity", "max_context"):
             v = getattr(self, name)
             if v is not None and v < 2:
                 raise ServeError(f"--{name.replace('_', '-')}: expected at least 2 tokens, got {v}")
+        if self.vision is not None:
+            from ..vision.setup import VisionOptions
+            if not isinstance(self.vision, VisionOptions):
+                raise ServeError(f"vision: expected VisionOptions, got {type(self.vision).__name__}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ServeError("--device cuda: no CUDA device is visible")
 
@@ -62,6 +80,7 @@ class Runtime:
     tokenizer: object
     max_context: int
     launch: object = None               # tp.Launch with TP > 1
+    vision: object = None               # VisionRuntime (rank 0) when serving with vision
 
     def close(self) -> None:
         try:
@@ -99,8 +118,22 @@ def auto_kv_tokens(cfg, opts: RuntimeOptions, device: torch.device) -> int:
     slot = gdn_bytes_per_slot(cfg, opts.tp)
     snapshots = opts.max_concurrency * (opts.draft_tokens + 1) * slot if opts.draft_tokens else 0
     workspace = opts.prefill_chunk * (cfg.intermediate_size // opts.tp + 4 * cfg.hidden_size) * 4 * 4
-    budget = free - HEADROOM_BYTES - opts.max_concurrency * slot - snapshots - workspace
+    budget = free - HEADROOM_BYTES - opts.max_concurrency * slot - snapshots - workspace - \
+        vision_workspace_bytes(cfg, opts)
     return max(0, budget // kv_bytes_per_token(cfg, opts.tp, DTYPES[opts.dtype]))
+
+
+def vision_workspace_bytes(cfg, opts: RuntimeOptions) -> int:
+    """Transient memory of one tower run at the image-token budget (rank 0 only runs it; with TP the
+    smallest rank answer wins, so rank 0's is the one that counts). Per patch row: the fp32 pixels, the
+    residual stream with its fp32 LayerNorm / qkv / attention copies (~8 x hidden) and the MLP (~2 x
+    intermediate), all at 4 bytes; the attention kernels on CUDA keep no [s, s] matrix."""
+    v = cfg.vision
+    if opts.vision is None or v is None:
+        return 0
+    patches = opts.vision_max_tokens * v.spatial_merge_size ** 2
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    return patches * (patch_dim + 8 * v.hidden_size + 2 * v.intermediate_size) * 4
 
 
 def kv_pages(cfg, opts: RuntimeOptions, device: torch.device, group) -> int:
@@ -120,7 +153,7 @@ def _load(opts: RuntimeOptions, rank: int, device: torch.device):
     from ..backends import get_ops
     from ..loader import load
     loaded = load(opts.artifact, rank=rank, tp_size=opts.tp, verify=opts.verify, device=device,
-                  dtype=DTYPES[opts.dtype])
+                  dtype=DTYPES[opts.dtype], vision=opts.vision is not None and rank == 0)
     return loaded, get_ops(opts.backend)
 
 
@@ -146,18 +179,19 @@ def _phase(group, fn):
 
 
 def _build(opts: RuntimeOptions, group, device, make):
-    """load -> agree -> size the pool (collective) -> make(loaded, ops, pages) -> agree."""
+    """load -> agree -> size the pool (collective) -> make(loaded, ops, pages) -> agree. No autograd state is
+    built on the way; the caller's grad mode is restored afterwards."""
     rank = group.rank if group is not None else 0
-    loaded, ops = _phase(group, lambda: _load(opts, rank, device))
-    pages = kv_pages(loaded.config, opts, device, group)
-    return loaded, pages, _phase(group, lambda: make(loaded, ops, pages))
+    with torch.no_grad():
+        loaded, ops = _phase(group, lambda: _load(opts, rank, device))
+        pages = kv_pages(loaded.config, opts, device, group)
+        return loaded, pages, _phase(group, lambda: make(loaded, ops, pages))
 
 
 def follower_main(group, opts: RuntimeOptions) -> None:
     """Rank r > 0 (spawned by tp.launch): load the shard, then mirror rank 0's steps until told to stop."""
     from ..engine import cache_config
     from ..engine_core import Follower
-    torch.set_grad_enabled(False)
     _, _, follower = _build(opts, group, group.device, lambda loaded, ops, pages: Follower(
         loaded, ops, group, _spec(opts), cache_config(loaded.config, opts.max_concurrency, pages, PAGE_SIZE)))
     follower.run()
@@ -168,24 +202,32 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
     from ..engine import Engine
     from ..tokenizer import Tokenizer
     from ..tp import launch, rank_device
-    torch.set_grad_enabled(False)
     lch = launch(opts.tp, follower_main, (opts,), device=opts.device) if opts.tp > 1 else None
     group = lch.group if lch is not None else None
 
     def make(loaded, ops, pages):
+        vis = _vision(loaded, ops, opts)
         engine = Engine(loaded, ops, group, _spec(opts), max_batch=opts.max_concurrency, kv_pages=pages,
                         page_size=PAGE_SIZE, max_model_len=model_context(loaded.config, opts),
-                        prefill_chunk=opts.prefill_chunk)
-        return engine, Tokenizer.from_resources(loaded.resources, eos_token_ids=loaded.config.eos_token_ids)
+                        prefill_chunk=opts.prefill_chunk, vision=vis)
+        return engine, Tokenizer.from_resources(loaded.resources, eos_token_ids=loaded.config.eos_token_ids), vis
     try:
-        loaded, pages, (engine, tok) = _build(opts, group, rank_device(opts.device, 0), make)
+        loaded, pages, (engine, tok, vis) = _build(opts, group, rank_device(opts.device, 0), make)
     except BaseException:
         if lch is not None:
             lch.close(timeout_s=10)
         raise
     print(f"ninfer-rt serve: KV pool {pages} pages x {PAGE_SIZE} tokens, context {engine.max_model_len}, "
-          f"{opts.max_concurrency} slots, tp {opts.tp}", file=sys.stderr)
-    return Runtime(engine, loaded, tok, engine.max_model_len, lch)
+          f"{opts.max_concurrency} slots, tp {opts.tp}" + (", vision" if vis is not None else ""), file=sys.stderr)
+    return Runtime(engine, loaded, tok, engine.max_model_len, lch, vis)
+
+
+def _vision(loaded, ops, opts: RuntimeOptions):
+    """Rank 0's VisionRuntime (the tower was bound by load(vision=True)); None without vision."""
+    if opts.vision is None:
+        return None
+    from ..vision.setup import build_vision_runtime
+    return build_vision_runtime(loaded, ops, opts.vision, dtype=DTYPES[opts.dtype])
 
 
 HF_SCHEME = "hf://"

@@ -5,6 +5,10 @@ thread admits waiting requests between steps (FIFO, up to `max_concurrency`, whi
 fits), calls `engine.step()` while there is work, detokenizes, and pushes events to each request's
 asyncio queue with `loop.call_soon_threadsafe`. The Engine is never touched from another thread.
 
+Image requests carry their `VisionRequest` (placeholders already expanded, pixels preprocessed); the engine
+runs the tower when it admits them, on this thread. Their prompt length is the expanded one everywhere
+(context check, reservation, usage, metrics).
+
 KV admission: a request reserves pages for prompt + max_tokens (+ `reserve_slack` for speculative drafts
 written past the end), rounded up to whole pages; the sum of reservations never exceeds the pool, so an
 admitted request always runs to completion (never truncated, never preempted).
@@ -55,6 +59,10 @@ class Handle:
     text: OutputText
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    vision: object = None              # VisionRequest of an image request until admitted (pixels), then None
+    prompt_len: int = 0                # tokens the engine prefills (image placeholders expanded)
+    images: int = 0
+    image_tokens: int = 0              # of prompt_len, image tokens
     pages: int = 0                     # reserved KV pages
     arrival: float = field(default_factory=time.monotonic)
     admitted: float | None = None
@@ -119,13 +127,17 @@ class Scheduler:
                               f"context limit of {limit} tokens", param="max_tokens", code="context_length_exceeded")
         return requested
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, split=None) -> Handle:
-        """Queue a request (call on the event loop); 429 when the queue is full, 503 while draining."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, split=None, vision=None,
+               image_tokens: int = 0) -> Handle:
+        """Queue a request (call on the event loop); 429 when the queue is full, 503 while draining.
+        `vision`: the request's VisionRequest, prepared from `prompt_ids` (its length is the prompt's)."""
+        n_prompt, images = (len(vision), len(vision.grid_thw)) if vision is not None else (len(prompt_ids), 0)
         h = Handle(id=f"r{next(self._ids)}", prompt_ids=list(prompt_ids), params=replace(params, stop=()),
                    text=OutputText(self.tok, params.stop, split), loop=asyncio.get_running_loop(),
-                   events=asyncio.Queue(), scheduler=self)
-        self.max_tokens_for(len(prompt_ids), params.max_tokens)
-        h.pages = -(-(len(prompt_ids) + params.max_tokens + self.cfg.reserve_slack) // self.page_size)
+                   events=asyncio.Queue(), vision=vision, prompt_len=n_prompt, images=images,
+                   image_tokens=image_tokens, scheduler=self)
+        self.max_tokens_for(h.prompt_len, params.max_tokens)
+        h.pages = -(-(h.prompt_len + params.max_tokens + self.cfg.reserve_slack) // self.page_size)
         if not self.healthy():
             raise ApiError(503, "the engine failed and cannot serve; restart the server", type="server_error",
                            code="engine_unusable")
@@ -222,12 +234,19 @@ class Scheduler:
                 self._running[h.id] = h
             h.admitted = time.monotonic()
             try:
-                self.engine.add_request(h.id, h.prompt_ids, h.params)
+                if h.vision is None:
+                    self.engine.add_request(h.id, h.prompt_ids, h.params)
+                else:                      # runs the vision tower here, on the engine thread
+                    self.engine.add_request(h.id, h.prompt_ids, h.params, vision=h.vision)
             except Exception as e:
                 self._fail(h, e)
                 continue
+            h.vision = None                # the engine has what it needs; free the pixels
             h.in_engine = True
-            self.metrics.prompt_tokens.inc(len(h.prompt_ids))
+            self.metrics.prompt_tokens.inc(h.prompt_len)
+            if h.images:
+                self.metrics.images.inc(h.images)
+                self.metrics.image_tokens.inc(h.image_tokens)
 
     def _dispatch(self, outputs) -> None:
         now = time.monotonic()
@@ -302,15 +321,16 @@ class Scheduler:
             r, c = h.text.flush()
             if r or c:
                 self._push(h, ("delta", r, c))
-        use = usage(len(h.prompt_ids), h.generated)
+        use = usage(h.prompt_len, h.generated)
         if push:
             self._push(h, ("done", reason, use))
         self.metrics.requests.labels(finish_reason=reason).inc()
         now = time.monotonic()
         self.metrics.e2e.observe(now - h.arrival)
-        self.log.write("request_done", id=h.id, finish_reason=reason, prompt_tokens=len(h.prompt_ids),
+        extra = {"images": h.images, "image_tokens": h.image_tokens} if h.images else {}
+        self.log.write("request_done", id=h.id, finish_reason=reason, prompt_tokens=h.prompt_len,
                        completion_tokens=h.generated, timings_seconds=_timings(h, now),
-                       speculative=_spec_record(h))
+                       speculative=_spec_record(h), **extra)
 
     def _fail(self, h: Handle, e: Exception) -> None:
         err = e if isinstance(e, ApiError) else _engine_error(e)
@@ -382,10 +402,13 @@ def _engine_error(e: Exception) -> ApiError:
 
 
 def _spec_record(h: Handle) -> dict:
-    """Tokens per emitting step (1 + mean accepted drafts with MTP); drafted/accepted if the engine reports them."""
+    """Tokens per emitting step (1 + mean accepted drafts with MTP); this request's MTP drafted / accepted
+    counts and their ratio when the engine reports them (StepOutput.drafted / .accepted)."""
     rec = {"steps": h.steps, "tokens_per_step": round(h.generated / h.steps, 4) if h.steps else None}
     if h.drafted is not None:
-        rec.update(drafted=h.drafted, accepted=h.accepted or 0)
+        acc = h.accepted or 0
+        rec.update(drafted=h.drafted, accepted=acc,
+                   acceptance_rate=round(acc / h.drafted, 4) if h.drafted else None)
     return rec
 
 

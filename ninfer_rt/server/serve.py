@@ -46,6 +46,8 @@ class ServeOptions:
             raise ServeError(f"--drain-timeout: expected seconds >= 0, got {self.drain_timeout_s}")
         if self.api_key is not None and not self.api_key.strip():
             raise ServeError("--api-key: must not be empty")
+        if self.runtime.vision is not None and self.runtime.vision.allow_files:
+            raise ServeError("vision: a server never reads image files from its own disk (allow_files must be off)")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -101,18 +103,20 @@ class _Loader(threading.Thread):
         sched = self.scheduler = Scheduler(rt.engine, pool, rt.tokenizer, cfg, self.state.metrics, self.log,
                                            thread_init=_thread_init(ropts, rt))
         sched.start()
-        self.state.ready(sched, rt.tokenizer, rt.loaded.config.vocab_size, rt.loaded.generation_config)
+        self.state.ready(sched, rt.tokenizer, rt.loaded.config.vocab_size, rt.loaded.generation_config,
+                         vision=rt.vision, vision_max_tokens=ropts.vision_max_tokens)
         self.log.write("server_start", model_id=self.state.model_id, artifact=o.runtime.artifact,
                        identity=rt.loaded.identity, load_seconds=round(time.monotonic() - t0, 3),
                        tp=ropts.tp, max_concurrency=ropts.max_concurrency, kv_pages=pool.num_pages,
-                       page_size=pool.page_size, max_context=sched.max_context, draft_tokens=ropts.draft_tokens)
+                       page_size=pool.page_size, max_context=sched.max_context, draft_tokens=ropts.draft_tokens,
+                       vision_max_tokens=ropts.vision_max_tokens if rt.vision is not None else None)
         print(f"ninfer-rt serve: {self.state.model_id} ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
 
 
 def _thread_init(opts: RuntimeOptions, rt):
     def init():
         import torch
-        torch.set_grad_enabled(False)            # grad mode and the current CUDA device are per thread
+        torch.set_grad_enabled(False)            # this thread only: grad mode and the CUDA device are per thread
         dev = rt.engine.device
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
