@@ -308,8 +308,9 @@ def wait_gpu(device, timeout_s: float, what: str) -> None:
 def _check_nccl_native(group) -> str | None:
     if group.size != 2:
         return None
-    cases = [chk.Case("round", (chk.HIDDEN,), torch.bfloat16, 11), chk.Case("round", (3, chk.HIDDEN), torch.float16, 12),
-             chk.Case("ramp", (chk.HIDDEN,), torch.bfloat16)]
+    h = chk.HIDDEN
+    cases = [chk.Case("round", (h,), torch.bfloat16, 11), chk.Case("round", (3, h), torch.float16, 12),
+             chk.Case("ramp", (h,), torch.bfloat16)]
     group.nccl_native = True
     return chk.run_cases(group.nccl_all_reduce, cases, group.rank, group.size, group.device,
                          lambda: torch.cuda.synchronize(group.device))

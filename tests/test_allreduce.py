@@ -15,7 +15,6 @@ from ninfer_rt.tp import DistGroup
 KIB = 1024
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 TWO_ROWS = ((64 * KIB, "one_shot"), (1024 * KIB, "two_shot"))
-GPU0 = torch.device("cuda", 0)           # only described, never touched (no CUDA needed)
 
 
 # ---- selection ----
