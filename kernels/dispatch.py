@@ -11,6 +11,9 @@
   plain kernel cannot read as 8-byte words.
 Repacked forms (Q6_K / IQ3_S planar arrays) are built once per weight and kept in `qw.cache` under
 "triton.<fmt>"; `prepare(qw)` builds them eagerly (call it at load time, before CUDA-graph capture).
+Decode calls (T <= 16) keep a resolved launch per (T, dtype, residual) in `qw.cache["triton.plans"]`
+(`gemv_plan.GemvPlan`): after the first call a call costs a few checks and the launch. `qw.data` and the
+repacked forms must not be replaced in place afterwards (clear `qw.cache` if they are).
 x may have leading dimensions ([..., K] -> [..., N]); residual has the output's shape.
 """
 from __future__ import annotations
@@ -45,17 +48,33 @@ def _packed(qw) -> dict:
     return qw.cache[key]
 
 
+def _plans(qw) -> dict:
+    plans = qw.cache.get("triton.plans")
+    if plans is None:
+        plans = qw.cache["triton.plans"] = {}
+    return plans
+
+
 def _gemv(x, qw, out, residual):
+    # decode fast path: the resolved launch of this weight at this T (kernels/gemv_plan.py); prefill T vary too
+    # much to keep one per T
+    plans = _plans(qw) if x.shape[0] <= DECODE_MAX_T else None
+    if plans:
+        plan = plans.get((x.shape[0], x.dtype, residual is not None))
+        if plan is not None:
+            y = plan(x, out, residual)
+            if y is not None:
+                return y
     d = qw.data
     if qw.fmt == "nvfp4":
-        return gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], out, residual)
+        return gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], out, residual, plans=plans)
     if qw.fmt == "q6_k":
-        return gemv_q6_k(x, _packed(qw), out, residual)
+        return gemv_q6_k(x, _packed(qw), out, residual, plans=plans)
     if qw.fmt == "iq3_s":
-        return gemv_iq3_s(x, _packed(qw), out, residual)
+        return gemv_iq3_s(x, _packed(qw), out, residual, plans=plans)
     if qw.fmt == "f8_e4m3_row":
-        return gemv_f8(x, d["codes"], d["row_scale"], out, residual)
-    return gemv_plain(x, d["w"], out, residual)
+        return gemv_f8(x, d["codes"], d["row_scale"], out, residual, plans=plans)
+    return gemv_plain(x, d["w"], out, residual, plans=plans)
 
 
 def dense_weight(qw, dtype) -> torch.Tensor:
@@ -140,7 +159,7 @@ def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None) -
         if T > DECODE_MAX_T or K % _WIDTH[w.dtype]:
             y = _torch_linear(x2, w, o2, r2)
         else:
-            y = gemv_plain(x2, w, o2, r2)
+            y = _gemv(x2, qw, o2, r2)
     elif T > DECODE_MAX_T:
         y = _prefill(x2, qw, o2, r2, prefill_path)
     else:

@@ -38,15 +38,22 @@ def ld(ptr, wm):
 
 
 @triton.jit
-def even_groups(g, wm, G):
-    """The even group of each (2h, 2h+1) pair one thread holds (g is VEC=2-contiguous), and its load mask:
-    fields shared by a pair (GGML sub-block scales, super-block scales) are loaded once per pair."""
+def even_groups(g):
+    """The even group of each (2h, 2h+1) pair one thread holds (g is VEC=2-contiguous): fields shared by a
+    pair (GGML sub-block scales, super-block scales) are loaded once per pair, with `ld_pair`."""
     tl.static_assert(g.shape[0] % 2 == 0)
     ge, go = tl.split(tl.reshape(g, [g.shape[0] // 2, 2]))
+    return ge
+
+
+@triton.jit
+def ld_pair(ptr, ge, wm, G):
+    """Load a per-pair field; masked by the even group's range only when the K range is ragged (wm given).
+    (No (tensor, None) tuples cross a function boundary: Triton 3.6 cannot return None inside a tuple.)"""
     if wm is None:
-        return ge, None
+        return tl.load(ptr)
     else:
-        return ge, (ge < G)[None, :]
+        return tl.load(ptr, mask=(ge < G)[None, :], other=0)
 
 
 @triton.jit

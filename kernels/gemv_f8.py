@@ -70,14 +70,15 @@ def _weights(codes, row_scale, K: int, device, what: str):
     return n, (as_words(codes, torch.int64), row_scale)
 
 
-def gemv_f8(x, codes, row_scale, out=None, residual=None, *, config=None):
+def gemv_f8(x, codes, row_scale, out=None, residual=None, *, config=None, plans=None):
     """x [T, K] fp16/bf16/fp32, codes u8 E4M3 [N, K], row_scale f32 [N] -> [T, N] in x.dtype."""
     x = check_x(x, None, "gemv_f8")
     K = x.shape[1]
     n, w = _weights(codes, row_scale, K, x.device, "gemv_f8")
     # no folded multiplier in the dot path: row_scale * 2**120 overflows for row scales >= 2**7, and the host
     # does not read the scales
-    return gemv(f8_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_f8", fold=False)
+    return gemv(f8_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_f8", fold=False,
+                plans=plans)
 
 
 def dequant_f8(codes, row_scale, dtype=torch.float16):

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import dequant_body, even_groups, gemv_body, ld, pairwise
+from .gemv_common import dequant_body, even_groups, gemv_body, ld, ld_pair, pairwise
 from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv
 
 GS = 16
@@ -59,11 +59,12 @@ def _load(qs, signs, qh, sc, d, grid, rows, g, wm, G):
     r = rows[:, None]
     q = ld(qs + r * G + g[None, :], wm)
     sg = ld(signs + r * G + g[None, :], wm).to(tl.int32)
-    ge, wm2 = even_groups(g, wm, G)
+    ge = even_groups(g)
     h = ge // 2                                                 # 32-weight sub-block index
-    qh4 = pairwise(ld(qh + r * (G // 2) + h[None, :], wm2).to(tl.int32)) >> (4 * (g % 2))[None, :]
-    s4 = (ld(sc + r * (G // 4) + (h // 2)[None, :], wm2).to(tl.int32) >> (4 * (h % 2))[None, :]) & 0xF
-    s = pairwise(ld(d + r * (G // 16) + (h // 8)[None, :], wm2).to(tl.float32) * (1 + 2 * s4).to(tl.float32))
+    qh4 = pairwise(ld_pair(qh + r * (G // 2) + h[None, :], ge, wm, G).to(tl.int32)) >> (4 * (g % 2))[None, :]
+    s4 = (ld_pair(sc + r * (G // 4) + (h // 2)[None, :], ge, wm, G).to(tl.int32) >> (4 * (h % 2))[None, :]) & 0xF
+    s = pairwise(ld_pair(d + r * (G // 16) + (h // 8)[None, :], ge, wm, G).to(tl.float32)
+                 * (1 + 2 * s4).to(tl.float32))
     return (_signed_group(q, qh4, sg, grid, 0), _signed_group(q, qh4, sg, grid, 1),
             _signed_group(q, qh4, sg, grid, 2), _signed_group(q, qh4, sg, grid, 3), s)
 
@@ -144,12 +145,12 @@ def _weights(packed: dict, K: int, device, what: str):
                check_weight(packed.get("grid"), "grid", (TABLE_SIZE,), (torch.int32,), what, device))
 
 
-def gemv_iq3_s(x, packed: dict, out=None, residual=None, *, config=None):
+def gemv_iq3_s(x, packed: dict, out=None, residual=None, *, config=None, plans=None):
     """x [T, K] fp16/bf16/fp32, packed = repack_iq3_s(blocks, K) -> [T, N] in x.dtype."""
     x = check_x(x, None, "gemv_iq3_s")
     K = x.shape[1]
     n, w = _weights(packed, K, x.device, "gemv_iq3_s")
-    return gemv(iq3_s_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_iq3_s")
+    return gemv(iq3_s_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_iq3_s", plans=plans)
 
 
 def dequant_iq3_s(packed: dict, K: int, dtype=torch.float16):

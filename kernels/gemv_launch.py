@@ -170,10 +170,9 @@ def effective_split(cfg: GemvConfig, G: int) -> int:
     return triton.cdiv(G, triton.cdiv(triton.cdiv(G, split), cfg.block_g) * cfg.block_g)
 
 
-def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
-           warmup: bool = False, fold: bool = True):
-    """Launch one config (warmup=True only compiles it, e.g. in a precompile worker). fold: the dot path may
-    apply all scales in one multiply per weight (the caller checked that cannot overflow fp32)."""
+def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
+            warmup: bool = False, fold: bool = True):
+    """Launch one config; returns (compiled kernel or None, grid, ws or None, cnt or None, scalars, consts)."""
     T = x.shape[0]
     tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
     grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
@@ -181,14 +180,24 @@ def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residu
     if split > 1:
         ws, cnt = workspace(x.device, split * T * N, grid_n * grid_t)
     else:
-        ws, cnt = out, out
+        ws, cnt = None, None
     res = residual if residual is not None else out
     grid = (grid_n, split, grid_t)
+    scalars = (float(fscale), T, N, G, split)
+    consts = dict(T_TILE=tt, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, USE_SPLIT=split > 1, USE_DOT=cfg.use_dot,
+                  DOT_KIND=dot_kind(x.dtype), HAS_RES=residual is not None, EVEN_G=G % cfg.block_g == 0,
+                  FOLD=bool(fold and cfg.use_dot), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
-    run(x, *weights, out, res, ws, cnt, float(fscale), T, N, G, split, x.stride(0), out.stride(0), res.stride(0),
-        T_TILE=tt, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, USE_SPLIT=split > 1, USE_DOT=cfg.use_dot,
-        DOT_KIND=dot_kind(x.dtype), HAS_RES=residual is not None, EVEN_G=G % cfg.block_g == 0,
-        FOLD=bool(fold and cfg.use_dot), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,
+                   x.stride(0), out.stride(0), res.stride(0), **consts)
+    return compiled, grid, ws, cnt, scalars, consts
+
+
+def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
+           warmup: bool = False, fold: bool = True):
+    """Launch one config (warmup=True only compiles it, e.g. in a precompile worker). fold: the dot path may
+    apply all scales in one multiply per weight (the caller checked that cannot overflow fp32)."""
+    _launch(kernel, weights, x, N, G, fscale, out, residual, cfg, warmup, fold)
     return out
 
 
@@ -260,9 +269,16 @@ def tune_key(kernel_name: str, N: int, G: int, T: int, x_dtype, has_res: bool, d
     return (kernel_name, N, G, bucket, str(x_dtype), bool(has_res), str(torch.device(device)))
 
 
+def _tuning_final(key, cands, device) -> bool:
+    """The config for `key` will not change any more (a plan may cache it)."""
+    return key in _TUNED or len(cands) == 1 or device.type != "cuda" or interpreting() \
+        or os.environ.get("NINFER_GEMV_TUNE", "1") == "0"
+
+
 def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out, residual, config, what: str,
-         fold: bool = True):
-    """Validate out/residual, pick a config (tuned on GPU), launch; returns out [T, N]."""
+         fold: bool = True, plans: dict | None = None):
+    """Validate out/residual, pick a config (tuned on GPU), launch; returns out [T, N]. With `plans` (a dict
+    owned by the weight) a `GemvPlan` for (T, dtype, residual) is stored once the config is final."""
     T = x.shape[0]
     out = _check_out(out, residual, T, N, x, what)
     if N * G >= 2 ** 31:
@@ -280,7 +296,14 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         pick_config(key, cands, lambda c: launch(kernel, weights, x, N, G, fscale, scratch, residual, c,
                                                  fold=fold), x.device)
     cfg = _TUNED.get(key, cands[0])
-    return launch(kernel, weights, x, N, G, fscale, out, residual, cfg, fold=fold)
+    compiled, grid, ws, cnt, scalars, consts = _launch(kernel, weights, x, N, G, fscale, out, residual, cfg,
+                                                       fold=fold)
+    if plans is not None and _tuning_final(key, cands, x.device):
+        from .gemv_plan import GemvPlan
+        res = residual if residual is not None else out
+        plans[(T, x.dtype, residual is not None)] = GemvPlan(kernel, grid, weights, ws, cnt, scalars, consts,
+                                                             compiled, x, out, res, residual is not None)
+    return out
 
 
 def dequant(kernel, weights: tuple, N: int, G: int, GS: int, fscale: float, dtype, device, block=(32, 8)):

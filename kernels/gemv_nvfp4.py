@@ -76,7 +76,7 @@ def _weights(codes, scales, K: int, device, what: str):
     return n, (as_words(codes, torch.int64), scales)
 
 
-def gemv_nvfp4(x, codes, scales, gscale, out=None, residual=None, *, config=None):
+def gemv_nvfp4(x, codes, scales, gscale, out=None, residual=None, *, config=None, plans=None):
     """x [T, K] fp16/bf16/fp32, codes u8 [N, K/2], scales u8 [N, K/16], gscale float -> [T, N] x.dtype."""
     x = check_x(x, None, "gemv_nvfp4")
     K = x.shape[1]
@@ -84,7 +84,7 @@ def gemv_nvfp4(x, codes, scales, gscale, out=None, residual=None, *, config=None
     # the dot path folds e4m3 * 2**126 * gscale into one multiplier when that stays a finite float32
     fold = 448.0 * 2.0 ** 126 * abs(float(gscale)) < 3.0e38
     return gemv(nvfp4_gemv_kernel, w, x, n, K // GS, GS, float(gscale), out, residual, config, "gemv_nvfp4",
-                fold)
+                fold, plans)
 
 
 def dequant_nvfp4(codes, scales, gscale, dtype=torch.float16):

@@ -99,6 +99,7 @@ class _PlainKernel:
 
     def __init__(self, kind: int):
         self.kind, self.__name__ = kind, f"plain_gemv_kernel[{kind}]"
+        self.jit, self.extra_consts = plain_gemv_kernel, {"W_KIND": kind}   # for gemv_plan's direct launch
 
     def __getitem__(self, grid):
         return lambda *a, **kw: plain_gemv_kernel[grid](*a, W_KIND=self.kind, **kw)
@@ -107,13 +108,13 @@ class _PlainKernel:
         return plain_gemv_kernel.warmup(*a, grid=grid, W_KIND=self.kind, **kw)
 
 
-def gemv_plain(x, w, out=None, residual=None, *, config=None):
+def gemv_plain(x, w, out=None, residual=None, *, config=None, plans=None):
     """x [T, K] fp16/bf16/fp32, w [N, K] bf16/f16/f32 -> [T, N] in x.dtype."""
     x = check_x(x, None, "gemv_plain")
     K = x.shape[1]
     n, words = _weights(w, K, x.device, "gemv_plain")
     return gemv(_PlainKernel(_KIND[w.dtype]), words, x, n, K // _WIDTH[w.dtype], _WIDTH[w.dtype], 1.0, out,
-                residual, config, "gemv_plain")
+                residual, config, "gemv_plain", plans=plans)
 
 
 def kernel_for(fmt: str = "plain:bf16", dequant: bool = False):

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import dequant_body, even_groups, gemv_body, ld, pairwise
+from .gemv_common import dequant_body, even_groups, gemv_body, ld, ld_pair, pairwise
 from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv
 
 GS = 16
@@ -37,8 +37,8 @@ def _load(ql, qh, sc, d, w4, w5, rows, g, wm, G):
     a = q.to(tl.int32)
     b = (q >> 32).to(tl.int32)
     h = ld(qh + off, wm)
-    ge, wm2 = even_groups(g, wm, G)
-    dd = pairwise(ld(d + rows[:, None] * (G // 16) + (ge // 16)[None, :], wm2).to(tl.float32))
+    ge = even_groups(g)
+    dd = pairwise(ld_pair(d + rows[:, None] * (G // 16) + (ge // 16)[None, :], ge, wm, G).to(tl.float32))
     s = ld(sc + off, wm).to(tl.float32) * dd
     qe_a = (a & 0x0F0F0F0F) | (h & 0x30303030)
     qo_a = ((a >> 4) & 0x0F0F0F0F) | ((h << 2) & 0x30303030)
@@ -74,7 +74,7 @@ def q6_k_gemv_kernel(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr, fs
                      stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                      DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-                      FOLD: tl.constexpr):
+                     FOLD: tl.constexpr):
     gemv_body(x_ptr, ql, qh, sc, d, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
               T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _ONE, _ONE,
               T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD)
@@ -127,12 +127,12 @@ def _weights(packed: dict, K: int, device, what: str):
                check_weight(packed.get("d"), "d", (n, K // QK), (torch.float16,), what, device))
 
 
-def gemv_q6_k(x, packed: dict, out=None, residual=None, *, config=None):
+def gemv_q6_k(x, packed: dict, out=None, residual=None, *, config=None, plans=None):
     """x [T, K] fp16/bf16/fp32, packed = repack_q6_k(blocks, K) -> [T, N] in x.dtype."""
     x = check_x(x, None, "gemv_q6_k")
     K = x.shape[1]
     n, w = _weights(packed, K, x.device, "gemv_q6_k")
-    return gemv(q6_k_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_q6_k")
+    return gemv(q6_k_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_q6_k", plans=plans)
 
 
 def dequant_q6_k(packed: dict, K: int, dtype=torch.float16):
