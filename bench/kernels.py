@@ -1,17 +1,18 @@
 """GPU benchmark of the fused dequant-GEMV kernels at the Qwen3.8-27B linear shapes (TP1 and one TP2 rank).
 
-For every format and shape, T = 1, 2, 4, 8, 16 activation rows (bf16): median time (triton do_bench, which
-also flushes L2; weight copies are rotated on top of that), GB/s of packed weight bytes, % of the device-to-
-device copy bandwidth measured in the same run (read + write), torch's bf16 matmul on the same shape, and the
-config the tuner chose. `--check` first compares every kernel with the codec reference at the real shape
-(sampled output rows) so one device run both validates and times. Prefill (T > 16): fused tl.dot GEMM vs
-dequantize + cuBLAS vs torch bf16.
+For every format and shape, T = 1, 2, 4, 8, 16 activation rows (bf16): time per call the way the decode step
+runs them -- max(20, copies) back-to-back calls over rotating weight copies (240 MB or 16 copies, >= 2x the
+L2) captured in one CUDA graph, replayed, divided (`us`; `us_eager` is the same call launched from Python,
+triton do_bench) -- GB/s of packed weight bytes, % of the device-to-device copy bandwidth measured in the same
+run (read + write), torch's bf16 matmul on the same shape timed the same way, and the config the tuner chose.
+`--check` first compares every kernel with the codec reference at the real shape (sampled output rows) so one
+device run both validates and times. Prefill (T > 16): fused tl.dot GEMM vs dequantize + cuBLAS vs torch bf16.
 
     python bench/kernels.py [--quick] [--check] [--out bench/results/kernels.json] [--json]
     python bench/kernels.py --smoke     # CPU + Triton interpreter, tiny shapes: exercises this script only
 
 Table on stdout, progress on stderr, records to --out: a list of {"format", "name", "tp", "shape": [N, K],
-"T", "us", "gbps", "pct_copy_bw", "torch_bf16_us", "gpu", ...}.
+"T", "us", "us_eager", "gbps", "pct_copy_bw", "torch_bf16_us", "gpu", ...}.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -130,7 +130,7 @@ def make_copies(fmt: str, N: int, K: int):
     from ninfer_kernels import dispatch, randweights
     from ninfer_rt.weights import QWeight
     nbytes = randweights.packed_bytes(fmt, N, K)
-    n = int(min(8, max(2, math.ceil(L2_ROTATE_BYTES / nbytes))))
+    n = int(min(16, max(2, math.ceil(L2_ROTATE_BYTES / nbytes))))
     qws = []
     for i in range(n):
         qw = QWeight(fmt, (N, K), randweights.make(fmt, N, K, device=DEV, seed=i), name=f"bench.{fmt}")
@@ -152,7 +152,8 @@ def check(fmt: str, qw, N: int, K: int) -> list[dict]:
         x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
         res = torch.randn(T, N, device=DEV).to(torch.bfloat16)
         try:
-            y = dispatch.linear(x, qw, residual=res, prefill_path=path)[:, idx]
+            dispatch.linear(x, qw, residual=res, prefill_path=path)   # first call: tuner + checked path
+            y = dispatch.linear(x, qw, residual=res, prefill_path=path)[:, idx]  # decode: the cached plan
             ref = reference.ref_linear(x, fmt, qw.data, residual=res, rows=rows)
             err = float((y.double() - ref.double()).norm() / ref.double().norm())
             out.append({"T": T, "path": path or "decode", "rel_l2": err, "ok": err < 1e-2})
@@ -165,6 +166,26 @@ _KERNEL_NAME = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel", "iq3_s
                 "f8_e4m3_row": "f8_gemv_kernel", "bf16": "plain_gemv_kernel[0]"}
 
 
+def graph_us(fns, quick: bool) -> float | None:
+    """us per call of `fns` (called in turn, max(20, len(fns)) calls) captured in one CUDA graph and replayed:
+    what a decode step sees (no host launch cost between kernels). None without CUDA graphs (smoke)."""
+    if SMOKE:
+        return None
+    k = max(20, len(fns))
+    for f in fns:          # warm: tuning, plans, allocator pools all settle before capture
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(k):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    us = bench_ms(g.replay, quick) * 1e3 / k
+    del g
+    return us
+
+
 def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us) -> list[dict]:
     from ninfer_kernels import dispatch, gemv_launch as gl
     recs, t1 = [], None
@@ -173,27 +194,34 @@ def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us) -> list[di
         out = torch.empty(T, N, device=DEV, dtype=torch.bfloat16)
         dispatch.linear(x, qws[0], out=out)               # the first call tunes; not timed
         it = iter(range(1 << 62))
-        us = bench_ms(lambda: dispatch.linear(x, qws[next(it) % len(qws)], out=out), quick) * 1e3
+        us_eager = bench_ms(lambda: dispatch.linear(x, qws[next(it) % len(qws)], out=out), quick) * 1e3
+        us_g = graph_us([lambda q=q: dispatch.linear(x, q, out=out) for q in qws], quick)
+        us = us_g if us_g is not None else us_eager
         t1 = us if T == 1 else t1
         key = gl.tune_key(_KERNEL_NAME[fmt], N, K // _kernel_spec(fmt)[2], T, x.dtype, False, x.device)
         cfg = gl.tuned_configs().get(key)
         cands = [[str(c), None if t is None else round(t * 1e3, 2)] for c, t in gl.tuning_log().get(key, [])]
         gbps = nbytes / (us * 1e-6) / 1e9
-        recs.append({"format": fmt, "T": T, "us": round(us, 2), "gbps": round(gbps, 1),
-                     "pct_copy_bw": round(100 * gbps / copy_bw, 1), "torch_bf16_us": torch_us.get(T),
-                     "t_over_t1": round(us / t1, 3) if t1 else None, "config": str(cfg) if cfg else "default",
-                     "candidates_us": cands})
+        recs.append({"format": fmt, "T": T, "us": round(us, 2), "us_eager": round(us_eager, 2),
+                     "gbps": round(gbps, 1), "pct_copy_bw": round(100 * gbps / copy_bw, 1),
+                     "torch_bf16_us": torch_us.get(T), "t_over_t1": round(us / t1, 3) if t1 else None,
+                     "config": str(cfg) if cfg else "default", "candidates_us": cands})
     return recs
 
 
 def torch_times(N: int, K: int, ts, quick) -> dict:
+    """torch bf16 matmul us per call, timed like the kernels (CUDA graph of rotating weight copies)."""
     n = int(min(4, max(2, math.ceil(L2_ROTATE_BYTES / (2 * N * K)))))
     ws = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
     res = {}
     for T in ts:
         x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
-        it = iter(range(1 << 62))
-        res[T] = round(bench_ms(lambda: torch.matmul(x, ws[next(it) % n].T), quick) * 1e3, 2)
+        o = torch.empty(T, N, device=DEV, dtype=torch.bfloat16)
+        us = graph_us([lambda w=w: torch.matmul(x, w.T, out=o) for w in ws], quick)
+        if us is None:
+            it = iter(range(1 << 62))
+            us = bench_ms(lambda: torch.matmul(x, ws[next(it) % n].T), quick) * 1e3
+        res[T] = round(us, 2)
     del ws
     return res
 
@@ -213,7 +241,7 @@ def prefill(fmt, qws, N, K, T, quick) -> dict:
 
 # ---- driver ----------------------------------------------------------------------------------------------
 def table(records: list[dict]) -> str:
-    head = (f"{'shape':<13}{'tp':>3}{'N x K':>15} {'format':<12}{'T':>3}{'us':>9}{'GB/s':>8}{'%copy':>7}"
+    head = (f"{'shape':<13}{'tp':>3}{'N x K':>15} {'format':<12}{'T':>3}{'us':>9}{'eager':>8}{'GB/s':>8}{'%copy':>7}"
             f"{'bf16 us':>9}{'x bf16':>7}{'T/T1':>6}  config")
     lines = [head, "-" * len(head)]
     for r in records:
@@ -223,8 +251,8 @@ def table(records: list[dict]) -> str:
         sp = f"{r['torch_bf16_us'] / r['us']:.2f}" if r.get("torch_bf16_us") else "-"
         n, k = r["shape"]
         lines.append(f"{r['name']:<13}{r['tp']:>3}{f'{n} x {k}':>15} {r['format']:<12}{r['T']:>3}{r['us']:>9.1f}"
-                     f"{r['gbps']:>8.0f}{r['pct_copy_bw']:>7.1f}{r.get('torch_bf16_us') or 0:>9.1f}{sp:>7}"
-                     f"{r.get('t_over_t1') or 0:>6.2f}  {r['config']}")
+                     f"{r['us_eager']:>8.1f}{r['gbps']:>8.0f}{r['pct_copy_bw']:>7.1f}"
+                     f"{r.get('torch_bf16_us') or 0:>9.1f}{sp:>7}{r.get('t_over_t1') or 0:>6.2f}  {r['config']}")
     return "\n".join(lines)
 
 

@@ -69,14 +69,18 @@ def auto_split(n_ctas: int, g_tiles: int, sms: int, waves: int = 4) -> int:
     return max(1, min(16, g_tiles, triton.cdiv(waves * sms, n_ctas)))
 
 
-# decode tiles (block_n, block_g, num_warps) per T bucket: block_g = 16 groups is 144..208 bytes of a row per
-# step (2 groups = one 16-byte load per thread); more rows per thread amortize the activation loads, fewer
-# keep the T-fold accumulators in registers
-_DECODE_TILES = {1: ((128, 16, 4), (64, 16, 4), (256, 16, 4), (256, 16, 8), (64, 16, 2), (128, 32, 4)),
+# decode candidates per T bucket, trimmed to what won on the H200 (bench/NOTES.md): (block_n, block_g, num_warps)
+# elementwise tiles (block_g = 16 groups is 144..208 bytes of a row per step, 2 groups = one 16-byte load per
+# thread) and (block_n, K per step, num_warps) tl.dot tiles (sm_80+; sm_70 only from T = 4). T >= 8 never won
+# elementwise except one tile at T = 8; T = 1..2 never won with tl.dot.
+_DECODE_TILES = {1: ((128, 16, 4), (64, 16, 4), (64, 16, 2), (256, 16, 4)),
                  2: ((128, 16, 4), (64, 16, 4), (64, 16, 2)),
-                 4: ((128, 16, 4), (64, 16, 4), (128, 16, 8)),
-                 8: ((64, 16, 4), (32, 16, 4), (64, 16, 8)),
-                 16: ((32, 16, 4), (16, 16, 4))}
+                 4: ((128, 16, 4), (64, 16, 4)),
+                 8: ((64, 16, 4),),
+                 16: ()}
+_DECODE_DOT_TILES = {1: (), 2: (), 4: ((64, 256, 4), (128, 256, 8)),
+                     8: ((64, 256, 4), (128, 128, 4), (128, 256, 8)),
+                     16: ((64, 256, 4), (128, 128, 4), (128, 256, 8))}
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
 
@@ -90,16 +94,16 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device) -
     sms = sm_count(device)
     if T > 16:  # prefill: a GEMM with the decode fused into the A-operand load
         return [GemvConfig(bn, max(1, bk // GS), w, st, 1, True, tt) for bn, bk, w, st, tt in _PREFILL_TILES]
-    out = []
-    for bn, bg, w in _DECODE_TILES[next_pow2(T)]:
-        out.append(GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms)))
-    bn, bg, w = _DECODE_TILES[next_pow2(T)][0]
-    out.append(GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 8)))
-    if T >= 2 and x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
+    b = next_pow2(T)
+    out = [GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
+           for bn, bg, w in _DECODE_TILES[b]]
+    if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
-        for bn, bk, w in ((128, 256, 8), (64, 256, 4), (128, 128, 4)):
+        for bn, bk, w in _DECODE_DOT_TILES[b]:
             bg = max(1, bk // GS)
             out.append(GemvConfig(bn, bg, w, 3, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 2), True))
+    if not out:  # fp32 activations at T = 16 (no tl.dot tile): the smallest elementwise tile
+        out.append(GemvConfig(32, 16, 4, 1, auto_split(triton.cdiv(N, 32), triton.cdiv(G, 16), sms)))
     return list(dict.fromkeys(out))  # drop duplicates, keep order
 
 
@@ -184,9 +188,10 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
     res = residual if residual is not None else out
     grid = (grid_n, split, grid_t)
     scalars = (float(fscale), T, N, G, split)
-    consts = dict(T_TILE=tt, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, USE_SPLIT=split > 1, USE_DOT=cfg.use_dot,
-                  DOT_KIND=dot_kind(x.dtype), HAS_RES=residual is not None, EVEN_G=G % cfg.block_g == 0,
-                  FOLD=bool(fold and cfg.use_dot), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    consts = {"T_TILE": tt, "BLOCK_N": cfg.block_n, "BLOCK_G": cfg.block_g, "USE_SPLIT": split > 1,
+              "USE_DOT": cfg.use_dot, "DOT_KIND": dot_kind(x.dtype), "HAS_RES": residual is not None,
+              "EVEN_G": G % cfg.block_g == 0, "FOLD": bool(fold and cfg.use_dot), "num_warps": cfg.num_warps,
+              "num_stages": cfg.num_stages}
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,
                    x.stride(0), out.stride(0), res.stride(0), **consts)
@@ -224,17 +229,21 @@ _FLUSH: dict = {}
 
 
 def time_ms(fn, reps: int = 12) -> float:
-    """Median ms of fn() with L2 flushed before each run (a buffer of twice the L2 size, not triton's 256 MB:
-    the tuner runs inside a serving process)."""
+    """Median ms of fn() on the GPU with L2 flushed before each run (a buffer of twice the L2 size, not
+    triton's 256 MB: the tuner runs inside a serving process). A GPU-side sleep queued before each run keeps
+    the host's launch cost out of the measurement (the decode step runs these kernels in a CUDA graph)."""
     dev = torch.cuda.current_device()
     if dev not in _FLUSH:
         l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 64 << 20) or (64 << 20)
         _FLUSH[dev] = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
     flush = _FLUSH[dev]
+    sleep = getattr(torch.cuda, "_sleep", None)
     fn()
     fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
+        if sleep is not None:
+            sleep(600_000)  # ~0.3-0.4 ms of GPU clocks: longer than enqueuing flush + fn on a slow host
         flush.zero_()
         start.record()
         fn()

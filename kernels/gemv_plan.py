@@ -9,7 +9,7 @@ Launch: Triton's `kernel[grid](...)` re-binds and re-specializes ~25 arguments p
 on a slow host). The plan keeps the `CompiledKernel` the first launch returned and calls its launcher
 directly, with the argument list `JITFunction.run` would build (every parameter in order, constexprs
 included; the same in Triton 3.6 and 3.9). The compiled binary is specialized on 16-byte alignment of the
-pointers and on the values of the integer arguments (== 1, divisible by 16), so the plan records those
+pointers, the pointee dtypes and the values of the integer arguments (== 1, divisible by 16), so the plan records those
 properties of the first call and uses the direct launcher only when a call matches them; any other call takes
 `kernel[grid]`, which picks or compiles the right binary. NINFER_GEMV_FAST_LAUNCH=0 disables the direct path.
 """
@@ -26,15 +26,15 @@ _FIXED = ("x_ptr", "out_ptr", "res_ptr", "ws_ptr", "cnt_ptr", "fscale", "T", "N"
 def _spec(x, out, res) -> tuple:
     """What the compiled binary was specialized on among the per-call arguments."""
     return (x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, res.data_ptr() % 16 == 0,
-            x.stride(0), out.stride(0), res.stride(0))
+            x.stride(0), out.stride(0), res.stride(0), res.dtype)
 
 
 class GemvPlan:
     """launch(x, out, residual) -> out, or None when the call does not fit the plan (caller takes the checked
     path, which raises the proper error or builds another plan)."""
 
-    __slots__ = ("kernel", "grid", "weights", "ws", "cnt", "scalars", "consts", "tail", "T", "N", "K",
-                 "dtype", "device", "has_res", "runner", "spec")
+    __slots__ = ("K", "N", "T", "cnt", "consts", "device", "dtype", "grid", "has_res", "kernel", "runner", "scalars",
+                 "spec", "tail", "weights", "ws")
 
     def __init__(self, kernel, grid, weights, ws, cnt, scalars, consts: dict, compiled, x, out, res, has_res):
         self.kernel, self.grid, self.weights, self.ws, self.cnt = kernel, grid, tuple(weights), ws, cnt
@@ -74,7 +74,7 @@ class GemvPlan:
         ws = out if self.ws is None else self.ws
         cnt = out if self.cnt is None else self.cnt
         if self.runner is not None and (x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
-                                        res.data_ptr() % 16 == 0, xs[0], os_[0], rs[0]) == self.spec:
+                                        res.data_ptr() % 16 == 0, xs[0], os_[0], rs[0], res.dtype) == self.spec:
             self.runner(x, *self.weights, out, res, ws, cnt, *self.scalars, xs[0], os_[0], rs[0], *self.tail)
         else:
             self.kernel[self.grid](x, *self.weights, out, res, ws, cnt, *self.scalars, xs[0], os_[0], rs[0],

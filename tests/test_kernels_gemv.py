@@ -182,6 +182,31 @@ def test_in_place_residual(T):
     assert rel_l2(h, ref) < RTOL_FP32
 
 
+@pytest.mark.parametrize("fmt", ("nvfp4", "iq3_s", "bf16"))
+def test_linear_decode_plan_reuse_and_fallback(fmt):
+    """The second decode call runs from the weight's cached plan; calls that do not fit it (another out
+    stride, a residual, a bad out) take the checked path and still give the right answer or a named error."""
+    K = K_SMALL[fmt]
+    qw = quantized(fmt, N_SMALL, K, seed=11)
+    x = torch.randn(3, K).to(DEV)
+    ref = reference.ref_linear(x, fmt, qw.data)
+    first = dispatch.linear(x, qw)
+    plans = qw.cache["triton.plans"]
+    assert list(plans) == [(3, torch.float32, False)]
+    out = poisoned(3, N_SMALL, torch.float32)
+    assert dispatch.linear(x, qw, out=out) is out and torch.equal(out, first)
+    assert rel_l2(out, ref) < RTOL_FP32
+    wide = poisoned(3, N_SMALL + 5, torch.float32)[:, :N_SMALL]     # row stride != N: the plan's launch path
+    dispatch.linear(x, qw, out=wide)
+    assert torch.equal(wide, first)
+    res = torch.randn(3, N_SMALL).to(DEV)
+    y = dispatch.linear(x, qw, residual=res)
+    assert rel_l2(y, reference.ref_linear(x, fmt, qw.data, residual=res)) < RTOL_FP32
+    assert (3, torch.float32, True) in plans
+    with pytest.raises(KernelInputError, match="out must be"):
+        dispatch.linear(x, qw, out=torch.zeros(3, N_SMALL, dtype=torch.float16, device=DEV))
+
+
 def test_bad_inputs_are_named():
     qw = quantized("nvfp4", 8, 32)
     d = qw.data
