@@ -37,10 +37,10 @@ IMPLS = ("one_shot", "two_shot")
 # NVLink SHARP / multicast paths are unreliable on the lent machines: every TP process runs with these
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # (largest message in bytes, implementation) per world size; first match wins, larger messages go to NCCL.
-# Re-measure with bench/allreduce.py (it prints this table from its CUDA-graph timings). Until then: one-shot
-# up to 256 KiB (a decode batch of 25 rows), NCCL above.
+# Measured with bench/allreduce.py on 2xH200 (NV18), CUDA-graph timings (bench/results/allreduce.json):
+# one-shot 7.1 us vs NCCL 17.2 us at 10 KiB, ahead up to 1 MiB; two-shot ahead from 2 to 4 MiB.
 CROSSOVER: dict[int, tuple[tuple[int, str], ...]] = {
-    2: ((256 * KIB, "one_shot"),),
+    2: ((1024 * KIB, "one_shot"), (4096 * KIB, "two_shot")),
 }
 DEFAULT_ROWS: tuple[tuple[int, str], ...] = ((256 * KIB, "one_shot"),)
 ALIGN = 16                   # the kernels' 16-byte vector loads: sizes and offsets must be multiples
