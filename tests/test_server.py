@@ -260,6 +260,8 @@ BAD_REQUESTS = [
     ("image-without-vision", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages.0.content.0.image_url"),
+    ("text-part-without-text", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages.0.content.0.text"),
     ("audio-part", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      400, "messages.0.content.0"),

@@ -1,10 +1,10 @@
 """`ninfer-rt serve --vision`: image chat requests through the OpenAI client against a tiny random VL artifact.
 
 An image+text request (data URIs) gives the greedy text of the Engine driven directly with the same images
-(the server runs MTP K=2, the reference none: lossless with images too); without --vision the tower stays in
-the file and an image is a 400 naming the flag; bad images (not an image, bad base64, too many, too large,
-over the image-token budget, http and local-file URLs) are 400s with OpenAI error bodies and the server
-keeps serving; /metrics and the request log count image tokens.
+(the server runs MTP K=2, the reference none: lossless with images too; a TP2 server the same); without
+--vision the tower stays in the file and an image is a 400 naming the flag; bad images (not an image, bad
+base64, too many, too large, over the image-token budget, http and local-file URLs) are 400s with OpenAI
+error bodies and the server keeps serving; /metrics and the request log count image tokens.
 """
 from __future__ import annotations
 
@@ -56,14 +56,17 @@ def _messages(urls: list[str], text: str = "describe") -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> str:
+def _write_artifact(out, tp: int) -> str:
     tiny = build_hf_model(seed=SEED, vision=True)
     cfg = model_config_from_hf(tiny.text_config, vision_config=tiny.vision_config)
-    out = tmp_path_factory.mktemp("serve-vl")
-    write_artifact(out, "model", cfg, artifact_tensors(tiny, tp=1),
+    write_artifact(out, "model", cfg, artifact_tensors(tiny, tp=tp),
                    {**tiny_resources(), "preprocessor_config.json": json.dumps(PRE).encode()}, {"source": "hf_tiny"})
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> str:
+    return _write_artifact(tmp_path_factory.mktemp("serve-vl"), tp=1)
 
 
 def _vision_kw() -> dict:
@@ -172,6 +175,25 @@ def test_image_and_text_requests_batch_together(served):
     assert together == alone
 
 
+def test_tp2_vision_server_matches_the_tp1_engine(reference, tmp_path_factory):
+    """Rank 0 holds the tower and sends the merged embeddings; rank 1 (a spawned process) never binds it."""
+    from ninfer_rt.server.handlers import splitter
+    srv, rt = real_server(_write_artifact(tmp_path_factory.mktemp("serve-vl-tp2"), tp=2), tp=2, **_vision_kw())
+    try:
+        ids, prompt_ids, n_prompt = reference
+        r = srv.client().chat.completions.create(model=MODEL_ID, messages=_messages(URIS), max_tokens=NEW,
+                                                 temperature=0)
+        msg = r.choices[0].message
+        want = expected_text(rt.tokenizer, ids, splitter(rt.tokenizer, prompt_ids))
+        assert ((getattr(msg, "reasoning_content", None) or ""), msg.content) == want
+        assert r.usage.prompt_tokens == n_prompt
+        wait_idle(srv)
+    finally:
+        srv.close()
+        rt.close()
+    assert all(p.exitcode == 0 for p in rt.launch.procs)
+
+
 def _bad_cases() -> list[tuple]:
     noise = _uri(_png(100, 100, seed=3))                    # random pixels: well over MAX_IMAGE_BYTES as PNG
     big = _uri(_png(200, 200, solid=True))                  # small file, 40000 pixels
@@ -230,6 +252,16 @@ def test_without_vision_the_tower_stays_in_the_file_and_images_are_400(artifact)
     finally:
         srv.close()
         rt.close()
+
+
+def test_serve_options_refuse_local_image_files():
+    from ninfer_rt.server.runtime import RuntimeOptions, ServeError
+    from ninfer_rt.server.serve import ServeOptions
+    from ninfer_rt.vision.setup import VisionOptions
+    with pytest.raises(ServeError, match="never reads image files"):
+        ServeOptions(runtime=RuntimeOptions(artifact="x", vision=VisionOptions(allow_files=True)))
+    with pytest.raises(ServeError, match="--vision-max-tokens: expected a positive integer"):
+        RuntimeOptions(artifact="x", vision=VisionOptions(), vision_max_tokens=0)
 
 
 def test_auto_kv_headroom_scales_with_the_vision_budget():

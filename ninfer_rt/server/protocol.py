@@ -140,8 +140,10 @@ def _check_chat(req: ChatRequest) -> None:
             if (part.type == "text" and part.text is not None) or part.type in IMAGE_PART_TYPES:
                 continue           # image parts: their URLs are checked with the images (server/images.py)
             where = f"messages.{i}.content.{j}"
-            raise bad_request(f"{where}: only text and image_url parts are supported, got type {part.type!r}"
-                              + (" without text" if part.type == "text" else ""), param=where)
+            if part.type == "text":
+                raise bad_request(f"{where}: a text part needs a 'text' string", param=f"{where}.text")
+            raise bad_request(f"{where}: only text and image_url parts are supported, got type {part.type!r}",
+                              param=where)
     if req.logprobs:
         raise bad_request("logprobs: not supported by this server", param="logprobs")
     if req.tools:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from ..sampling import SamplingParams
 from .protocol import ApiError, bad_request, usage
 from .reasoning import OutputText
-from .request_log import NullLog
+from .request_log import NullLog, done_record
 
 DEFAULT_MAX_TOKENS = 4096
 
@@ -327,10 +327,7 @@ class Scheduler:
         self.metrics.requests.labels(finish_reason=reason).inc()
         now = time.monotonic()
         self.metrics.e2e.observe(now - h.arrival)
-        extra = {"images": h.images, "image_tokens": h.image_tokens} if h.images else {}
-        self.log.write("request_done", id=h.id, finish_reason=reason, prompt_tokens=h.prompt_len,
-                       completion_tokens=h.generated, timings_seconds=_timings(h, now),
-                       speculative=_spec_record(h), **extra)
+        self.log.write("request_done", **done_record(h, reason, now))
 
     def _fail(self, h: Handle, e: Exception) -> None:
         err = e if isinstance(e, ApiError) else _engine_error(e)
@@ -399,21 +396,3 @@ def _engine_error(e: Exception) -> ApiError:
         return bad_request(str(e))
     return ApiError(500, f"internal engine error: {type(e).__name__}: {e}", type="server_error",
                     code="engine_error")
-
-
-def _spec_record(h: Handle) -> dict:
-    """Tokens per emitting step (1 + mean accepted drafts with MTP); this request's MTP drafted / accepted
-    counts and their ratio when the engine reports them (StepOutput.drafted / .accepted)."""
-    rec = {"steps": h.steps, "tokens_per_step": round(h.generated / h.steps, 4) if h.steps else None}
-    if h.drafted is not None:
-        acc = h.accepted or 0
-        rec.update(drafted=h.drafted, accepted=acc,
-                   acceptance_rate=round(acc / h.drafted, 4) if h.drafted else None)
-    return rec
-
-
-def _timings(h: Handle, now: float) -> dict:
-    def d(a, b):
-        return None if a is None or b is None else round(b - a, 6)
-    return {"queued": d(h.arrival, h.admitted), "ttft": d(h.arrival, h.first),
-            "decode": d(h.first, h.last), "total": d(h.arrival, now)}
