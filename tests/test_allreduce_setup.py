@@ -59,7 +59,7 @@ def test_setup_builds_and_reports_the_path(monkeypatch):
     spy = SetupSpy(monkeypatch)
     p = spy.setup(FakeGroup())
     assert p is spy.created[0] and p.eager
-    assert len(spy.logs) == 1 and "peer memory (one_shot) up to 256 KiB" in spy.logs[0] and "22.0 us" in spy.logs[0]
+    assert len(spy.logs) == 1 and "peer memory (one_shot/two_shot) up to 4096 KiB" in spy.logs[0] and "22.0 us" in spy.logs[0]
 
 
 @pytest.mark.parametrize("where", ["local", "peer_local", "create", "peer_create", "verify", "peer_verify"])
