@@ -194,7 +194,7 @@ def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us) -> list[di
         out = torch.empty(T, N, device=DEV, dtype=torch.bfloat16)
         dispatch.linear(x, qws[0], out=out)               # the first call tunes; not timed
         it = iter(range(1 << 62))
-        us_eager = bench_ms(lambda: dispatch.linear(x, qws[next(it) % len(qws)], out=out), quick) * 1e3
+        us_eager = bench_ms(lambda: dispatch.linear(x, qws[next(it) % len(qws)], out=out), True) * 1e3
         us_g = graph_us([lambda q=q: dispatch.linear(x, q, out=out) for q in qws], quick)
         us = us_g if us_g is not None else us_eager
         t1 = us if T == 1 else t1
@@ -282,8 +282,13 @@ def run(args) -> tuple[list[dict], list[dict]]:
     ts = tuple(args.T) if args.T else ((1, 8) if args.quick else TS)
     fmts = [f for f in FORMATS if f in args.formats]
     if not (args.no_precompile or SMOKE):
-        precompile([(f, N, K, T) for name, tp, N, K in shapes for f in fmts
-                    if f == "bf16" or name not in BF16_ONLY for T in ts], args.workers)
+        jobs = [(f, N, K, T) for name, tp, N, K in shapes for f in fmts if f == "bf16" or name not in BF16_ONLY
+                for T in ts]
+        # the prefill tiles (--check's fused probe at T = 64, --prefill-T) compile alike for every shape and any
+        # T that is a multiple of 16: one job per format
+        pre_t = 64 if args.check else (args.prefill_T or 0)
+        jobs += [(f, shapes[0][2], shapes[0][3], pre_t) for f in fmts if f != "bf16" and pre_t > 16]
+        precompile(jobs, args.workers)
     records, checks, done, torch_done = [], [], {}, {}
     for name, tp, N, K in shapes:
         if (N, K) not in torch_done:

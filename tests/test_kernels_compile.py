@@ -43,3 +43,24 @@ def test_no_spills_and_sane_registers(compiled):
     for row in compiled:
         assert row["local"] == 0, f"{row['variant']}@sm_{row['cc']} spills ({row['local']} bytes local)"
         assert 0 < row["regs"] <= 255, row
+
+
+# Every triton.language name the GEMV kernels use, each checked to exist in Triton 3.6 (the oldest Triton the
+# GPU machines run; CI has a newer one). A name outside this list needs the same check before it is added.
+TL_NAMES_IN_3_6 = {
+    "arange", "atomic_add", "atomic_xchg", "bfloat16", "cdiv", "constexpr", "debug_barrier", "dot", "float16",
+    "float32", "int16", "int32", "int64", "join", "load", "max_contiguous", "minimum", "multiple_of",
+    "num_programs", "program_id", "reshape", "split", "static_assert", "static_range", "store", "sum", "where",
+    "zeros", "zeros_like"}
+
+
+def test_kernels_use_only_triton_3_6_language():
+    import re
+    kdir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    used = {}
+    for f in sorted(os.listdir(kdir)):
+        if f.startswith("gemv_") and f.endswith(".py"):
+            for name in re.findall(r"\btl\.([a-z_0-9]+)", open(os.path.join(kdir, f)).read()):
+                used.setdefault(name, f)
+    newer = {n: f for n, f in used.items() if n not in TL_NAMES_IN_3_6}
+    assert used and not newer, f"tl names not verified against Triton 3.6: {newer}"
