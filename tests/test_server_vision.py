@@ -194,6 +194,17 @@ def test_tp2_vision_server_matches_the_tp1_engine(reference, tmp_path_factory):
     assert all(p.exitcode == 0 for p in rt.launch.procs)
 
 
+def test_a_body_over_one_mib_is_served(served):
+    """Bodies over BIG_BODY_BYTES (images as base64) are parsed in a worker thread: same answer."""
+    from ninfer_rt.server.app import BIG_BODY_BYTES
+    body = {"model": MODEL_ID, "messages": _messages(URIS[:1]), "max_tokens": 3, "temperature": 0}
+    small = _post(served.srv, "/v1/chat/completions", body)
+    big = _post(served.srv, "/v1/chat/completions", {**body, "pad": "x" * (BIG_BODY_BYTES + 1)})
+    assert small.status_code == big.status_code == 200, big.text
+    assert big.json()["choices"][0]["message"] == small.json()["choices"][0]["message"]
+    assert big.json()["usage"] == small.json()["usage"]
+
+
 def _bad_cases() -> list[tuple]:
     noise = _uri(_png(100, 100, seed=3))                    # random pixels: well over MAX_IMAGE_BYTES as PNG
     big = _uri(_png(200, 200, solid=True))                  # small file, 40000 pixels

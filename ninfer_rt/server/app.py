@@ -13,14 +13,17 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import handlers as H
 from . import protocol as P
 from .images import image_prompt
 from .metrics import ServerMetrics
+from .runtime import DEFAULT_VISION_TOKENS
 
 MAX_BODY_BYTES = 4 << 20
+BIG_BODY_BYTES = 1 << 20
 UNGUARDED = ("/health",)
 
 
@@ -35,12 +38,12 @@ class ServerState:
     vocab_size: int = 0
     defaults: dict = field(default_factory=dict)
     vision: object | None = None           # VisionRuntime with --vision; None: image parts are a 400
-    vision_max_tokens: int = 0             # image tokens per request (--vision-max-tokens)
+    vision_max_tokens: int = DEFAULT_VISION_TOKENS   # image tokens per request (--vision-max-tokens)
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ready(self, scheduler, tokenizer, vocab_size: int, generation_config: dict, *, vision=None,
-              vision_max_tokens: int = 0) -> None:
+              vision_max_tokens: int = DEFAULT_VISION_TOKENS) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.defaults = H.sampling_defaults(generation_config)
         self.vision, self.vision_max_tokens = vision, vision_max_tokens
@@ -103,6 +106,8 @@ async def read_json(request: Request, cap: int):
         if len(body) > cap:           # chunked uploads carry no Content-Length for the guard to check
             raise _too_large(cap)
     try:
+        if len(body) > BIG_BODY_BYTES:     # image data URIs: parse off the event loop, streams keep flowing
+            return await run_in_threadpool(json.loads, bytes(body))
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise P.bad_request(f"request body is not valid JSON ({e})") from None
