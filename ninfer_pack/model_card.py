@@ -66,8 +66,18 @@ def _serve(plan: PackPlan, base_model: str | None) -> list[str]:
             "--tp N` for another count). It checks every checksum at load and serves an OpenAI-compatible API "
             "(`/v1/chat/completions`) with MTP speculative decoding when the artifact holds the MTP head.",
             "", "## Reproduce", "", "```bash",
-            f"ninfer-pack convert {base_model or plan.source.label} ./model --recipe {plan.recipe.name} "
-            f"--tp {tp}", "```", ""]
+            f"ninfer-pack convert {base_model or plan.source.label} ./model {_recipe_args(plan)} --tp {tp}",
+            "```", ""]
+
+
+def _recipe_args(plan: PackPlan) -> str:
+    """--recipe (+ --override for roles that differ from the built-in) that rebuild this recipe."""
+    from .recipes import BUILTIN
+    name, roles = plan.recipe.name, dict(plan.recipe.roles)
+    if name not in BUILTIN or plan.recipe.tensor_rules:
+        return f"--recipe {name}.toml   # the recipe file used: roles and rules are in report.json"
+    diff = [f"--override {r}={f}" for r, f in roles.items() if BUILTIN[name].get(r) != f]
+    return " ".join([f"--recipe {name}", *diff])
 
 
 def render_card(plan: PackPlan, report: dict, base_model: str | None = None) -> str:

@@ -186,6 +186,7 @@ def test_recipe_tp_matrix(wide, runs, recipe, tp, overrides):
     assert c.eos_token_ids == (246, 248) and c.mrope_section == (11, 11, 10) and c.rope_theta == 1e7
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "library_name: ninfer" in card and f"ninfer-rt serve ./model --tp {tp}" in card
+    assert all(f"--override {o}" in card for o in overrides)            # the card's reproduce line
 
 
 SMALL_NVFP4 = ("lm_head=nvfp4", "mtp=nvfp4")      # hidden 64: no whole 256-blocks for q6_k
