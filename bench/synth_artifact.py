@@ -216,6 +216,14 @@ def existing(folder: str, stem: str, tp: int, spec: str) -> list[str] | None:
     return paths
 
 
+def tokenizer_resources() -> dict[str, bytes]:
+    """The shipped tiny model's tokenizer and template, so `generate`/`serve` can run on the synthetic
+    artifact (its ids cover the first 4096 of the vocab; sampled ids beyond decode to nothing)."""
+    tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ninfer_pack", "tiny")
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+    return {n: open(os.path.join(tiny, n), "rb").read() for n in names if os.path.exists(os.path.join(tiny, n))}
+
+
 def build(folder: str, shape: SynthShape = SynthShape(), recipe: str = "nvfp4", tp: int = 1, *, seed: int = 0,
           workers: int | None = None, log=None) -> tuple[list[str], dict]:
     """Write (or reuse) the artifact; -> (rank file paths, {"bytes", "build_s", "reused", "tensors"})."""
@@ -230,8 +238,9 @@ def build(folder: str, shape: SynthShape = SynthShape(), recipe: str = "nvfp4", 
         return found, {"bytes": sum(os.path.getsize(p) for p in found), "build_s": 0.0, "reused": True}
     per_rank = rank_tensors(cfg, recipe, tp)
     meta = {"source": spec, "recipe": load_recipe(recipe).describe(), "producer": "bench/synth_artifact.py"}
+    res = tokenizer_resources()
     writers = [RankWriter(os.path.join(folder, rank_file_name(stem, tp, r)),
-                          ArtifactPlan(cfg, tp, r, [TensorSpec(n, s, f) for n, f, s in per_rank[r]], {}, meta))
+                          ArtifactPlan(cfg, tp, r, [TensorSpec(n, s, f) for n, f, s in per_rank[r]], res, meta))
                for r in range(tp)]
     try:
         done = [w.done() for w in writers]           # resume a build cut short (same spec -> same plan)
