@@ -55,6 +55,7 @@ class GenerateOptions:
     max_context: int | None = None
     stats_json: str | None = None
     vision: VisionOptions | None = None  # None: images are refused and the tower is not loaded
+    eager: bool = False                  # no CUDA-graph capture
 
     def __post_init__(self):
         given = [n for n in ("prompt", "messages", "raw") if getattr(self, n) is not None]
@@ -139,7 +140,7 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
     t0 = time.perf_counter()
     rt = open_runtime(RuntimeOptions(artifact=opts.artifact, tp=opts.tp, device=opts.device, dtype=opts.dtype,
                                      backend=opts.backend, draft_tokens=opts.draft_tokens, max_concurrency=1,
-                                     max_context=opts.max_context, verify=opts.verify))
+                                     max_context=opts.max_context, verify=opts.verify, eager=opts.eager))
     try:
         tok, eng = rt.tokenizer, rt.engine
         vis = _attach_vision(opts, rt)
@@ -243,6 +244,7 @@ def _default_device() -> str:
 @click.option("--max-context", type=int, help="Context length in tokens (prompt + generated).")
 @click.option("--no-verify", is_flag=True, help="Skip checksum verification at load.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write load/throughput/MTP stats here.")
+@click.option("--eager", is_flag=True, help="Do not capture CUDA graphs (decode/verify/draft steps run eagerly).")
 @click.option("--vision", is_flag=True,
               help="Accept image_url parts in --messages (data URIs or local paths); loads the vision tower.")
 @click.option("--max-images", type=click.IntRange(1), help="Images per prompt at most (--vision). [default: 8]")
@@ -253,8 +255,8 @@ def _default_device() -> str:
 @user_errors
 def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_tokens, tp, device, dtype, backend,
                  temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, seed, no_think,
-                 max_context, no_verify, stats_json, vision, max_images, max_image_bytes, max_image_pixels,
-                 vision_max_pixels):
+                 max_context, no_verify, stats_json, eager, vision, max_images, max_image_bytes,
+                 max_image_pixels, vision_max_pixels):
     """Generate text for one prompt from ARTIFACT_DIR."""
     from .speculative import SpecConfig
     vis = vision_options(vision, max_images=max_images, max_image_bytes=max_image_bytes,
@@ -268,7 +270,7 @@ def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_token
         dtype=dtype or ("bfloat16" if device == "cuda" else "float32"), backend=backend, verify=not no_verify,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, thinking=not no_think, max_context=max_context,
-        stats_json=stats_json, vision=vis)
+        stats_json=stats_json, vision=vis, eager=eager)
     run_generate(opts)
 
 

@@ -16,6 +16,10 @@ Images (`vision=VisionRuntime`, ninfer_rt/vision): the request thread makes a `V
 decode, resize, placeholder expansion), `add_request(..., vision=vr)` runs the tower on this thread and the
 sequence then carries its MRoPE positions and spliced embeddings into every forward (prefill, decode,
 verify, MTP). Only rank 0 holds the tower; followers receive the embeddings with the admitting step.
+
+CUDA graphs (`graphs=`, default "auto"): on CUDA with the triton backend the decode, verify and draft steps
+replay graphs captured at construction (`graph_config`); "eager" runs the same static-buffer steps without
+capture (CLI `--eager`), "off" the plain model. On CPU there are none, and a step is one forward as before.
 """
 from __future__ import annotations
 
@@ -23,13 +27,14 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 import torch
 
 from ninfer_formats.errors import NinferError
 
 from .engine_core import Core, Plan, Seq, Verdict
+from .graphs import GraphConfig
 from .sampling import SamplingParams, make_generator, sample
 from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify
 from .state import CacheConfig
@@ -40,6 +45,8 @@ if TYPE_CHECKING:
 
 DEFAULT_CONTEXT = 8192          # default KV reservation per batch slot when kv_pages is not given
 DEFAULT_PAGE = 16
+GRAPH_MODES = ("auto", "eager", "off")
+GRAPH_MAX_BATCH = 64            # larger decode batches run without graphs (capture time, snapshot buffers)
 
 
 class EngineError(NinferError):
@@ -67,6 +74,7 @@ class EngineStats:
     decode_s: float = 0.0
     steps: int = 0
     spec: SpecStats | None = None
+    graphs: object = None              # GraphStats of the engine's GraphRunner (None without graphs)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -82,6 +90,10 @@ class EngineStats:
              "steps": self.steps}
         if self.spec is not None:
             d.update(self.spec.to_dict())
+        if self.graphs is not None:
+            g = self.graphs
+            d.update(graphs_captured=g.captured, graph_capture_s=g.capture_s, graph_replays=g.replays,
+                     graph_eager_steps=g.eager_steps, graph_fallbacks=g.fallbacks)
         return d
 
 
@@ -94,16 +106,62 @@ def cache_config(cfg, max_batch: int, kv_pages: int | None, page_size: int = DEF
     return CacheConfig(num_pages=kv_pages, page_size=page_size, max_seqs=max_batch)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What every rank builds from the same arguments: the cache, the graph shapes, the context limit."""
+    cache: CacheConfig
+    graphs: GraphConfig | None
+    max_model_len: int
+
+
+def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model_len: int,
+                 mode: Union[str, GraphConfig] = "auto") -> GraphConfig | None:
+    """The engine's graphs: decode (and, with MTP, verify of 1..K drafts and the 1-token draft step) at batch
+    sizes 1, 2, 4, ... up to max_batch (at most GRAPH_MAX_BATCH), one KV bucket = the context limit.
+    "auto": captured on CUDA with the triton backend (the torch reference reads host metadata a graph would
+    freeze), none elsewhere; "eager": the same static-buffer steps without capture; "off": the plain model."""
+    if isinstance(mode, GraphConfig):
+        return mode
+    if mode not in GRAPH_MODES:
+        raise EngineError(f"graphs: expected one of {', '.join(GRAPH_MODES)} or a GraphConfig, got {mode!r}")
+    if mode == "off" or torch.device(device).type != "cuda" or type(ops).__name__ != "TritonOps":
+        return None
+    top = min(max_batch, GRAPH_MAX_BATCH)
+    sizes = tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i < top} | {top}))
+    k = spec.num_draft_tokens if spec is not None else 0
+    return GraphConfig(batch_sizes=sizes, tokens=tuple(range(1, k + 2)), mtp_tokens=(1,) if k else (),
+                       kv_buckets=(max_model_len,), eager=mode == "eager")
+
+
+def engine_layout(loaded, ops, spec: SpecConfig | None, max_batch: int, kv_pages: int | None,
+                  page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
+                  graphs: Union[str, GraphConfig] = "auto") -> Layout:
+    """With graphs the pool gets one more sequence slot and the pages of one padded row (the runner's scratch
+    sequence), so the requests see the same capacity as without."""
+    base = cache_config(loaded.config, max_batch, kv_pages, page_size)
+    cap = base.num_pages * base.page_size
+    limit = min(loaded.config.max_position_embeddings, cap, max_model_len or cap)
+    g = graph_config(getattr(loaded, "device", "cpu"), ops, spec, max_batch, limit, graphs)
+    if g is None:
+        return Layout(base, None, limit)
+    spare = math.ceil(max(g.tokens + g.mtp_tokens) / page_size)
+    return Layout(CacheConfig(num_pages=base.num_pages + spare, page_size=page_size, max_seqs=max_batch + 1),
+                  g, limit)
+
+
 class Engine(Core):
     def __init__(self, loaded, ops, tp=None, spec: SpecConfig | None = None, *, max_batch: int = 8,
                  kv_pages: int | None = None, page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
-                 prefill_chunk: int = 512, tokenizer=None, vision: VisionRuntime | None = None):
+                 prefill_chunk: int = 512, tokenizer=None, vision: VisionRuntime | None = None,
+                 graphs: Union[str, GraphConfig] = "auto"):
+        """graphs: "auto" | "eager" | "off" | a GraphConfig (see `graph_config`); followers get the same
+        `engine_layout` so every rank captures the same graphs in the same order."""
         tp = tp or LocalGroup()
         if tp.rank != 0:
             raise ValueError("Engine runs on rank 0; other ranks run engine_core.Follower")
-        super().__init__(loaded, ops, tp, spec, cache_config(loaded.config, max_batch, kv_pages, page_size))
-        cap = self.cache.num_pages * self.cache.page_size
-        self.max_model_len = min(self.cfg.max_position_embeddings, cap, max_model_len or cap)
+        lay = engine_layout(loaded, ops, spec, max_batch, kv_pages, page_size, max_model_len, graphs)
+        super().__init__(loaded, ops, tp, spec, lay.cache, graphs=lay.graphs)
+        self.max_batch, self.max_model_len = max_batch, lay.max_model_len
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise EngineError(f"prefill_chunk: expected a positive integer, got {prefill_chunk!r}")
         self.prefill_chunk, self.tokenizer = prefill_chunk, tokenizer
@@ -112,7 +170,8 @@ class Engine(Core):
         self.running: list[Seq] = []
         self._free_msg: list[str] = []
         self._unusable: str | None = None    # why step() is refused from now on (None: usable)
-        self.stats = EngineStats(spec=SpecStats() if spec else None)
+        self.stats = EngineStats(spec=SpecStats() if spec else None,
+                                 graphs=self.graphs.stats if self.graphs is not None else None)
         self.device = self.model.device
         self.vision = None
         if vision is not None:
@@ -237,6 +296,7 @@ class Engine(Core):
         for s in list(self.running):
             self._drop(s)
         self.running, self.waiting = [], deque()
+        self._close_graphs()
 
     # ---- scheduling ----
     def _reserve_pages(self, s: Seq) -> int:
@@ -247,7 +307,7 @@ class Engine(Core):
         self._free_msg = []
         pool = self.model.kv_pool
         outstanding = sum(max(0, self._reserve_pages(s) - len(s.state.pages)) for s in self.running)
-        while self.waiting and len(self.running) < self.cache.max_seqs and self.model.gdn_pool.free_slots():
+        while self.waiting and len(self.running) < self.max_batch and self.model.gdn_pool.free_slots():
             s = self.waiting[0]
             need = self._reserve_pages(s)
             if pool.free_pages() - outstanding < need:

@@ -16,6 +16,13 @@ Step protocol (TP > 1, all over the CPU gloo control group, rank 0 -> everyone):
   2. for j = 1..max k: int64 [n_j]  the j-th drafts of the decode sequences with k >= j, in plan order
   3. if anything was scheduled: int64 [n_decode + n_prefill, 4] verdict rows (n_acc, token, n_emit, finished)
 Followers never sample; they apply the same plan, drafts and verdicts to their shards.
+
+CUDA graphs (`graphs=GraphConfig`, built by engine.engine_layout): every rank makes a GraphRunner after the
+Model and captures the same graphs in the same order (under TP they hold the all-reduces). The decode /
+verify rows of a step and its prefill chunks then go to separate forwards (`forward_parts`): the decode part
+replays a graph (the runner falls back to the model for what it cannot serve: ragged verify sizes, image
+positions, ...), the chunks run eagerly. The same split applies to the MTP alignment; draft steps go to the
+runner whole. Without graphs a step stays one forward, as before.
 """
 from __future__ import annotations
 
@@ -24,11 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .model import Model, MtpInput, SeqInput
+from .model import Model, MtpInput, Output, SeqInput
 from .speculative import SpecConfig, SpecError
 from .state import CacheConfig
 
 if TYPE_CHECKING:
+    from .graphs import GraphConfig
     from .vision.prompt import VisionPrompt
 
 
@@ -80,6 +88,37 @@ class Verdict:
         return (drafts[:self.n_acc] + [self.token])[:self.n_emit]
 
 
+def forward_parts(n_dec: int, n: int, graphs: bool) -> list[tuple[int, int, bool]]:
+    """How one step's n sequences (the n_dec decode/verify rows first, then prefill chunks) are split into
+    forwards: (lo, hi, through the graph runner). Without graphs: one forward, as the plain engine runs it."""
+    if not 0 <= n_dec <= n:
+        raise ValueError(f"forward_parts: {n_dec} decode rows out of {n}")
+    if not graphs:
+        return [(0, n, False)] if n else []
+    return [p for p in ((0, n_dec, True), (n_dec, n, False)) if p[1] > p[0]]
+
+
+class StepOut:
+    """The outputs of a step's forwards, addressed by the step's sequence index (no device work, no sync)."""
+
+    def __init__(self, parts: list[tuple[int, Output]]):
+        self.parts = parts                 # (index of the part's first sequence, Output), ascending
+
+    def _find(self, i: int) -> tuple[Output, int]:
+        for lo, out in reversed(self.parts):
+            if i >= lo:
+                return out, i - lo
+        raise IndexError(i)
+
+    def seq_logits(self, i: int) -> torch.Tensor:
+        out, j = self._find(i)
+        return out.seq_logits(j)
+
+    def seq_hidden(self, i: int) -> torch.Tensor:
+        out, j = self._find(i)
+        return out.hidden[out.cu_seqlens[j]:out.cu_seqlens[j + 1]]
+
+
 def _ids(x: list[int]) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.long)
 
@@ -87,7 +126,8 @@ def _ids(x: list[int]) -> torch.Tensor:
 class Core:
     """Owns the model and the per-rank sequence states; subclasses make the decisions."""
 
-    def __init__(self, loaded, ops, tp, spec: SpecConfig | None, cache: CacheConfig):
+    def __init__(self, loaded, ops, tp, spec: SpecConfig | None, cache: CacheConfig,
+                 graphs: GraphConfig | None = None):
         if spec is not None and (loaded.config.mtp_num_hidden_layers == 0
                                  or not any(n.startswith("mtp.") for n in loaded.weights)):
             raise SpecError(f"{getattr(loaded, 'path', 'artifact')}: speculative decoding needs the MTP "
@@ -96,6 +136,11 @@ class Core:
         self.model = Model(loaded.config, loaded.weights, ops, tp, cache=cache)
         self.tp, self.spec, self.cache = tp, spec, cache
         self.seqs: dict[str, Seq] = {}
+        self.graphs = None
+        if graphs is not None:
+            from .graphs import GraphRunner
+            self.graphs = GraphRunner(self.model, graphs)
+            self.graphs.capture()           # every rank, same order: no-op in eager mode
 
     # ---- decisions (overridden) ----
     def _decide_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list[int]]]) -> list[int]:
@@ -146,7 +191,7 @@ class Core:
         inputs = [self._seq_input(s, [s.last] + d, snapshot=k > 0) for (s, k), d in zip(dec, drafts)]
         inputs += [self._seq_input(s, s.prompt[a:b], logits="last" if b == len(s.prompt) else "none")
                    for s, a, b in pre]
-        out = self.model.forward(inputs)
+        out = self._forward(inputs, len(dec))
         verdicts = self._decide_verdicts(dec, drafts, pre, out)
         results, mtp_in, mtp_seqs = [], [], []
         for i, ((s, k), d, v, L) in enumerate(zip(dec, drafts, verdicts, starts)):
@@ -159,8 +204,9 @@ class Core:
             s.last = emitted[-1]
             if self.spec is not None:
                 s.state.mtp.rewind(L)
-                mtp_in.append(self._mtp_input(s, emitted, self._rows(out, i, v.n_emit), logits="last"))
+                mtp_in.append(self._mtp_input(s, emitted, out.seq_hidden(i)[:v.n_emit], logits="last"))
                 mtp_seqs.append(s)
+        n_round = len(mtp_in)
         for i, ((s, a, b), v) in enumerate(zip(pre, verdicts[len(dec):]), start=len(dec)):
             s.done_prompt = b
             final = b == len(s.prompt)
@@ -170,30 +216,32 @@ class Core:
             if v.finished or self.spec is None:
                 continue
             nxt = s.prompt[a + 1:b] + [v.token if final else s.prompt[b]]
-            mtp_in.append(self._mtp_input(s, nxt, self._rows(out, i, b - a), logits="last" if final else "none"))
+            mtp_in.append(self._mtp_input(s, nxt, out.seq_hidden(i), logits="last" if final else "none"))
             mtp_seqs.append(s if final else None)
-        self._align(mtp_in, mtp_seqs)
+        self._align(mtp_in, mtp_seqs, n_round)
         for s, v, _ in results:
             if v.finished:
                 self._drop(s)
         return results
 
-    @staticmethod
-    def _rows(out, i: int, n: int) -> torch.Tensor:
-        lo = out.cu_seqlens[i]
-        return out.hidden[lo:lo + n]
+    def _forward(self, batch: list, n_dec: int, mtp: bool = False) -> StepOut:
+        """The step's target (or MTP alignment) forward over `batch`, its first n_dec rows decode rounds."""
+        parts = []
+        for lo, hi, via_graph in forward_parts(n_dec, len(batch), self.graphs is not None):
+            owner = self.graphs if via_graph else self.model
+            parts.append((lo, (owner.mtp_forward if mtp else owner.forward)(batch[lo:hi])))
+        return StepOut(parts)
 
-    def _align(self, mtp_in: list[MtpInput], mtp_seqs: list) -> None:
-        """MTP over the committed tokens with target hiddens; keep each sequence's next-draft inputs."""
+    def _align(self, mtp_in: list[MtpInput], mtp_seqs: list, n_round: int) -> None:
+        """MTP over the committed tokens with target hiddens; keep each sequence's next-draft inputs.
+        The first n_round inputs continue decode rounds (graph-served when their token counts agree)."""
         if not mtp_in:
             return
-        mo = self.model.mtp_forward(mtp_in)
-        row = 0
+        mo = self._forward(mtp_in, n_round, mtp=True)
         for b, s in enumerate(mtp_seqs):
             if s is not None:
-                s.mtp_logits = mo.logits[row]
-                s.mtp_hidden = mo.hidden[mo.cu_seqlens[b + 1] - 1]
-                row += 1
+                s.mtp_logits = mo.seq_logits(b)[-1]
+                s.mtp_hidden = mo.seq_hidden(b)[-1]
 
     def _draft(self, dec: list[tuple[Seq, int]]) -> list[list[int]]:
         """Recursive MTP drafting; d_1 comes from the alignment of the previous step."""
@@ -207,11 +255,16 @@ class Core:
                 drafts[i].append(int(t))
             more = [i for i in idx if dec[i][1] > j]
             if more:
-                mo = self.model.mtp_forward([self._mtp_input(dec[i][0], [drafts[i][-1]], hidden[i][None])
-                                             for i in more])
+                step = self.graphs if self.graphs is not None else self.model
+                mo = step.mtp_forward([self._mtp_input(dec[i][0], [drafts[i][-1]], hidden[i][None])
+                                       for i in more])
                 for r, i in enumerate(more):
                     logits[i], hidden[i] = mo.logits[r], mo.hidden[r]
         return drafts
+
+    def _close_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
 
     def _drop(self, s: Seq) -> None:
         if s.state is not None:
@@ -234,6 +287,7 @@ class Follower(Core):
             self._execute(plan)
         for s in list(self.seqs.values()):
             self._drop(s)
+        self._close_graphs()
 
     def _decide_drafts(self, j, items):
         return self.tp.broadcast(torch.empty(len(items), dtype=torch.long)).tolist()

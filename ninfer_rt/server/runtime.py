@@ -52,6 +52,7 @@ class RuntimeOptions:
     prefill_chunk: int = 512
     vision: VisionOptions | None = None # None: text only, the tower stays in the file
     vision_max_tokens: int = DEFAULT_VISION_TOKENS   # image tokens per request (with vision)
+    eager: bool = False                 # no CUDA-graph capture (the runner's steps run eagerly; --eager)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -118,7 +119,8 @@ def auto_kv_tokens(cfg, opts: RuntimeOptions, device: torch.device) -> int:
     slot = gdn_bytes_per_slot(cfg, opts.tp)
     snapshots = opts.max_concurrency * (opts.draft_tokens + 1) * slot if opts.draft_tokens else 0
     workspace = opts.prefill_chunk * (cfg.intermediate_size // opts.tp + 4 * cfg.hidden_size) * 4 * 4
-    budget = free - HEADROOM_BYTES - opts.max_concurrency * slot - snapshots - workspace - \
+    slots = opts.max_concurrency + 1        # + the CUDA-graph runner's scratch slot
+    budget = free - HEADROOM_BYTES - slots * slot - snapshots - workspace - \
         vision_workspace_bytes(cfg, opts)
     return max(0, budget // kv_bytes_per_token(cfg, opts.tp, DTYPES[opts.dtype]))
 
@@ -188,12 +190,21 @@ def _build(opts: RuntimeOptions, group, device, make):
         return loaded, pages, _phase(group, lambda: make(loaded, ops, pages))
 
 
+def _graphs(opts: RuntimeOptions) -> str:
+    return "eager" if opts.eager else "auto"
+
+
 def follower_main(group, opts: RuntimeOptions) -> None:
-    """Rank r > 0 (spawned by tp.launch): load the shard, then mirror rank 0's steps until told to stop."""
-    from ..engine import cache_config
+    """Rank r > 0 (spawned by tp.launch): load the shard, then mirror rank 0's steps until told to stop.
+    Its layout (cache, graphs) comes from the same arguments as rank 0's Engine, so the captures match."""
+    from ..engine import engine_layout
     from ..engine_core import Follower
-    _, _, follower = _build(opts, group, group.device, lambda loaded, ops, pages: Follower(
-        loaded, ops, group, _spec(opts), cache_config(loaded.config, opts.max_concurrency, pages, PAGE_SIZE)))
+
+    def make(loaded, ops, pages):
+        lay = engine_layout(loaded, ops, _spec(opts), opts.max_concurrency, pages, PAGE_SIZE,
+                            model_context(loaded.config, opts), _graphs(opts))
+        return Follower(loaded, ops, group, _spec(opts), lay.cache, graphs=lay.graphs)
+    _, _, follower = _build(opts, group, group.device, make)
     follower.run()
 
 
@@ -209,7 +220,7 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
         vis = _vision(loaded, ops, opts)
         engine = Engine(loaded, ops, group, _spec(opts), max_batch=opts.max_concurrency, kv_pages=pages,
                         page_size=PAGE_SIZE, max_model_len=model_context(loaded.config, opts),
-                        prefill_chunk=opts.prefill_chunk, vision=vis)
+                        prefill_chunk=opts.prefill_chunk, vision=vis, graphs=_graphs(opts))
         return engine, Tokenizer.from_resources(loaded.resources, eos_token_ids=loaded.config.eos_token_ids), vis
     try:
         loaded, pages, (engine, tok, vis) = _build(opts, group, rank_device(opts.device, 0), make)
@@ -218,8 +229,18 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
             lch.close(timeout_s=10)
         raise
     print(f"ninfer-rt serve: KV pool {pages} pages x {PAGE_SIZE} tokens, context {engine.max_model_len}, "
-          f"{opts.max_concurrency} slots, tp {opts.tp}" + (", vision" if vis is not None else ""), file=sys.stderr)
+          f"{opts.max_concurrency} slots, tp {opts.tp}" + (", vision" if vis is not None else "") +
+          _graph_note(engine), file=sys.stderr)
     return Runtime(engine, loaded, tok, engine.max_model_len, lch, vis)
+
+
+def _graph_note(engine) -> str:
+    g = engine.graphs
+    if g is None:
+        return ", no CUDA graphs"
+    if g.cfg.eager:
+        return ", CUDA graphs off (--eager)"
+    return f", {g.stats.captured} CUDA graphs captured in {g.stats.capture_s:.1f} s"
 
 
 def _vision(loaded, ops, opts: RuntimeOptions):

@@ -1,0 +1,203 @@
+"""The Engine over the CUDA-graph runner: on CPU the runner's eager mode (the very step bodies a graph captures,
+over the static buffers, padded batches) gives the plain Engine's greedy tokens, with and without MTP, through
+mixed prefill + decode steps; the split of a step into decode and prefill forwards; the graph layout (spare
+slot and pages, batch sizes); `--eager` on both CLIs. On CUDA: captured graphs give the eager Engine's tokens.
+
+Models: the HF-built tiny Qwen3.5 of tests/hf_tiny.py (CPU) and bench/synth_artifact.py's tiny nvfp4 artifact
+through the real loader (GPU).
+"""
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hf_tiny import artifact_weights, build_hf_model, model_config_from_hf
+
+from ninfer_formats.errors import NinferError
+from ninfer_rt.backends.torch_ops import TorchOps
+from ninfer_rt.cli import main
+from ninfer_rt.engine import GRAPH_MAX_BATCH, Engine, EngineError, engine_layout, graph_config
+from ninfer_rt.engine_core import StepOut, forward_parts
+from ninfer_rt.graphs import GraphConfig
+from ninfer_rt.model import Output
+from ninfer_rt.sampling import SamplingParams
+from ninfer_rt.speculative import SpecConfig
+
+NONSPECIAL = 246                  # hf_tiny: ids >= 246 are special tokens
+PROMPT_LENS = (5, 19)             # with CHUNK = 7: r0 decodes while r1 is still prefilling (mixed steps)
+CHUNK, NEW = 7, 20
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    tiny = build_hf_model(seed=3)
+    return types.SimpleNamespace(config=model_config_from_hf(tiny.text_config), weights=artifact_weights(tiny),
+                                 path="tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+class MixedEngine(Engine):
+    """Counts steps that ran prefill chunks and decode rounds together, and the runner steps they made."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.mixed_runner_steps = 0
+
+    def _execute(self, plan):
+        before = self.graphs.stats.eager_steps if self.graphs is not None else 0
+        res = super()._execute(plan)
+        if plan.prefill and plan.decode and self.graphs is not None:
+            self.mixed_runner_steps += self.graphs.stats.eager_steps > before
+        return res
+
+
+def run(engine, prompts, params=GREEDY):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.req_id] += o.new_token_ids
+    return out
+
+
+def eager_graphs(k: int) -> GraphConfig:
+    return GraphConfig(batch_sizes=(1, 2), tokens=tuple(range(1, k + 2)), mtp_tokens=(1,) if k else (),
+                       kv_buckets=(64,), eager=True)
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["no-mtp", "mtp-K2"])
+def test_eager_runner_engine_equals_plain_engine(loaded, prompts, k):
+    spec = SpecConfig(num_draft_tokens=k) if k else None
+    want = run(MixedEngine(loaded, TorchOps(), spec=spec, prefill_chunk=CHUNK, max_batch=2), prompts)
+    eng = MixedEngine(loaded, TorchOps(), spec=spec, prefill_chunk=CHUNK, max_batch=2, graphs=eager_graphs(k))
+    got = run(eng, prompts)
+    assert got == want
+    st = eng.graphs.stats
+    assert st.captured == 0 and st.replays == 0          # eager mode never captures
+    assert st.eager_steps > NEW // (k + 1)                 # decode (and draft) steps went through the runner
+    assert eng.mixed_runner_steps > 0                      # ... also the decode part of mixed steps
+    assert eng.stats.to_dict()["graph_eager_steps"] == st.eager_steps
+    scratch = len(eng.graphs._scratch.pages)
+    assert eng.model.kv_pool.free_pages() == eng.cache.num_pages - scratch      # only the scratch row holds pages
+    eng.shutdown()
+    assert eng.model.kv_pool.free_pages() == eng.cache.num_pages
+
+
+@pytest.mark.parametrize("n_dec,n,graphs,want", [
+    (0, 3, False, [(0, 3, False)]), (2, 3, False, [(0, 3, False)]), (0, 0, True, []),
+    (2, 5, True, [(0, 2, True), (2, 5, False)]), (3, 3, True, [(0, 3, True)]), (0, 2, True, [(0, 2, False)])],
+    ids=["plain-prefill", "plain-mixed", "empty", "mixed", "decode-only", "prefill-only"])
+def test_forward_parts_splits_decode_rows_from_prefill(n_dec, n, graphs, want):
+    assert forward_parts(n_dec, n, graphs) == want
+
+
+@pytest.mark.parametrize("n_dec,n", [(-1, 2), (3, 2)], ids=["negative", "more-decode-than-rows"])
+def test_forward_parts_rejects(n_dec, n):
+    with pytest.raises(ValueError, match="forward_parts"):
+        forward_parts(n_dec, n, True)
+
+
+def test_step_out_addresses_sequences_across_parts():
+    g = torch.Generator().manual_seed(0)
+    h1, h2 = torch.randn(6, 4, generator=g), torch.randn(7, 4, generator=g)
+    # part 1: two verify rows of 3 tokens, logits "all"; part 2: chunks of 4 ("none") and 3 ("last") tokens
+    o1 = Output(logits=torch.randn(6, 5, generator=g), hidden=h1, logit_rows=list(range(6)), cu_seqlens=[0, 3, 6])
+    o2 = Output(logits=torch.randn(1, 5, generator=g), hidden=h2, logit_rows=[6], cu_seqlens=[0, 4, 7])
+    out = StepOut([(0, o1), (2, o2)])
+    assert torch.equal(out.seq_logits(1), o1.logits[3:6])
+    assert out.seq_logits(2).shape[0] == 0 and torch.equal(out.seq_logits(3), o2.logits)
+    assert torch.equal(out.seq_hidden(0), h1[:3]) and torch.equal(out.seq_hidden(3), h2[4:])
+
+
+class TritonOps:
+    """Stand-in with the triton backend's class name (graph_config picks graphs by backend)."""
+
+
+@pytest.mark.parametrize("max_batch,k,sizes", [(1, 0, (1,)), (6, 3, (1, 2, 4, 6)), (8, 1, (1, 2, 4, 8)),
+                                               (200, 0, (1, 2, 4, 8, 16, 32, GRAPH_MAX_BATCH))],
+                         ids=["b1", "b6-K3", "b8-K1", "b200-capped"])
+def test_graph_config_shapes(max_batch, k, sizes):
+    spec = SpecConfig(num_draft_tokens=k) if k else None
+    g = graph_config("cuda", TritonOps(), spec, max_batch, 300)
+    assert g.batch_sizes == sizes and g.tokens == tuple(range(1, k + 2)) and g.kv_buckets == (300,)
+    assert g.mtp_tokens == ((1,) if k else ()) and not g.eager
+    assert graph_config("cuda", TritonOps(), spec, max_batch, 300, "eager").eager
+    for device, ops, mode in (("cuda", TritonOps(), "off"), ("cpu", TritonOps(), "auto"), ("cuda", TorchOps(), "auto")):
+        assert graph_config(device, ops, spec, max_batch, 300, mode) is None
+
+
+def test_graph_config_rejects_unknown_mode():
+    with pytest.raises(EngineError, match="graphs: expected one of auto, eager, off"):
+        graph_config("cpu", TorchOps(), None, 2, 64, "always")
+
+
+def test_layout_adds_the_scratch_slot_and_pages(loaded):
+    plain = engine_layout(loaded, TorchOps(), None, 3, 20, 16)
+    assert plain.graphs is None and plain.cache.max_seqs == 3 and plain.cache.num_pages == 20
+    lay = engine_layout(loaded, TorchOps(), None, 3, 20, 16, 100, eager_graphs(5))
+    assert lay.cache.max_seqs == 4 and lay.cache.num_pages == 21 and lay.max_model_len == 100
+
+
+@pytest.mark.parametrize("argv", [["generate", "ART", "--prompt", "hi", "--eager"], ["serve", "ART", "--eager"]],
+                         ids=["generate", "serve"])
+def test_eager_flag_reaches_the_runtime_options(monkeypatch, argv):
+    import ninfer_rt.server.runtime as runtime
+    import ninfer_rt.server.serve as serve
+    seen = []
+
+    def fake_open(opts):
+        seen.append(opts)
+        raise NinferError("stop here")
+
+    monkeypatch.setattr(runtime, "open_runtime", fake_open)
+    monkeypatch.setattr(serve, "run_server", lambda opts: seen.append(opts.runtime) or 0)
+    res = CliRunner().invoke(main, argv + ["--device", "cpu"])
+    assert seen and seen[0].eager is True, res.output
+    no_flag = CliRunner().invoke(main, [a for a in argv if a != "--eager"] + ["--device", "cpu"])
+    assert seen[-1].eager is False, no_flag.output
+
+
+@gpu
+@pytest.mark.parametrize("k", [0, 3], ids=["no-mtp", "mtp-K3"])
+def test_captured_engine_equals_eager_engine_gpu(tmp_path_factory, k):
+    """bf16 Triton kernels: the Engine replaying captured graphs gives the eager Engine's greedy tokens."""
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+    import synth_artifact as synth
+
+    from ninfer_rt.backends.triton_ops import TritonOps as RealTritonOps
+    from ninfer_rt.loader import load
+    paths, _ = synth.build(str(tmp_path_factory.mktemp("nvfp4")), synth.TINY, "nvfp4", workers=1)
+    spec = SpecConfig(num_draft_tokens=k) if k else None
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (9, 40, 23)]
+    outs, engines = [], []
+    for mode in ("eager", "auto"):
+        lm = load(paths[0], device="cuda", dtype=torch.bfloat16)
+        eng = Engine(lm, RealTritonOps(), spec=spec, max_batch=4, kv_pages=64, prefill_chunk=16, graphs=mode)
+        outs.append(run(eng, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
+        engines.append(eng)
+    assert outs[0] == outs[1]
+    assert engines[1].graphs.stats.captured > 0 and engines[1].graphs.stats.replays > 0
+    assert engines[0].graphs.stats.captured == 0 and engines[0].graphs.stats.eager_steps > 0
+    for eng in engines:
+        eng.shutdown()
