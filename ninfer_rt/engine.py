@@ -27,7 +27,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -115,7 +115,7 @@ class Layout:
 
 
 def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model_len: int,
-                 mode: Union[str, GraphConfig] = "auto") -> GraphConfig | None:
+                 mode: str | GraphConfig = "auto") -> GraphConfig | None:
     """The engine's graphs: decode (and, with MTP, verify of 1..K drafts and the 1-token draft step) at batch
     sizes 1, 2, 4, ... up to max_batch (at most GRAPH_MAX_BATCH), one KV bucket = the context limit.
     "auto": captured on CUDA with the triton backend (the torch reference reads host metadata a graph would
@@ -135,7 +135,7 @@ def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model
 
 def engine_layout(loaded, ops, spec: SpecConfig | None, max_batch: int, kv_pages: int | None,
                   page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
-                  graphs: Union[str, GraphConfig] = "auto") -> Layout:
+                  graphs: str | GraphConfig = "auto") -> Layout:
     """With graphs the pool gets one more sequence slot and the pages of one padded row (the runner's scratch
     sequence), so the requests see the same capacity as without."""
     base = cache_config(loaded.config, max_batch, kv_pages, page_size)
@@ -153,7 +153,7 @@ class Engine(Core):
     def __init__(self, loaded, ops, tp=None, spec: SpecConfig | None = None, *, max_batch: int = 8,
                  kv_pages: int | None = None, page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
                  prefill_chunk: int = 512, tokenizer=None, vision: VisionRuntime | None = None,
-                 graphs: Union[str, GraphConfig] = "auto"):
+                 graphs: str | GraphConfig = "auto"):
         """graphs: "auto" | "eager" | "off" | a GraphConfig (see `graph_config`); followers get the same
         `engine_layout` so every rank captures the same graphs in the same order."""
         tp = tp or LocalGroup()

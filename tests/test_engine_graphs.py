@@ -161,8 +161,7 @@ def test_layout_adds_the_scratch_slot_and_pages(loaded):
 @pytest.mark.parametrize("argv", [["generate", "ART", "--prompt", "hi", "--eager"], ["serve", "ART", "--eager"]],
                          ids=["generate", "serve"])
 def test_eager_flag_reaches_the_runtime_options(monkeypatch, argv):
-    import ninfer_rt.server.runtime as runtime
-    import ninfer_rt.server.serve as serve
+    from ninfer_rt.server import runtime, serve
     seen = []
 
     def fake_open(opts):
