@@ -170,6 +170,20 @@ def _zeros(n: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
+def _scaled_x(xi, XS: tl.constexpr):
+    """x * XS in fp32. For bf16 x and XS = 2**64 in one integer multiply-add: the fp32 bits of a bf16 are its
+    16 bits shifted up, and * 2**64 adds 64 to the exponent field. Exact for every normal x; +-0 and bf16
+    subnormals become +-2**-63 (an activation of 2**-127: far below the fp32 rounding of any sum)."""
+    if XS == 1.0:
+        return xi.to(tl.float32)
+    elif (xi.dtype == tl.bfloat16) and (XS == 18446744073709551616.0):
+        b = xi.to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (b * 65536 + 0x20000000).to(tl.float32, bitcast=True)
+    else:
+        return xi.to(tl.float32) * XS
+
+
+@triton.jit
 def _fma_step(accs, st, sc, g, xm, t0, T, x_ptr, stride_xt, RAW: tl.constexpr, GS: tl.constexpr,
               XS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     """accs[t] += SCALE * sum_i RAW_i * x[t, GS*g + i]: every decoded weight is used for all T columns.
@@ -181,7 +195,7 @@ def _fma_step(accs, st, sc, g, xm, t0, T, x_ptr, stride_xt, RAW: tl.constexpr, G
         raw = RAW(st, i)
         for tt in tl.static_range(T_TILE):
             xi = ld(x_ptr + tl.minimum(t0 + tt, T - 1) * stride_xt + g * GS + i, xm)
-            parts = _tset(parts, tt, parts[tt] + raw * (xi.to(tl.float32) * XS)[None, :])
+            parts = _tset(parts, tt, parts[tt] + raw * _scaled_x(xi, XS)[None, :])
     for tt in tl.static_range(T_TILE):
         accs = _tset(accs, tt, accs[tt] + parts[tt] * sc)
     return accs
@@ -193,7 +207,7 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
               LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
               SW: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr,
               USE_DOT: tl.constexpr, DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-              FOLD: tl.constexpr, VEC: tl.constexpr = 2):
+              FOLD: tl.constexpr, PREFETCH: tl.constexpr = False, VEC: tl.constexpr = 2):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
@@ -203,37 +217,13 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
     g_hi = tl.minimum(G, g_lo + g_per)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
-    else:
-        accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
-    for g0 in range(g_lo, g_hi, BLOCK_G):
-        # VEC groups per thread and row: 16-byte loads, the rest of a thread's registers go to more rows
-        # (each activation it loads is reused for every row it owns)
-        g = tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, BLOCK_G), VEC), VEC)
-        gmask = g < g_hi
-        if EVEN_G:
-            wm = None
-            xm = None
-        else:
-            wm = gmask[None, :]
-            xm = gmask
-        st = LOAD(w0, w1, w2, w3, w4, w5, rows, g, wm, G)
-        sc = SCALE(st)
-        if USE_DOT:
-            k = g0 * GS + tl.arange(0, BLOCK_G * GS)
-            xt = tl.load(x_ptr + t[None, :] * stride_xt + k[:, None],
-                         mask=(k < g_hi * GS)[:, None] & (t < T)[None, :], other=0.0)
-            if FOLD:  # one multiply per weight; the host checked SCALE * XS * SW * fscale stays finite
-                w = weight_tile(st, sc * (fscale * (XS * SW)), RAW, GS, 1.0, BLOCK_N, BLOCK_G)
-            else:
-                w = weight_tile(st, sc * SW, RAW, GS, XS, BLOCK_N, BLOCK_G)
-            acc = _dot(w, xt, acc, DOT_KIND)
-        else:
-            accs = _fma_step(accs, st, sc, g, xm, t0, T, x_ptr, stride_xt, RAW, GS, XS, T_TILE, BLOCK_N,
-                             BLOCK_G)
-    if USE_DOT:
+        acc = _dot_loop(acc, x_ptr, w0, w1, w2, w3, w4, w5, rows, t, g_lo, g_hi, G, fscale, T, stride_xt,
+                        LOAD, RAW, SCALE, GS, XS, SW, T_TILE, BLOCK_N, BLOCK_G, DOT_KIND, EVEN_G, FOLD, VEC)
         if not FOLD:
             acc = acc * fscale
     else:
+        accs = _fma_loop(x_ptr, w0, w1, w2, w3, w4, w5, rows, t0, g_lo, g_hi, G, T, stride_xt,
+                         LOAD, RAW, SCALE, GS, XS, T_TILE, BLOCK_N, BLOCK_G, EVEN_G, PREFETCH, VEC)
         cols = tl.arange(0, T_TILE)
         acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
         for tt in tl.static_range(T_TILE):
@@ -241,6 +231,84 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
         acc = acc * SW * fscale
     _finish(acc, t, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
             HAS_RES, USE_SPLIT)
+
+
+@triton.jit
+def _tile_g(g0, BLOCK_G: tl.constexpr, VEC: tl.constexpr):
+    """Group indices of the tile at g0: VEC groups per thread and row (16-byte loads), the rest of a
+    thread's registers go to more rows (each activation it loads is reused for every row it owns)."""
+    return tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, BLOCK_G), VEC), VEC)
+
+
+@triton.jit
+def _load_tile(w0, w1, w2, w3, w4, w5, rows, g, g_hi, G, LOAD: tl.constexpr, EVEN_G: tl.constexpr):
+    # (the mask is None for a whole number of tiles; no None crosses a tuple boundary: Triton 3.6)
+    if EVEN_G:
+        st = LOAD(w0, w1, w2, w3, w4, w5, rows, g, None, G)
+    else:
+        st = LOAD(w0, w1, w2, w3, w4, w5, rows, g, (g < g_hi)[None, :], G)
+    return st
+
+
+@triton.jit
+def _fma_loop(x_ptr, w0, w1, w2, w3, w4, w5, rows, t0, g_lo, g_hi, G, T, stride_xt,
+              LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
+              T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr,
+              PREFETCH: tl.constexpr, VEC: tl.constexpr):
+    """The elementwise K loop. PREFETCH: the packed words of the next tile are loaded into registers before
+    the current tile is decoded (plain loads are not pipelined by num_stages, and ptxas sinks a prefetch to
+    the loop end unless a barrier pins it), so a tile of weight bytes is in flight per warp while it
+    computes; the last prefetch re-reads the last tile (never used), so no address leaves [g_lo, g_hi)."""
+    accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
+    if PREFETCH:
+        last = g_lo + ((g_hi - g_lo - 1) // BLOCK_G) * BLOCK_G
+        st = _load_tile(w0, w1, w2, w3, w4, w5, rows, _tile_g(g_lo, BLOCK_G, VEC), g_hi, G, LOAD, EVEN_G)
+        for g0 in range(g_lo, g_hi, BLOCK_G):
+            gn = _tile_g(tl.minimum(g0 + BLOCK_G, last), BLOCK_G, VEC)
+            st_next = _load_tile(w0, w1, w2, w3, w4, w5, rows, gn, g_hi, G, LOAD, EVEN_G)
+            tl.debug_barrier()
+            accs = _fma_tile(accs, st, g0, g_hi, t0, T, x_ptr, stride_xt, RAW, SCALE, GS, XS, T_TILE, BLOCK_N,
+                             BLOCK_G, EVEN_G, VEC)
+            st = st_next
+    else:
+        for g0 in range(g_lo, g_hi, BLOCK_G):
+            st = _load_tile(w0, w1, w2, w3, w4, w5, rows, _tile_g(g0, BLOCK_G, VEC), g_hi, G, LOAD, EVEN_G)
+            accs = _fma_tile(accs, st, g0, g_hi, t0, T, x_ptr, stride_xt, RAW, SCALE, GS, XS, T_TILE, BLOCK_N,
+                             BLOCK_G, EVEN_G, VEC)
+    return accs
+
+
+@triton.jit
+def _fma_tile(accs, st, g0, g_hi, t0, T, x_ptr, stride_xt, RAW: tl.constexpr, SCALE: tl.constexpr,
+              GS: tl.constexpr, XS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, VEC: tl.constexpr):
+    g = _tile_g(g0, BLOCK_G, VEC)
+    if EVEN_G:
+        accs = _fma_step(accs, st, SCALE(st), g, None, t0, T, x_ptr, stride_xt, RAW, GS, XS, T_TILE, BLOCK_N,
+                         BLOCK_G)
+    else:
+        accs = _fma_step(accs, st, SCALE(st), g, g < g_hi, t0, T, x_ptr, stride_xt, RAW, GS, XS, T_TILE,
+                         BLOCK_N, BLOCK_G)
+    return accs
+
+
+@triton.jit
+def _dot_loop(acc, x_ptr, w0, w1, w2, w3, w4, w5, rows, t, g_lo, g_hi, G, fscale, T, stride_xt,
+              LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
+              SW: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+              DOT_KIND: tl.constexpr, EVEN_G: tl.constexpr, FOLD: tl.constexpr, VEC: tl.constexpr):
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        st = _load_tile(w0, w1, w2, w3, w4, w5, rows, _tile_g(g0, BLOCK_G, VEC), g_hi, G, LOAD, EVEN_G)
+        sc = SCALE(st)
+        k = g0 * GS + tl.arange(0, BLOCK_G * GS)
+        xt = tl.load(x_ptr + t[None, :] * stride_xt + k[:, None],
+                     mask=(k < g_hi * GS)[:, None] & (t < T)[None, :], other=0.0)
+        if FOLD:  # one multiply per weight; the host checked SCALE * XS * SW * fscale stays finite
+            w = weight_tile(st, sc * (fscale * (XS * SW)), RAW, GS, 1.0, BLOCK_N, BLOCK_G)
+        else:
+            w = weight_tile(st, sc * SW, RAW, GS, XS, BLOCK_N, BLOCK_G)
+        acc = _dot(w, xt, acc, DOT_KIND)
+    return acc
 
 
 @triton.jit

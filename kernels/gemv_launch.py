@@ -37,7 +37,7 @@ class GemvConfig:
     block_n: int
     block_g: int
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 2     # tl.dot: pipeline depth; elementwise: >= 2 prefetches the next tile into registers
     split: int = 1          # K splits (1 = none); clamped to the number of K tiles
     use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
     t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
@@ -69,14 +69,15 @@ def auto_split(n_ctas: int, g_tiles: int, sms: int, waves: int = 4) -> int:
     return max(1, min(16, g_tiles, triton.cdiv(waves * sms, n_ctas)))
 
 
-# decode candidates per T bucket, trimmed to what won on the H200 (bench/NOTES.md): (block_n, block_g, num_warps)
-# elementwise tiles (block_g = 16 groups is 144..208 bytes of a row per step, 2 groups = one 16-byte load per
-# thread) and (block_n, K per step, num_warps) tl.dot tiles (sm_80+; sm_70 only from T = 4). T >= 8 never won
+# decode candidates per T bucket, trimmed to what won on the H200 (bench/NOTES.md): (block_n, block_g, num_warps,
+# num_stages) elementwise tiles (block_g = 16 groups is 144..208 bytes of a row per step, 2 groups = one 16-byte
+# load per thread; num_stages 2 = the next tile's words prefetched into registers, 1 = load then decode) and
+# (block_n, K per step, num_warps) tl.dot tiles (sm_80+; sm_70 only from T = 4). T >= 8 never won
 # elementwise except one tile at T = 8; T = 1..2 never won with tl.dot.
-_DECODE_TILES = {1: ((128, 16, 4), (64, 16, 4), (64, 16, 2), (256, 16, 4)),
-                 2: ((128, 16, 4), (64, 16, 4), (64, 16, 2)),
-                 4: ((128, 16, 4), (64, 16, 4)),
-                 8: ((64, 16, 4),),
+_DECODE_TILES = {1: ((64, 16, 4, 2), (64, 16, 4, 1), (128, 16, 4, 2), (64, 16, 2, 2), (128, 16, 8, 2)),
+                 2: ((64, 16, 4, 2), (64, 16, 4, 1), (128, 16, 4, 2), (64, 16, 2, 1)),
+                 4: ((64, 16, 4, 2), (128, 16, 4, 1), (64, 16, 4, 1)),
+                 8: ((64, 16, 4, 2), (64, 16, 4, 1)),
                  16: ()}
 _DECODE_DOT_TILES = {1: (), 2: (), 4: ((64, 256, 4), (128, 256, 8)),
                      8: ((64, 256, 4), (128, 128, 4), (128, 256, 8)),
@@ -95,8 +96,8 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device) -
     if T > 16:  # prefill: a GEMM with the decode fused into the A-operand load
         return [GemvConfig(bn, max(1, bk // GS), w, st, 1, True, tt) for bn, bk, w, st, tt in _PREFILL_TILES]
     b = next_pow2(T)
-    out = [GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
-           for bn, bg, w in _DECODE_TILES[b]]
+    out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
+           for bn, bg, w, st in _DECODE_TILES[b]]
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:
@@ -190,7 +191,8 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
     scalars = (float(fscale), T, N, G, split)
     consts = {"T_TILE": tt, "BLOCK_N": cfg.block_n, "BLOCK_G": cfg.block_g, "USE_SPLIT": split > 1,
               "USE_DOT": cfg.use_dot, "DOT_KIND": dot_kind(x.dtype), "HAS_RES": residual is not None,
-              "EVEN_G": G % cfg.block_g == 0, "FOLD": bool(fold and cfg.use_dot), "num_warps": cfg.num_warps,
+              "EVEN_G": G % cfg.block_g == 0, "FOLD": bool(fold and cfg.use_dot),
+              "PREFETCH": cfg.num_stages > 1 and not cfg.use_dot, "num_warps": cfg.num_warps,
               "num_stages": cfg.num_stages}
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,

@@ -50,8 +50,8 @@ def test_no_spills_and_sane_registers(compiled):
 TL_NAMES_IN_3_6 = {
     "arange", "atomic_add", "atomic_xchg", "bfloat16", "cdiv", "constexpr", "debug_barrier", "dot", "float16",
     "float32", "int16", "int32", "int64", "join", "load", "max_contiguous", "minimum", "multiple_of",
-    "num_programs", "program_id", "reshape", "split", "static_assert", "static_range", "store", "sum", "where",
-    "zeros", "zeros_like"}
+    "num_programs", "program_id", "reshape", "split", "static_assert", "static_range", "store", "sum", "uint16",
+    "uint32", "where", "zeros", "zeros_like"}
 
 
 def test_kernels_use_only_triton_3_6_language():

@@ -94,7 +94,10 @@ def test_gemv_matches_reference(fmt, T, dtype):
 
 PATHS = {"split-ragged": (2, torch.float32, 64, dict(split=3)),
          "dot-split": (5, torch.float16, 16, dict(split=2, use_dot=True)),
-         "dot-ttiles": (21, torch.float32, 16, dict(use_dot=True, t_tile=16))}
+         "dot-ttiles": (21, torch.float32, 16, dict(use_dot=True, t_tile=16)),
+         # bf16 activations (nvfp4: x * 2**64 as one integer multiply-add) through the register-prefetch loop
+         "prefetch-bf16": (3, torch.bfloat16, 32, dict(split=2, num_stages=2)),
+         "load-then-decode": (2, torch.float16, 64, dict(num_stages=1))}
 
 
 @pytest.mark.parametrize("path", PATHS)
