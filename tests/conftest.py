@@ -6,6 +6,7 @@ time), so it is set here, ahead of every test module, rather than in individual 
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -14,3 +15,12 @@ if not torch.cuda.is_available():
     # kernels that cannot run here; block it so the torch reference path is used.
     sys.modules.setdefault("fla", None)
     sys.modules.setdefault("causal_conv1d", None)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls and multi-process TP tests: extra intra-op threads only add contention on 2 CI cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

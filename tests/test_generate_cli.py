@@ -18,12 +18,7 @@ STATS_KEYS = {"load_s", "prefill_tok_s", "decode_tok_s", "drafted", "accepted", 
               "tokens_per_round"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

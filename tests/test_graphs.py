@@ -34,6 +34,7 @@ from ninfer_rt.graphs import GraphConfig, GraphError, GraphRunner
 from ninfer_rt.loader import load
 from ninfer_rt.model import Model, MtpInput, SeqInput
 from ninfer_rt.state import CacheConfig
+from numerics import rel
 
 LOGIT_TOL = 1e-5          # rel L2, fp32 torch backend: only the padded GEMM row count differs
 STATE_TOL = 1e-5
@@ -43,17 +44,9 @@ SMALL = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

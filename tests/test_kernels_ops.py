@@ -22,6 +22,7 @@ from ninfer_kernels import sampling  # noqa: E402
 from ninfer_rt.backends.torch_ops import TorchOps  # noqa: E402
 from ninfer_rt.backends.triton_ops import TritonOps  # noqa: E402
 from ninfer_rt.batch import attn_meta, gdn_routing  # noqa: E402
+from numerics import rel
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # relative L2 vs the fp32-internal torch reference; bf16 allows a few ulps (the interpreter truncates casts)
@@ -31,9 +32,6 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id
 REF, TRI = TorchOps(), TritonOps()
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def rnd(*shape, dtype=torch.float32, seed=0, scale=1.0):

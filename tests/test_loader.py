@@ -15,6 +15,7 @@ from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.loader import load
 from ninfer_rt.model import Model, MtpInput, SeqInput
 from ninfer_rt.weights import QWeight
+from numerics import rel
 
 # same weights, same math: only the binding differs
 EXACT_TOL = 1e-6
@@ -22,8 +23,6 @@ EXACT_TOL = 1e-6
 HF_TOL = 1e-4
 
 
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,12 @@ from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.loader import load
 from ninfer_rt.model import Model, MtpInput, SeqInput
 from ninfer_rt.tp_group import TPGroup
+from numerics import rel
 
 # partial sums are added in another order than the TP1 GEMM reduction
 TP_TOL = 1e-5
 
 
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 class ThreadGroup(TPGroup):

@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.model import Model, MtpInput, SeqInput
 from ninfer_rt.state import CacheConfig
+from numerics import rel
 
 # rel L2 of logits / hiddens vs the fp32 reference; bf16/fp16 runs keep their weights and activations in it
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
@@ -22,9 +23,6 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
           pytest.param(torch.float16, id="fp16")]
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def make_model(tiny, dtype=torch.float32, cache=CacheConfig(num_pages=64, page_size=16, max_seqs=8)):

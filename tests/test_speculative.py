@@ -20,13 +20,7 @@ MTP_TOL = 1e-4                    # rel L2 of engine MTP logits vs the fp32 orac
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: threads only add contention on the shared CI cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

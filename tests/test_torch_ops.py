@@ -9,6 +9,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedd
 
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.batch import gdn_routing
+from numerics import rel
 
 # chunked and token-by-token forms of the same fp32 recurrence (HF observes ~3e-7 at T = 200)
 FORM_TOL = 1e-5
@@ -17,8 +18,6 @@ HK, HV, DK, DV = 2, 6, 16, 8
 ops = TorchOps()
 
 
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _gdn_inputs(t, seed):

@@ -9,6 +9,7 @@ from tp_workers import rank_program
 
 from ninfer_rt.tp import TPError, agree, check_collectives, launch
 from ninfer_rt.tp_group import LocalGroup, TPGroup
+from numerics import rel
 
 # TP partial sums are added in another order than the TP1 GEMM reduction (fp32)
 TP_TOL = 1e-5
@@ -17,16 +18,9 @@ GEOMETRY = {"linear_num_key_heads": 4, "linear_num_value_heads": 8, "num_key_val
             "num_attention_heads": 8, "head_dim": 16, "intermediate_size": 192}
 
 
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

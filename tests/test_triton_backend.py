@@ -24,6 +24,7 @@ from ninfer_rt.backends.triton_ops import TritonOps  # noqa: E402
 from ninfer_rt.batch import attn_meta, gdn_routing  # noqa: E402
 from ninfer_rt.model import Model, MtpInput, SeqInput  # noqa: E402
 from ninfer_rt.state import CacheConfig  # noqa: E402
+from numerics import rel
 
 # rel L2 of logits between the two backends running the same model
 MODEL_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -35,9 +36,6 @@ GPU_CHUNK_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _models(dtype, device, **size):

@@ -22,6 +22,7 @@ from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.vision import (ImageLimits, PreprocessConfig, VisionError, VisionRuntime, VisionTower, image_urls,
                               load_images, mrope_positions, preprocess_images)
 from ninfer_rt.weights import dequantize, from_encoded
+from numerics import rel
 
 TOWER_TOL = 1e-4            # rel L2, fp32, vs HF model.visual
 TOWER_BF16_TOL = 2e-2       # bf16 weights + activations vs the fp32 HF tower holding the same rounded weights
@@ -34,9 +35,6 @@ GRIDS = {"square": [[1, 4, 4]], "two_grids": [[1, 4, 8], [1, 6, 4]], "video_like
          "three": [[1, 2, 2], [1, 8, 6], [1, 4, 4]]}
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,6 +27,7 @@ from ninfer_rt.engine import Engine, EngineError
 from ninfer_rt.sampling import SamplingParams
 from ninfer_rt.speculative import SpecConfig
 from ninfer_rt.vision import VisionRuntime, mrope_positions, placeholder_runs
+from numerics import rel
 
 IMG, VS, VE = SPECIALS["<|image_pad|>"], SPECIALS["<|vision_start|>"], SPECIALS["<|vision_end|>"]
 PRE = {"size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32}, "patch_size": 4, "temporal_patch_size": 2,
@@ -42,8 +43,6 @@ PROMPT = _rng.integers(0, 240, 5).tolist() + [VS, IMG, VE] + _rng.integers(0, 24
 TEXT = _rng.integers(0, 240, 12).tolist()
 
 
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _images() -> list[Image.Image]:
@@ -65,12 +64,7 @@ def _uri(raw: bytes, mime="image/png") -> str:
 URIS = [_uri(_png(i)) for i in _images()]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
