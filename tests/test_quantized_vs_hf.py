@@ -23,7 +23,10 @@ from numerics import rel
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HF_TOL = 1e-4                 # fp32, same weights (as tests/test_model_vs_hf.py)
-HF_TOL_BF16 = 1e-2            # our bf16 activations vs the fp32 reference
+# bf16 activations vs the fp32 reference: 1e-2 (as test_model_vs_hf at hidden 64), or no worse than
+# transformers' own bf16 run, whichever is looser -- at hidden 256 HF itself measures 1.21e-2 here (ours 1.17e-2)
+HF_TOL_BF16 = 1e-2
+BF16_VS_HF_SLACK = 1.05
 PROMPT, DECODE, CHUNK = 64, 32, 23
 # K dims multiples of 256 so every projection can take q6_k / iq3_s; GQA and GVA groups kept
 GEOMETRY = dict(hidden=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -86,4 +89,6 @@ def test_nvfp4_bf16_activations_match_hf(source, tmp_path):
     hf = _decoded_hf(source, tmp_path / "a")          # fp32 truth for the same decoded weights
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    assert rel(_ours(tmp_path / "a", ids, torch.bfloat16), ref) <= HF_TOL_BF16
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)(ids[None]).logits[0]
+    bound = max(HF_TOL_BF16, BF16_VS_HF_SLACK * rel(hf_bf16, ref))
+    assert rel(_ours(tmp_path / "a", ids, torch.bfloat16), ref) <= bound
