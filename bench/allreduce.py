@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_US = 6.0
@@ -248,13 +247,7 @@ def summarize(result: dict, sizes) -> dict:
             "runtime_p2p": result["runtime_p2p"], "torch": torch.__version__, "records": recs}
 
 
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".allreduce-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+write_json = write_json_atomic
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 from ninfer_formats import codecs  # noqa: E402
 from ninfer_formats.errors import NinferError  # noqa: E402
+from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 
 TARGETS = {("nvfp4", "quantize"): 6.0, ("q6_k", "quantize"): 3.0}
 OUT = Path(__file__).resolve().parent / "results" / "codecs.json"
@@ -115,10 +116,7 @@ def main(argv=None) -> int:
         print("error: --cols must be a multiple of 256, 1 <= --iq3-rows <= --rows, --repeat >= 1", file=sys.stderr)
         return 2
     result = run(a.rows, a.cols, a.iq3_rows, a.repeat)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_suffix(".json.partial")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, a.out)
+    write_json_atomic(a.out, result)
     print(json.dumps(result, indent=1) if a.json else table(result))
     return 0
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import synth_artifact as synth
 from ninfer_formats.errors import NinferError
+from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "decode.json"
 PARTS = ("decode", "profile", "verify", "prefill")
@@ -192,12 +193,7 @@ def _brief(r: dict) -> str:
 
 
 def write(records: list, out: str) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(records, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, out)
+    write_json_atomic(out, records)
 
 
 def run(args) -> list[dict]:

@@ -25,10 +25,10 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "serve.json"
 
@@ -241,13 +241,7 @@ def measure(args) -> list[dict]:
 
 
 def report(records: list[dict], args) -> None:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".serve-", dir=out.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(records, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, out)                 # a reader never sees a half-written file
+    write_json_atomic(args.out, records)
     if args.json:
         print(json.dumps(records, indent=1))
         return

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ TIMING_NOTE = ("decode_tok_s / speedup_vs_plain_cpu: wall clock of the torch ref
 
 import tiny_data
 import tiny_tokenizer
+from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -203,10 +203,7 @@ def print_table(records: list[dict], losses: list[dict], train: dict) -> None:
 
 
 def write_results(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.partial")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, obj)
 
 
 def parse_args(argv=None):

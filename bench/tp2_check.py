@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOGITS_REL_TOL = 3e-2      # TP2 rounds two bf16 partials per projection where TP1 rounds one fp32 sum
@@ -258,13 +259,7 @@ def run(opts: dict) -> dict:
     return report(opts, build, tp1_logits, tp1_toks, out, times)
 
 
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tp2_check-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+write_json = write_json_atomic
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ninfer_formats.errors import NinferError
+from ninfer_formats.atomic import write_json_atomic
 
 from .cli import main, user_errors
 
@@ -164,7 +164,7 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
         rt.close()
     _report(stats, log)
     if opts.stats_json:
-        _write_json(opts.stats_json, stats)
+        write_json_atomic(opts.stats_json, stats)
     return stats
 
 
@@ -198,20 +198,6 @@ def _report(s: dict, log) -> None:
         print(f"mtp K={s['draft_tokens']}: accepted {s['accepted']}/{s['drafted']} ({rate:.1%}), "
               f"per position [{per}], {s['tokens_per_round']:.2f} tokens/round over {s['spec_rounds']} rounds",
               file=log)
-
-
-def _write_json(path: str, obj: dict) -> None:
-    """Temp file + rename: a reader never sees a half-written stats file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".stats-", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _default_device() -> str:
