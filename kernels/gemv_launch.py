@@ -74,10 +74,10 @@ def auto_split(n_ctas: int, g_tiles: int, sms: int, waves: int = 4) -> int:
 # load per thread; num_stages 2 = the next tile's words prefetched into registers, 1 = load then decode) and
 # (block_n, K per step, num_warps) tl.dot tiles (sm_80+; sm_70 only from T = 4). T >= 8 never won
 # elementwise except one tile at T = 8; T = 1..2 never won with tl.dot.
-_DECODE_TILES = {1: ((64, 16, 4, 2), (64, 16, 4, 1), (128, 16, 4, 2), (64, 16, 2, 2), (128, 16, 8, 2)),
-                 2: ((64, 16, 4, 2), (64, 16, 4, 1), (128, 16, 4, 2), (64, 16, 2, 1)),
+_DECODE_TILES = {1: ((64, 16, 4, 2), (64, 16, 4, 1), (64, 16, 2, 1), (128, 16, 8, 2), (128, 16, 4, 1)),
+                 2: ((64, 16, 4, 2), (64, 16, 4, 1), (64, 16, 2, 1), (128, 16, 4, 1)),
                  4: ((64, 16, 4, 2), (128, 16, 4, 1), (64, 16, 4, 1)),
-                 8: ((64, 16, 4, 2), (64, 16, 4, 1)),
+                 8: ((64, 16, 4, 1), (32, 16, 4, 2)),
                  16: ()}
 _DECODE_DOT_TILES = {1: (), 2: (), 4: ((64, 256, 4), (128, 256, 8)),
                      8: ((64, 256, 4), (128, 128, 4), (128, 256, 8)),
