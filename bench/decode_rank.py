@@ -141,6 +141,10 @@ def _precompile(model, opts: BenchOptions, device, timeout_s: float = 300.0) -> 
     if device.type != "cuda" or not opts.precompile or os.environ.get("NINFER_GEMV_TUNE", "1") == "0":
         return None
     import multiprocessing as mp
+    if mp.current_process().daemon:
+        # TP followers run as daemonic processes, which may not start children (seen on 2xH200): rank 0's
+        # precompile fills the shared Triton cache, the follower compiles what is left lazily
+        return None
 
     from synth_artifact import usable_cpus
     ts = {1 << (k - 1).bit_length() for k in range(1, opts.max_draft + 2)}
