@@ -228,7 +228,7 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
         if lch is not None:
             lch.close(timeout_s=10)
         raise
-    print(f"ninfer-rt serve: KV pool {pages} pages x {PAGE_SIZE} tokens, context {engine.max_model_len}, "
+    print(f"ninfer-rt: KV pool {pages} pages x {PAGE_SIZE} tokens, context {engine.max_model_len}, "
           f"{opts.max_concurrency} slots, tp {opts.tp}" + (", vision" if vis is not None else "") +
           _graph_note(engine), file=sys.stderr)
     return Runtime(engine, loaded, tok, engine.max_model_len, lch, vis)
