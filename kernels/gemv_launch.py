@@ -2,9 +2,13 @@
 
 Configs: `GemvConfig` (frozen). `candidates()` lists the configs worth trying for a shape; the first is the
 default (used in the interpreter, without CUDA, while a CUDA graph is being captured, or with
-NINFER_GEMV_TUNE=0). On a GPU the first call for a (kernel, N, K, T bucket, dtype, residual, device) key
-times every candidate (median of 12 runs, L2 flushed before each) and remembers the fastest
-(`tuned_configs()`, `tuning_log()`); warm up before capturing a CUDA graph.
+NINFER_GEMV_TUNE=0 on a shape nothing is known about). On a GPU the first call for a (kernel, N, K, T bucket,
+dtype, residual, device) key takes the choice remembered across processes (`gemv_tune_cache`: the user cache
+file, then the shipped H200 winners); with NINFER_GEMV_TUNE=0 and no such choice, the tile that won most often
+for the format and T bucket; otherwise it times every candidate (median of 12 runs, L2 flushed before each),
+keeps the fastest (`tuned_configs()`, `tuning_log()`) and records it in the cache file.
+NINFER_GEMV_TUNE=force re-times and re-records even when a choice is remembered (benchmarks). Warm up before
+capturing a CUDA graph.
 
 Workspace: split-K partials go to one fp32 buffer per device and the arrival counters to one int32 buffer per
 device (zeroed once; each launch leaves them at zero). Kernels on two streams of one device must therefore not
@@ -222,9 +226,18 @@ def tuning_log() -> dict:
     return dict(_TUNE_LOG)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _tune_mode() -> str:
+    """'0' (never time), 'force' (time even when a choice is remembered) or '1'."""
+    mode = os.environ.get("NINFER_GEMV_TUNE", "1")
+    return mode if mode in ("0", "force") else "1"
+
+
 def _tuning_allowed(device: torch.device) -> bool:
-    return (device.type == "cuda" and not interpreting() and os.environ.get("NINFER_GEMV_TUNE", "1") != "0"
-            and not torch.cuda.is_current_stream_capturing())
+    return device.type == "cuda" and not interpreting() and _tune_mode() != "0" and not _capturing()
 
 
 _FLUSH: dict = {}
@@ -280,10 +293,29 @@ def tune_key(kernel_name: str, N: int, G: int, T: int, x_dtype, has_res: bool, d
     return (kernel_name, N, G, bucket, str(x_dtype), bool(has_res), str(torch.device(device)))
 
 
-def _tuning_final(key, cands, device) -> bool:
-    """The config for `key` will not change any more (a plan may cache it)."""
-    return key in _TUNED or len(cands) == 1 or device.type != "cuda" or interpreting() \
-        or os.environ.get("NINFER_GEMV_TUNE", "1") == "0"
+def choose_config(key, cands: list[GemvConfig], run, device, GS: int) -> tuple[GemvConfig, bool]:
+    """(config for `key`, final: it will not change any more, so a plan may keep it). run(cfg) launches one
+    candidate (only called when timing)."""
+    if key in _TUNED:
+        return _TUNED[key], True
+    if len(cands) == 1 or device.type != "cuda" or interpreting():
+        return cands[0], True
+    from . import gemv_tune_cache as tc
+    pkey = tc.make_key(key, GS, device)
+    mode = _tune_mode()
+    cfg = tc.lookup(pkey, GS) if mode != "force" else None
+    if cfg is None and mode == "0":
+        cfg = tc.heuristic(pkey.fmt, pkey.t_bucket, cands)
+    if cfg is not None:
+        _TUNED[key] = cfg
+        return cfg, True
+    if _capturing():
+        return cands[0], False   # cannot time inside a capture; the next eager call tunes
+    cfg = pick_config(key, cands, run, device)
+    times = [t for c, t in _TUNE_LOG.get(key, ()) if c == cfg and t is not None]
+    if times:   # all candidates failing is not a choice worth remembering
+        tc.record(pkey, cfg, times[0])
+    return cfg, True
 
 
 def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out, residual, config, what: str,
@@ -300,16 +332,19 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
     key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)
     cands = candidates(T, N, G, GS, x.dtype, x.device)
-    if key not in _TUNED and len(cands) > 1 and _tuning_allowed(x.device):
+    scratch = []
+
+    def run(c):
         # time into a scratch buffer: out may alias residual (in-place residual add), and each timed run would
         # add the residual again
-        scratch = torch.empty_like(out)
-        pick_config(key, cands, lambda c: launch(kernel, weights, x, N, G, fscale, scratch, residual, c,
-                                                 fold=fold), x.device)
-    cfg = _TUNED.get(key, cands[0])
+        if not scratch:
+            scratch.append(torch.empty_like(out))
+        return launch(kernel, weights, x, N, G, fscale, scratch[0], residual, c, fold=fold)
+
+    cfg, final = choose_config(key, cands, run, x.device, GS)
     compiled, grid, ws, cnt, scalars, consts = _launch(kernel, weights, x, N, G, fscale, out, residual, cfg,
                                                        fold=fold)
-    if plans is not None and _tuning_final(key, cands, x.device):
+    if plans is not None and final:
         from .gemv_plan import GemvPlan
         res = residual if residual is not None else out
         plans[(T, x.dtype, residual is not None)] = GemvPlan(kernel, grid, weights, ws, cnt, scalars, consts,

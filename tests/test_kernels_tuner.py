@@ -1,0 +1,199 @@
+"""The GEMV tuner's persistent choices (kernels/gemv_tune_cache.py), on CPU: the GPU identity, the
+capture check and the timer are replaced, so what is tested is which config is chosen and what is timed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ninfer_kernels import gemv_launch as gl
+from ninfer_kernels import gemv_tune_cache as tc
+from ninfer_kernels.gemv_launch import GemvConfig
+
+CUDA = torch.device("cuda", 0)   # only an object: nothing here touches a GPU
+CANDS = [GemvConfig(128, 16, 8, 2, split=5), GemvConfig(64, 16, 4, 1, split=3), GemvConfig(64, 16, 2, 1, split=3)]
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+    """A pretend CUDA device named by `gpu.name`, a fresh cache folder and a timer that counts its calls."""
+    class State:
+        name, calls, times = "NVIDIA H200", [], {}
+    st = State()
+    monkeypatch.setenv("NINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("NINFER_GEMV_TUNE", raising=False)
+    monkeypatch.setattr(gl, "interpreting", lambda: False)
+    monkeypatch.setattr(gl, "_capturing", lambda: False)
+    monkeypatch.setattr(tc, "device_identity", lambda device: (st.name, "9.0"))
+
+    def fake_time(fn, reps=12):
+        return fn()
+    monkeypatch.setattr(gl, "time_ms", fake_time)
+    monkeypatch.setattr(gl, "_TUNED", {})
+    monkeypatch.setattr(gl, "_TUNE_LOG", {})
+    tc.reset()
+    yield st
+    tc.reset()
+
+
+def _run(st):
+    def run(c):
+        st.calls.append(c)
+        return st.times.get(c, 1.0)
+    return run
+
+
+def _key(N=4096, G=320, T=1, res=False, kernel="nvfp4_gemv_kernel"):
+    return gl.tune_key(kernel, N, G, T, torch.bfloat16, res, CUDA)
+
+
+def test_tuned_choice_round_trips_through_the_cache_file(gpu, tmp_path):
+    gpu.times = {CANDS[0]: 3.0, CANDS[1]: 1.5, CANDS[2]: 2.0}
+    cfg, final = gl.choose_config(_key(), CANDS, _run(gpu), CUDA, 16)
+    assert (cfg, final) == (CANDS[1], True) and gpu.calls == CANDS
+    doc = json.loads((tmp_path / "gemv_tune.json").read_text())
+    assert doc["entries"] == [{"key": {"gpu": "NVIDIA H200", "cc": "9.0", "triton": tc.triton.__version__,
+                                       "fmt": "nvfp4", "N": 4096, "K": 320 * 16, "t_bucket": 1,
+                                       "dtype": "torch.bfloat16", "residual": False},
+                               "config": vars(CANDS[1]) | {}, "ms": 1.5}]
+    # a new process: nothing in memory, the file answers and nothing is timed
+    gl._TUNED.clear()
+    tc.reset()
+    gpu.calls.clear()
+    assert gl.choose_config(_key(), CANDS, _run(gpu), CUDA, 16) == (CANDS[1], True)
+    assert gpu.calls == []
+
+
+@pytest.mark.parametrize("field,value", [("gpu", "NVIDIA A100-SXM4-80GB"), ("T", 2), ("res", True),
+                                         ("kernel", "q6_k_gemv_kernel"), ("N", 4095)],
+                         ids=["other-gpu", "other-T-bucket", "residual", "other-format", "other-N"])
+def test_key_contents_separate_entries(gpu, field, value):
+    gpu.name = "Made-up GPU"   # no shipped defaults
+    gl.choose_config(_key(), CANDS, _run(gpu), CUDA, 16)
+    gl._TUNED.clear()
+    tc.reset()
+    gpu.calls.clear()
+    if field == "gpu":
+        gpu.name, kw = value, {}
+    else:
+        kw = {field: value}
+    gl.choose_config(_key(**kw), CANDS, _run(gpu), CUDA, 16)
+    assert gpu.calls == CANDS, "a different key must be tuned, not served from another key's entry"
+    assert len(tc._user()) == 2
+
+
+def test_key_rejects_wrong_types():
+    with pytest.raises(ValueError, match="TuneKey.N"):
+        tc.TuneKey("g", "9.0", "3.9.0", "nvfp4", 0, 16, 1, "torch.bfloat16", False)
+    with pytest.raises(ValueError, match="TuneKey.residual"):
+        tc.TuneKey("g", "9.0", "3.9.0", "nvfp4", 16, 16, 1, "torch.bfloat16", 1)
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"entries": 3}', "\xff\xfe"], ids=["bad-json", "no-list", "binary"])
+def test_corrupt_file_is_ignored_with_one_line(gpu, tmp_path, capsys, content):
+    gpu.name = "Made-up GPU"
+    (tmp_path / "gemv_tune.json").write_text(content, encoding="latin-1")
+    cfg, _ = gl.choose_config(_key(), CANDS, _run(gpu), CUDA, 16)
+    assert cfg == CANDS[0] and gpu.calls == CANDS
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gemv_tune.json" in err[0] and "ignored" in err[0]
+    assert len(json.loads((tmp_path / "gemv_tune.json").read_text())["entries"]) == 1   # rewritten whole
+
+
+def test_bad_entries_are_skipped_good_ones_used(gpu, tmp_path, capsys):
+    gpu.name = "Made-up GPU"
+    key = tc.make_key(_key(), 16, CUDA)
+    good = {"key": vars(key), "config": vars(CANDS[2]), "ms": 1.0}
+    bad_cfg = {"key": vars(key) | {"N": 7}, "config": {"block_n": 3, "block_g": 16}}
+    unknown = {"key": vars(key) | {"colour": "red"}, "config": vars(CANDS[0])}
+    (tmp_path / "gemv_tune.json").write_text(json.dumps({"entries": [bad_cfg, unknown, good, 5]}))
+    assert gl.choose_config(_key(), CANDS, _run(gpu), CUDA, 16) == (CANDS[2], True)
+    assert gpu.calls == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "3 unreadable entries" in err[0]
+
+
+def test_shipped_defaults_answer_for_an_h200():
+    tc.reset()
+    ship = json.loads(tc.SHIPPED_PATH.read_text())
+    e = next(e for e in ship["gpus"]["NVIDIA H200"] if e["fmt"] == "nvfp4" and e["t_bucket"] == 4)
+    key = tc.TuneKey("NVIDIA H200", "9.0", "0.0-any", "nvfp4", e["N"], e["K"], 4, "torch.bfloat16", True)
+    tc._USER = {}
+    assert tc.lookup(key, 16) == GemvConfig(**e["config"])
+    assert tc.lookup(tc.TuneKey(**{**vars(key), "gpu": "NVIDIA B200"}), 16) is None
+    assert tc.lookup(tc.TuneKey(**{**vars(key), "dtype": "torch.float32"}), 16) is None
+    tc.reset()
+
+
+def test_shipped_file_matches_the_bench_results():
+    """gemv_tuned.json is build_shipped(bench/results/kernels.json): regenerate it when the results change."""
+    results = tc.SHIPPED_PATH.parent.parent / "bench" / "results" / "kernels.json"
+    if not results.exists():
+        pytest.skip("bench results not in this checkout")
+    built = tc.build_shipped(json.loads(results.read_text()), "kernels.json")
+    assert built == json.loads(tc.SHIPPED_PATH.read_text())
+    assert all(e["config"]["split"] >= 1 for e in built["gpus"]["NVIDIA H200"])
+
+
+def test_shipped_h200_entry_skips_tuning(gpu):
+    ship = json.loads(tc.SHIPPED_PATH.read_text())
+    e = next(e for e in ship["gpus"]["NVIDIA H200"] if e["fmt"] == "iq3_s" and e["t_bucket"] == 2)
+    key = gl.tune_key("iq3_s_gemv_kernel", e["N"], e["K"] // 256, 2, torch.bfloat16, False, CUDA)
+    assert gl.choose_config(key, CANDS, _run(gpu), CUDA, 256) == (GemvConfig(**e["config"]), True)
+    assert gpu.calls == []
+
+
+def test_tune_off_picks_the_heuristic_without_timing(gpu, monkeypatch, tmp_path):
+    monkeypatch.setenv("NINFER_GEMV_TUNE", "0")
+    gpu.name = "Made-up GPU"
+    # the H200's most frequent nvfp4 T=1 winner is (64, 16, 4 warps, 1 stage): CANDS[1], not the first
+    top = json.loads(tc.SHIPPED_PATH.read_text())["heuristic"]["nvfp4"]["1"][0]
+    want = next(c for c in CANDS if all(getattr(c, f) == v for f, v in top.items()))
+    assert want != CANDS[0]
+    assert gl.choose_config(_key(), CANDS, _run(gpu), CUDA, 16) == (want, True)
+    assert gpu.calls == [] and not (tmp_path / "gemv_tune.json").exists()
+    # no known tile among the candidates (or an unknown format): the default candidate
+    odd = [GemvConfig(32, 8, 4, 1)]
+    assert tc.heuristic("nvfp4", 1, odd + CANDS[:1]) == odd[0]
+    assert tc.heuristic("no_such_fmt", 1, CANDS) == CANDS[0]
+
+
+def test_cache_hit_never_calls_the_timer(gpu, monkeypatch):
+    gpu.name = "Made-up GPU"
+    tc.record(tc.make_key(_key(T=8, res=True), 16, CUDA), CANDS[2], 0.5)
+    tc.reset()
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed despite a cache hit")
+    monkeypatch.setattr(gl, "time_ms", no_timing)
+    monkeypatch.setenv("NINFER_GEMV_TUNE", "1")
+    assert gl.choose_config(_key(T=7, res=True), CANDS, no_timing, CUDA, 16) == (CANDS[2], True)
+
+
+def test_force_retunes_despite_a_cache_hit(gpu, monkeypatch):
+    monkeypatch.setenv("NINFER_GEMV_TUNE", "force")
+    tc.record(tc.make_key(_key(), 16, CUDA), CANDS[2], 0.5)
+    gpu.times = {CANDS[0]: 0.1}
+    assert gl.choose_config(_key(), CANDS, _run(gpu), CUDA, 16) == (CANDS[0], True)
+    assert gpu.calls == CANDS
+
+
+def test_unwritable_cache_warns_once_and_keeps_the_choice(gpu, monkeypatch, tmp_path, capsys):
+    gpu.name = "Made-up GPU"
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("NINFER_CACHE_DIR", str(blocker / "sub"))   # a folder under a file: cannot be made
+    tc.reset()
+    gl.choose_config(_key(T=1), CANDS, _run(gpu), CUDA, 16)
+    gl.choose_config(_key(T=2), CANDS, _run(gpu), CUDA, 16)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write" in err[0]
+    assert len(tc._user()) == 2
+
+
+def test_parse_config_round_trips_repr():
+    for c in CANDS + [GemvConfig(128, 4, 8, 3, 1, True, 64)]:
+        assert tc.parse_config(repr(c)) == c
+    with pytest.raises(ValueError):
+        tc.parse_config("default")
