@@ -52,7 +52,7 @@ class TuneKey:
         for f in fields(self):
             v, want = getattr(self, f.name), {"str": str, "int": int, "bool": bool}[f.type]
             if not isinstance(v, want) or (want is int and (isinstance(v, bool) or v < 1)):
-                raise ValueError(f"TuneKey.{f.name} must be a {f.type}{' >= 1' if want is int else ''}, got {v!r}")
+                raise TypeError(f"TuneKey.{f.name} must be a {f.type}{' >= 1' if want is int else ''}, got {v!r}")
 
 
 def kernel_format(kernel_name: str) -> str:

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from ninfer_kernels import gemv_launch as gl
 from ninfer_kernels import gemv_tune_cache as tc
 from ninfer_kernels.gemv_launch import GemvConfig
@@ -84,9 +83,9 @@ def test_key_contents_separate_entries(gpu, field, value):
 
 
 def test_key_rejects_wrong_types():
-    with pytest.raises(ValueError, match="TuneKey.N"):
+    with pytest.raises(TypeError, match="TuneKey.N"):
         tc.TuneKey("g", "9.0", "3.9.0", "nvfp4", 0, 16, 1, "torch.bfloat16", False)
-    with pytest.raises(ValueError, match="TuneKey.residual"):
+    with pytest.raises(TypeError, match="TuneKey.residual"):
         tc.TuneKey("g", "9.0", "3.9.0", "nvfp4", 16, 16, 1, "torch.bfloat16", 1)
 
 
