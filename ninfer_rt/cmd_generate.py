@@ -22,6 +22,7 @@ from ninfer_formats.errors import NinferError
 from ninfer_formats.atomic import write_json_atomic
 
 from .cli import main, user_errors
+from .vision.cli_options import IMAGE_LIMIT_FLAGS, image_limit_options
 
 if TYPE_CHECKING:
     from .vision.setup import VisionOptions
@@ -233,11 +234,7 @@ def _default_device() -> str:
 @click.option("--eager", is_flag=True, help="Do not capture CUDA graphs (decode/verify/draft steps run eagerly).")
 @click.option("--vision", is_flag=True,
               help="Accept image_url parts in --messages (data URIs or local paths); loads the vision tower.")
-@click.option("--max-images", type=click.IntRange(1), help="Images per prompt at most (--vision). [default: 8]")
-@click.option("--max-image-bytes", type=click.IntRange(1), help="Encoded bytes per image at most (--vision).")
-@click.option("--max-image-pixels", type=click.IntRange(1), help="Decoded pixels per image at most (--vision).")
-@click.option("--vision-max-pixels", type=click.IntRange(1),
-              help="Resize images to at most this many pixels (fewer vision tokens); default: the artifact's.")
+@image_limit_options("prompt")
 @user_errors
 def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_tokens, tp, device, dtype, backend,
                  temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, seed, no_think,
@@ -260,8 +257,7 @@ def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_token
     run_generate(opts)
 
 
-VISION_FLAGS = {"max_images": "--max-images", "max_image_bytes": "--max-image-bytes",
-                "max_image_pixels": "--max-image-pixels", "max_pixels": "--vision-max-pixels"}
+VISION_FLAGS = IMAGE_LIMIT_FLAGS
 
 
 def vision_options(enabled: bool, **given) -> VisionOptions | None:

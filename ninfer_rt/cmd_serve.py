@@ -6,11 +6,10 @@ import sys
 import click
 
 from .cli import main, user_errors
+from .vision.cli_options import IMAGE_LIMIT_FLAGS, image_limit_options
 
 TEXT_BODY_MIB, VISION_BODY_MIB = 4.0, 32.0     # --max-body-mib defaults (images arrive as base64 data URIs)
-VISION_FLAGS = {"max_images": "--max-images", "max_image_bytes": "--max-image-bytes",
-                "max_image_pixels": "--max-image-pixels", "max_pixels": "--vision-max-pixels",
-                "vision_max_tokens": "--vision-max-tokens"}
+VISION_FLAGS = {**IMAGE_LIMIT_FLAGS, "vision_max_tokens": "--vision-max-tokens"}
 
 
 def vision_settings(enabled: bool, **given):
@@ -82,11 +81,7 @@ def _kv_capacity(ctx, param, value):
                    "Without it the tower stays in the file and image requests get a 400.")
 @click.option("--vision-max-tokens", type=click.IntRange(1),
               help="Image tokens per request at most (--vision); more is a 400. [default: 4096]")
-@click.option("--max-images", type=click.IntRange(1), help="Images per request at most (--vision). [default: 8]")
-@click.option("--max-image-bytes", type=click.IntRange(1), help="Encoded bytes per image at most (--vision).")
-@click.option("--max-image-pixels", type=click.IntRange(1), help="Decoded pixels per image at most (--vision).")
-@click.option("--vision-max-pixels", type=click.IntRange(1),
-              help="Resize images to at most this many pixels (fewer vision tokens); default: the artifact's.")
+@image_limit_options("request")
 @user_errors
 def serve(artifact, host, port, model_id, tp, spec, draft_tokens, max_concurrency, kv_capacity, max_context,
           max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
