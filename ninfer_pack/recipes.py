@@ -137,9 +137,15 @@ def _parse_file(path: Path) -> dict:
         raise SourceError(f"{path}: not a valid recipe file ({e})") from None
     if not isinstance(d, dict) or set(d) - {"base", "roles", "tensors"}:
         raise SourceError(f"{path}: a recipe file holds only 'base', 'roles' and 'tensors'")
+    if not isinstance(d.get("base", DEFAULT), str):
+        raise SourceError(f"{path}: 'base' must be a recipe name, got {type(d['base']).__name__}")
     for key in ("roles", "tensors"):
-        if not isinstance(d.get(key, {}), dict):
+        table = d.get(key, {})
+        if not isinstance(table, dict):
             raise SourceError(f"{path}: '{key}' must be a table of name = format")
+        for k, v in table.items():
+            if not isinstance(v, str):
+                raise SourceError(f"{path}: {key}.{k} must be a format name, got {type(v).__name__} {v!r:.40}")
     return d
 
 
@@ -163,7 +169,7 @@ def load_recipe(spec: str = DEFAULT, overrides: tuple[str, ...] = ()) -> Recipe:
         if base not in BUILTIN:
             raise SourceError(f"{spec}: base recipe {base!r} is not one of {', '.join(BUILTIN)}")
         name, roles = Path(spec).stem, {**BUILTIN[base], **d.get("roles", {})}
-        rules = tuple((str(k), str(v)) for k, v in d.get("tensors", {}).items())
+        rules = tuple(d.get("tensors", {}).items())
     else:
         raise SourceError(f"--recipe {spec!r}: not a built-in recipe ({', '.join(BUILTIN)}) nor a file")
     for o in overrides:

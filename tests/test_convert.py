@@ -406,6 +406,25 @@ def test_recipe_file_and_overrides(wide, tmp_path):
         load_recipe(str(j))
 
 
+BAD_RECIPE_FILES = [  # (file name, content, message regex)
+    ("base.toml", "base = [1]\n", r"base.toml: 'base' must be a recipe name, got list"),
+    ("base.json", '{"base": {"a": 1}}', r"base.json: 'base' must be a recipe name, got dict"),
+    ("role.toml", "[roles]\nlm_head = 5\n", r"role.toml: roles.lm_head must be a format name, got int 5"),
+    ("role.json", '{"roles": {"mlp_out": null}}', r"roles.mlp_out must be a format name, got NoneType"),
+    ("rule.toml", '[tensors]\n"lm_head.*" = ["bf16"]\n', r"tensors.lm_head.\* must be a format name, got list"),
+    ("top.json", "[1, 2]", r"top.json: a recipe file holds only 'base', 'roles' and 'tensors'"),
+]
+
+
+@pytest.mark.parametrize("fname,text,msg", BAD_RECIPE_FILES, ids=[c[0] for c in BAD_RECIPE_FILES])
+def test_recipe_file_wrong_type_is_source_error(tmp_path, fname, text, msg):
+    from ninfer_pack.recipes import load_recipe
+    f = tmp_path / fname
+    f.write_text(text)
+    with pytest.raises(SourceError, match=msg):
+        load_recipe(str(f))
+
+
 def test_text_only_prefix_model_dot(small, tmp_path):
     """Checkpoints saved from Qwen3_5ForCausalLM use `model.` instead of `model.language_model.`."""
     from ninfer_pack.hf_source import open_source
