@@ -79,7 +79,22 @@ def _read_messages(path: str) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
                 not isinstance(m.get("content"), (str, list)):
             raise GenerateError(f"{path}: message {i}: expected an object with string 'role' and 'content'")
+        if isinstance(m["content"], list):
+            for j, part in enumerate(m["content"]):
+                _check_part(f"{path}: messages.{i}.content.{j}", part)
     return msgs
+
+
+def _check_part(where: str, part) -> None:
+    """A content part the chat template would otherwise render wrongly or drop without a word."""
+    from .vision.chat_parts import IMAGE_TYPES
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise GenerateError(f"{where}.text: expected a string, got {part.get('text')!r}")
+    elif kind not in IMAGE_TYPES:      # image parts are checked by read_images (URL shape, limits)
+        raise GenerateError(f"{where}: expected an object with 'type' text, {' or '.join(IMAGE_TYPES)}, "
+                            f"got {part!r:.80}")
 
 
 def _resolve(url: str, folder: str) -> str:
@@ -138,6 +153,7 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
     if opts.raw is None:            # read before the (slow) load so a bad file fails fast
         msgs = _read_messages(opts.messages) if opts.messages else [{"role": "user", "content": opts.prompt}]
     images, names = read_images(opts, msgs)
+    sampling_params(opts, {}, ())   # the flags given are checked now; the artifact's defaults fill in later
     t0 = time.perf_counter()
     rt = open_runtime(RuntimeOptions(artifact=opts.artifact, tp=opts.tp, device=opts.device, dtype=opts.dtype,
                                      backend=opts.backend, draft_tokens=opts.draft_tokens, max_concurrency=1,
@@ -245,8 +261,7 @@ def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_token
     vis = vision_options(vision, max_images=max_images, max_image_bytes=max_image_bytes,
                          max_image_pixels=max_image_pixels, max_pixels=vision_max_pixels)
     device = device or _default_device()
-    if spec == "mtp":
-        SpecConfig(num_draft_tokens=draft_tokens)          # validates K with a clear message
+    SpecConfig(num_draft_tokens=draft_tokens)              # validates K even when --spec none ignores it
     opts = GenerateOptions(
         artifact=artifact_dir, prompt=prompt, messages=messages, raw=raw, max_new=max_new,
         draft_tokens=draft_tokens if spec == "mtp" else 0, tp=tp, device=device,

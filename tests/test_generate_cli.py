@@ -109,24 +109,35 @@ def bad_artifacts(tmp_path_factory, packed):
     ("packed", [], r"exactly one of --prompt, --messages, --raw"),
     ("packed", ["--raw", "x", "--prompt", "y"], r"exactly one of"),
     ("packed", ["--raw", "x", "--spec", "mtp", "--draft-tokens", "9"], r"num_draft_tokens"),
+    ("packed", ["--raw", "x", "--draft-tokens", "9"], r"num_draft_tokens"),
     ("packed", ["--raw", "x", "--top-p", "0"], r"top_p"),
     ("packed", ["--messages", "MISSING"], r"missing\.json: No such file"),
     ("packed", ["--messages", "BADJSON"], r"not valid JSON"),
+    ("packed", ["--messages", "TEXTPART"], r"messages\.0\.content\.1\.text: expected a string"),
+    ("packed", ["--messages", "NUMPART"], r"messages\.0\.content\.0: expected an object with 'type'"),
     ("missing", ["--raw", "x"], r"no such file or folder"),
 ], ids=["corrupt-tensor", "other-model", "no-mtp", "overlong-prompt", "no-prompt", "two-prompts", "bad-k",
-        "bad-top-p", "missing-messages", "bad-messages", "missing-artifact"])
+        "bad-k-without-spec", "bad-top-p", "missing-messages", "bad-messages", "text-part-not-string",
+        "part-not-object", "missing-artifact"])
 def test_bad_input_is_one_line_error(packed, bad_artifacts, tmp_path, case, args, message):
     import re
     art = {"packed": packed, "missing": tmp_path / "nope", **bad_artifacts}[case]
-    bad = tmp_path / "bad.json"
-    bad.write_text("[{")
-    args = [str(bad) if a == "BADJSON" else str(tmp_path / "missing.json") if a == "MISSING" else a for a in args]
+    files = {"BADJSON": "[{", "MISSING": None,
+             "TEXTPART": json.dumps([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                  {"type": "text", "text": 5}]}]),
+             "NUMPART": json.dumps([{"role": "user", "content": [7]}])}
+    for name, text in files.items():
+        if text is not None:
+            (tmp_path / f"{name.lower()}.json").write_text(text)
+    args = [str(tmp_path / f"{a.lower()}.json") if a in files else a for a in args]
     res = cli(art, *args)
     assert res.exit_code == 2, (res.exit_code, res.stderr)
     errors = [ln for ln in res.stderr.strip().splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and res.stderr.strip().endswith(errors[0]), res.stderr     # logs may precede it
     assert re.search(message, errors[0]), errors[0]
     assert "Traceback" not in res.stderr and res.stdout == ""
+    if case == "packed" and "prompt has" not in message:     # caught before the (slow) load
+        assert "KV pool" not in res.stderr, res.stderr
 
 
 def test_tp2_generate_matches_tp1_and_reports_a_bad_follower_shard(tmp_path):
