@@ -5,10 +5,12 @@ the text-only layout saved from `Qwen3_5ForCausalLM` (`model_type: qwen3_5_text`
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ninfer_formats.errors import NinferError, SourceError
 from ninfer_formats.model_config import FULL, LINEAR, ModelConfig, VisionConfig
+from ninfer_formats.model_schema import check_model
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 _TEXT_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -47,12 +49,26 @@ def _layer_types(text: dict, n: int) -> list[str]:
     return [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
 
 
-def _rope(text: dict) -> dict[str, Any]:
+def _number(v: Any, field: str) -> float:
+    # float() would take "1e-6" strings and raise a bare ValueError on anything else
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise SourceError(f"{field}: expected a finite number, got {v!r:.40}")
+    return float(v)
+
+
+def _rope(text: dict, sect: str) -> dict[str, Any]:
     rp = text.get("rope_parameters") or {}
-    return {"rope_theta": float(rp.get("rope_theta", text.get("rope_theta", 10000.0))),
-            "partial_rotary_factor": float(rp.get("partial_rotary_factor",
-                                                  text.get("partial_rotary_factor", 0.25))),
-            "mrope_section": tuple(rp.get("mrope_section", (11, 11, 10)))}
+    if not isinstance(rp, dict):
+        raise SourceError(f"{sect}rope_parameters: expected an object, got {type(rp).__name__}")
+    where = f"{sect}rope_parameters."
+    mrope = rp.get("mrope_section", (11, 11, 10))
+    if not isinstance(mrope, (list, tuple)):
+        raise SourceError(f"{where}mrope_section: expected an array of integers, got {mrope!r:.40}")
+    return {"rope_theta": _number(rp.get("rope_theta", text.get("rope_theta", 10000.0)), where + "rope_theta"),
+            "partial_rotary_factor": _number(rp.get("partial_rotary_factor",
+                                                    text.get("partial_rotary_factor", 0.25)),
+                                             where + "partial_rotary_factor"),
+            "mrope_section": tuple(mrope)}
 
 
 def _vision(hf: dict, where: str) -> VisionConfig:
@@ -84,12 +100,12 @@ def to_model_config(hf: dict, gen: dict | None, *, mtp: bool, vision: bool,
     eos += tuple(i for i in _ids(gen.get("eos_token_id")) if i not in eos)
     vis = _vision(hf, where) if vision else None
     try:
-        return ModelConfig(
+        cfg = ModelConfig(
             **{k: text[k] for k in _TEXT_INTS},
             layer_types=_layer_types(text, text["num_hidden_layers"]),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), **_rope(text),
+            rms_norm_eps=_number(text.get("rms_norm_eps", 1e-6), sect + "rms_norm_eps"), **_rope(text, sect),
             max_position_embeddings=text.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            tie_word_embeddings=top.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
             eos_token_ids=eos, bos_token_id=text.get("bos_token_id", top.get("bos_token_id")),
             pad_token_id=text.get("pad_token_id", top.get("pad_token_id")),
             mtp_num_hidden_layers=1 if mtp else 0,
@@ -102,3 +118,10 @@ def to_model_config(hf: dict, gen: dict | None, *, mtp: bool, vision: bool,
         raise SourceError(f"{where}: {sect}{e}") from None
     except TypeError as e:
         raise SourceError(f"{where}: {e}") from None
+    try:
+        # the artifact reader type-checks the stored `model` member; refuse here what it would refuse, so a bad
+        # config.json fails before any packing and names config.json rather than the output file
+        check_model(cfg.to_dict())
+    except NinferError as e:
+        raise SourceError(f"{where}: {e}") from None
+    return cfg

@@ -406,6 +406,25 @@ def test_recipe_file_and_overrides(wide, tmp_path):
         load_recipe(str(j))
 
 
+BAD_CONFIG_VALUES = [  # (config.json key, wrong value, message regex)
+    ("rope_parameters", [1], r"config\.json: rope_parameters: expected an object, got list"),
+    ("rope_parameters", {"rope_theta": "1e7"}, r"rope_parameters\.rope_theta: expected a finite number, got '1e7'"),
+    ("rms_norm_eps", "x", r"config\.json: rms_norm_eps: expected a finite number, got 'x'"),
+    ("eos_token_id", ["x", 1], r"config\.json: model\.eos_token_ids: expected an array of integers"),
+    ("tie_word_embeddings", "yes", r"config\.json: model\.tie_word_embeddings: expected a boolean, got 'yes'"),
+]
+
+
+@pytest.mark.parametrize("key,value,msg", BAD_CONFIG_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_CONFIG_VALUES])
+def test_config_wrong_type_is_source_error(small, key, value, msg):
+    """Refused while reading config.json (not as a traceback, nor later by the artifact writer)."""
+    from ninfer_pack.hf_config import to_model_config
+    hf = json.loads((small / "config.json").read_text())
+    assert to_model_config(hf, None, mtp=True, vision=False).hidden_size == hf["hidden_size"]
+    with pytest.raises(SourceError, match=msg):
+        to_model_config({**hf, key: value}, None, mtp=True, vision=False)
+
+
 BAD_RECIPE_FILES = [  # (file name, content, message regex)
     ("base.toml", "base = [1]\n", r"base.toml: 'base' must be a recipe name, got list"),
     ("base.json", '{"base": {"a": 1}}', r"base.json: 'base' must be a recipe name, got dict"),
