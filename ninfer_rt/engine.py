@@ -36,7 +36,7 @@ from ninfer_formats.errors import NinferError
 from .engine_core import Core, Plan, Seq, Verdict
 from .graphs import GraphConfig
 from .sampling import SamplingParams, make_generator, sample
-from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify
+from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify_on_device
 from .state import CacheConfig
 from .tp_group import LocalGroup
 
@@ -353,17 +353,24 @@ class Engine(Core):
         return (self.tp.broadcast(toks) if self.tp.size > 1 else toks).tolist()
 
     def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
+        """Every row is verified on the device first and read back in one transfer (not two host syncs per
+        sequence); a row only reads its own sequence's counts, so accepting afterwards changes nothing."""
+        rows = [RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator)
+                for i, ((s, _), d) in enumerate(zip(dec, drafts))]
+        final = [(i, s) for i, (s, _, b) in enumerate(pre, start=len(dec)) if b == len(s.prompt)]
+        rows += [RoundInput(s.params, out.seq_logits(i), [], [], s.counts, s.generator) for i, s in final]
+        decided = torch.stack([verify_on_device(r) for r in rows]).tolist() if rows else []
         verdicts = []
-        for i, ((s, k), d) in enumerate(zip(dec, drafts)):
-            n_acc, tok = verify(RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator))
+        for (s, k), d, (n_acc, tok) in zip(dec, drafts, decided):
             if self.stats.spec is not None:
                 self.stats.spec.record(k, n_acc)
             verdicts.append(Verdict(n_acc, tok, self._accept(s, d[:n_acc] + [tok]), s.finished))
-        for i, (s, a, b) in enumerate(pre, start=len(dec)):
-            if b < len(s.prompt):
+        prompt_done = dict(zip((s.req_id for _, s in final), decided[len(dec):]))
+        for s, _, _ in pre:
+            if s.req_id not in prompt_done:
                 verdicts.append(Verdict(0, -1, 0, False))
                 continue
-            _, tok = verify(RoundInput(s.params, out.seq_logits(i), [], [], s.counts, s.generator))
+            _, tok = prompt_done[s.req_id]
             verdicts.append(Verdict(0, tok, self._accept(s, [tok]), s.finished))
         if self.tp.size > 1 and verdicts:
             self.tp.broadcast(torch.tensor([[v.n_acc, v.token, v.n_emit, int(v.finished)] for v in verdicts]))

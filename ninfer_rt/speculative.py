@@ -114,6 +114,13 @@ class RoundInput:
 
 def verify(r: RoundInput) -> tuple[int, int]:
     """-> (accepted drafts, the target token after them) for one sequence."""
+    n, tok = verify_on_device(r).tolist()
+    return n, tok
+
+
+def verify_on_device(r: RoundInput) -> torch.Tensor:
+    """`verify` without the host sync: int64 [2] = (accepted drafts, target token) on the logits' device, so
+    a batch of sequences reads all its verdicts back in one transfer."""
     k, vocab = len(r.drafts), r.logits.shape[-1]
     p = process(r.logits, [r.params] * (k + 1), _split(column_counts(r.counts, r.drafts, vocab), k + 1))
     drafts = torch.tensor([r.drafts], dtype=torch.long, device=p.device)
@@ -124,7 +131,7 @@ def verify(r: RoundInput) -> tuple[int, int]:
         u = torch.rand(1, k, generator=r.generator, device=p.device)
         noise = torch.empty(1, vocab, device=p.device).exponential_(generator=r.generator)
         n, tok = rejection_verify(p[None], q, drafts, u, noise)
-    return int(n[0]), int(tok[0])
+    return torch.stack([n[0], tok[0]])
 
 
 def _split(counts: torch.Tensor | None, n: int) -> list:
