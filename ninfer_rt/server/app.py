@@ -6,7 +6,9 @@ scheduler, and the completion routes answer 503 meanwhile. Bodies are read by th
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
+import importlib.metadata
 import json
 import time
 from dataclasses import dataclass, field
@@ -41,6 +43,11 @@ class ServerState:
     vision_max_tokens: int = DEFAULT_VISION_TOKENS   # image tokens per request (--vision-max-tokens)
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    fingerprint: str = ""                  # system_fingerprint of every reply; derived from model_id if empty
+
+    def __post_init__(self):
+        if not self.fingerprint:
+            self.fingerprint = _fingerprint(self.model_id)
 
     def ready(self, scheduler, tokenizer, vocab_size: int, generation_config: dict, *, vision=None,
               vision_max_tokens: int = DEFAULT_VISION_TOKENS) -> None:
@@ -54,6 +61,15 @@ class ServerState:
             raise P.ApiError(503, self.load_error or "the model is still loading", type="server_error",
                              code="model_loading" if self.load_error is None else "model_load_failed")
         return self.scheduler
+
+
+def _fingerprint(model_id: str) -> str:
+    """OpenAI's `system_fingerprint`: changes when the serving software or the served model does."""
+    try:
+        version = importlib.metadata.version("ninfer")
+    except importlib.metadata.PackageNotFoundError:
+        version = "dev"
+    return "fp_" + hashlib.sha256(f"{version}\0{model_id}".encode()).hexdigest()[:12]
 
 
 class _Guard:
@@ -125,7 +141,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
         kind = "not_found" if e.status_code == 404 else "method_not_allowed" if e.status_code == 405 else None
-        return _error(P.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=kind))
+        resp = _error(P.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=kind))
+        resp.headers.update(e.headers or {})          # a 405 names the allowed methods in `Allow`
+        return resp
 
     @app.exception_handler(Exception)
     async def _bug(request, e: Exception):
@@ -198,4 +216,4 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
                           image_tokens=img.image_tokens if img is not None else 0)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await H.respond(handle, request, chat=chat, model=state.model_id, stream=req.stream,
-                           include_usage=include_usage)
+                           include_usage=include_usage, fingerprint=state.fingerprint)

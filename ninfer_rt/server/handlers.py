@@ -125,10 +125,12 @@ async def _next_or_disconnect(handle, request: Request, checked: float):
             get.cancel()
 
 
-async def respond(handle, request: Request, *, chat: bool, model: str, stream: bool, include_usage: bool):
+async def respond(handle, request: Request, *, chat: bool, model: str, stream: bool, include_usage: bool,
+                  fingerprint: str | None = None):
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if stream:
-        return StreamingResponse(_stream(handle, rid, model, chat, include_usage), media_type="text/event-stream",
+        chunks = P.Chunks(rid, model, chat=chat, include_usage=include_usage, fp=fingerprint)
+        return StreamingResponse(_stream(handle, chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     reasoning, content = [], []
     try:
@@ -143,35 +145,35 @@ async def respond(handle, request: Request, *, chat: bool, model: str, stream: b
     except ClientGone:
         return Response(status_code=499)       # nobody reads it; nginx's "client closed request"
     if chat:
-        body = P.chat_response(rid, model, "".join(content), "".join(reasoning), finish, use)
+        body = P.chat_response(rid, model, "".join(content), "".join(reasoning), finish, use, fingerprint)
     else:
-        body = P.completion_response(rid, model, "".join(content), finish, use)
+        body = P.completion_response(rid, model, "".join(content), finish, use, fingerprint)
     return JSONResponse(body)
 
 
-async def _stream(handle, rid: str, model: str, chat: bool, include_usage: bool):
-    created = int(time.time())
-    if chat:
-        yield _sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+def _delta(chunks: P.Chunks, reasoning: str, content: str) -> dict | None:
+    """The chunk of one delta event; None when a completion stream has no text to send."""
+    if not chunks.chat:
+        return chunks.delta(content) if content else None
+    delta = {"reasoning_content": reasoning} if reasoning else {}
+    if content:
+        delta["content"] = content
+    return chunks.delta(delta)
+
+
+async def _stream(handle, chunks: P.Chunks):
+    if chunks.chat:
+        yield _sse(chunks.delta({"role": "assistant", "content": ""}))
     async for ev in _events(handle, None):
         if ev[0] == "delta":
-            _, r, c = ev
-            if chat:
-                delta = {"reasoning_content": r} if r else {}
-                if c:
-                    delta["content"] = c
-                yield _sse(P.chat_chunk(rid, model, created, delta))
-            elif c:
-                yield _sse(P.completion_chunk(rid, model, created, c))
-        elif ev[0] == "error":
+            chunk = _delta(chunks, ev[1], ev[2])
+            if chunk is not None:
+                yield _sse(chunk)
+        elif ev[0] == "error":       # headers are sent: the error travels as an SSE event, then [DONE]
             yield _sse(ev[1].body())
         else:
             _, finish, use = ev
-            if chat:
-                yield _sse(P.chat_chunk(rid, model, created, {}, finish))
-            else:
-                yield _sse(P.completion_chunk(rid, model, created, "", finish))
-            if include_usage:
-                mk = P.chat_chunk if chat else P.completion_chunk
-                yield _sse(mk(rid, model, created, None, use=use))
+            yield _sse(chunks.delta({} if chunks.chat else "", finish))
+            if chunks.include_usage:
+                yield _sse(chunks.usage(use))
     yield b"data: [DONE]\n\n"

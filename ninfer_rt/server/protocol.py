@@ -123,6 +123,8 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "ContentPa
 def _check_common(req: _Sampling) -> None:
     if req.n != 1:
         raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise bad_request(f"stop: expected at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
@@ -198,30 +200,42 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, use: dict) -> dict:
+def _body(obj: str, rid: str, model: str, created: int, fp: str | None, choices: list, use) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": fp,
+            "choices": choices, **use}
+
+
+def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, use: dict,
+                  fp: str | None = None) -> dict:
     msg = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}], "usage": use}
+    choices = [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}]
+    return _body("chat.completion", rid, model, int(time.time()), fp, choices, {"usage": use})
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": use}
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict, fp: str | None = None) -> dict:
+    choices = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+    return _body("text_completion", rid, model, int(time.time()), fp, choices, {"usage": use})
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
-               use: dict | None = None) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-    d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-    if use is not None:
-        d["usage"] = use
-    return d
+class Chunks:
+    """The SSE chunk bodies of one streamed reply (same id, created and fingerprint on every chunk).
 
+    With `include_usage`, every chunk carries `"usage": null` and only the extra last one (empty
+    `choices`) the counts, as OpenAI documents for `stream_options.include_usage`; without it, no chunk
+    has a `usage` key."""
 
-def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
-                     use: dict | None = None) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
-    d = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-    if use is not None:
-        d["usage"] = use
-    return d
+    def __init__(self, rid: str, model: str, *, chat: bool, include_usage: bool, fp: str | None = None):
+        self.rid, self.model, self.chat, self.fp = rid, model, chat, fp
+        self.include_usage, self.created = include_usage, int(time.time())
+
+    def _make(self, choices: list, use) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        extra = {"usage": use} if self.include_usage else {}
+        return _body(obj, self.rid, self.model, self.created, self.fp, choices, extra)
+
+    def delta(self, delta_or_text, finish: str | None = None) -> dict:
+        key = "delta" if self.chat else "text"
+        return self._make([{"index": 0, key: delta_or_text, "finish_reason": finish, "logprobs": None}], None)
+
+    def usage(self, use: dict) -> dict:
+        return self._make([], use)
