@@ -295,7 +295,8 @@ def test_bad_requests_get_openai_errors(fake, path, body, status, param):
 def test_huge_body_is_413_with_and_without_content_length(fake):
     srv, _, _ = fake
     big = json.dumps({**CHAT, "pad": "x" * (5 << 20)}).encode()
-    assert _post(srv, "/v1/chat/completions", raw=big).status_code == 413
+    r = _post(srv, "/v1/chat/completions", raw=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
     def chunks():                   # chunked transfer: no Content-Length for the guard to read
         for i in range(0, len(big), 1 << 16):
@@ -337,8 +338,10 @@ def test_health_is_503_while_loading_then_200():
         sched.start()
         srv.scheduler = sched
         state.ready(sched, tiny_tokenizer(), 256, {})
-        assert httpx.get(srv.url + "/health").status_code == 200
-        assert _post(srv, "/v1/chat/completions", CHAT).status_code == 200
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        r = _post(srv, "/v1/chat/completions", CHAT)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     finally:
         srv.close()
 
@@ -352,9 +355,16 @@ def test_queue_over_max_pending_is_429_and_kv_reservation_is_fifo():
         async def run():
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
                 rs = await asyncio.gather(*[c.post("/v1/completions", json=p) for p in prompts * 3])
-            return [r.status_code for r in rs]
-        codes = asyncio.run(run())
+            return rs
+        rs = asyncio.run(run())
+        codes = [r.status_code for r in rs]
         assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+        for r in rs:
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "queue_full", r.text
+                assert r.json()["error"]["type"] == "rate_limit_error"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 8, r.text
         wait_idle(srv)
         assert pool.free_pages() == pool.num_pages
         assert metric(srv, "ninfer_request_errors_total", 'status="429"') == codes.count(429)
@@ -368,7 +378,9 @@ def test_engine_failure_is_500_then_keeps_serving():
     try:
         r = _post(srv, "/v1/chat/completions", CHAT)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-        assert _post(srv, "/v1/chat/completions", CHAT).status_code == 200
+        assert r.json()["error"]["code"] == "engine_error" and "internal engine error" in r.json()["error"]["message"]
+        r = _post(srv, "/v1/chat/completions", CHAT)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         wait_idle(srv)
         assert not engine.seqs
         engine.usable = False          # an engine that can no longer step (a failed TP step): 503, not 500s
@@ -663,14 +675,17 @@ def test_engine_usable_after_failed_steps_and_health(tmp_path_factory, monkeypat
             monkeypatch.setattr(eng, "_execute", real_execute)
             raise RuntimeError("injected step failure")
         monkeypatch.setattr(eng, "_execute", fail_once)
-        assert _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 3}).status_code == 500
+        r = _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 3})
+        assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"], r.text
         wait_idle(srv)
-        assert eng.usable and httpx.get(srv.url + "/health").status_code == 200
-        assert _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 3}).status_code == 200
+        assert eng.usable and httpx.get(srv.url + "/health").json() == {"status": "ok"}
+        r = _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
 
         group = eng.tp = _TwoRanks()
         monkeypatch.setattr(eng, "_execute", fail_once)
-        assert _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "y", "max_tokens": 3}).status_code == 500
+        r = _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "y", "max_tokens": 3})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
         wait_idle(srv)
         assert not eng.usable
         r = httpx.get(srv.url + "/health")
