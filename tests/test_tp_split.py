@@ -55,6 +55,16 @@ def _shape(name):
     return artifact_shape(name, expected_shapes(C27)[name])
 
 
+def _assert_tiles(s, shape, tp):
+    """The runs of all ranks tile the split dim exactly once, each rank getting rank_shape's share."""
+    covered = np.zeros(shape[s.dim], np.int32)
+    for runs in s.ranges:
+        assert sum(b - a for a, b in runs) == s.rank_shape[s.dim]
+        for a, b in runs:
+            covered[a:b] += 1
+    assert (covered == 1).all() and s.rank_shape[s.dim] * tp == shape[s.dim]
+
+
 def _cases():
     for name, tp2, tp4 in TABLE:      # quantized formats only where a recipe could put them
         quantizable = role_of(name) not in (None, "vision")
@@ -68,18 +78,24 @@ def test_reference_table_shapes(name, tp2, tp4, fmt):
     for tp, want in ((2, tp2), (4, tp4)):
         s = plan_split(name, shape, C27, tp, fmt)
         assert s.rank_shape == want
-        if not s.replicated:      # the runs of all ranks tile the split dim exactly once, in order
-            covered = np.zeros(shape[s.dim], np.int32)
-            for runs in s.ranges:
-                assert sum(b - a for a, b in runs) == want[s.dim]
-                for a, b in runs:
-                    covered[a:b] += 1
-            assert (covered == 1).all()
+        if not s.replicated:
+            _assert_tiles(s, shape, tp)
 
 
 def test_every_27b_tensor_has_a_rule():
+    """Every tensor of the 27B inventory is either replicated whole or tiled exactly once over TP4 ranks."""
+    n_split = 0
     for name in expected_shapes(C27):
-        rule_for(name)
+        dim, _ = rule_for(name)
+        shape = _shape(name)
+        s = plan_split(name, shape, C27, 4, "bf16")
+        assert s.dim == dim, name
+        if s.replicated:
+            assert s.rank_shape == shape and s.ranges == ((),) * 4, name
+        else:
+            _assert_tiles(s, shape, 4)
+            n_split += 1
+    assert n_split > 0
 
 
 def test_in_proj_qkv_three_ranges():
