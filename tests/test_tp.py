@@ -67,9 +67,16 @@ class SimGroup(TPGroup):
         return torch.cat([x + r for r in range(self.size)], dim=-1)
 
 
-def test_collective_check_accepts_a_correct_group():
-    check_collectives(SimGroup(4))
-    check_collectives(LocalGroup())
+@pytest.mark.parametrize("group", [SimGroup(4), LocalGroup()], ids=["sim-tp4", "local-tp1"])
+def test_collective_check_accepts_a_correct_group(monkeypatch, group):
+    """Returns quietly on a correct group, having exercised every collective the model uses."""
+    seen = []
+    for name in ("all_reduce", "all_gather_last"):
+        real = getattr(group, name)
+        monkeypatch.setattr(group, name, lambda x, real=real, name=name: seen.append((name, x.dtype)) or real(x))
+    assert check_collectives(group) is None
+    assert seen == [("all_reduce", torch.float32), ("all_reduce", torch.bfloat16),
+                    ("all_gather_last", torch.float32)]
 
 
 @pytest.mark.parametrize("fault", ["dropped_rank", "one_ulp", "nan", "gather_order", "gather_shape"])
