@@ -1,6 +1,7 @@
 """Publishing an artifact folder to the Hugging Face Hub, after verifying every checksum and the TP set."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,20 @@ def plan_upload(out_dir, repo_id: str) -> UploadPlan:
                               "re-pack with a larger --tp")
     with open_artifact(ranks[0]) as a:
         aid = a.artifact_id
+    if (d / "report.json").is_file():
+        _check_report(d / "report.json", aid)
     return UploadPlan(d, repo_id, files, (d / "README.md").read_text(encoding="utf-8"), aid)
+
+
+def _check_report(path: Path, artifact_id: str) -> None:
+    """The report is published next to the weights; a torn or stale one (another run's) would mislead."""
+    try:
+        rep = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SourceError(f"{path}: not valid JSON ({e}); rerun `ninfer-pack convert --force`") from None
+    got = rep.get("artifact_id") if isinstance(rep, dict) else None
+    if got != artifact_id:
+        raise SourceError(f"{path}: artifact_id {str(got)[:40]!r} does not match the rank files' {artifact_id}")
 
 
 def upload(plan: UploadPlan, *, private: bool = False, revision: str | None = None, api=None) -> str:

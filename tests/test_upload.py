@@ -104,6 +104,20 @@ def test_unfinished_or_bad_inputs(artifact, fake_api, tmp_path, monkeypatch):
     assert res.exit_code == 2 and "over the Hub's 50 GB per-file limit" in res.stderr
 
 
+@pytest.mark.parametrize("text,msg", [("{torn", "report.json: not valid JSON"),
+                                      ('{"artifact_id": "0123"}', "report.json: artifact_id '0123' does not match"),
+                                      ("[1]", "report.json: artifact_id 'None' does not match")],
+                         ids=["torn", "stale", "not-an-object"])
+def test_bad_report_is_not_uploaded(artifact, fake_api, tmp_path, text, msg):
+    bad = tmp_path / "bad"
+    shutil.copytree(artifact, bad)
+    (bad / "report.json").write_text(text)
+    res = _run(bad, "me/x")
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], lines
+    assert fake_api.calls == []
+
+
 def test_hub_failure_is_one_line(artifact, fake_api):
     fake_api.fail = RuntimeError("401 Client Error: Unauthorized\nmore detail")
     res = _run(artifact, "me/tiny-ninfer")
