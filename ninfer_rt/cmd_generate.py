@@ -63,6 +63,8 @@ class GenerateOptions:
         if len(given) != 1:
             raise GenerateError("give exactly one of --prompt, --messages, --raw"
                                 + (f" (got {', '.join('--' + g for g in given)})" if given else ""))
+        if self.raw == "":              # no chat template around it: nothing to prefill (found before the load)
+            raise GenerateError("--raw: empty text; the model needs at least one prompt token")
 
 
 def _read_messages(path: str) -> list[dict]:

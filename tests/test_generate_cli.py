@@ -108,6 +108,7 @@ def bad_artifacts(tmp_path_factory, packed):
     ("packed", ["--raw", "y" * 600], r"prompt has 600 tokens.*512"),
     ("packed", [], r"exactly one of --prompt, --messages, --raw"),
     ("packed", ["--raw", "x", "--prompt", "y"], r"exactly one of"),
+    ("packed", ["--raw", ""], r"--raw: empty text"),
     ("packed", ["--raw", "x", "--spec", "mtp", "--draft-tokens", "9"], r"num_draft_tokens"),
     ("packed", ["--raw", "x", "--draft-tokens", "9"], r"num_draft_tokens"),
     ("packed", ["--raw", "x", "--top-p", "0"], r"top_p"),
@@ -116,7 +117,7 @@ def bad_artifacts(tmp_path_factory, packed):
     ("packed", ["--messages", "TEXTPART"], r"messages\.0\.content\.1\.text: expected a string"),
     ("packed", ["--messages", "NUMPART"], r"messages\.0\.content\.0: expected an object with 'type'"),
     ("missing", ["--raw", "x"], r"no such file or folder"),
-], ids=["corrupt-tensor", "other-model", "no-mtp", "overlong-prompt", "no-prompt", "two-prompts", "bad-k",
+], ids=["corrupt-tensor", "other-model", "no-mtp", "overlong-prompt", "no-prompt", "two-prompts", "empty-raw", "bad-k",
         "bad-k-without-spec", "bad-top-p", "missing-messages", "bad-messages", "text-part-not-string",
         "part-not-object", "missing-artifact"])
 def test_bad_input_is_one_line_error(packed, bad_artifacts, tmp_path, case, args, message):
