@@ -307,16 +307,12 @@ def test_cli_vision_server_answers_an_image_request(artifact):
     """The real `ninfer-rt serve --vision` process: tower bound at load, an image request served."""
     import signal
 
-    from test_server import _start_cli
+    from test_serve_cli import _start_cli, wait_healthy
     proc, addr, _ = _start_cli([artifact, "--port", "0", "--device", "cpu", "--max-context", "256",
                                 "--model-id", MODEL_ID, "--no-verify", "--vision", "--vision-max-tokens", str(VISION_TOKENS)])
     url = f"http://{addr}"
     try:
-        import time
-        deadline = time.monotonic() + 60
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
+        wait_healthy(url, proc)
         body = {"model": MODEL_ID, "messages": _messages(URIS), "max_tokens": 3}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

@@ -1,0 +1,127 @@
+"""`ninfer-rt serve` as a command: a real process that serves then drains on SIGTERM, one-line CLI errors,
+and `hf://` artifacts downloaded and verified before use (tiny fp32 artifact from tests/test_server.py)."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from test_server import CTX, MODEL_ID, tiny_artifact
+
+
+def _start_cli(args: list[str]):
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", "from ninfer_rt.cli import main; main()", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "listening on http://" in line:
+            return proc, line.split("http://")[1].split()[0], lines
+    proc.wait(10)
+    raise AssertionError("server did not start: " + "".join(lines))
+
+
+def wait_healthy(url: str, proc, timeout: float = 60) -> None:
+    """Poll /health until 200; fail if the process exits or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health").status_code != 200:
+        assert time.monotonic() < deadline and proc.poll() is None, "server did not become healthy"
+        time.sleep(0.1)
+
+
+def test_cli_serves_then_drains_on_sigterm(tmp_path_factory):
+    import signal
+    art = tiny_artifact(tmp_path_factory)
+    proc, addr, _ = _start_cli([art, "--port", "0", "--device", "cpu", "--max-context", str(CTX),
+                                "--model-id", MODEL_ID, "--no-verify", "--drain-timeout", "60"])
+    url = f"http://{addr}"
+    try:
+        wait_healthy(url, proc)
+        body = {"model": MODEL_ID, "prompt": "drain me", "max_tokens": 40, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        events = []
+        with httpx.Client(base_url=url, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    proc.send_signal(signal.SIGTERM)
+                    refused_by = time.monotonic() + 10           # no new connections while draining
+                    while True:
+                        try:
+                            httpx.get(url + "/health", timeout=2)
+                        except (httpx.ConnectError, httpx.RemoteProtocolError):
+                            break        # refused, or accepted by the kernel backlog and closed unanswered
+                        assert time.monotonic() < refused_by, "still accepting connections after SIGTERM"
+                        time.sleep(0.05)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 40     # ran to the end
+        assert proc.wait(60) == 0
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _cli(args):
+    from click.testing import CliRunner
+
+    from ninfer_rt.cli import main
+    return CliRunner().invoke(main, ["serve", *args])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["/definitely/not/here"], "no such file or folder"),
+    (["{art}", "--kv-capacity", "lots"], "expected a number of tokens or 'auto'"),
+    (["{art}", "--port", "{busy}"], "cannot bind"),
+    (["{art}", "--max-context", "100000", "--port", "0", "--device", "cpu"], "at most 512 positions"),
+    (["hf://not-a-repo"], "expected hf://ORG/REPO"),
+], ids=["missing-artifact", "bad-kv-capacity", "port-in-use", "context-over-model", "bad-hf-spec"])
+def test_cli_errors_are_one_line(tmp_path_factory, args, needle):
+    art = tiny_artifact(tmp_path_factory)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        res = _cli([a.format(art=art, busy=busy.getsockname()[1]) for a in args])
+    finally:
+        busy.close()
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+    assert sum(line.startswith(("error:", "Error:")) for line in res.output.splitlines()) == 1
+
+
+def _copy_artifact(art: str, dst) -> str:
+    import shutil
+    shutil.copytree(art, dst)
+    return str(dst)
+
+
+def test_hf_artifact_is_downloaded_and_verified(tmp_path_factory, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from ninfer_rt.server.runtime import ServeError, default_model_id, resolve_artifact
+    art = tiny_artifact(tmp_path_factory)
+    good, bad = _copy_artifact(art, tmp_path / "good"), _copy_artifact(art, tmp_path / "bad")
+    rank = next(p for p in (tmp_path / "bad").iterdir() if p.suffix == ".ninfer")
+    data = bytearray(rank.read_bytes())
+    data[-100] ^= 0xFF                                  # inside the last tensor's payload
+    rank.write_bytes(bytes(data))
+    seen = {}
+
+    def fake(repo_id, revision=None, **kw):
+        seen.update(repo_id=repo_id, revision=revision)
+        return good if repo_id == "org/good" else bad
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert resolve_artifact("hf://org/good@v1") == (good, True) and seen == {"repo_id": "org/good", "revision": "v1"}
+    assert default_model_id("hf://org/good@v1") == "org/good"
+    with pytest.raises(ServeError, match="failed verification"):
+        resolve_artifact("hf://org/bad")
+    res = _cli(["hf://org/bad", "--port", "0", "--device", "cpu"])      # the loader fails -> server stops
+    assert res.exit_code == 2 and "failed verification" in res.output, res.output
