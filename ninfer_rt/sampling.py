@@ -121,18 +121,21 @@ def process(logits: torch.Tensor, params: list[SamplingParams],
         for r, (p, c) in enumerate(zip(params, counts)):
             if c is not None and p.has_penalties:
                 x[r] -= p.frequency_penalty * c + p.presence_penalty * (c > 0).float()
-    out = torch.empty_like(x)
     greedy = [r for r, p in enumerate(params) if p.greedy]
     rand = [r for r, p in enumerate(params) if not p.greedy]
-    if greedy:
-        g = torch.tensor(greedy, device=x.device)
-        hot = torch.zeros(len(greedy), x.shape[1], device=x.device)
-        hot.scatter_(1, x[g].argmax(-1, keepdim=True), 1.0)
-        out[g] = hot
-    if rand:
-        r = torch.tensor(rand, device=x.device)
-        out[r] = _truncate(x[r], [params[i] for i in rand])
+    if not rand:                    # the common uniform batches skip the row gather/scatter and its copies
+        return _one_hot(x)
+    if not greedy:
+        return _truncate(x, params)
+    out = torch.empty_like(x)
+    g, r = torch.tensor(greedy, device=x.device), torch.tensor(rand, device=x.device)
+    out[g] = _one_hot(x[g])
+    out[r] = _truncate(x[r], [params[i] for i in rand])
     return out
+
+
+def _one_hot(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
 
 
 def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

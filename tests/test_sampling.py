@@ -51,11 +51,17 @@ PARAMS = {
 }
 
 
+BATCHES = {"mixed": list(PARAMS), "all-greedy": ["greedy", "greedy_pen", "greedy"],
+           "all-sampled": [n for n in PARAMS if PARAMS[n].temperature > 0]}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("vocab", [37, 250])
-def test_process_matches_reference_batched(vocab):
-    """One batch mixing every parameter kind; each row equals the per-row reference."""
+def test_process_matches_reference_batched(vocab, batch):
+    """Batches mixing parameter kinds, or all greedy / all sampled (their own code paths); each row equals
+    the per-row reference."""
     g = torch.Generator().manual_seed(vocab)
-    names = list(PARAMS)
+    names = BATCHES[batch]
     logits = torch.randn(len(names), vocab, generator=g) * 3
     hist = [torch.randint(0, vocab, (11,), generator=g).tolist() for _ in names]
     counts = [token_counts(h, vocab, "cpu") for h in hist]
