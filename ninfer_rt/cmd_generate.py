@@ -137,7 +137,10 @@ def sampling_params(opts: GenerateOptions, generation_config: dict, stop_ids):
     def pick(value, key, off):
         if value is not None:
             return value
-        return generation_config.get(key, off) if sample else off
+        v = generation_config.get(key, off) if sample else off
+        if isinstance(v, bool) or not isinstance(v, (int, float)):     # float("x") / int(None) would traceback
+            raise GenerateError(f"resource generation_config.json: {key}: expected a number, got {v!r}")
+        return v
 
     temp = pick(opts.temperature, "temperature", 0.0 if not sample else 1.0)
     return SamplingParams(temperature=float(temp), top_k=int(pick(opts.top_k, "top_k", 0)),

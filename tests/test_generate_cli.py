@@ -155,3 +155,17 @@ def test_tp2_generate_matches_tp1_and_reports_a_bad_follower_shard(tmp_path):
     assert bad.exit_code == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("error: rank 1: ")
     assert "layers.0.mlp.up_proj.weight: checksum mismatch" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("key,value", [("temperature", "hot"), ("top_k", None), ("top_p", [0.9]), ("min_p", True)],
+                         ids=["temperature-str", "top-k-null", "top-p-list", "min-p-bool"])
+def test_bad_generation_config_values_are_one_line_errors(key, value):
+    from ninfer_rt.cmd_generate import GenerateError, GenerateOptions, sampling_params
+    opts = GenerateOptions(artifact="a", raw="x")
+    good = sampling_params(opts, {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}, (7,))
+    assert (good.temperature, good.top_k, good.top_p, good.min_p, good.stop_token_ids) == (0.6, 20, 0.95, 0.0, (7,))
+    with pytest.raises(GenerateError, match=f"generation_config.json: {key}: expected a number"):
+        sampling_params(opts, {"do_sample": True, key: value}, ())
+    flag = {"temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1}[key]     # a flag given wins
+    assert getattr(sampling_params(GenerateOptions(artifact="a", raw="x", **{key: flag}),
+                                   {"do_sample": True, key: value}, ()), key) == flag
