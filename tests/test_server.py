@@ -391,6 +391,35 @@ def test_engine_failure_is_500_then_keeps_serving():
         srv.close()
 
 
+@pytest.mark.parametrize("exc,status,logged", [
+    (RuntimeError("tower exploded"), 500, True),
+    (None, 400, False),                         # a NinferError: the client's input, no traceback
+], ids=["bug-500-logged", "ninfer-error-400-quiet"])
+def test_add_request_failure_answers_and_logs_bugs_only(exc, status, logged, capfd):
+    from ninfer_formats.errors import NinferError
+    exc = exc or NinferError("image: 3 x 5 pixels is below the 28 pixel minimum")
+    srv, engine, pool = fake_server()
+    real_add, calls = engine.add_request, []
+
+    def add_once(*a, **kw):
+        if not calls:
+            calls.append(1)
+            raise exc
+        return real_add(*a, **kw)
+    engine.add_request = add_once
+    try:
+        r = _post(srv, "/v1/chat/completions", CHAT)
+        assert r.status_code == status and str(exc) in r.json()["error"]["message"], r.text
+        r = _post(srv, "/v1/chat/completions", CHAT)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        wait_idle(srv)
+        assert pool.free_pages() == pool.num_pages
+    finally:
+        srv.close()
+    err = capfd.readouterr().err
+    assert ("Traceback" in err and "tower exploded" in err) == logged, err
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "blocking"])
 def test_disconnect_aborts_request_and_frees_pages(stream):
     srv, engine, pool = fake_server(pages=64, max_context=200, step_s=0.02)

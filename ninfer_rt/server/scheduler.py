@@ -238,7 +238,9 @@ class Scheduler:
                     self.engine.add_request(h.id, h.prompt_ids, h.params)
                 else:                      # runs the vision tower here, on the engine thread
                     self.engine.add_request(h.id, h.prompt_ids, h.params, vision=h.vision)
-            except Exception as e:
+            except Exception as e:     # this request fails; the others keep running
+                if _is_bug(e):         # a client's bad input is its 400; anything else needs the traceback
+                    traceback.print_exc(file=sys.stderr)
                 self._fail(h, e)
                 continue
             h.vision = None                # the engine has what it needs; free the pixels
@@ -390,9 +392,13 @@ def _finish_reason(reason) -> str:
     return "length" if ("length" in r or "max" in r) else "stop"
 
 
-def _engine_error(e: Exception) -> ApiError:
+def _is_bug(e: Exception) -> bool:
     from ninfer_formats.errors import NinferError
-    if isinstance(e, NinferError):
+    return not isinstance(e, (ApiError, NinferError))
+
+
+def _engine_error(e: Exception) -> ApiError:
+    if not _is_bug(e):
         return bad_request(str(e))
     return ApiError(500, f"internal engine error: {type(e).__name__}: {e}", type="server_error",
                     code="engine_error")
