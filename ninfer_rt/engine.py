@@ -382,8 +382,6 @@ class Engine(Core):
         for t in tokens:
             s.out.append(t)
             n += 1
-            if s.counts is not None:
-                s.counts[t] += 1
             if s.stream is not None:
                 s.text_delta += s.stream.push([t])
             if (t in self.eos and not s.params.ignore_eos) or t in s.params.stop_token_ids or \
@@ -396,6 +394,9 @@ class Engine(Core):
                 if s.stream is not None:
                     s.text_delta += s.stream.flush()
                 break
+        if s.counts is not None:        # one scatter for the step's tokens, not an indexed add per token
+            s.counts.index_put_((torch.tensor(tokens[:n], device=s.counts.device),),
+                                torch.ones(n, device=s.counts.device), accumulate=True)
         return n
 
     def _account(self, plan: Plan, results, dt: float) -> None:

@@ -236,3 +236,17 @@ def test_failed_step_then_abort_keeps_serving(loaded, prompts, reference):
     assert eng.abort("a") and not eng.has_work()
     out, _ = run(eng, prompts[:1])
     assert out["r0"] == reference["r0"]
+
+
+@pytest.mark.parametrize("tokens,stop_at,emitted", [([5, 5, 9], None, 3), ([5, 7, 5, 9], 7, 2)],
+                         ids=["repeats", "cut-at-stop"])
+def test_accept_counts_every_emitted_token_once(loaded, tokens, stop_at, emitted):
+    """Penalty counts see repeated tokens in one round, and nothing past a stop."""
+    from ninfer_rt.engine_core import Seq
+    eng = Engine(loaded, TorchOps())
+    stops = () if stop_at is None else (stop_at,)
+    s = Seq("r", [1, 2], params=SamplingParams(temperature=0, presence_penalty=0.5, stop_token_ids=stops),
+            counts=torch.zeros(loaded.config.vocab_size))
+    assert eng._accept(s, tokens) == emitted and s.out == tokens[:emitted]
+    want = torch.bincount(torch.tensor(tokens[:emitted]), minlength=loaded.config.vocab_size).float()
+    assert torch.equal(s.counts, want)
