@@ -23,7 +23,6 @@ capture (CLI `--eager`), "off" the plain model. On CPU there are none, and a ste
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -31,26 +30,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ninfer_formats.errors import NinferError
-
 from .engine_core import Core, Plan, Seq, Verdict
+from .engine_layout import (DEFAULT_CONTEXT, DEFAULT_PAGE, GRAPH_MAX_BATCH, GRAPH_MODES,  # noqa: F401 (re-exported)
+                            EngineError, Layout, cache_config, engine_layout, graph_config)
 from .graphs import GraphConfig
 from .sampling import SamplingParams, make_generator, sample
 from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify_on_device
-from .state import CacheConfig
 from .tp_group import LocalGroup
 
 if TYPE_CHECKING:
     from .vision.prompt import VisionRequest, VisionRuntime
-
-DEFAULT_CONTEXT = 8192          # default KV reservation per batch slot when kv_pages is not given
-DEFAULT_PAGE = 16
-GRAPH_MODES = ("auto", "eager", "off")
-GRAPH_MAX_BATCH = 64            # larger decode batches run without graphs (capture time, snapshot buffers)
-
-
-class EngineError(NinferError):
-    """A request cannot be served as given (overlong prompt, bad token id, duplicate id, ...)."""
 
 
 @dataclass
@@ -95,58 +84,6 @@ class EngineStats:
             d.update(graphs_captured=g.captured, graph_capture_s=g.capture_s, graph_replays=g.replays,
                      graph_eager_steps=g.eager_steps, graph_fallbacks=g.fallbacks)
         return d
-
-
-def cache_config(cfg, max_batch: int, kv_pages: int | None, page_size: int = DEFAULT_PAGE) -> CacheConfig:
-    """The same on every rank (followers build it from the same arguments)."""
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise EngineError(f"max_batch: expected a positive integer, got {max_batch!r}")
-    if kv_pages is None:
-        kv_pages = max_batch * math.ceil(min(cfg.max_position_embeddings, DEFAULT_CONTEXT) / page_size)
-    return CacheConfig(num_pages=kv_pages, page_size=page_size, max_seqs=max_batch)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What every rank builds from the same arguments: the cache, the graph shapes, the context limit."""
-    cache: CacheConfig
-    graphs: GraphConfig | None
-    max_model_len: int
-
-
-def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model_len: int,
-                 mode: str | GraphConfig = "auto") -> GraphConfig | None:
-    """The engine's graphs: decode (and, with MTP, verify of 1..K drafts and the 1-token draft step) at batch
-    sizes 1, 2, 4, ... up to max_batch (at most GRAPH_MAX_BATCH), one KV bucket = the context limit.
-    "auto": captured on CUDA with the triton backend (the torch reference reads host metadata a graph would
-    freeze), none elsewhere; "eager": the same static-buffer steps without capture; "off": the plain model."""
-    if isinstance(mode, GraphConfig):
-        return mode
-    if mode not in GRAPH_MODES:
-        raise EngineError(f"graphs: expected one of {', '.join(GRAPH_MODES)} or a GraphConfig, got {mode!r}")
-    if mode == "off" or torch.device(device).type != "cuda" or type(ops).__name__ != "TritonOps":
-        return None
-    top = min(max_batch, GRAPH_MAX_BATCH)
-    sizes = tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i < top} | {top}))
-    k = spec.num_draft_tokens if spec is not None else 0
-    return GraphConfig(batch_sizes=sizes, tokens=tuple(range(1, k + 2)), mtp_tokens=(1,) if k else (),
-                       kv_buckets=(max_model_len,), eager=mode == "eager")
-
-
-def engine_layout(loaded, ops, spec: SpecConfig | None, max_batch: int, kv_pages: int | None,
-                  page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
-                  graphs: str | GraphConfig = "auto") -> Layout:
-    """With graphs the pool gets one more sequence slot and the pages of one padded row (the runner's scratch
-    sequence), so the requests see the same capacity as without."""
-    base = cache_config(loaded.config, max_batch, kv_pages, page_size)
-    cap = base.num_pages * base.page_size
-    limit = min(loaded.config.max_position_embeddings, cap, max_model_len or cap)
-    g = graph_config(getattr(loaded, "device", "cpu"), ops, spec, max_batch, limit, graphs)
-    if g is None:
-        return Layout(base, None, limit)
-    spare = math.ceil(max(g.tokens + g.mtp_tokens) / page_size)
-    return Layout(CacheConfig(num_pages=base.num_pages + spare, page_size=page_size, max_seqs=max_batch + 1),
-                  g, limit)
 
 
 class Engine(Core):

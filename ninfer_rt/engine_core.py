@@ -17,7 +17,7 @@ Step protocol (TP > 1, all over the CPU gloo control group, rank 0 -> everyone):
   3. if anything was scheduled: int64 [n_decode + n_prefill, 4] verdict rows (n_acc, token, n_emit, finished)
 Followers never sample; they apply the same plan, drafts and verdicts to their shards.
 
-CUDA graphs (`graphs=GraphConfig`, built by engine.engine_layout): every rank makes a GraphRunner after the
+CUDA graphs (`graphs=GraphConfig`, built by engine_layout.engine_layout): every rank makes a GraphRunner after the
 Model and captures the same graphs in the same order (under TP they hold the all-reduces). The decode /
 verify rows of a step and its prefill chunks then go to separate forwards (`forward_parts`): the decode part
 replays a graph (the runner falls back to the model for what it cannot serve: ragged verify sizes, image
