@@ -82,7 +82,8 @@ class EngineStats:
         if self.graphs is not None:
             g = self.graphs
             d.update(graphs_captured=g.captured, graph_capture_s=g.capture_s, graph_replays=g.replays,
-                     graph_eager_steps=g.eager_steps, graph_fallbacks=g.fallbacks)
+                     graph_eager_steps=g.eager_steps, graph_fallbacks=g.fallbacks,
+                     graph_fallback_reasons=dict(g.reasons))    # why steps left the graphs, not just how many
         return d
 
 

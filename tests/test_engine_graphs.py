@@ -91,7 +91,10 @@ def test_eager_runner_engine_equals_plain_engine(loaded, prompts, k):
     assert st.captured == 0 and st.replays == 0          # eager mode never captures
     assert st.eager_steps > NEW // (k + 1)                 # decode (and draft) steps went through the runner
     assert eng.mixed_runner_steps > 0                      # ... also the decode part of mixed steps
-    assert eng.stats.to_dict()["graph_eager_steps"] == st.eager_steps
+    d = eng.stats.to_dict()
+    assert d["graph_eager_steps"] == st.eager_steps
+    assert d["graph_fallbacks"] == st.fallbacks == sum(d["graph_fallback_reasons"].values())
+    assert d["graph_fallback_reasons"] == st.reasons and d["graph_fallback_reasons"] is not st.reasons
     scratch = len(eng.graphs._scratch.pages)
     assert eng.model.kv_pool.free_pages() == eng.cache.num_pages - scratch      # only the scratch row holds pages
     eng.shutdown()
