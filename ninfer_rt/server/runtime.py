@@ -146,8 +146,8 @@ def kv_pages(cfg, opts: RuntimeOptions, device: torch.device, group) -> int:
         tokens = min(group.all_gather_object(tokens))
     tokens = min(tokens, opts.max_concurrency * ctx)
     if tokens < 2 * PAGE_SIZE:
-        raise ServeError(f"--kv-capacity: only {tokens} tokens of KV cache fit; free device memory or lower "
-                         f"--max-concurrency / --draft-tokens")
+        raise ServeError(f"KV cache: only {tokens} tokens fit (context {ctx}); free device memory, raise "
+                         f"--kv-capacity or --max-context, or lower --max-concurrency / --draft-tokens")
     return tokens // PAGE_SIZE
 
 
