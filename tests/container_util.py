@@ -88,3 +88,15 @@ def edited(data: bytes, fn, *, digests: bool = True) -> bytes:
     if digests:
         fix_digests(d)
     return build(d, bytes(payload))
+
+
+def flip_tensor_bit(path, tensor: str, *, byte: int = 3, mask: int = 0x40) -> None:
+    """Corrupt one bit of `tensor`'s stored bytes in place (the checksum must catch it)."""
+    from ninfer_formats.container import open_artifact
+    with open_artifact(path) as a:
+        off = a.header.payload_offset + a.tensors[tensor].offset + byte
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ mask]))

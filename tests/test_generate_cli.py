@@ -7,12 +7,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from click.testing import CliRunner
 from hf_tiny import build_hf_model, make_tiny_artifact, make_tiny_checkpoint
 
-from ninfer_formats.container import open_artifact
 from ninfer_rt.cli import main
+from container_util import flip_tensor_bit
 
 STATS_KEYS = {"load_s", "prefill_tok_s", "decode_tok_s", "drafted", "accepted", "acceptance_per_position",
               "tokens_per_round"}
@@ -75,14 +74,6 @@ def test_generate_subprocess_end_to_end(packed, tmp_path):
     assert json.loads(stats.read_text())["generated_tokens"] == 6
 
 
-def _flip_byte(path, tensor: str) -> None:
-    with open_artifact(path) as a:
-        off = a.header.payload_offset + a.tensors[tensor].offset + 5
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x20]))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +83,7 @@ def bad_artifacts(tmp_path_factory, packed):
     corrupt.mkdir()
     (src,) = [packed / f for f in os.listdir(packed) if f.endswith(".ninfer")]
     (corrupt / src.name).write_bytes(src.read_bytes())
-    _flip_byte(corrupt / src.name, "layers.1.mlp.down_proj.weight")
+    flip_tensor_bit(corrupt / src.name, "layers.1.mlp.down_proj.weight", byte=5, mask=0x20)
     # config of one model, tensors of another (hidden 96 instead of 64)
     from hf_tiny import artifact_tensors
     other = build_hf_model(seed=1, hidden=96)
@@ -150,7 +141,7 @@ def test_tp2_generate_matches_tp1_and_reports_a_bad_follower_shard(tmp_path):
     one, two = cli(tmp_path / "tp1", *args), cli(tmp_path / "tp2", *args, "--tp", "2")
     assert one.exit_code == 0 and two.exit_code == 0, two.stderr
     assert two.stdout == one.stdout
-    _flip_byte(tmp_path / "tp2" / "model.tp2-rank1.ninfer", "layers.0.mlp.up_proj.weight")
+    flip_tensor_bit(tmp_path / "tp2" / "model.tp2-rank1.ninfer", "layers.0.mlp.up_proj.weight", byte=5, mask=0x20)
     bad = cli(tmp_path / "tp2", *args, "--tp", "2")
     assert bad.exit_code == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("error: rank 1: ")

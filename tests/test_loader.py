@@ -9,13 +9,13 @@ from hf_tiny import (CHAT_TEMPLATE, artifact_tensors, artifact_weights, build_hf
                      model_config_from_hf)
 
 from ninfer_formats import codecs
-from ninfer_formats.container import open_artifact
 from ninfer_formats.errors import LoadError
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.loader import load
 from ninfer_rt.model import Model, MtpInput, SeqInput
 from ninfer_rt.weights import QWeight
 from numerics import rel
+from container_util import flip_tensor_bit
 
 # same weights, same math: only the binding differs
 EXACT_TOL = 1e-6
@@ -96,19 +96,11 @@ def test_nvfp4_fusion_needs_equal_global_scales(tiny):
         QWeight.concat_rows(parts)
 
 
-def _flip_byte(path, tensor: str) -> None:
-    with open_artifact(path) as a:
-        off = a.header.payload_offset + a.tensors[tensor].offset + 3
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def test_checksum_mismatch_refuses_to_load(tiny, tmp_path):
     (path,) = make_tiny_artifact(tmp_path, tiny)
-    _flip_byte(path, "layers.2.mlp.up_proj.weight")
+    flip_tensor_bit(path, "layers.2.mlp.up_proj.weight", byte=3, mask=0x40)
     with pytest.raises(LoadError, match=r"layers\.2\.mlp\.up_proj\.weight: checksum mismatch"):
         load(tmp_path)
     good_dir = tmp_path / "good"
