@@ -45,6 +45,7 @@ class GemvConfig:
     split: int = 1          # K splits (1 = none); clamped to the number of K tiles
     use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
     t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
+    h2: bool = False        # the format's packed-half2 variant (NVFP4 only, T <= 8: gemv_nvfp4_h2)
 
     def __post_init__(self):
         for f in ("block_n", "block_g", "num_warps", "num_stages", "split"):
@@ -53,6 +54,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{f} must be a positive power of two (split: positive), got {v}")
         if self.t_tile and (self.t_tile & (self.t_tile - 1) or (self.use_dot and self.t_tile < 16)):
             raise ValueError(f"GemvConfig.t_tile must be a power of two (>= 16 with use_dot), got {self.t_tile}")
+        if self.h2 and self.use_dot:
+            raise ValueError("GemvConfig: h2 (packed-half2 FMAs) and use_dot are two different inner products")
 
 
 def next_pow2(n: int) -> int:
@@ -86,12 +89,20 @@ _DECODE_TILES = {1: ((64, 16, 4, 2), (64, 16, 4, 1), (64, 16, 2, 1), (128, 16, 8
 _DECODE_DOT_TILES = {1: (), 2: (), 4: ((64, 256, 4), (128, 256, 8)),
                      8: ((64, 256, 4), (128, 128, 4), (128, 256, 8)),
                      16: ((64, 256, 4), (128, 128, 4), (128, 256, 8))}
+# packed-half2 NVFP4 tiles (block_n, block_g, num_warps): more rows per thread amortize the per-group
+# activation scaling and packing (gemv_nvfp4_h2)
+_DECODE_H2_TILES = {1: ((128, 16, 4), (64, 16, 4), (256, 16, 8), (128, 16, 8)),
+                    2: ((128, 16, 4), (64, 16, 4), (256, 16, 8)),
+                    4: ((64, 16, 4), (128, 16, 4)),
+                    8: ((64, 16, 4), (32, 16, 4)),
+                    16: ()}
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
 
 
-def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device) -> list[GemvConfig]:
-    """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default."""
+def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False) -> list[GemvConfig]:
+    """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2: the kernel has a
+    packed-half2 variant (`h2_variant`), whose tiles are added for T <= 8."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
         return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
@@ -102,6 +113,9 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device) -
     b = next_pow2(T)
     out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
            for bn, bg, w, st in _DECODE_TILES[b]]
+    if h2:
+        out += [GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms), h2=True)
+                for bn, bg, w in _DECODE_H2_TILES[b]]
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:
@@ -179,10 +193,30 @@ def effective_split(cfg: GemvConfig, G: int) -> int:
     return triton.cdiv(G, triton.cdiv(triton.cdiv(G, split), cfg.block_g) * cfg.block_g)
 
 
+_H2_VARIANTS: dict = {}
+
+
+def register_h2(kernel_name: str, factory) -> None:
+    """`factory(device)` returns the packed-half2 variant of the kernel named `kernel_name` (a launcher
+    object like the kernel itself); configs with h2=True launch it."""
+    _H2_VARIANTS[kernel_name] = factory
+
+
+def has_h2(kernel) -> bool:
+    return kernel.__name__ in _H2_VARIANTS
+
+
+def h2_variant(kernel, device):
+    if not has_h2(kernel):
+        raise KernelInputError(f"{kernel.__name__} has no packed-half2 variant (GemvConfig.h2 is NVFP4 only)")
+    return _H2_VARIANTS[kernel.__name__](device)
+
+
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
             warmup: bool = False, fold: bool = True):
     """Launch one config; returns (compiled kernel or None, grid, ws or None, cnt or None, scalars, consts)."""
     T = x.shape[0]
+    kernel = h2_variant(kernel, x.device) if cfg.h2 else kernel
     tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
     grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
     split = effective_split(cfg, G)
@@ -201,7 +235,7 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,
                    x.stride(0), out.stride(0), res.stride(0), **consts)
-    return compiled, grid, ws, cnt, scalars, consts
+    return compiled, grid, ws, cnt, scalars, consts, kernel
 
 
 def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
@@ -328,10 +362,12 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         raise KernelInputError(f"{what}: [{N}, {G} groups] is too large for 32-bit offsets; split the rows")
     if config is not None and config.use_dot and config.block_g * GS < 16:
         raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
+    if config is not None and config.h2 and (T > 8 or not has_h2(kernel)):
+        raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 weight and T <= 8, got T={T}")
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
     key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)
-    cands = candidates(T, N, G, GS, x.dtype, x.device)
+    cands = candidates(T, N, G, GS, x.dtype, x.device, h2=has_h2(kernel))
     scratch = []
 
     def run(c):
@@ -342,8 +378,8 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         return launch(kernel, weights, x, N, G, fscale, scratch[0], residual, c, fold=fold)
 
     cfg, final = choose_config(key, cands, run, x.device, GS)
-    compiled, grid, ws, cnt, scalars, consts = _launch(kernel, weights, x, N, G, fscale, out, residual, cfg,
-                                                       fold=fold)
+    compiled, grid, ws, cnt, scalars, consts, kernel = _launch(kernel, weights, x, N, G, fscale, out, residual,
+                                                               cfg, fold=fold)
     if plans is not None and final:
         from .gemv_plan import GemvPlan
         res = residual if residual is not None else out

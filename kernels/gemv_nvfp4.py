@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from .gemv_common import dequant_body, e4m3_magnitude, gemv_body, ld
-from .gemv_launch import as_words, check_weight, check_x, dequant, gemv, KernelInputError
+from .gemv_launch import as_words, check_weight, check_x, dequant, gemv, KernelInputError, register_h2
+from .gemv_nvfp4_h2 import h2_kernel
 
 GS = 16                          # weights per block (one int64 word of codes, one E4M3 scale)
 _GS = tl.constexpr(GS)
@@ -65,6 +66,9 @@ def nvfp4_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, f
 def nvfp4_dequant_kernel(codes, scales, out_ptr, fscale, N, G, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     dequant_body(codes, scales, None, None, None, None, out_ptr, fscale, N, G, _load, _raw, _scale, _GS, _XS, _SW,
                  BLOCK_N, BLOCK_G)
+
+
+register_h2(nvfp4_gemv_kernel.__name__, h2_kernel)   # T <= 8 candidates include the packed-half2 variant
 
 
 def _weights(codes, scales, K: int, device, what: str):

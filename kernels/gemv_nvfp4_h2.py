@@ -1,0 +1,196 @@
+"""NVFP4 dequant-GEMV with packed half2 arithmetic (T <= 8): the decode-path variant of `gemv_nvfp4`.
+
+Why: the fp32 variant spends ~3 integer ops + 1 FFMA per weight and is instruction-bound at ~40-60 % of an
+H200's copy bandwidth (bench/NOTES.md). Here two weights share every instruction:
+
+* weights -> f16x2 without a table: the 16-bit lanes of a code word hold nibbles j and j+4 at the same
+  offset, so one shift + mask per pair puts the E2M1 magnitude bits at f16 bits 11..9 and another the sign
+  at bit 15. As an IEEE half that bit pattern is e2m1 * 2**-14 exactly (E2M1's e = 0 codes are f16
+  subnormals, which the f16 units keep);
+* activations -> f16x2 per (T column, 16-weight group): x' = x * 2**k with k chosen from the group's
+  largest |x| (its fp32 exponent) so that |x'| < 2**14: no overflow for any input, ~11 significant bits;
+* 8 HFMA2 per 16-weight block accumulate in f16 (|block sum| < 96 by construction), then one conversion
+  to fp32 and one FFMA with (E4M3 block scale * 2**(14 - k)); blocks and splits accumulate in fp32.
+Precision: a block sum carries ~1e-3 relative rounding (f16), below bf16's own 4e-3 output rounding.
+
+The f16x2 FMA and the f32 -> f16x2 pack are inline PTX (`fma.rn.f16x2`: sm_53+, so the V100 path too;
+`cvt.rn.f16x2.f32`: sm_80+, two `cvt.rn.f16.f32` below). The interpreter cannot run PTX: H2_MODE = EMULATE
+computes the same f16 roundings with Triton ops (fp32 FMA, then round to f16: identical except for
+double-rounding ties), so the decode logic is tested on CPU.
+Same launch signature and split-K epilogue as the other GEMV kernels (`gemv_common`); weights as in
+`gemv_nvfp4` (codes int64 [N, K/16], E4M3 scales u8 [N, K/16]).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv_common import _finish, _tile_g, _tset, _zeros, e4m3_magnitude, ld
+
+EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
+MAX_T_TILE = 8                             # f16x2 accumulators and x pairs per column: beyond 8 tl.dot wins
+_SIGN2 = tl.constexpr(-2147450880)         # 0x80008000: bit 15 of both lanes
+_MAG2 = tl.constexpr(0x0E000E00)           # f16 bits 11..9 of both lanes
+_LANE = tl.constexpr(0xFFFF)
+
+
+@triton.jit
+def _wpair(q, j: tl.constexpr):
+    """f16x2 bits of weights (j, j + 4) of the 8 nibbles in int32 q (nibble i at bits 4i..4i+3)."""
+    if j == 3:
+        return (q & _SIGN2) | ((q >> 3) & _MAG2)
+    else:
+        return ((q << (12 - 4 * j)) & _SIGN2) | ((q << (9 - 4 * j)) & _MAG2)
+
+
+@triton.jit
+def _lane_f32(bits):
+    """The f16 in the low 16 bits of int32 `bits`, as fp32."""
+    return (bits & _LANE).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_bits(v):
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & _LANE
+
+
+@triton.jit
+def _hfma2(a, b, c, H2_MODE: tl.constexpr):
+    """Lane-wise a * b + c on f16x2 bit patterns (int32)."""
+    if H2_MODE == EMULATE:
+        lo = _lane_f32(a) * _lane_f32(b) + _lane_f32(c)
+        hi = _lane_f32(a >> 16) * _lane_f32(b >> 16) + _lane_f32(c >> 16)
+        return _f16_bits(lo) | (_f16_bits(hi) << 16)
+    else:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pack2(lo, hi, H2_MODE: tl.constexpr):
+    """f16x2 bits (lo in the low lane) of two fp32 tensors, rounded to nearest even."""
+    if H2_MODE == EMULATE:
+        return _f16_bits(lo) | (_f16_bits(hi) << 16)
+    elif H2_MODE == PTX_SM80:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f16 l, h; cvt.rn.f16.f32 l, $1; cvt.rn.f16.f32 h, $2; mov.b32 $0, {l, h}; }",
+            "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_pairs(x_ptr, row, g, xm, H2_MODE: tl.constexpr):
+    """x'[g*16 + i] of one activation row as 8 f16x2 vectors [BG] in the weight-pair order
+    ((0,4), (1,5), (2,6), (3,7), (8,12), ...) and the fp32 factor 2**-k * 2**14 that undoes the scaling."""
+    base = x_ptr + row + g * 16
+    v = ()
+    for i in tl.static_range(16):
+        v = v + (ld(base + i, xm).to(tl.float32),)
+    amax = tl.abs(v[0])
+    for i in tl.static_range(1, 16):
+        amax = tl.maximum(amax, tl.abs(v[i]))
+    # amax in [2**(E-127), 2**(E-126)); up = 2**(140-E) makes |x'| < 2**14; clamped so both factors stay finite
+    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 13), 253)
+    up = ((267 - e) << 23).to(tl.float32, bitcast=True)
+    back = ((e + 1) << 23).to(tl.float32, bitcast=True)          # 2**(e-126) = 2**14 / up
+    p = ()
+    for h in tl.static_range(2):
+        for j in tl.static_range(4):
+            p = p + (_pack2(v[8 * h + j] * up, v[8 * h + j + 4] * up, H2_MODE),)
+    return p, back
+
+
+@triton.jit
+def _h2_tile(accs, lo, hi, sc, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H2_MODE: tl.constexpr):
+    for tt in tl.static_range(T_TILE):
+        p, back = _x_pairs(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g, xm, H2_MODE)
+        acc = _hfma2(_wpair(lo, 0), p[0][None, :], tl.zeros_like(lo), H2_MODE)
+        for j in tl.static_range(1, 4):
+            acc = _hfma2(_wpair(lo, j), p[j][None, :], acc, H2_MODE)
+        for j in tl.static_range(4):
+            acc = _hfma2(_wpair(hi, j), p[4 + j][None, :], acc, H2_MODE)
+        s = _lane_f32(acc) + _lane_f32(acc >> 16)
+        accs = _tset(accs, tt, accs[tt] + (s * back[None, :]) * sc)   # this order cannot overflow early
+    return accs
+
+
+@triton.jit
+def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
+                         stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+                         DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                         FOLD: tl.constexpr, PREFETCH: tl.constexpr, H2_MODE: tl.constexpr):
+    # USE_DOT / DOT_KIND / FOLD / PREFETCH are accepted for the shared launcher and unused here
+    tl.static_assert(T_TILE <= MAX_T_TILE)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
+    t0 = tl.program_id(2) * T_TILE
+    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
+    g_lo = tl.program_id(1) * g_per
+    g_hi = tl.minimum(G, g_lo + g_per)
+    accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        g = _tile_g(g0, BLOCK_G, 2)
+        off = rows[:, None] * G + g[None, :]
+        if EVEN_G:
+            words = tl.load(codes + off)
+            sc = e4m3_magnitude(tl.load(scales + off).to(tl.int32))
+            accs = _h2_tile(accs, words.to(tl.int32), (words >> 32).to(tl.int32), sc, g, None, t0, T, x_ptr,
+                            stride_xt, T_TILE, H2_MODE)
+        else:   # masked groups read code 0 (weight 0) and x 0
+            wm = (g < g_hi)[None, :]
+            words = tl.load(codes + off, mask=wm, other=0)
+            sc = e4m3_magnitude(tl.load(scales + off, mask=wm, other=0).to(tl.int32))
+            accs = _h2_tile(accs, words.to(tl.int32), (words >> 32).to(tl.int32), sc, g, g < g_hi, t0, T,
+                            x_ptr, stride_xt, T_TILE, H2_MODE)
+    cols = tl.arange(0, T_TILE)
+    acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
+    for tt in tl.static_range(T_TILE):
+        acc = tl.where(cols[None, :] == tt, tl.sum(accs[tt], axis=1)[:, None], acc)
+    _finish(acc * fscale, t0 + cols, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr,
+            cnt_ptr, HAS_RES, USE_SPLIT)
+
+
+def h2_mode(device: torch.device) -> int:
+    """The H2_MODE for launches on `device` (EMULATE in the interpreter and off CUDA)."""
+    import os
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
+        return EMULATE
+    return PTX_SM80 if torch.cuda.get_device_capability(device) >= (8, 0) else PTX_SM70
+
+
+class H2Kernel:
+    """Binds H2_MODE per device so the generic launcher (`gemv_launch`) treats this like the other kernels.
+    Its __name__ is the fp32 kernel's: both variants compete for the same tuner key."""
+
+    __name__ = "nvfp4_gemv_kernel"
+
+    def __init__(self, mode: int):
+        self.mode, self.jit, self.extra_consts = mode, nvfp4_h2_gemv_kernel, {"H2_MODE": mode}
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: nvfp4_h2_gemv_kernel[grid](*a, H2_MODE=self.mode, **kw)
+
+    def warmup(self, *a, grid, **kw):
+        return nvfp4_h2_gemv_kernel.warmup(*a, grid=grid, H2_MODE=self.mode, **kw)
+
+
+_BY_MODE: dict = {}
+
+
+def h2_kernel(device: torch.device) -> H2Kernel:
+    mode = h2_mode(device)
+    if mode not in _BY_MODE:
+        _BY_MODE[mode] = H2Kernel(mode)
+    return _BY_MODE[mode]
+
+
+def kernel_for(fmt: str = "nvfp4_h2", dequant: bool = False, cc: int = 90):
+    """(kernel, signature of its weight arguments, extra constexprs) for compile checks."""
+    if dequant:
+        raise ValueError("nvfp4_h2 has no dequantizer of its own (gemv_nvfp4's serves both)")
+    return nvfp4_h2_gemv_kernel, {"codes": "*i64", "scales": "*u8"}, \
+        {"H2_MODE": PTX_SM80 if cc >= 80 else PTX_SM70}

@@ -1,0 +1,101 @@
+"""The packed-half2 NVFP4 GEMV (kernels/gemv_nvfp4_h2.py) vs the codec-based reference.
+
+On CPU the kernel runs in the interpreter with H2_MODE = EMULATE (the same f16 roundings written as Triton
+ops); with CUDA the inline-PTX path runs. Activations span many orders of magnitude per 16-weight group,
+because the per-group power-of-two scaling to f16 is what this variant adds.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ninfer_formats import codecs  # noqa: E402
+from ninfer_kernels import reference  # noqa: E402
+from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, candidates, interpreting, workspace  # noqa: E402
+from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4  # noqa: E402
+
+RTOL_H2 = 2e-3       # fp32 output: f16 block sums (~2**-11 per FMA over 16 terms), measured ~4e-4
+RTOL_HALF = 1e-2     # bf16/f16 output: the output rounding dominates (as in test_kernels_gemv)
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+N = 37
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def weights(N: int, K: int, seed: int):
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    c, s, g = codecs.nvfp4.quantize(w)
+    return torch.from_numpy(c).to(DEV), torch.from_numpy(s).to(DEV), float(g)
+
+
+def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:
+    """N(0,1) times 2**u, u uniform in [-20, 12] per element: tiny and large activations side by side."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-20, 13, (T, K), generator=g).float())
+
+
+CASES = {  # T, dtype, K, block_n, block_g, split, residual
+    "T1-bf16": (1, torch.bfloat16, 160, 32, 4, 1, False),
+    "T2-f16-ragged-split": (2, torch.float16, 176, 16, 4, 3, True),
+    "T3-f32": (3, torch.float32, 96, 64, 2, 1, False),
+    "T5-bf16-split": (5, torch.bfloat16, 144, 32, 2, 2, True),
+    "T8-f16": (8, torch.float16, 48, 16, 2, 1, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_h2_matches_reference(case):
+    T, dtype, K, bn, bg, split, has_res = CASES[case]
+    codes, scales, gs = weights(N, K, seed=T)
+    x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(DEV)
+    res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
+    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
+    cfg = GemvConfig(bn, bg, split=split, h2=True)
+    y = gemv_nvfp4(x, codes, scales, gs, out, res, config=cfg)
+    ref = reference.ref_nvfp4(x, codes, scales, gs, residual=res)
+    assert torch.isfinite(y).all() and rel_l2(y, ref) < (RTOL_H2 if dtype == torch.float32 else RTOL_HALF)
+    if split > 1:   # deterministic, counters back at zero
+        assert torch.equal(gemv_nvfp4(x, codes, scales, gs, None, res, config=cfg), y)
+        assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
+
+
+def test_h2_every_code_and_extreme_groups():
+    """Every code byte and scale pattern; groups whose activations are all zero, near the fp32 top or
+    fp32-subnormal-small: the scaling must neither overflow f16 nor lose the group."""
+    K = 256
+    codes = torch.from_numpy((np.arange(8 * K // 2) % 256).astype(np.uint8).reshape(8, K // 2)).to(DEV)
+    scales = torch.from_numpy(np.array([0x01, 0x07, 0x08, 0x38, 0x7E, 0x30, 0x40, 0x50] * 16,
+                                       dtype=np.uint8).reshape(8, K // 16)).to(DEV)
+    x = torch.randn(2, K, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    x[0, 0:16] = 0.0
+    x[0, 16:32] *= 1e30
+    x[0, 32:48] *= 1e-40          # fp32 subnormals
+    x[1, 48:64] = 65504.0 * 4     # beyond f16 range before scaling
+    x = x.to(DEV)
+    y = gemv_nvfp4(x, codes, scales, 0.5, config=GemvConfig(8, 4, h2=True))
+    ref = reference.ref_nvfp4(x, codes, scales, 0.5)
+    assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2
+
+
+def test_h2_config_rules():
+    codes, scales, gs = weights(N, 64, seed=1)
+    with pytest.raises(KernelInputError, match="T <= 8"):
+        gemv_nvfp4(torch.randn(9, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 4, h2=True))
+    with pytest.raises(ValueError, match="h2"):
+        GemvConfig(16, 4, use_dot=True, h2=True)
+
+
+def test_h2_candidates_only_where_asked():
+    cuda = torch.device("cuda")
+    if not torch.cuda.is_available():
+        pytest.skip("candidates() for a CUDA device reads its properties; needs CUDA")
+    assert any(c.h2 for c in candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
+    assert not any(c.h2 for c in candidates(1, 5120, 320, 16, torch.bfloat16, cuda))
+    assert not any(c.h2 for c in candidates(16, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
