@@ -26,6 +26,7 @@ out of the measuring process as they are made, so a stopped recipe keeps what it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -36,8 +37,8 @@ import time
 from pathlib import Path
 
 import synth_artifact as synth
+from ninfer_formats.atomic import write_json_atomic
 from ninfer_formats.errors import NinferError
-from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "decode.json"
 PARTS = ("decode", "profile", "verify", "prefill")
@@ -83,7 +84,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the whole prompt in one forward")
     ap.add_argument("--prefill-runs", type=int, default=None, help="timed runs, best kept (default 2, --quick 1)")
-    ap.add_argument("--tp", type=int, default=1, help="ranks (one process and GPU each, NCCL)")
+    ap.add_argument("--tp", type=_ints, default=(1,),
+                    help="TP sizes to measure, in this order, each with its own artifact (e.g. 1,2: TP1 vs TP2)")
+    ap.add_argument("--compare-allreduce", choices=("auto", "always", "off"), default="auto",
+                    help="TP > 1: decode again with the process-group all-reduce (auto: when peer memory is in use)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default cuda when available")
     ap.add_argument("--backend", choices=("triton", "torch"), default=None,
                     help="ops backend (default triton on cuda, torch on cpu unless TRITON_INTERPRET=1)")
@@ -116,17 +120,20 @@ def options(args) -> dict:
     device = args.device or ("cuda" if _cuda_available() else "cpu")
     cpu = device == "cpu"
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    for name in ("max_draft", "prefill_tokens", "tp"):
+    for name in ("max_draft", "prefill_tokens"):
         if getattr(args, name) < (0 if name == "max_draft" else 1):
             raise NinferError(f"--{name.replace('_', '-')}: {getattr(args, name)} is out of range")
+    if len(set(args.tp)) != len(args.tp):
+        raise NinferError(f"--tp: {','.join(map(str, args.tp))} lists a size twice")
     return {"parts": tuple(args.parts), "contexts": tuple(args.contexts),
             "verify_contexts": tuple(args.verify_contexts or args.contexts[:1]), "max_draft": args.max_draft,
             "steps": args.steps or (48 if args.quick else 128), "warm": args.warm or (8 if args.quick else 16),
             "prefill_tokens": args.prefill_tokens, "prefill_chunk": args.prefill_chunk or args.prefill_tokens,
-            "prefill_runs": args.prefill_runs or (1 if args.quick else 2), "tp": args.tp, "device": device,
+            "prefill_runs": args.prefill_runs or (1 if args.quick else 2), "tp": args.tp[0], "device": device,
             "backend": args.backend or ("torch" if cpu and not interp else "triton"),
             "dtype": "float32" if cpu else "bfloat16", "eager": args.eager or cpu, "precompile": not args.no_precompile,
-            "copy_mb": args.copy_mb or (256 if cpu else 4096), "matmul_n": args.matmul_n or (512 if cpu else 8192)}
+            "copy_mb": args.copy_mb or (256 if cpu else 4096), "matmul_n": args.matmul_n or (512 if cpu else 8192),
+            "compare_allreduce": args.compare_allreduce}
 
 
 def pick_dir(given: str | None, need: int) -> str:
@@ -187,13 +194,41 @@ def run_child(opts: dict, recipe: str, paths: list, info: dict, deadline: float)
 
 
 def _brief(r: dict) -> str:
-    keys = ("kind", "context", "draft_tokens", "tok_s", "ms_step", "pct_roofline", "verify_ratio", "load_s",
-            "capture_s", "copy_tbps", "matmul_tflops")
+    keys = ("kind", "context", "draft_tokens", "allreduce", "allreduce_calls_per_step", "tok_s", "ms_step",
+            "pct_roofline", "verify_ratio", "load_s", "capture_s", "copy_tbps", "matmul_tflops")
     return " ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r)
 
 
 def write(records: list, out: str) -> None:
     write_json_atomic(out, records)
+
+
+def measure_one(args, opts: dict, shape, recipe: str, deadline: float, rate: float | None):
+    """Build (or reuse) one recipe's artifact at opts["tp"] and measure it: -> (records, build seconds per
+    byte or None when reused)."""
+    tp = opts["tp"]
+    need = synth.planned_bytes(shape, recipe, tp)
+    left = deadline - time.monotonic()
+    if left < (rate or 0) * need + MIN_MEASURE_S:
+        log(f"{recipe} tp{tp}: skipped, {left:.0f} s of the {args.budget_s:.0f} s budget left")
+        return [{"kind": "skipped", "recipe": recipe, "tp": tp, "reason": "time budget"}], None
+    folder = os.path.join(pick_dir(args.dir, need), f"{recipe}-tp{tp}")     # one artifact per folder: servable
+    log(f"{recipe} tp{tp}: building {need / 1e9:.1f} GB in {folder}")
+    paths, info = synth.build(folder, shape, recipe, tp, workers=args.workers, log=log)
+    info["dir"] = folder
+    log(f"{recipe} tp{tp}: artifact {'reused' if info['reused'] else 'built'} in {info['build_s']:.1f} s; measuring")
+    try:
+        recs, error = run_child(opts, recipe, paths, info, deadline)
+    finally:
+        if not args.keep and not info["reused"]:
+            for p in paths:
+                os.unlink(p)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+    if error:
+        log(f"{recipe} tp{tp}: error: {error}")
+        recs.append({"kind": "error", "recipe": recipe, "tp": tp, "error": error})
+    return recs, (None if info["reused"] else info["build_s"] / need)
 
 
 def run(args) -> list[dict]:
@@ -202,34 +237,47 @@ def run(args) -> list[dict]:
         os.environ["NINFER_GEMV_TUNE"] = "0"         # inherited by the measurement processes
     shape = synth.shape_from_args(args)
     recipes = args.recipes or (("nvfp4",) if args.quick else ("nvfp4", "q6_k", "iq3_s"))
-    start, records, rate = time.monotonic(), [], None        # rate: build seconds per planned byte
+    deadline, records, rate = time.monotonic() + args.budget_s, [], None   # rate: build seconds per planned byte
     for recipe in recipes:
-        need = synth.planned_bytes(shape, recipe, opts["tp"])
-        left = args.budget_s - (time.monotonic() - start)
-        if left < (rate or 0) * need + MIN_MEASURE_S:
-            log(f"{recipe}: skipped, {left:.0f} s of the {args.budget_s:.0f} s budget left")
-            records.append({"kind": "skipped", "recipe": recipe, "tp": opts["tp"], "reason": "time budget"})
-            continue
-        folder = pick_dir(args.dir, need)
-        log(f"{recipe}: building {need / 1e9:.1f} GB in {folder}")
-        paths, info = synth.build(folder, shape, recipe, opts["tp"], workers=args.workers, log=log)
-        info["dir"] = folder
-        if not info["reused"]:
-            rate = info["build_s"] / need
-        log(f"{recipe}: artifact {'reused' if info['reused'] else 'built'} in {info['build_s']:.1f} s; measuring")
-        try:
-            recs, error = run_child(opts, recipe, paths, info, start + args.budget_s)
-        finally:
-            if not args.keep and not info["reused"]:
-                for p in paths:
-                    os.unlink(p)
-        records += recs
-        if error:
-            log(f"{recipe}: error: {error}")
-            records.append({"kind": "error", "recipe": recipe, "tp": opts["tp"], "error": error})
-        write(records, args.out)
+        for tp in args.tp:
+            recs, r = measure_one(args, {**opts, "tp": tp}, shape, recipe, deadline, rate)
+            rate = r or rate
+            records += recs
+            compare_tp(records)
+            write(records, args.out)
     write(records, args.out)
     return records
+
+
+def _match(records: list, r: dict, **want):
+    keys = ("recipe", "kind", "context", "draft_tokens")
+    for o in records:
+        if all(o.get(k) == r.get(k) for k in keys) and all(o.get(k) == v for k, v in want.items()):
+            return o
+    return None
+
+
+def compare_tp(records: list) -> None:
+    """Cross-run fields, in place: TP > 1 decode / verify records get TP1's numbers at the same recipe and
+    context and the speedup; decode records get every all-reduce implementation's step time at their TP."""
+    for r in records:
+        if r["kind"] not in ("decode", "verify") or r.get("tp", 1) < 2:
+            continue
+        tp1 = _match(records, r, tp=1)
+        if r["kind"] == "decode":
+            same = [o for o in records if o["kind"] == "decode" and o["tp"] == r["tp"]
+                    and o["recipe"] == r["recipe"] and o["context"] == r["context"] and "allreduce" in o]
+            names = [o["allreduce"] for o in same]          # "always" without peer memory: one path twice
+            keys = [n + " forced" if o.get("allreduce_forced") and names.count(n) > 1 else n
+                    for n, o in zip(names, same)]
+            r["ms_step_by_allreduce"] = {k: o["ms_step"] for k, o in zip(keys, same)}
+            r["tok_s_by_allreduce"] = {k: o["tok_s"] for k, o in zip(keys, same)}
+        if tp1 is not None:
+            key = "tok_s" if r["kind"] == "decode" else "verify_ratio"
+            r[f"{key}_tp1"] = tp1[key]
+            if r["kind"] == "decode":
+                r["speedup_vs_tp1"] = r["tok_s"] / tp1["tok_s"]
+                r["speedup_vs_tp1_gpu"] = r["tok_s_gpu"] / tp1["tok_s_gpu"]
 
 
 # ---- table ----
@@ -239,7 +287,12 @@ def _row(r: dict) -> str | None:
     if k == "decode":
         return (f"{head}{r['context']:>7}  K=0 {r['tok_s']:9.1f} tok/s {r['ms_step']:8.3f} ms "
                 f"(gpu {r['ms_step_gpu']:.3f}) {r['bytes_step'] / 1e9:7.2f} GB/step {r['pct_roofline']:6.1f}% roofline "
-                f"(gpu {r['pct_roofline_gpu']:.1f}%)")
+                f"(gpu {r['pct_roofline_gpu']:.1f}%)" + _tp_note(r))
+    if k == "allreduce":
+        msgs = ", ".join(f"{m['count']} x {m['bytes']} B" for m in r["allreduce_messages"])
+        per = ", ".join(f"{i} {r['allreduce_us_per_call'][i]:.1f} us/call = {us / 1e3:.3f} ms/step"
+                        for i, us in r["allreduce_us_per_step"].items())
+        return f"{head}{'':>7}      {msgs} per decode step: {per} ({r['allreduce_timing']})"
     if k == "verify":
         extra = ""
         if r.get("tok_s_by_acceptance"):
@@ -261,7 +314,7 @@ def _row(r: dict) -> str | None:
                 f"checksums) build {r['model_build_s']:.2f} s "
                 + (f"precompile {r['precompile_s']:.0f} s " if r.get("precompile_s") is not None else "")
                 + (f"capture {r['capture_s']:.1f} s ({r['graphs_captured']} graphs)" if r["capture_s"] is not None
-                   else "graph capture FAILED (eager)"))
+                   else "graph capture FAILED (eager)") + _mem_note(r))
     if k == "ceilings":
         return f"{head}{'':>7}      copy {r['copy_tbps']:.3f} TB/s  matmul {r['matmul_tflops']:.1f} TFLOP/s  ({r['gpu']})"
     if k in ("error", "skipped"):
@@ -269,20 +322,55 @@ def _row(r: dict) -> str | None:
     return None
 
 
+def _tp_note(r: dict) -> str:
+    if "allreduce" not in r:
+        return ""
+    share = r.get("allreduce_pct_step")
+    note = (f"  [{r['allreduce']}{' forced' if r.get('allreduce_forced') else ''}: {r['allreduce_calls_per_step']} "
+            f"all-reduces/step" + (f" = {share:.1f}% of the step" if share is not None else "") + "]")
+    return note + (f" {r['speedup_vs_tp1']:.2f}x TP1" if "speedup_vs_tp1" in r else "")
+
+
+def _mem_note(r: dict) -> str:
+    fmt = lambda v: "/".join(f"{x:.2f}" for x in v)
+    if "max_allocated_gib" in r:
+        return (f"; GiB per rank: max allocated {fmt(r['max_allocated_gib'])}, reserved {fmt(r['reserved_gib'])}, "
+                f"device used {fmt(r['device_used_gib'])}")
+    return f"; peak RSS GiB per rank {fmt(r['peak_rss_gib'])}" if "peak_rss_gib" in r else ""
+
+
+def tp_summary(records: list) -> list[str]:
+    """One line per TP > 1 decode measurement with the peer-memory path (or the only one): tok/s against TP1
+    and against the process-group all-reduce."""
+    out = []
+    for r in records:
+        if r["kind"] != "decode" or r.get("tp", 1) < 2 or r.get("allreduce_forced"):
+            continue
+        line = f"{r['recipe']} TP{r['tp']} @{r['context']}: {r['tok_s']:.1f} tok/s ({r['allreduce']})"
+        if "tok_s_tp1" in r:
+            line += f" vs TP1 {r['tok_s_tp1']:.1f} tok/s = {r['speedup_vs_tp1']:.2f}x"
+        others = {i: t for i, t in r.get("tok_s_by_allreduce", {}).items() if i != r["allreduce"]}
+        line += "".join(f"; with {i}: {t:.1f} tok/s" for i, t in others.items())
+        per = r.get("allreduce_us_per_step", {})
+        line += "; all-reduce ms/step " + ", ".join(f"{i} {us / 1e3:.3f}" for i, us in per.items())
+        out.append(line)
+    return out
+
+
 def goals(records: list) -> list[str]:
     out = []
     for r in records:
-        if r.get("recipe") != "nvfp4":
+        if r.get("recipe") != "nvfp4" or r.get("allreduce_forced"):
             continue
         if r["kind"] == "decode" and r["context"] <= 1024:
-            out.append(f"nvfp4 decode @{r['context']}: {r['pct_roofline']:.1f}% of roofline "
+            out.append(f"nvfp4 TP{r['tp']} decode @{r['context']}: {r['pct_roofline']:.1f}% of roofline "
                        f"(goal >= {GOALS['decode_pct_roofline_1k']:.0f}%)")
         elif r["kind"] == "verify" and r["draft_tokens"] == 3:
-            out.append(f"nvfp4 verify K=3: {r['verify_ratio']:.3f} x K=0 (goal <= {GOALS['verify_ratio_k3']})")
+            out.append(f"nvfp4 TP{r['tp']} verify K=3: {r['verify_ratio']:.3f} x K=0 (goal <= {GOALS['verify_ratio_k3']})")
         elif r["kind"] == "prefill":
-            out.append(f"nvfp4 prefill {r['tokens']}: {r['tok_s']:.0f} tok/s (goal >= {GOALS['prefill_tok_s']:.0f})")
+            out.append(f"nvfp4 TP{r['tp']} prefill {r['tokens']}: {r['tok_s']:.0f} tok/s (goal >= {GOALS['prefill_tok_s']:.0f})")
         elif r["kind"] == "load":
-            out.append(f"nvfp4 load: {r['load_s']:.2f} s (goal <= {GOALS['load_s']:.0f} s)")
+            out.append(f"nvfp4 TP{r['tp']} load: {r['load_s']:.2f} s (goal <= {GOALS['load_s']:.0f} s)")
     return out
 
 
@@ -300,6 +388,8 @@ def main(argv=None) -> int:
             line = _row(r)
             if line:
                 print(line)
+        for line in tp_summary(records):
+            print("tp: " + line)
         for g in goals(records):
             print("goal: " + g)
         print(f"wrote {args.out}", file=sys.stderr)

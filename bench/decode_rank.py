@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass, replace
 
 import decode_measure as M
+import decode_tp as T
 import torch
 
 ACCEPTANCE = (0.6, 0.75, 0.9)
@@ -38,6 +39,12 @@ class BenchOptions:
     dtype: str = "bfloat16"
     eager: bool = False
     precompile: bool = True            # compile the GEMV configs the tuner will try in parallel processes
+    compare_allreduce: str = "auto"    # TP > 1: decode again with the process-group all-reduce (auto: when
+                                       # the peer-memory path is in use; always; off)
+
+    def __post_init__(self):
+        if self.compare_allreduce not in ("auto", "always", "off"):
+            raise ValueError(f"compare_allreduce: {self.compare_allreduce!r} is not auto, always or off")
     copy_mb: int = 4096
     matmul_n: int = 8192
 
@@ -181,25 +188,56 @@ def _profile(model, runner, st, ctx, opts, base, emit) -> None:
     M.rewind(st, ctx)
 
 
-def _decode_parts(model, runner, opts, ceil, base, emit, gen) -> None:
+def _decode_record(runner, st, ctx, opts, ceil, base, wb) -> dict:
+    """Greedy decode at context `ctx`: ms/step with the token read back every step and GPU-pipelined."""
+    ms = M.decode_ms(runner, st, opts.steps, opts.warm, host_tokens=True)
+    ms_gpu = M.decode_ms(runner, st, opts.steps, opts.warm, host_tokens=False)
+    nbytes = wb["target"] + M.state_bytes(runner.model, ctx)
+    roof = nbytes / (ceil["copy_tbps"] * 1e12) * 1e3
+    return {**base, "kind": "decode", "context": ctx, "draft_tokens": 0, "tok_s": 1e3 / ms, "ms_step": ms,
+            "ms_step_gpu": ms_gpu, "tok_s_gpu": 1e3 / ms_gpu, "bytes_step": nbytes, "weight_bytes": wb["target"],
+            "pct_roofline": 100 * roof / ms, "pct_roofline_gpu": 100 * roof / ms_gpu}
+
+
+def _with_allreduce(rec: dict, ar: dict | None, impl: str | None = None, forced: bool = False) -> dict:
+    if ar is None:
+        return rec
+    rec = {**rec, **{k: v for k, v in ar.items() if k != "allreduce_messages"}, "allreduce_forced": forced}
+    if impl is not None:
+        rec["allreduce"] = impl
+    return {**rec, **T.step_share(rec, ar)}
+
+
+def _decode_parts(model, runner, opts, ceil, base, emit, gen, ar) -> None:
     wb, device = M.weight_bytes(model), model.device
     for ctx in opts.contexts:
         st = model.new_state()
         M.fill_context(model, st, ctx)
         if "decode" in opts.parts:
-            ms = M.decode_ms(runner, st, opts.steps, opts.warm, host_tokens=True)
-            ms_gpu = M.decode_ms(runner, st, opts.steps, opts.warm, host_tokens=False)
-            nbytes = wb["target"] + M.state_bytes(model, ctx)
-            roof = nbytes / (ceil["copy_tbps"] * 1e12) * 1e3
-            emit({**base, "kind": "decode", "context": ctx, "draft_tokens": 0, "tok_s": 1e3 / ms, "ms_step": ms,
-                  "ms_step_gpu": ms_gpu, "tok_s_gpu": 1e3 / ms_gpu, "bytes_step": nbytes,
-                  "weight_bytes": wb["target"], "pct_roofline": 100 * roof / ms,
-                  "pct_roofline_gpu": 100 * roof / ms_gpu})
+            emit(_with_allreduce(_decode_record(runner, st, ctx, opts, ceil, base, wb), ar))
         if "profile" in opts.parts and ctx == opts.contexts[0] and device.type == "cuda":
             _profile(model, runner, st, ctx, opts, base, emit)
         if "verify" in opts.parts and ctx in opts.verify_contexts:
             _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb)
         st.free()
+
+
+def _forced_pg_decode(model, opts, ceil, base, emit, ar) -> None:
+    """Decode again with the peer-memory path off (every all-reduce through the process group, as with
+    NINFER_ALLREDUCE=nccl), in a decode-only graph runner captured for it. Every rank runs it."""
+    group, wb = model.tp, M.weight_bytes(model)
+    p2p, group.p2p = group.p2p, None
+    runner = _runner(model, replace(opts, parts=("decode",)))
+    try:
+        runner.capture()
+        for ctx in opts.contexts:
+            st = model.new_state()
+            M.fill_context(model, st, ctx)
+            emit(_with_allreduce(_decode_record(runner, st, ctx, opts, ceil, base, wb), ar, T.pg_name(), True))
+            st.free()
+    finally:
+        runner.close()
+        group.p2p = p2p
 
 
 def _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb) -> None:
@@ -229,8 +267,33 @@ def _prefill(model, opts, ceil, base, emit, gen) -> None:
           "pct_matmul_peak": 100 * tflops / ceil["matmul_tflops"]})
 
 
+def _capture(model, opts: BenchOptions, base: dict, out, rec: dict):
+    """The graph runner, captured; on failure an eager one (recorded), with opts/base updated to say so."""
+    runner = _runner(model, opts)
+    try:
+        rec["capture_s"] = runner.capture()
+    except Exception as e:                      # noqa: BLE001 - measure without graphs rather than not at all
+        traceback.print_exc(file=sys.stderr)
+        out({**base, "kind": "error", "error": f"graph capture failed, measuring eagerly: {type(e).__name__}: {e}"})
+        runner.close()
+        M.sync(model.device)
+        opts = replace(opts, eager=True)
+        base["graphs"] = False
+        runner = _runner(model, opts)
+        rec["capture_s"] = None
+    rec["graphs_captured"] = runner.stats.captured
+    return runner, opts
+
+
+def _compare_allreduce(group, opts: BenchOptions) -> bool:
+    if opts.tp < 2 or "decode" not in opts.parts or opts.compare_allreduce == "off":
+        return False
+    return opts.compare_allreduce == "always" or getattr(group, "p2p", None) is not None
+
+
 def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dict, emit) -> None:
-    """All measurements of one recipe on this rank; emit(record) is called on rank 0 only."""
+    """All measurements of one recipe on this rank; emit(record) is called on rank 0 only. Every rank makes
+    the same calls in the same order (TP collectives inside the model and the TP measurements)."""
     device = _device(group, opts)
     out = emit if group.rank == 0 else (lambda r: None)
     torch.manual_seed(1234 + group.rank)
@@ -242,29 +305,27 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "backend": backend, "graphs": not opts.eager, "dtype": opts.dtype,
             "gemv_tune": os.environ.get("NINFER_GEMV_TUNE", "1") != "0"}
     out({**base, "kind": "ceilings", **ceil})
+    if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     model, rec = _load(group, opts, paths, device, info)
     rec["precompile_s"] = _precompile(model, opts, device)
-    runner = _runner(model, opts)
-    try:
-        rec["capture_s"] = runner.capture()
-    except Exception as e:                      # noqa: BLE001 - measure without graphs rather than not at all
-        traceback.print_exc(file=sys.stderr)
-        out({**base, "kind": "error", "error": f"graph capture failed, measuring eagerly: {type(e).__name__}: {e}"})
-        runner.close()
-        M.sync(device)
-        opts = replace(opts, eager=True)
-        base["graphs"] = False
-        runner = _runner(model, opts)
-        rec["capture_s"] = None
-    rec["graphs_captured"] = runner.stats.captured
+    runner, opts = _capture(model, opts, base, out, rec)
+    base.update(T.memory_gib(group, device))          # per rank, after load + capture
     out({**base, **rec})
+    ar = None
+    if opts.tp > 1 and {"decode", "verify", "profile"} & set(opts.parts):
+        ar = T.allreduce_costs(model, graph=device.type == "cuda" and not opts.eager)
+        out({**base, "kind": "allreduce", **ar})
     if {"decode", "verify", "profile"} & set(opts.parts):
-        _decode_parts(model, runner, opts, ceil, base, out, gen)
+        _decode_parts(model, runner, opts, ceil, base, out, gen, ar)
         out({**base, "kind": "graph_stats", "replays": runner.stats.replays, "eager_steps": runner.stats.eager_steps,
              "fallbacks": runner.stats.fallbacks, "fallback_reasons": runner.stats.reasons})
+    runner.close()                        # its graphs and pool go before the forced pass captures its own
+    if _compare_allreduce(group, opts):
+        _forced_pg_decode(model, opts, ceil, base, out, ar)
     if "prefill" in opts.parts:
         _prefill(model, opts, ceil, base, out, gen)
-    runner.close()
 
 
 def _follower(group, opts, recipe, paths, info):
