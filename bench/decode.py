@@ -1,27 +1,48 @@
-"""End-to-end decode / MTP verify / prefill / load speed on one GPU, with a 27B-shaped synthetic artifact.
+"""Decode / MTP verify / prefill / load speed, TP1 and tensor-parallel, on a 27B-shaped synthetic artifact.
 
-    python bench/decode.py [--quick] [--recipes nvfp4,q6_k,iq3_s] [--parts decode,verify,prefill] [--tp 1]
-                           [--out bench/results/decode.json] [--dir DIR] [--keep] [--eager]
-    python bench/decode.py --device cpu --tiny --contexts 64,256 --prefill-tokens 128     # CPU dry run
+    python bench/decode.py [--quick] [--recipes nvfp4,q6_k,iq3_s] [--parts decode,verify,prefill] [--tp 1,2]
+                           [--compare-allreduce auto|always|off] [--out bench/results/decode.json] [--dir DIR]
+                           [--keep] [--eager] [--gemv-tune on|off]
+    python bench/decode.py --device cpu --tiny --tp 1,2 --contexts 64 --prefill-tokens 128     # CPU dry run (gloo)
 
-Per recipe: build (or reuse) the artifact with bench/synth_artifact.py, then in a spawned process (fresh GPU
-memory) measure, in this order:
+--tp lists the TP sizes to measure, in that order, for every recipe in the same run (default 1; `--tp 1,2` is
+TP1 vs TP2, `--tp 2` TP2 alone). Each size gets its own artifact (built or reused in DIR/<recipe>-tp<N>, one TP
+set per folder so `ninfer-rt serve` can take it; deleted after its measurement unless --keep) and its own
+spawned process (fresh GPU memory; TP > 1 spawns the other ranks through ninfer_rt.tp.launch, one GPU each).
+Per (recipe, TP size), measured in this order:
   ceilings  device copy bandwidth (one large device copy, bytes read + written) and bf16 torch.matmul n^3
   load      ninfer_rt.loader.load(rank file, cuda, bf16, checksums verified) from the page cache; Model build;
-            bench/kernels.py's parallel precompile of the GEMV configs the tuner will time; CUDA-graph warm-up
-            (tuning) + capture (ninfer_rt.graphs)
+            bench/kernels.py's parallel precompile of the GEMV configs the tuner will time (rank 0 only: the
+            other ranks are daemonic processes and start no children; the Triton cache is shared); CUDA-graph
+            warm-up (tuning) + capture (ninfer_rt.graphs); then every rank's memory in GiB, lists in rank order:
+            max_allocated_gib / allocated_gib / reserved_gib (torch) and device_used_gib (mem_get_info),
+            peak_rss_gib on CPU -- carried by every later record
+  allreduce (TP > 1) the decode step's collectives (counted over one eager one-token forward) and each
+            all-reduce implementation's cost at those message sizes: the runtime's choice in a CUDA graph (the
+            peer-memory one_shot for the 27B's 10 KiB row on 2 GPUs) and the process group's (nccl; gloo on
+            CPU), timed in a captured chain of calls as bench/allreduce.py does (host-timed on CPU / --eager):
+            allreduce_calls_per_step, allreduce_us_per_call {impl: us}, allreduce_us_per_step {impl: us}
   decode    per context, greedy decode with CUDA graphs, MTP off. The context is made by writing random KV and
             GDN state (no 32K prefill). ms/step with the token read back every step (engine-like) and with the
             device argmax fed straight back (GPU-pipelined); bytes/step = packed weights + KV read + GDN state
-            read and written; % of roofline = (bytes/step / copy bandwidth) / step time
+            read and written, per GPU (rank 0's shard); % of roofline = (bytes/step / copy bandwidth) / step time.
+            TP > 1 records add allreduce (the implementation the step ran with), allreduce_forced,
+            allreduce_pct_step and the allreduce fields above; after all runs of a recipe, tok_s_tp1 and
+            speedup_vs_tp1 (same recipe and context) and ms_step_by_allreduce / tok_s_by_allreduce
   profile   the decode step's kernels under the torch profiler: count and us per step by name and group
   verify    MTP verify steps K = 1..max (GDN snapshots, commit) vs K = 0, one MTP draft step, and tok/s at a
-            per-position acceptance a: tokens/round = sum_{i=0..K} a^i, tok/s = that / (verify_K + K * draft)
+            per-position acceptance a: tokens/round = sum_{i=0..K} a^i, tok/s = that / (verify_K + K * draft);
+            TP > 1 records add verify_ratio_tp1
+  decode    (TP > 1, --compare-allreduce: auto = when the peer-memory path is in use, always, off) the decode
+            part again with the peer-memory path switched off on every rank, i.e. every all-reduce through the
+            process group as with NINFER_ALLREDUCE=nccl, in a decode-only graph runner captured for it:
+            decode records with allreduce "nccl" and allreduce_forced true
   prefill   eager prefill of N random tokens (chunks of --prefill-chunk), tok/s, and TFLOP/s as % of the
             matmul ceiling with FLOPs = 2 * (decoder-layer linear params) * tokens
-Results: a JSON list of records, rewritten after every recipe (--out), and a table on stdout. --budget-s skips
-a recipe when less than its estimated build time + 90 s is left and stops one that overruns; records stream
-out of the measuring process as they are made, so a stopped recipe keeps what it had measured.
+Results: a JSON list of records, rewritten after every (recipe, TP size) (--out), and a table on stdout ("tp:"
+lines compare TP sizes and all-reduce implementations). --budget-s skips a run when less than its estimated
+build time + 90 s is left and stops one that overruns; records stream out of the measuring process as they are
+made, so a stopped run keeps what it had measured.
 """
 from __future__ import annotations
 
@@ -36,6 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import decode_report as report
 import synth_artifact as synth
 from ninfer_formats.atomic import write_json_atomic
 from ninfer_formats.errors import NinferError
@@ -43,7 +65,6 @@ from ninfer_formats.errors import NinferError
 OUT = Path(__file__).resolve().parent / "results" / "decode.json"
 PARTS = ("decode", "profile", "verify", "prefill")
 MIN_MEASURE_S = 90.0       # a recipe is started only with this much budget left after its build
-GOALS = {"decode_pct_roofline_1k": 80.0, "verify_ratio_k3": 1.25, "prefill_tok_s": 8000.0, "load_s": 10.0}
 
 
 def log(msg: str) -> None:
@@ -243,135 +264,10 @@ def run(args) -> list[dict]:
             recs, r = measure_one(args, {**opts, "tp": tp}, shape, recipe, deadline, rate)
             rate = r or rate
             records += recs
-            compare_tp(records)
+            report.compare_tp(records)
             write(records, args.out)
     write(records, args.out)
     return records
-
-
-def _match(records: list, r: dict, **want):
-    keys = ("recipe", "kind", "context", "draft_tokens")
-    for o in records:
-        if all(o.get(k) == r.get(k) for k in keys) and all(o.get(k) == v for k, v in want.items()):
-            return o
-    return None
-
-
-def compare_tp(records: list) -> None:
-    """Cross-run fields, in place: TP > 1 decode / verify records get TP1's numbers at the same recipe and
-    context and the speedup; decode records get every all-reduce implementation's step time at their TP."""
-    for r in records:
-        if r["kind"] not in ("decode", "verify") or r.get("tp", 1) < 2:
-            continue
-        tp1 = _match(records, r, tp=1)
-        if r["kind"] == "decode":
-            same = [o for o in records if o["kind"] == "decode" and o["tp"] == r["tp"]
-                    and o["recipe"] == r["recipe"] and o["context"] == r["context"] and "allreduce" in o]
-            names = [o["allreduce"] for o in same]          # "always" without peer memory: one path twice
-            keys = [n + " forced" if o.get("allreduce_forced") and names.count(n) > 1 else n
-                    for n, o in zip(names, same)]
-            r["ms_step_by_allreduce"] = {k: o["ms_step"] for k, o in zip(keys, same)}
-            r["tok_s_by_allreduce"] = {k: o["tok_s"] for k, o in zip(keys, same)}
-        if tp1 is not None:
-            key = "tok_s" if r["kind"] == "decode" else "verify_ratio"
-            r[f"{key}_tp1"] = tp1[key]
-            if r["kind"] == "decode":
-                r["speedup_vs_tp1"] = r["tok_s"] / tp1["tok_s"]
-                r["speedup_vs_tp1_gpu"] = r["tok_s_gpu"] / tp1["tok_s_gpu"]
-
-
-# ---- table ----
-def _row(r: dict) -> str | None:
-    k = r["kind"]
-    head = f"{r.get('recipe', ''):<7}{r.get('tp', ''):>3}  {k:<8}"
-    if k == "decode":
-        return (f"{head}{r['context']:>7}  K=0 {r['tok_s']:9.1f} tok/s {r['ms_step']:8.3f} ms "
-                f"(gpu {r['ms_step_gpu']:.3f}) {r['bytes_step'] / 1e9:7.2f} GB/step {r['pct_roofline']:6.1f}% roofline "
-                f"(gpu {r['pct_roofline_gpu']:.1f}%)" + _tp_note(r))
-    if k == "allreduce":
-        msgs = ", ".join(f"{m['count']} x {m['bytes']} B" for m in r["allreduce_messages"])
-        per = ", ".join(f"{i} {r['allreduce_us_per_call'][i]:.1f} us/call = {us / 1e3:.3f} ms/step"
-                        for i, us in r["allreduce_us_per_step"].items())
-        return f"{head}{'':>7}      {msgs} per decode step: {per} ({r['allreduce_timing']})"
-    if k == "verify":
-        extra = ""
-        if r.get("tok_s_by_acceptance"):
-            extra = " tok/s@a=" + "/".join(f"{v:.0f}" for v in r["tok_s_by_acceptance"].values()) + \
-                    f" (a={'/'.join(r['tok_s_by_acceptance'])}; draft {r['draft_ms']:.3f} ms)"
-        return (f"{head}{r['context']:>7}  K={r['draft_tokens']} {r['ms_step']:8.3f} ms = "
-                f"{r['verify_ratio']:.3f} x K=0{extra}")
-    if k == "profile":
-        if "us_by_group" not in r:
-            return f"{head}{r['context']:>7}      {r.get('note', 'no kernels traced')}"
-        groups = ", ".join(f"{g} {us:.0f}" for g, us in sorted(r["us_by_group"].items(), key=lambda kv: -kv[1]))
-        return (f"{head}{r['context']:>7}      {r['kernels_per_step']:.0f} kernels, {r['kernel_us_per_step']:.0f} us "
-                f"of kernels per step ({r['source']}): {groups}")
-    if k == "prefill":
-        return (f"{head}{r['tokens']:>7}      {r['tok_s']:9.1f} tok/s {r['s']:8.3f} s  {r['tflops']:.1f} TFLOP/s "
-                f"= {r['pct_matmul_peak']:.1f}% of matmul peak")
-    if k == "load":
-        return (f"{head}{'':>7}      load {r['load_s']:.2f} s ({r['file_bytes'] / 1e9:.2f} GB, {r['gbps']:.2f} GB/s, "
-                f"checksums) build {r['model_build_s']:.2f} s "
-                + (f"precompile {r['precompile_s']:.0f} s " if r.get("precompile_s") is not None else "")
-                + (f"capture {r['capture_s']:.1f} s ({r['graphs_captured']} graphs)" if r["capture_s"] is not None
-                   else "graph capture FAILED (eager)") + _mem_note(r))
-    if k == "ceilings":
-        return f"{head}{'':>7}      copy {r['copy_tbps']:.3f} TB/s  matmul {r['matmul_tflops']:.1f} TFLOP/s  ({r['gpu']})"
-    if k in ("error", "skipped"):
-        return f"{head}{r.get('error') or r.get('reason')}"
-    return None
-
-
-def _tp_note(r: dict) -> str:
-    if "allreduce" not in r:
-        return ""
-    share = r.get("allreduce_pct_step")
-    note = (f"  [{r['allreduce']}{' forced' if r.get('allreduce_forced') else ''}: {r['allreduce_calls_per_step']} "
-            f"all-reduces/step" + (f" = {share:.1f}% of the step" if share is not None else "") + "]")
-    return note + (f" {r['speedup_vs_tp1']:.2f}x TP1" if "speedup_vs_tp1" in r else "")
-
-
-def _mem_note(r: dict) -> str:
-    fmt = lambda v: "/".join(f"{x:.2f}" for x in v)
-    if "max_allocated_gib" in r:
-        return (f"; GiB per rank: max allocated {fmt(r['max_allocated_gib'])}, reserved {fmt(r['reserved_gib'])}, "
-                f"device used {fmt(r['device_used_gib'])}")
-    return f"; peak RSS GiB per rank {fmt(r['peak_rss_gib'])}" if "peak_rss_gib" in r else ""
-
-
-def tp_summary(records: list) -> list[str]:
-    """One line per TP > 1 decode measurement with the peer-memory path (or the only one): tok/s against TP1
-    and against the process-group all-reduce."""
-    out = []
-    for r in records:
-        if r["kind"] != "decode" or r.get("tp", 1) < 2 or r.get("allreduce_forced"):
-            continue
-        line = f"{r['recipe']} TP{r['tp']} @{r['context']}: {r['tok_s']:.1f} tok/s ({r['allreduce']})"
-        if "tok_s_tp1" in r:
-            line += f" vs TP1 {r['tok_s_tp1']:.1f} tok/s = {r['speedup_vs_tp1']:.2f}x"
-        others = {i: t for i, t in r.get("tok_s_by_allreduce", {}).items() if i != r["allreduce"]}
-        line += "".join(f"; with {i}: {t:.1f} tok/s" for i, t in others.items())
-        per = r.get("allreduce_us_per_step", {})
-        line += "; all-reduce ms/step " + ", ".join(f"{i} {us / 1e3:.3f}" for i, us in per.items())
-        out.append(line)
-    return out
-
-
-def goals(records: list) -> list[str]:
-    out = []
-    for r in records:
-        if r.get("recipe") != "nvfp4" or r.get("allreduce_forced"):
-            continue
-        if r["kind"] == "decode" and r["context"] <= 1024:
-            out.append(f"nvfp4 TP{r['tp']} decode @{r['context']}: {r['pct_roofline']:.1f}% of roofline "
-                       f"(goal >= {GOALS['decode_pct_roofline_1k']:.0f}%)")
-        elif r["kind"] == "verify" and r["draft_tokens"] == 3:
-            out.append(f"nvfp4 TP{r['tp']} verify K=3: {r['verify_ratio']:.3f} x K=0 (goal <= {GOALS['verify_ratio_k3']})")
-        elif r["kind"] == "prefill":
-            out.append(f"nvfp4 TP{r['tp']} prefill {r['tokens']}: {r['tok_s']:.0f} tok/s (goal >= {GOALS['prefill_tok_s']:.0f})")
-        elif r["kind"] == "load":
-            out.append(f"nvfp4 TP{r['tp']} load: {r['load_s']:.2f} s (goal <= {GOALS['load_s']:.0f} s)")
-    return out
 
 
 def main(argv=None) -> int:
@@ -385,12 +281,12 @@ def main(argv=None) -> int:
         print(json.dumps(records, indent=1))
     else:
         for r in records:
-            line = _row(r)
+            line = report.row(r)
             if line:
                 print(line)
-        for line in tp_summary(records):
+        for line in report.tp_summary(records):
             print("tp: " + line)
-        for g in goals(records):
+        for g in report.goals(records):
             print("goal: " + g)
         print(f"wrote {args.out}", file=sys.stderr)
     return 1 if any(r["kind"] == "error" for r in records) else 0
