@@ -97,7 +97,7 @@ def _precompile_job(job) -> str:
     x = torch.zeros(T, K, dtype=torch.bfloat16, device=dev)
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     done = 0
-    for c in gl.candidates(T, N, K // gs, gs, x.dtype, dev):
+    for c in gl.candidates(T, N, K // gs, gs, x.dtype, dev, h2=gl.has_h2(kern)):
         try:
             gl.launch(kern, weights, x, N, K // gs, 1.0, out, None, c, warmup=True)
             done += 1
@@ -115,8 +115,8 @@ def precompile(jobs, workers: int) -> None:
     for fmt, N, K, T in jobs:
         _, _, gs = _kernel_spec(fmt)
         G = K // gs
-        cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev)
-        sig = frozenset(((c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile),
+        cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev, h2=gl.has_h2(_kernel_spec(fmt)[0]))
+        sig = frozenset(((c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2),
                          _spec(gl.effective_split(c, G))) for c in cands)
         uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))
     t0 = time.time()
@@ -161,6 +161,27 @@ def check(fmt: str, qw, N: int, K: int) -> list[dict]:
             out.append({"T": T, "path": path or "decode", "rel_l2": err, "ok": err < 1e-2})
         except Exception as e:
             out.append({"T": T, "path": path or "decode", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
+    if fmt == "nvfp4":   # the packed-half2 variant explicitly, whatever the tuner picked
+        out += _check_h2(qw, N, K, rows, idx)
+    return out
+
+
+def _check_h2(qw, N: int, K: int, rows, idx) -> list[dict]:
+    from ninfer_kernels import reference
+    from ninfer_kernels.gemv_launch import GemvConfig
+    from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4
+    d, out = qw.data, []
+    for T in ((1, 3) if SMOKE else (1, 3, 8)):
+        x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
+        res = torch.randn(T, N, device=DEV).to(torch.bfloat16)
+        cfg = GemvConfig(16 if SMOKE else 128, 4 if SMOKE else 16, 4, 1, 3, h2=True)
+        try:
+            y = gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], residual=res, config=cfg)[:, idx]
+            ref = reference.ref_linear(x, "nvfp4", d, residual=res, rows=rows)
+            err = float((y.double() - ref.double()).norm() / ref.double().norm())
+            out.append({"T": T, "path": "decode-h2", "rel_l2": err, "ok": err < 1e-2})
+        except Exception as e:
+            out.append({"T": T, "path": "decode-h2", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
     return out
 
 

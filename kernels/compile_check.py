@@ -72,7 +72,9 @@ def _module(fmt: str):
 
 
 def compile_variant(v: Variant, cc: int):
-    kernel, wsig, extra = _module(v.fmt).kernel_for(v.fmt, dequant=v.dequant)
+    mod = _module(v.fmt)
+    kernel, wsig, extra = (mod.kernel_for(v.fmt, dequant=v.dequant, cc=cc) if v.fmt in CC_AWARE
+                           else mod.kernel_for(v.fmt, dequant=v.dequant))
     xt = _TORCH_TO_TRITON[v.x_dtype]
     if v.dequant:
         sig = {**wsig, "out_ptr": f"*{xt}", "fscale": "fp32", "N": "i32", "G": "i32",
@@ -89,8 +91,10 @@ def compile_variant(v: Variant, cc: int):
     return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps)
 
 
-FORMATS = ("nvfp4", "q6_k", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
-_GS = {"nvfp4": 16, "q6_k": 16, "iq3_s": 16, "f8": 8, "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
+FORMATS = ("nvfp4", "nvfp4_h2", "q6_k", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
+CC_AWARE = ("nvfp4_h2",)     # kernel_for(..., cc=) picks target-specific inline PTX
+NO_DOT = ("nvfp4_h2",)       # elementwise-only variants (T <= 8), no dequantizer of their own
+_GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k": 16, "iq3_s": 16, "f8": 8, "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
 
 
 def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
@@ -104,6 +108,11 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
             bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
             # the tuner's default elementwise loop (register prefetch); `full` has the load-then-decode loop
             out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, prefetch=True), cc))
+            if f in NO_DOT:
+                out.append((Variant(f, xd, 1, 128, bg), cc))
+                if full:
+                    out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
+                continue
             out.append((Variant(f, xd, 16, 64, bg_dot, use_dot=True), cc))
             if not f.startswith("plain"):
                 out.append((Variant(f, xd, dequant=True, block_n=32, block_g=8), cc))

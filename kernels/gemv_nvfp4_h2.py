@@ -4,9 +4,9 @@ Why: the fp32 variant spends ~3 integer ops + 1 FFMA per weight and is instructi
 H200's copy bandwidth (bench/NOTES.md). Here two weights share every instruction:
 
 * weights -> f16x2 without a table: the 16-bit lanes of a code word hold nibbles j and j+4 at the same
-  offset, so one shift + mask per pair puts the E2M1 magnitude bits at f16 bits 11..9 and another the sign
-  at bit 15. As an IEEE half that bit pattern is e2m1 * 2**-14 exactly (E2M1's e = 0 codes are f16
-  subnormals, which the f16 units keep);
+  offset; after one rotate and two bit-selects per word move every sign 3 bits up, one shift + mask per pair
+  puts the E2M1 magnitude bits at f16 bits 11..9 and the sign at bit 15 (~11 ops per 8 weights). As an IEEE
+  half that is e2m1 * 2**-14 exactly (E2M1's e = 0 codes are f16 subnormals, which the f16 units keep);
 * activations -> f16x2 per (T column, 16-weight group): x' = x * 2**k with k chosen from the group's
   largest |x| (its fp32 exponent) so that |x'| < 2**14: no overflow for any input, ~11 significant bits;
 * 8 HFMA2 per 16-weight block accumulate in f16 (|block sum| < 96 by construction), then one conversion
@@ -30,18 +30,35 @@ from .gemv_common import _finish, _tile_g, _tset, _zeros, e4m3_magnitude, ld
 
 EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
 MAX_T_TILE = 8                             # f16x2 accumulators and x pairs per column: beyond 8 tl.dot wins
-_SIGN2 = tl.constexpr(-2147450880)         # 0x80008000: bit 15 of both lanes
-_MAG2 = tl.constexpr(0x0E000E00)           # f16 bits 11..9 of both lanes
+_EMULATE, _PTX_SM80, _MAX_T = tl.constexpr(EMULATE), tl.constexpr(PTX_SM80), tl.constexpr(MAX_T_TILE)
+_PAIR = tl.constexpr(0x8E008E00)           # f16 bits 15 and 11..9 of both lanes
 _LANE = tl.constexpr(0xFFFF)
 
 
 @triton.jit
-def _wpair(q, j: tl.constexpr):
-    """f16x2 bits of weights (j, j + 4) of the 8 nibbles in int32 q (nibble i at bits 4i..4i+3)."""
-    if j == 3:
-        return (q & _SIGN2) | ((q >> 3) & _MAG2)
+def _split_signs(q):
+    """(even, odd) int32 words for `_wpair`: the magnitude bits of the even (odd) nibbles in place and each
+    nibble's sign 3 bits above its own position (from q rotated left by 3, which keeps nibble 7's sign)."""
+    u = q.to(tl.uint32, bitcast=True)
+    rot3 = (u << 3) | (u >> 29)
+    even = (u & 0x07070707) | (rot3 & 0xF8F8F8F8)
+    odd = (u & 0x70707070) | (rot3 & 0x8F8F8F8F)
+    return even, odd
+
+
+@triton.jit
+def _wpair(even, odd, j: tl.constexpr):
+    """f16x2 bits of weights (j, j + 4) of a code word (nibble i at bits 4i..4i+3), from `_split_signs`:
+    one shift puts both the magnitude (at bits 11..9) and the sign (at bit 15) of each lane in place."""
+    if j == 0:
+        w = even << 9
+    elif j == 1:
+        w = odd << 5
+    elif j == 2:
+        w = even << 1
     else:
-        return ((q << (12 - 4 * j)) & _SIGN2) | ((q << (9 - 4 * j)) & _MAG2)
+        w = (odd >> 3) | (odd << 29)     # rotate: nibble 7's sign came around to bit 2
+    return (w & _PAIR).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -58,7 +75,7 @@ def _f16_bits(v):
 @triton.jit
 def _hfma2(a, b, c, H2_MODE: tl.constexpr):
     """Lane-wise a * b + c on f16x2 bit patterns (int32)."""
-    if H2_MODE == EMULATE:
+    if H2_MODE == _EMULATE:
         lo = _lane_f32(a) * _lane_f32(b) + _lane_f32(c)
         hi = _lane_f32(a >> 16) * _lane_f32(b >> 16) + _lane_f32(c >> 16)
         return _f16_bits(lo) | (_f16_bits(hi) << 16)
@@ -70,9 +87,9 @@ def _hfma2(a, b, c, H2_MODE: tl.constexpr):
 @triton.jit
 def _pack2(lo, hi, H2_MODE: tl.constexpr):
     """f16x2 bits (lo in the low lane) of two fp32 tensors, rounded to nearest even."""
-    if H2_MODE == EMULATE:
+    if H2_MODE == _EMULATE:
         return _f16_bits(lo) | (_f16_bits(hi) << 16)
-    elif H2_MODE == PTX_SM80:
+    elif H2_MODE == _PTX_SM80:
         return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi],
                                          dtype=tl.int32, is_pure=True, pack=1)
     else:
@@ -105,13 +122,15 @@ def _x_pairs(x_ptr, row, g, xm, H2_MODE: tl.constexpr):
 
 @triton.jit
 def _h2_tile(accs, lo, hi, sc, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H2_MODE: tl.constexpr):
+    le, lo_odd = _split_signs(lo)
+    he, hi_odd = _split_signs(hi)
     for tt in tl.static_range(T_TILE):
         p, back = _x_pairs(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g, xm, H2_MODE)
-        acc = _hfma2(_wpair(lo, 0), p[0][None, :], tl.zeros_like(lo), H2_MODE)
+        acc = _hfma2(_wpair(le, lo_odd, 0), p[0][None, :], tl.zeros_like(lo), H2_MODE)
         for j in tl.static_range(1, 4):
-            acc = _hfma2(_wpair(lo, j), p[j][None, :], acc, H2_MODE)
+            acc = _hfma2(_wpair(le, lo_odd, j), p[j][None, :], acc, H2_MODE)
         for j in tl.static_range(4):
-            acc = _hfma2(_wpair(hi, j), p[4 + j][None, :], acc, H2_MODE)
+            acc = _hfma2(_wpair(he, hi_odd, j), p[4 + j][None, :], acc, H2_MODE)
         s = _lane_f32(acc) + _lane_f32(acc >> 16)
         accs = _tset(accs, tt, accs[tt] + (s * back[None, :]) * sc)   # this order cannot overflow early
     return accs
@@ -124,7 +143,7 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                          FOLD: tl.constexpr, PREFETCH: tl.constexpr, H2_MODE: tl.constexpr):
     # USE_DOT / DOT_KIND / FOLD / PREFETCH are accepted for the shared launcher and unused here
-    tl.static_assert(T_TILE <= MAX_T_TILE)
+    tl.static_assert(T_TILE <= _MAX_T)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
