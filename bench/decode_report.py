@@ -122,9 +122,11 @@ def goals(records: list) -> list[str]:
             out.append(f"nvfp4 TP{r['tp']} decode @{r['context']}: {r['pct_roofline']:.1f}% of roofline "
                        f"(goal >= {GOALS['decode_pct_roofline_1k']:.0f}%)")
         elif r["kind"] == "verify" and r["draft_tokens"] == 3:
-            out.append(f"nvfp4 TP{r['tp']} verify K=3: {r['verify_ratio']:.3f} x K=0 (goal <= {GOALS['verify_ratio_k3']})")
+            out.append(f"nvfp4 TP{r['tp']} verify K=3: {r['verify_ratio']:.3f} x K=0 "
+                       f"(goal <= {GOALS['verify_ratio_k3']})")
         elif r["kind"] == "prefill":
-            out.append(f"nvfp4 TP{r['tp']} prefill {r['tokens']}: {r['tok_s']:.0f} tok/s (goal >= {GOALS['prefill_tok_s']:.0f})")
+            out.append(f"nvfp4 TP{r['tp']} prefill {r['tokens']}: {r['tok_s']:.0f} tok/s "
+                       f"(goal >= {GOALS['prefill_tok_s']:.0f})")
         elif r["kind"] == "load":
             out.append(f"nvfp4 TP{r['tp']} load: {r['load_s']:.2f} s (goal <= {GOALS['load_s']:.0f} s)")
     return out

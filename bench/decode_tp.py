@@ -122,21 +122,24 @@ def time_call(group, impl: str, shape, dtype, graph: bool) -> float:
 
 
 def allreduce_costs(model, graph: bool) -> dict:
-    """Decode-step all-reduce count and per-implementation cost (microseconds per call and per step).
-    Keys of the per-implementation dicts: the runtime's choice (inside graphs when `graph`) (e.g. "one_shot") and the process group
-    ("nccl" / "gloo"); with several message sizes mapping to different kernels the choice is joined by '+'."""
+    """Decode-step all-reduce count and per-implementation cost (microseconds per call and per step). Keys of
+    the per-implementation dicts: the runtime's choice (inside graphs when `graph`; e.g. "one_shot") and the
+    process group's ("nccl" / "gloo"); messages routed to different kernels join their names with '+'."""
     group = model.tp
     counter = count_decode_step(model)
     pg = pg_name()
     auto = {key: routed_impl(group, *key, graph) for key in counter.messages}
     auto_name = "+".join(sorted(set(auto.values()))) or pg
-    messages, per_step = [], {auto_name: 0.0, pg: 0.0}
-    for (shape, dtype), n in sorted(counter.messages.items(), key=lambda kv: -kv[1]):
-        us = {impl: time_call(group, impl, shape, dtype, graph) for impl in dict.fromkeys((auto[(shape, dtype)], pg))}
-        per_step[auto_name] += n * us[auto[(shape, dtype)]]
-        per_step[pg] += n * us[pg]
+    routes = {auto_name: auto, pg: {key: pg for key in auto}}     # one entry when they are the same path
+    messages, us_by_key = [], {}
+    for key, n in sorted(counter.messages.items(), key=lambda kv: -kv[1]):
+        shape, dtype = key
+        us = {impl: time_call(group, impl, shape, dtype, graph) for impl in dict.fromkeys((auto[key], pg))}
+        us_by_key[key] = us
         messages.append({"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "count": n,
                          "bytes": torch.empty(shape, dtype=dtype, device="meta").nbytes, "us_per_call": us})
+    per_step = {name: sum(n * us_by_key[key][route[key]] for key, n in counter.messages.items())
+                for name, route in routes.items()}
     top = messages[0]["us_per_call"] if messages else {}
     return {"allreduce": auto_name, "allreduce_calls_per_step": sum(counter.messages.values()),
             "allgathers_per_step": counter.gathers, "allreduce_messages": messages,

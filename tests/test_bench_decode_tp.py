@@ -1,0 +1,158 @@
+"""bench/decode.py --tp 1,2: a CPU dry run over gloo (tiny synthetic model) measures both TP sizes in one run
+and writes the TP fields (all-reduce count and cost, per-rank memory, forced process-group pass, TP1
+comparison); the report side on made-up records; the collective counter; followers never start children."""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.append(BENCH)
+import decode_rank
+import decode_report as report
+import decode_tp
+import synth_artifact as synth
+
+from ninfer_rt.tp_group import LocalGroup
+
+REQUIRED = ("recipe", "tp", "context", "draft_tokens", "tok_s", "ms_step", "bytes_step", "pct_roofline",
+            "copy_tbps", "gpu")
+CONTEXT = 40
+REL_TOL = 1e-9          # fields derived from other fields of the same run: equal up to float rounding
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("decode-tp")
+    out = tmp / "decode.json"
+    cmd = [sys.executable, os.path.join(BENCH, "decode.py"), "--device", "cpu", "--tiny", "--backend", "torch",
+           "--tp", "1,2", "--recipes", "bf16", "--parts", "decode,verify", "--contexts", str(CONTEXT),
+           "--steps", "3", "--warm", "1", "--max-draft", "3", "--copy-mb", "8", "--matmul-n", "64",
+           "--compare-allreduce", "always", "--dir", str(tmp / "art"), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text()), p.stdout, tmp
+
+
+def _one(records, **want):
+    found = [r for r in records if all(r.get(k) == v for k, v in want.items())]
+    assert len(found) == 1, (want, found)
+    return found[0]
+
+
+def _main_decode(records, tp):
+    """The decode record of the runtime's own all-reduce choice (TP1 has no all-reduce fields)."""
+    return _one(records, kind="decode", tp=1) if tp == 1 else _one(records, kind="decode", tp=tp,
+                                                                    allreduce_forced=False)
+
+
+def test_both_tp_sizes_in_one_run(dry_run):
+    records, stdout, tmp = dry_run
+    assert not [r for r in records if r["kind"] in ("error", "skipped")]
+    for tp in (1, 2):
+        dec = _main_decode(records, tp)
+        for k in REQUIRED:
+            assert k in dec, (tp, k)
+        assert dec["context"] == CONTEXT and dec["draft_tokens"] == 0 and dec["recipe"] == "bf16"
+        assert math.isfinite(dec["tok_s"]) and dec["tok_s"] > 0 and dec["ms_step"] > 0
+        assert {r["draft_tokens"] for r in records if r["kind"] == "verify" and r["tp"] == tp} == {1, 2, 3}
+    tp1, tp2 = _main_decode(records, 1), _main_decode(records, 2)
+    assert tp2["weight_bytes"] < tp1["weight_bytes"]            # bytes/step are per GPU: rank 0's shard
+    assert "allreduce" not in tp1 and "speedup_vs_tp1" not in tp1
+    assert tp2["tok_s_tp1"] == tp1["tok_s"]
+    assert math.isclose(tp2["speedup_vs_tp1"], tp2["tok_s"] / tp1["tok_s"], rel_tol=REL_TOL)
+    k3 = _one(records, kind="verify", tp=2, draft_tokens=3)
+    assert k3["verify_ratio_tp1"] == _one(records, kind="verify", tp=1, draft_tokens=3)["verify_ratio"]
+    assert "tp: bf16 TP2 @40:" in stdout
+    assert not list((tmp / "art").rglob("*.ninfer"))             # artifacts removed without --keep
+
+
+def test_tp2_allreduce_fields(dry_run):
+    records = dry_run[0]
+    ar = _one(records, kind="allreduce", tp=2)
+    layers = synth.TINY.layers
+    assert ar["allreduce"] == "gloo" and ar["allreduce_calls_per_step"] == 2 * layers   # attention/GDN + MLP
+    assert ar["allgathers_per_step"] == 1                                                 # vocab-parallel logits
+    (msg,) = ar["allreduce_messages"]
+    assert msg["shape"] == [1, synth.TINY.hidden] and msg["bytes"] == 4 * synth.TINY.hidden   # fp32 on CPU
+    per_call, per_step = ar["allreduce_us_per_call"]["gloo"], ar["allreduce_us_per_step"]["gloo"]
+    assert per_call > 0 and math.isclose(per_step, 2 * layers * per_call, rel_tol=REL_TOL)
+    for forced in (False, True):
+        dec = _one(records, kind="decode", tp=2, allreduce_forced=forced)
+        assert dec["allreduce"] == "gloo" and dec["allreduce_calls_per_step"] == 2 * layers
+        assert math.isclose(dec["allreduce_pct_step"], 100 * per_step / 1e3 / dec["ms_step"], rel_tol=REL_TOL)
+        assert set(dec["ms_step_by_allreduce"]) == {"gloo", "gloo forced"}
+    assert dec["ms_step_by_allreduce"]["gloo forced"] == dec["ms_step"]
+
+
+def test_memory_per_rank(dry_run):
+    records = dry_run[0]
+    for tp in (1, 2):
+        rss = _one(records, kind="load", tp=tp)["peak_rss_gib"]
+        assert len(rss) == tp and all(0 < v < 64 for v in rss)
+        assert _main_decode(records, tp)["peak_rss_gib"] == rss           # carried by the later records
+
+
+def _dec(tp, ctx, tok_s, impl=None, forced=False):
+    r = {"kind": "decode", "recipe": "nvfp4", "tp": tp, "context": ctx, "draft_tokens": 0, "tok_s": tok_s,
+         "tok_s_gpu": tok_s * 1.1, "ms_step": 1e3 / tok_s, "pct_roofline": tok_s / 4}
+    if impl:
+        r.update(allreduce=impl, allreduce_forced=forced, allreduce_us_per_step={"one_shot": 900.0, "nccl": 2200.0})
+    return r
+
+
+def test_compare_tp_on_made_up_records():
+    recs = [_dec(1, 1024, 97.0), _dec(1, 4096, 90.0), _dec(2, 1024, 151.0, "one_shot"),
+            _dec(2, 1024, 121.0, "nccl", forced=True), _dec(2, 4096, 140.0, "one_shot")]
+    report.compare_tp(recs)
+    fast, slow, other = recs[2], recs[3], recs[4]
+    assert fast["tok_s_tp1"] == 97.0 and math.isclose(fast["speedup_vs_tp1"], 151.0 / 97.0, rel_tol=REL_TOL)
+    assert math.isclose(slow["speedup_vs_tp1_gpu"], 121.0 / 97.0, rel_tol=REL_TOL)
+    assert fast["tok_s_by_allreduce"] == slow["tok_s_by_allreduce"] == {"one_shot": 151.0, "nccl": 121.0}
+    assert other["tok_s_tp1"] == 90.0 and other["ms_step_by_allreduce"] == {"one_shot": 1e3 / 140.0}
+    lines = report.tp_summary(recs)
+    assert len(lines) == 2 and "= 1.56x" in lines[0] and "with nccl: 121.0 tok/s" in lines[0]
+    assert sum("TP2 decode @1024" in g for g in report.goals(recs)) == 1      # the forced pass is no goal line
+
+
+def test_collective_counter_counts_and_restores():
+    g = LocalGroup()
+    x = torch.randn(3, 7)
+    with decode_tp.CollectiveCounter(g) as c:
+        for _ in range(3):
+            assert g.all_reduce(x) is x
+        g.all_reduce(x.to(torch.float64))
+        g.all_gather_last(x)
+    assert c.messages == {((3, 7), torch.float32): 3, ((3, 7), torch.float64): 1} and c.gathers == 1
+    assert "all_reduce" not in vars(g) and "all_gather_last" not in vars(g)
+
+
+def test_bench_options_reject_unknown_compare_mode():
+    with pytest.raises(ValueError, match="compare_allreduce"):
+        decode_rank.BenchOptions(compare_allreduce="sometimes")
+
+
+def _daemon_precompile(q):
+    q.put(decode_rank._precompile(None, decode_rank.BenchOptions(), torch.device("cuda")))
+
+
+def test_daemonic_follower_skips_precompile(monkeypatch):
+    """TP followers are daemonic (tp.launch): a precompile subprocess there crashed the rank on 2xH200."""
+    monkeypatch.delenv("NINFER_GEMV_TUNE", raising=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_daemon_precompile, args=(q,), daemon=True)
+    p.start()
+    try:
+        assert q.get(timeout=120) is None
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
