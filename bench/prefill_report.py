@@ -100,7 +100,8 @@ def render(records: list[dict], goal: float) -> str:
              f"{cfg['dtype']}, {cfg['backend']}; {cfg['layers']} layers = {c['gdn']} GDN + {c['attn']} attention",
              f"GDN chunk: {cfg['gdn_impl']}; prefill linear paths: "
              f"{sorted(set(cfg['prefill_paths'].values())) or '-'}; load {cfg['load_s']:.1f} s, "
-             f"warm-up prefill {cfg['warmup_s']:.1f} s; {cfg['dtype']} matmul ceiling {cfg['matmul_tflops']:.3g} TFLOP/s",
+             f"warm-up prefill {cfg['warmup_s']:.1f} s; {cfg['dtype']} matmul ceiling "
+             f"{cfg['matmul_tflops']:.3g} TFLOP/s",
              f"measured:     {pf['s'] * 1e3:8.1f} ms = {pf['tok_s']:8.0f} tok/s",
              f"extrapolated: {pf['extrapolated_s'] * 1e3:8.1f} ms = {_f(pf['extrapolated_tok_s'], '8.0f')} tok/s "
              f"at {t['gdn']} GDN + {t['attn']} attention layers (goal {goal:.0f} tok/s)",

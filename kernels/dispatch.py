@@ -6,7 +6,9 @@
   first call (`prefill_choices()` reports the winners):
     "fused"   the same kernel as a GEMM: decoded tiles feed tl.dot (tensor cores on sm_80+, FMAs on sm_70);
     "dequant" dequantize to a dense fp16/bf16 weight, then torch.matmul (cuBLAS; what sm_70 wants).
-  Without CUDA timing (the interpreter) "fused" is used; `prefill_path=` forces one.
+  Without CUDA (the interpreter) "fused" is used; with NINFER_GEMV_TUNE=0 (no timing) "dequant" unless the
+  dense copy would exceed DENSE_COPY_MAX; NINFER_PREFILL_PATH=fused|dequant forces one process-wide and
+  `prefill_path=` one call.
 * plain bf16/f16/f32 weights: the plain GEMV for T <= 16, torch.matmul for prefill and for K that the
   plain kernel cannot read as 8-byte words.
 Repacked forms (Q6_K / IQ3_S planar arrays) are built once per weight and kept in `qw.cache` under
@@ -33,6 +35,8 @@ from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k
 DECODE_MAX_T = 16
 _REPACK = {"q6_k": repack_q6_k, "iq3_s": repack_iq3_s}
 _PREFILL: dict = {}
+PREFILL_PATHS = ("fused", "dequant")
+DENSE_COPY_MAX = 1 << 30       # bytes of the dense weight copy the untimed prefill choice allows
 
 
 def prepare(qw) -> None:
@@ -121,9 +125,17 @@ def _prefill(x, qw, out, residual, path):
 
 
 def _choose_prefill(x, qw, residual) -> str:
-    if x.device.type != "cuda" or interpreting() or os.environ.get("NINFER_GEMV_TUNE", "1") == "0" \
-            or torch.cuda.is_current_stream_capturing():
+    forced = os.environ.get("NINFER_PREFILL_PATH", "auto")
+    if forced in PREFILL_PATHS:
+        return forced
+    if forced != "auto":
+        raise KernelInputError(f"NINFER_PREFILL_PATH={forced!r}: expected auto, fused or dequant")
+    if x.device.type != "cuda" or interpreting() or torch.cuda.is_current_stream_capturing():
         return "fused"
+    if os.environ.get("NINFER_GEMV_TUNE", "1") == "0":
+        # no timing: cuBLAS on a dequantized copy beat the fused tile kernel on every shape and format timed on
+        # the H200 at T=512 (bench/results/kernels.json, 1.2-4.3x); huge weights keep the copy-free kernel
+        return "dequant" if qw.shape[0] * qw.shape[1] * x.element_size() <= DENSE_COPY_MAX else "fused"
     times = {}
     for path, fn in (("fused", _gemv), ("dequant", _dequant_path)):
         try:

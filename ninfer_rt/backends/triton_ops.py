@@ -2,10 +2,11 @@
 
 - linear: `ninfer_kernels.dispatch.linear` (every stored weight format) when that module is present,
   otherwise the torch reference's dequantize-and-matmul (see `LINEAR_BACKEND`).
-- attention: the paged split-KV kernel for every batch (decode, verify and prefill chunks alike).
+- attention: the paged split-KV kernel for decode / verify / short chunks; long prefill chunks go to torch's
+  scaled_dot_product_attention (`prefill_attn.py`, NINFER_PREFILL_ATTN=paged turns that off).
 - gdn_chunk (prefill): flash-linear-attention's `chunk_gated_delta_rule` on CUDA when `fla` imports and the
-  activations are fp16/bf16; otherwise our token-by-token kernel over the chunk (same math, one program per
-  (sequence, value head, dv tile) walking the tokens).
+  activations are fp16/bf16 (`fla_gdn.py`); otherwise our token-by-token kernel over the chunk (same math,
+  one program per (sequence, value head, dv tile) walking the tokens).
 - embedding of a quantized table: the torch reference (dequantizes only the batch's rows).
 
 Kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1 set before
@@ -14,7 +15,6 @@ this module is imported), which is how the CPU tests exercise them.
 from __future__ import annotations
 
 import importlib
-import inspect
 
 import torch
 
@@ -25,6 +25,7 @@ from ninfer_kernels.ops_common import interpreting
 
 from ..ops import AttnMeta, GdnMeta, Ops
 from ..weights import QWeight
+from . import fla_gdn, prefill_attn
 from .torch_ops import TorchOps
 
 
@@ -39,16 +40,6 @@ def _dispatch_linear():
 
 _LINEAR = _dispatch_linear()
 LINEAR_BACKEND = "ninfer_kernels.dispatch" if _LINEAR is not None else "torch-reference"
-
-
-def _fla_chunk():
-    """fla's chunk_gated_delta_rule, or None. Only ever imported for CUDA inputs: an importable fla breaks
-    transformers' CPU path (reference §17.2)."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except (ImportError, ValueError):          # ValueError: sys.modules["fla"] = None
-        return None
-    return chunk_gated_delta_rule
 
 
 class TritonOps(Ops):
@@ -100,6 +91,10 @@ class TritonOps(Ops):
         kv_write.kv_write(k_cache, v_cache, k, v, slot_mapping)
 
     def attention(self, q, k_cache, v_cache, meta: AttnMeta, scale):
+        if prefill_attn.wants_sdpa(q, meta):
+            out = prefill_attn.try_prefill_attention(q, k_cache, v_cache, meta, scale)
+            if out is not None:
+                return out
         return attention_decode.paged_attention(q, k_cache, v_cache, meta.cu_seqlens, meta.kv_lens_t,
                                                 meta.block_tables, meta.page_size, scale, meta.max_q_len,
                                                 meta.max_kv_len)
@@ -122,36 +117,14 @@ class TritonOps(Ops):
         fla = self._fla_fn() if v.is_cuda and v.dtype in (torch.float16, torch.bfloat16) else None
         if fla is None:
             return self.gdn_recurrent(q, k, v, g, beta, state_pool, meta)
-        return _run_fla(fla, q, k, v, g, beta, state_pool, meta)
+        return fla(q, k, v, g, beta, state_pool, meta)
 
     def _fla_fn(self):
-        if not self._fla_checked:
-            self._fla, self._fla_checked = _fla_chunk(), True
+        if not self._fla_checked:         # only ever imported for CUDA inputs (see fla_gdn.py)
+            self._fla, self._fla_checked = fla_gdn.load(), True
         return self._fla
 
     # ---- extras (not in the Ops interface) ----
     def argmax_partial(self, logits: torch.Tensor, vocab_offset: int = 0):
         """(max, global index, all-reduce-MAX key) per row of this rank's vocab shard; see ninfer_kernels.sampling."""
         return sampling.argmax_partial(logits, vocab_offset)
-
-
-def _run_fla(fla, q, k, v, g, beta, state_pool, meta: GdnMeta):
-    """Varlen call of fla's chunked kernel: the batch as one packed row, key heads expanded to value heads
-    (works with fla versions without GVA), initial states gathered from and final states scattered to the pool."""
-    rep = v.shape[1] // q.shape[1]
-    if rep > 1:
-        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-    params = inspect.signature(fla).parameters
-    kw = {}
-    if "use_qk_l2norm_in_kernel" in params:
-        kw["use_qk_l2norm_in_kernel"] = True
-    else:       # older fla: normalise here (same eps as the reference)
-        q = (q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + 1e-6)).to(v.dtype)
-        k = (k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + 1e-6)).to(v.dtype)
-    init = state_pool.index_select(0, meta.slots)
-    o, final = fla(q.to(v.dtype)[None].contiguous(), k.to(v.dtype)[None].contiguous(), v[None].contiguous(),
-                   g.float()[None].contiguous(), beta.to(v.dtype)[None].contiguous(),
-                   scale=q.shape[-1] ** -0.5, initial_state=init, output_final_state=True,
-                   cu_seqlens=meta.cu_seqlens.long(), **kw)
-    state_pool.index_copy_(0, meta.slots, final.float())
-    return o[0].to(v.dtype)
