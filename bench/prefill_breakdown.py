@@ -2,11 +2,13 @@
 full layer count. Pure functions over plain records, so the logic is testable without a GPU or a profiler.
 
 Inputs (times in microseconds on the profiler's clock):
-  kernels    [(name, start_us, dur_us)]: GPU kernels / memcpys (CPU run: the top-level aten ops)
+  kernels    [(name, start_us, dur_us[, launch_us])]: GPU kernels / memcpys with the host time of their launch
+             when known (CPU run: the top-level aten ops)
   sections   [(label, start_us, end_us)]: "setup", "embed", "layer:<i>:<gdn|attn>", "head"
   op_ranges  [(op, start_us, end_us)]: one per call of an ops-backend method (linear, gdn_chunk, ...)
 The profiled run synchronizes the device before each range closes, so a kernel runs inside the ranges its
-launch was made in; it is attributed by the midpoint of its execution.
+launch was made in; it is attributed by the midpoint of its execution (by its launch if that midpoint lies
+outside every section).
 """
 from __future__ import annotations
 
@@ -81,12 +83,15 @@ class _Finder:
 
 
 def attribute(kernels, sections, op_ranges) -> list[dict]:
-    """One row per kernel: name, us, section, layer type, op, category."""
+    """One row per kernel: name, us, section, layer type, op, category. A kernel whose execution falls in no
+    section (device and host clocks apart) is placed by the host time of its launch, when known."""
     secs, ops = _Finder(sections), _Finder(op_ranges)
     rows = []
-    for name, start, dur in kernels:
-        mid = start + dur / 2
-        sec, op = secs.find(mid), ops.find(mid)
+    for name, start, dur, *launch in kernels:
+        t = start + dur / 2
+        if secs.find(t) is None and launch and launch[0] is not None:
+            t = launch[0]
+        sec, op = secs.find(t), ops.find(t)
         rows.append({"name": name, "us": float(dur), "section": sec, "type": layer_type(sec), "op": op,
                      "category": category(name, op)})
     return rows

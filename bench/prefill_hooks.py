@@ -91,7 +91,10 @@ class Hooks:
             self._sec.__enter__()
 
     def end(self) -> None:
-        self.begin("end") if self.mode == "marks" else self._close()
+        if self.mode == "marks":
+            self.begin("end")
+        else:
+            self._close()
 
     def _close(self) -> None:
         if self._sec is not None:
@@ -238,16 +241,25 @@ def _top_level_aten(e) -> bool:
 
 
 def events(prof, cuda: bool):
-    """Kernels (CUDA: device events; CPU: top-level aten ops), section ranges and op ranges, in us."""
+    """Kernels (CUDA: device events with the host time of their launch when the profiler links it; CPU: the
+    top-level aten ops), section ranges and op ranges, in us."""
     from torch.autograd import DeviceType
-    secs, ops, kernels = [], [], []
-    for e in prof.events():
+    secs, ops, kernels, launches = [], [], [], {}
+    evs = prof.events()
+    for e in evs:
         marked = e.name.startswith(SEC) or e.name.startswith(OP)
         if e.device_type == DeviceType.CPU and marked:
             r = e.time_range
             (secs if e.name.startswith(SEC) else ops).append((e.name.split(":", 1)[1], r.start, r.end))
-        elif cuda and e.device_type == DeviceType.CUDA and not marked and not getattr(e, "is_user_annotation", False):
-            kernels.append((e.name, e.time_range.start, e.time_range.elapsed_us()))
-        elif not cuda and e.device_type == DeviceType.CPU and not marked and _top_level_aten(e):
-            kernels.append((e.name, e.time_range.start, e.time_range.elapsed_us()))
+        elif e.device_type == DeviceType.CPU:
+            if e.id:       # the launch (runtime call or aten op) a kernel's linked_correlation_id names
+                launches.setdefault(e.id, e.time_range.start)
+            if not cuda and _top_level_aten(e):
+                kernels.append((e.name, e.time_range.start, e.time_range.elapsed_us(), None))
+    if cuda:
+        for e in evs:
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False) \
+                    and not (e.name.startswith(SEC) or e.name.startswith(OP)):
+                link = getattr(e, "linked_correlation_id", 0)
+                kernels.append((e.name, e.time_range.start, e.time_range.elapsed_us(), launches.get(link)))
     return kernels, secs, ops

@@ -129,9 +129,13 @@ def measure(args, shape, path: str) -> list[dict]:
     t = time.perf_counter()
     run.prefill()                              # compiles, prefill-path timing, fla autotune
     warm_s = time.perf_counter() - t
+    log(f"warm-up prefill {warm_s:.1f} s; {args.runs} timed prefills")
     best = min(run.timed() for _ in range(args.runs))
+    log(f"best {best * 1e3:.1f} ms = {tokens / best:.0f} tok/s; a prefill with layer marks, then one profiled")
     wall = PB.section_totals(run.sections())
+    t = time.perf_counter()
     kernels, secs, ops = run.profile()
+    log(f"profiled: {len(kernels)} kernels, {len(ops)} op ranges in {time.perf_counter() - t:.1f} s")
     rows = PB.attribute(kernels, secs, ops)
     summary = PB.summarize(rows, counts, target, top=args.top)
     params = H.linear_params(run.model)

@@ -69,6 +69,14 @@ def test_attribute_and_summary():
     assert [k["name"] for k in s["top"]] == ["gemm", "attn_fwd_kernel", "chunk_fwd_kernel_o"]
 
 
+def test_kernel_outside_every_section_is_placed_by_its_launch():
+    sections, ops = [("layer:0:gdn", 0.0, 50.0), ("layer:1:attn", 60.0, 90.0)], [("attention", 61.0, 89.0)]
+    kernels = [("attn_fwd_kernel", 95.0, 4.0, 70.5), ("late_no_launch", 95.0, 4.0, None), ("gemm", 10.0, 5.0, 2.0)]
+    rows = PB.attribute(kernels, sections, ops)
+    assert [(r["section"], r["op"]) for r in rows] == [("layer:1:attn", "attention"), (None, None),
+                                                      ("layer:0:gdn", None)]
+
+
 def test_section_totals_and_wall_extrapolation():
     marks = [("setup", 0.0), ("embed", 0.5), ("layer:0:gdn", 1.0), ("layer:1:attn", 3.0), ("head", 7.0),
              ("setup", 7.25), ("embed", 7.5), ("layer:0:gdn", 8.0), ("layer:1:attn", 10.0), ("head", 14.0),
