@@ -22,7 +22,7 @@ TYPES = ("setup", "embed", "gdn", "attn", "head", "unattributed")
 # kernels that only move or cast data, whatever op launched them
 _COPY = ("memcpy", "memset", "elementwise", "copy", "catarray", "aten::cat", "indexselect", "index_select",
          "index_copy", "indexfunc", "index_elementwise", "fill", "gather", "scatter", "repeat", "aten::to",
-         "aten::clone", "contiguous", "aten::zero", "aten::expand", "reduce_kernel")
+         "aten::clone", "contiguous", "aten::zero", "aten::expand")
 _OP_CATEGORY = {"linear": "linear_gemm", "embedding": "embedding", "rmsnorm": "norms", "add_rmsnorm": "norms",
                 "gated_rmsnorm": "norms", "silu_mul": "elementwise_copies", "sigmoid_gate": "elementwise_copies",
                 "rope": "rope", "kv_write": "kv_write", "attention": "attention", "causal_conv": "conv",
