@@ -6,9 +6,11 @@ Measured in the same run, on the same loaded model:
            clients in a separate process (so client work does not share this process's GIL)
 Per request: prompt of --prompt-tokens random ids, --max-tokens completion tokens (ignore_eos, greedy).
 agg_tok_s = sum(tokens after the first) / (last token of any request - first token of any request);
-itl = a request's (last - first token time) / (tokens - 1); ttft from sending the request. Over HTTP a
-token's time is its SSE chunk's arrival (the finish chunk for the last one); text held back by the
-detokenizer (a partial UTF-8 character) arrives with a later token, so use a real tokenizer's artifact.
+itl = a request's (last - first token time) / (tokens - 1); ttft from the request's arrival. Over HTTP the
+token times are the scheduler's (its JSONL request log: when each request's first and last token were
+emitted to its stream); `client_*` fields repeat the numbers from SSE chunk arrival at the client, which
+run early or late where the detokenizer holds text back (random ids, a partial UTF-8 character, ids the
+tokenizer has no text for), so they are kept for reference only.
 
     python bench/serve.py --artifact DIR [--concurrency 1,2,4,8 --max-tokens 128 --prompt-tokens 128
                           --spec mtp --draft-tokens 3 --tp 1 --device cuda --json]
@@ -25,6 +27,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -143,18 +146,33 @@ def thread_init(rt):
     return init
 
 
-def start_server(rt, max_concurrency: int):
+def server_side(log_path: str, n: int) -> dict:
+    """summarize() over the last n `request_done` events of the server's request log: token emission times
+    as the scheduler saw them (absolute first/last token = event time - total + ttft, + decode)."""
+    done = [json.loads(line) for line in open(log_path) if '"request_done"' in line][-n:]
+    reqs = []
+    for e in done:
+        t = e["timings_seconds"]
+        arrival = e["time"] - t["total"]
+        first = arrival + t["ttft"]
+        reqs.append({"start": arrival, "first": first, "last": first + (t["decode"] or 0.0),
+                     "tokens": e["completion_tokens"]})
+    return summarize(reqs)
+
+
+def start_server(rt, max_concurrency: int, log_path: str):
     import socket
 
     import uvicorn
 
     from ninfer_rt.server import ServerState, create_app
+    from ninfer_rt.server.request_log import RequestLog
     from ninfer_rt.server.scheduler import Scheduler, SchedulerConfig
     state = ServerState(model_id="bench")
     init = thread_init(rt)
     sched = Scheduler(rt.engine, rt.engine.model.kv_pool, rt.tokenizer,
                       SchedulerConfig(max_concurrency=max_concurrency, max_context=rt.max_context, max_pending=1024),
-                      state.metrics, thread_init=init)
+                      state.metrics, log=RequestLog(log_path), thread_init=init)
     sched.start()
     state.ready(sched, rt.tokenizer, rt.loaded.config.vocab_size, {})
     sock = socket.socket()
@@ -222,12 +240,15 @@ def measure(args) -> list[dict]:
             return {c: run_direct(rt.engine, random_prompts(rt.tokenizer, vocab, c, args.prompt_tokens, c),
                                   args.max_tokens, sync) for c in levels}
         direct = in_engine_thread(direct_all, thread_init(rt))
-        url, server, sched = start_server(rt, max(levels))
+        log_path = os.path.join(tempfile.mkdtemp(prefix="ninfer-serve-bench-"), "requests.jsonl")
+        url, server, sched = start_server(rt, max(levels), log_path)
         run_http(url, random_prompts(rt.tokenizer, vocab, 1, args.prompt_tokens, 99), 8)              # warm-up
         records = []
         for c in levels:
-            h = run_http(url, random_prompts(rt.tokenizer, vocab, c, args.prompt_tokens, c), args.max_tokens)
+            client = run_http(url, random_prompts(rt.tokenizer, vocab, c, args.prompt_tokens, c), args.max_tokens)
+            h = server_side(log_path, c)
             records.append({"concurrency": c, **h, "gpu": gpu, "direct_agg_tok_s": direct[c]["agg_tok_s"],
+                            **{f"client_{k}": v for k, v in client.items()},
                             "direct_itl_ms_p50": direct[c]["itl_ms_p50"],
                             "ratio_to_direct": h["agg_tok_s"] / direct[c]["agg_tok_s"] if direct[c]["agg_tok_s"] else None,
                             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
@@ -251,7 +272,7 @@ def report(records: list[dict], args) -> None:
         itl = f"{r['itl_ms_p50']:.2f}" if r["itl_ms_p50"] is not None else "-"
         print(f"{r['concurrency']:>4} {r['agg_tok_s']:>11.1f} {r['direct_agg_tok_s']:>13.1f} {ratio:>6} "
               f"{r['ttft_ms_p50']:>12.1f} {itl:>11}")
-    print(f"gpu: {records[0]['gpu'] if records else '-'}; wrote {out}", file=sys.stderr)
+    print(f"gpu: {records[0]['gpu'] if records else '-'}; wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
