@@ -52,6 +52,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -173,6 +174,7 @@ def pick_dir(given: str | None, need: int) -> str:
 
 # ---- one recipe in a spawned child ----
 def _child(conn, opts: dict, recipe: str, paths: list, info: dict) -> None:
+    os.setpgrp()        # its TP ranks and precompile workers join this group: one signal reaches them all
     import decode_rank
     decode_rank.child_main(conn, decode_rank.BenchOptions(**opts), recipe, paths, info)
 
@@ -208,10 +210,22 @@ def run_child(opts: dict, recipe: str, paths: list, info: dict, deadline: float)
                 break
     finally:
         p.join(30 if error is None else 5)
-        if p.is_alive():
-            p.terminate()
-            p.join(10)
+        _end_group(p)
     return records, error
+
+
+def _end_group(p) -> None:
+    """Stop the measuring process if it still runs, and whatever it left in its process group (TP ranks a
+    stopped or crashed rank 0 left blocked in a collective, holding a GPU)."""
+    if p.is_alive():
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:       # not yet its own group leader
+            p.terminate()
+        p.join(10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.join(5)
 
 
 def _brief(r: dict) -> str:

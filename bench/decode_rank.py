@@ -285,6 +285,24 @@ def _capture(model, opts: BenchOptions, base: dict, out, rec: dict):
     return runner, opts
 
 
+def _allreduce_costs(model, opts: BenchOptions) -> dict:
+    """decode_tp.allreduce_costs over one decode step at the first context, run by an eager graph runner (the
+    captured step's own Python path and kernels, so nothing new compiles)."""
+    from ninfer_rt.graphs import GraphConfig, GraphRunner
+    from ninfer_rt.model import SeqInput
+    ctx = opts.contexts[0]
+    eager = GraphRunner(model, GraphConfig(batch_sizes=(1,), tokens=(1,), mtp_tokens=(),
+                                           kv_buckets=(ctx + opts.headroom,), eager=True))
+    st = model.new_state()
+    try:
+        M.fill_context(model, st, ctx)
+        step = lambda: eager.forward([SeqInput(torch.tensor([1]), st)])
+        return T.allreduce_costs(model.tp, step, graph=model.device.type == "cuda" and not opts.eager)
+    finally:
+        st.free()
+        eager.close()
+
+
 def _compare_allreduce(group, opts: BenchOptions) -> bool:
     if opts.tp < 2 or "decode" not in opts.parts or opts.compare_allreduce == "off":
         return False
@@ -315,7 +333,7 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
     out({**base, **rec})
     ar = None
     if opts.tp > 1 and {"decode", "verify", "profile"} & set(opts.parts):
-        ar = T.allreduce_costs(model, graph=device.type == "cuda" and not opts.eager)
+        ar = _allreduce_costs(model, opts)
         out({**base, "kind": "allreduce", **ar})
     if {"decode", "verify", "profile"} & set(opts.parts):
         _decode_parts(model, runner, opts, ceil, base, out, gen, ar)

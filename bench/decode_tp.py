@@ -51,17 +51,12 @@ class CollectiveCounter:
         vars(self.group).update(self._saved)
 
 
-def count_decode_step(model) -> CollectiveCounter:
-    """The collectives of one eager one-token forward (what a captured decode step replays)."""
-    from ninfer_rt.model import SeqInput
-    st = model.new_state()
-    try:
-        with CollectiveCounter(model.tp) as c:
-            model.forward([SeqInput(torch.tensor([1]), st)])
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-    finally:
-        st.free()
+def count_collectives(group, step) -> CollectiveCounter:
+    """The collectives `step()` makes (a decode step run eagerly: the graph bodies without capture)."""
+    with CollectiveCounter(group) as c:
+        step()
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
     return c
 
 
@@ -121,12 +116,11 @@ def time_call(group, impl: str, shape, dtype, graph: bool) -> float:
     return time_eager(fn, x, group)
 
 
-def allreduce_costs(model, graph: bool) -> dict:
+def allreduce_costs(group, step, graph: bool) -> dict:
     """Decode-step all-reduce count and per-implementation cost (microseconds per call and per step). Keys of
     the per-implementation dicts: the runtime's choice (inside graphs when `graph`; e.g. "one_shot") and the
     process group's ("nccl" / "gloo"); messages routed to different kernels join their names with '+'."""
-    group = model.tp
-    counter = count_decode_step(model)
+    counter = count_collectives(group, step)
     pg = pg_name()
     auto = {key: routed_impl(group, *key, graph) for key in counter.messages}
     auto_name = "+".join(sorted(set(auto.values()))) or pg

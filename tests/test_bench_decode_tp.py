@@ -156,3 +156,38 @@ def test_daemonic_follower_skips_precompile(monkeypatch):
     finally:
         p.join(30)
     assert p.exitcode == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="lists process group members through /proc")
+def test_budget_stop_leaves_no_rank_behind(tmp_path, monkeypatch):
+    """A TP2 measurement stopped by the time budget takes its follower rank with it (own process group)."""
+    import time
+
+    import decode
+    args = decode.parse_args(["--device", "cpu", "--tiny", "--backend", "torch", "--tp", "2", "--steps", "1000000",
+                              "--contexts", "24", "--parts", "decode", "--copy-mb", "8", "--matmul-n", "64"])
+    opts = {**decode.options(args), "tp": 2}
+    paths, info = synth.build(str(tmp_path / "art"), synth.TINY, "bf16", 2, workers=1)
+    seen, real_end = [], decode._end_group
+    monkeypatch.setattr(decode, "_end_group", lambda p: (seen.append((p.pid, _members(p.pid))), real_end(p)))
+    records, error = decode.run_child(opts, "bf16", paths, info, time.monotonic() + 8)
+    assert error == "stopped: time budget exhausted"
+    assert "decode" not in {r["kind"] for r in records}            # stopped inside the endless decode loop
+    pgid, before = seen[0]
+    assert pgid in before and len(before) >= 2, before               # rank 0 leads a group its follower is in
+    deadline = time.monotonic() + 10                                 # killed ranks are reaped by init
+    while _members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _members(pgid)
+
+
+def _members(pgid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.getpgid(int(name)) == pgid:
+                    out.append(int(name))
+            except ProcessLookupError:
+                pass
+    return out
