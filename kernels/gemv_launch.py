@@ -114,8 +114,11 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
            for bn, bg, w, st in _DECODE_TILES[b]]
     if h2:
-        out += [GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms), h2=True)
-                for bn, bg, w in _DECODE_H2_TILES[b]]
+        # T <= 2: also fewer / more K splits for the two leading tiles: with 1-3 resident CTAs per SM the
+        # default's ~4 CTAs per SM can leave a partial last wave on medium shapes
+        waves = {(i, wv) for i in range(len(_DECODE_H2_TILES[b])) for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,))}
+        out += [GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv), h2=True)
+                for i, (bn, bg, w) in enumerate(_DECODE_H2_TILES[b]) for wv in (4, 2, 8) if (i, wv) in waves]
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:

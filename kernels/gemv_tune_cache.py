@@ -33,7 +33,7 @@ from ninfer_formats.atomic import write_json_atomic
 from .gemv_launch import GemvConfig
 
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
-_TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile")   # a config without its split
+_TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2")   # a config without its split
 
 
 @dataclass(frozen=True)
@@ -159,14 +159,16 @@ def _shipped() -> dict:
     return _SHIPPED
 
 
-def _usable(cfg: GemvConfig, GS: int) -> bool:
+def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1) -> bool:
+    if cfg.h2 and (fmt != "nvfp4" or t_bucket > 8):   # only NVFP4 has the packed-half2 variant, for T <= 8
+        return False
     return not (cfg.use_dot and cfg.block_g * GS < 16)   # the kernel's tl.dot needs >= 16 K per step
 
 
 def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
     """The user cache's config for `key`, else the shipped one for its GPU, else None."""
     hit = _user().get(key)
-    if hit is not None and _usable(hit[0], GS):
+    if hit is not None and _usable(hit[0], GS, key.fmt, key.t_bucket):
         return hit[0]
     ship = _shipped()
     if ship.get("dtype") != key.dtype:
@@ -177,7 +179,7 @@ def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
                 cfg = GemvConfig(**e["config"])
             except (TypeError, KeyError, ValueError):
                 return None
-            return cfg if _usable(cfg, GS) else None
+            return cfg if _usable(cfg, GS, key.fmt, key.t_bucket) else None
     return None
 
 
@@ -185,7 +187,7 @@ def heuristic(fmt: str, t_bucket: int, cands: list[GemvConfig]) -> GemvConfig:
     """The best-ranked shipped tile for (fmt, T bucket) that is among `cands`, else cands[0]."""
     by_tile = {tuple(getattr(c, f) for f in _TILE): c for c in reversed(cands)}   # first candidate wins ties
     for tile in _shipped().get("heuristic", {}).get(fmt, {}).get(str(t_bucket), ()):
-        c = by_tile.get(tuple(tile.get(f) for f in _TILE)) if isinstance(tile, dict) else None
+        c = by_tile.get(tuple(tile.get(f, False if f == "h2" else None) for f in _TILE)) if isinstance(tile, dict) else None
         if c is not None:
             return c
     return cands[0]
