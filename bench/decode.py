@@ -17,7 +17,8 @@ Per (recipe, TP size), measured in this order:
             warm-up (tuning) + capture (ninfer_rt.graphs); then every rank's memory in GiB, lists in rank order:
             max_allocated_gib / allocated_gib / reserved_gib (torch) and device_used_gib (mem_get_info),
             peak_rss_gib on CPU -- carried by every later record
-  allreduce (TP > 1) the decode step's collectives (counted over one eager one-token forward) and each
+  allreduce (TP > 1) the decode step's collectives (counted over one decode step at the first context, run by
+            an eager graph runner: the captured step's Python path) and each
             all-reduce implementation's cost at those message sizes: the runtime's choice in a CUDA graph (the
             peer-memory one_shot for the 27B's 10 KiB row on 2 GPUs) and the process group's (nccl; gloo on
             CPU), timed in a captured chain of calls as bench/allreduce.py does (host-timed on CPU / --eager):
@@ -27,7 +28,7 @@ Per (recipe, TP size), measured in this order:
             device argmax fed straight back (GPU-pipelined); bytes/step = packed weights + KV read + GDN state
             read and written, per GPU (rank 0's shard); % of roofline = (bytes/step / copy bandwidth) / step time.
             TP > 1 records add allreduce (the implementation the step ran with), allreduce_forced,
-            allreduce_pct_step and the allreduce fields above; after all runs of a recipe, tok_s_tp1 and
+            allreduce_pct_step and the allreduce fields above; once the other runs are in, tok_s_tp1 and
             speedup_vs_tp1 (same recipe and context) and ms_step_by_allreduce / tok_s_by_allreduce
   profile   the decode step's kernels under the torch profiler: count and us per step by name and group
   verify    MTP verify steps K = 1..max (GDN snapshots, commit) vs K = 0, one MTP draft step, and tok/s at a
@@ -42,7 +43,8 @@ Per (recipe, TP size), measured in this order:
 Results: a JSON list of records, rewritten after every (recipe, TP size) (--out), and a table on stdout ("tp:"
 lines compare TP sizes and all-reduce implementations). --budget-s skips a run when less than its estimated
 build time + 90 s is left and stops one that overruns; records stream out of the measuring process as they are
-made, so a stopped run keeps what it had measured.
+made, so a stopped run keeps what it had measured. The measuring process leads its own process group (its TP
+ranks and precompile workers are in it), so a stop or a crash ends every rank, not only rank 0.
 """
 from __future__ import annotations
 
