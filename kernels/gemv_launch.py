@@ -91,7 +91,7 @@ _DECODE_DOT_TILES = {1: (), 2: (), 4: ((64, 256, 4), (128, 256, 8)),
                      16: ((64, 256, 4), (128, 128, 4), (128, 256, 8))}
 # packed-half2 NVFP4 tiles (block_n, block_g, num_warps): more rows per thread amortize the per-group
 # activation scaling and packing (gemv_nvfp4_h2)
-_DECODE_H2_TILES = {1: ((128, 16, 4), (64, 16, 4), (256, 16, 8), (128, 16, 8)),
+_DECODE_H2_TILES = {1: ((128, 16, 4), (64, 16, 4), (256, 16, 8), (256, 16, 4)),
                     2: ((128, 16, 4), (64, 16, 4), (256, 16, 8)),
                     4: ((64, 16, 4), (128, 16, 4)),
                     8: ((64, 16, 4), (32, 16, 4)),
@@ -119,6 +119,8 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
         waves = {(i, wv) for i in range(len(_DECODE_H2_TILES[b])) for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,))}
         out += [GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv), h2=True)
                 for i, (bn, bg, w) in enumerate(_DECODE_H2_TILES[b]) for wv in (4, 2, 8) if (i, wv) in waves]
+        for bn, bg, w in _DECODE_H2_TILES[b][:1]:   # the leading tile with the next tile's words prefetched
+            out.append(GemvConfig(bn, bg, w, 2, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms), h2=True))
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:

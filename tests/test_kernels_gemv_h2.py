@@ -41,23 +41,24 @@ def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:
     return torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-20, 13, (T, K), generator=g).float())
 
 
-CASES = {  # T, dtype, K, block_n, block_g, split, residual
-    "T1-bf16": (1, torch.bfloat16, 160, 32, 4, 1, False),
-    "T2-f16-ragged-split": (2, torch.float16, 176, 16, 4, 3, True),
-    "T3-f32": (3, torch.float32, 96, 64, 2, 1, False),
-    "T5-bf16-split": (5, torch.bfloat16, 144, 32, 2, 2, True),
-    "T8-f16": (8, torch.float16, 48, 16, 2, 1, False),
+CASES = {  # T, dtype, K, block_n, block_g, split, residual, num_stages (2: next tile prefetched)
+    "T1-bf16": (1, torch.bfloat16, 160, 32, 4, 1, False, 1),
+    "T1-bf16-prefetch-ragged": (1, torch.bfloat16, 176, 32, 4, 1, False, 2),
+    "T2-f16-ragged-split": (2, torch.float16, 176, 16, 4, 3, True, 1),
+    "T3-f32-prefetch": (3, torch.float32, 96, 64, 2, 1, False, 2),
+    "T5-bf16-split-prefetch": (5, torch.bfloat16, 144, 32, 2, 2, True, 2),
+    "T8-f16": (8, torch.float16, 48, 16, 2, 1, False, 1),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_h2_matches_reference(case):
-    T, dtype, K, bn, bg, split, has_res = CASES[case]
+    T, dtype, K, bn, bg, split, has_res, stages = CASES[case]
     codes, scales, gs = weights(N, K, seed=T)
     x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(DEV)
     res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
     out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
-    cfg = GemvConfig(bn, bg, split=split, h2=True)
+    cfg = GemvConfig(bn, bg, num_stages=stages, split=split, h2=True)
     y = gemv_nvfp4(x, codes, scales, gs, out, res, config=cfg)
     ref = reference.ref_nvfp4(x, codes, scales, gs, residual=res)
     assert torch.isfinite(y).all() and rel_l2(y, ref) < (RTOL_H2 if dtype == torch.float32 else RTOL_HALF)
@@ -79,7 +80,7 @@ def test_h2_every_code_and_extreme_groups():
     x[0, 32:48] *= 1e-40          # fp32 subnormals
     x[1, 48:64] = 65504.0 * 4     # beyond f16 range before scaling
     x = x.to(DEV)
-    y = gemv_nvfp4(x, codes, scales, 0.5, config=GemvConfig(8, 4, h2=True))
+    y = gemv_nvfp4(x, codes, scales, 0.5, config=GemvConfig(8, 4, num_stages=1, h2=True))
     ref = reference.ref_nvfp4(x, codes, scales, 0.5)
     assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2
 
