@@ -264,7 +264,8 @@ def _prefill(model, opts, ceil, base, emit, gen) -> None:
     tflops = 2 * params * opts.prefill_tokens / s / 1e12
     emit({**base, "kind": "prefill", "tokens": opts.prefill_tokens, "chunk": opts.prefill_chunk,
           "tok_s": opts.prefill_tokens / s, "s": s, "params": params, "tflops": tflops,
-          "pct_matmul_peak": 100 * tflops / ceil["matmul_tflops"]})
+          "pct_matmul_peak": 100 * tflops / ceil["matmul_tflops"],
+          "gdn_prefill": getattr(model.ops, "gdn_prefill_impl", lambda: None)()})
 
 
 def _capture(model, opts: BenchOptions, base: dict, out, rec: dict):

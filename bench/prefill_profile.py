@@ -1,7 +1,7 @@
 """Where the GPU time of a long prefill goes: a 27B-width model with few layers, one prompt in one forward,
 GPU time by kernel category, by ops method and by layer type, extrapolated to the full layer count.
 
-    source bench/device_env.sh; export NINFER_WITH_FLA=1
+    source bench/device_env.sh     # fla's chunked GDN on by default (NINFER_WITH_FLA=0 before sourcing: off)
     python3 bench/prefill_profile.py [--layers 8] [--tokens 8192] [--chunk 8192] [--out FILE]
     python3 bench/prefill_profile.py --device cpu --tiny --tokens 64        # CPU dry run (torch backend)
 

@@ -6,6 +6,8 @@ h_t and the embedding of token t+1, `u = fc([norm_emb(embed(x_{t+1})) ; norm_hid
 FIRST), one full-attention decoder layer at the unshifted positions, `mtp.norm`, shared `lm_head`.
 
     python3 tools/train_tiny.py --out DIR --minutes 7 --device cuda          # the shipped model
+    (on the device machine: `NINFER_WITH_FLA=0 source bench/device_env.sh` first: transformers trains
+    through fla when it imports, and fla's backward refuses Triton < 3.7.1 on Hopper)
     python3 tools/train_tiny.py --out DIR --minutes 0.2 --device cpu --batch 2 --seq 128 --max-files 40
 
 The export (tools/tiny_export.py) is an HF folder (config.json, model*.safetensors [+ index when sharded],

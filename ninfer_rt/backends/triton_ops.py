@@ -15,6 +15,7 @@ this module is imported), which is how the CPU tests exercise them.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch
 
@@ -122,7 +123,15 @@ class TritonOps(Ops):
     def _fla_fn(self):
         if not self._fla_checked:         # only ever imported for CUDA inputs (see fla_gdn.py)
             self._fla, self._fla_checked = fla_gdn.load(), True
+            if self._fla is None:         # the fallback is correct but ~15x slower on long prompts: say so once
+                print("ninfer-rt: flash-linear-attention (fla) is not importable; GDN prefill uses the "
+                      "token-by-token kernel (slow for long prompts: pip install flash-linear-attention)",
+                      file=sys.stderr)
         return self._fla
+
+    def gdn_prefill_impl(self) -> str | None:
+        """'fla' or 'recurrent' once a CUDA prefill has chosen, else None (benchmarks record it)."""
+        return None if not self._fla_checked else ("fla" if self._fla is not None else "recurrent")
 
     # ---- extras (not in the Ops interface) ----
     def argmax_partial(self, logits: torch.Tensor, vocab_offset: int = 0):
