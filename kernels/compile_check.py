@@ -93,7 +93,7 @@ def compile_variant(v: Variant, cc: int):
 
 FORMATS = ("nvfp4", "nvfp4_h2", "q6_k", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
 CC_AWARE = ("nvfp4_h2",)     # kernel_for(..., cc=) picks target-specific inline PTX
-NO_DOT = ("nvfp4_h2",)       # own tile set (FMA T <= 8, tl.dot at a 16-column T tile), no dequantizer
+NO_DOT = ("nvfp4_h2",)       # elementwise-only variants (T <= 8), no dequantizer of their own
 _GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k": 16, "iq3_s": 16, "f8": 8, "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
 
 
@@ -110,7 +110,6 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
             out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, prefetch=True), cc))
             if f in NO_DOT:
                 out.append((Variant(f, xd, 1, 128, bg), cc))
-                out.append((Variant(f, xd, 16, 64, bg, use_dot=True, use_split=True), cc))   # tensor-core variant
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
                 continue

@@ -45,8 +45,7 @@ class GemvConfig:
     split: int = 1          # K splits (1 = none); clamped to the number of K tiles
     use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
     t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
-    h2: bool = False        # the format's packed-half2 variant (NVFP4 only: gemv_nvfp4_h2): FMAs for T <= 8,
-                            # with use_dot f16x2-decoded weights into tl.dot for T <= 16
+    h2: bool = False        # the format's packed-half2 variant (NVFP4 only, T <= 8: gemv_nvfp4_h2)
 
     def __post_init__(self):
         for f in ("block_n", "block_g", "num_warps", "num_stages", "split"):
@@ -55,6 +54,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{f} must be a positive power of two (split: positive), got {v}")
         if self.t_tile and (self.t_tile & (self.t_tile - 1) or (self.use_dot and self.t_tile < 16)):
             raise ValueError(f"GemvConfig.t_tile must be a power of two (>= 16 with use_dot), got {self.t_tile}")
+        if self.h2 and self.use_dot:
+            raise ValueError("GemvConfig: h2 (packed-half2 FMAs) and use_dot are two different inner products")
 
 
 def next_pow2(n: int) -> int:
@@ -95,10 +96,6 @@ _DECODE_H2_TILES = {1: ((128, 16, 4), (64, 16, 4), (256, 16, 8), (256, 16, 4)),
                     4: ((64, 16, 4), (128, 16, 4)),
                     8: ((64, 16, 4), (32, 16, 4)),
                     16: ()}
-# packed-half2 NVFP4 into tl.dot (block_n, block_g, num_warps), sm_80+: the decode is shared by the 16-column T
-# tile, so T = 2..16 cost about the same
-_DECODE_H2_DOT_TILES = {1: (), 2: ((128, 16, 8), (128, 8, 4)), 4: ((128, 16, 8), (128, 8, 4), (64, 16, 4)),
-                        8: ((128, 16, 8), (128, 8, 4), (64, 16, 4)), 16: ((128, 16, 8), (128, 8, 4), (64, 16, 4))}
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
 
@@ -124,9 +121,6 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
                 for i, (bn, bg, w) in enumerate(_DECODE_H2_TILES[b]) for wv in (4, 2, 8) if (i, wv) in waves]
         for bn, bg, w in _DECODE_H2_TILES[b][:1]:   # the leading tile with the next tile's words prefetched
             out.append(GemvConfig(bn, bg, w, 2, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms), h2=True))
-        if cc >= (8, 0) and x_dtype != torch.float32:   # f16x2-decoded weights into tensor cores
-            out += [GemvConfig(bn, bg, w, 3, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 2), True, 16, True)
-                    for bn, bg, w in _DECODE_H2_DOT_TILES[b]]
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:
@@ -373,10 +367,8 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         raise KernelInputError(f"{what}: [{N}, {G} groups] is too large for 32-bit offsets; split the rows")
     if config is not None and config.use_dot and config.block_g * GS < 16:
         raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
-    if config is not None and config.h2 and (T > (16 if config.use_dot else 8) or not has_h2(kernel)
-                                             or (config.use_dot and config.t_tile not in (0, 16))):
-        raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 weight and T <= 8 (T <= 16 and a 16-column "
-                               f"T tile with use_dot), got T={T}")
+    if config is not None and config.h2 and (T > 8 or not has_h2(kernel)):
+        raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 weight and T <= 8, got T={T}")
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
     key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import _finish, _j8, _tile_g, _tset, _zeros, e4m3_magnitude, ld
+from .gemv_common import _finish, _tile_g, _tset, _zeros, e4m3_magnitude, ld
 
 EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
 MAX_T_TILE = 8                             # f16x2 accumulators and x pairs per column: beyond 8 tl.dot wins
@@ -185,85 +185,19 @@ def _h2_step(accs, ups, words, sb, g0, g_hi, t0, T, x_ptr, stride_xt, T_TILE: tl
 
 
 @triton.jit
-def _halves(p):
-    """(low lane, high lane) of f16x2 bit patterns as fp16 tensors."""
-    return ((p & _LANE).to(tl.int16).to(tl.float16, bitcast=True),
-            ((p >> 16) & _LANE).to(tl.int16).to(tl.float16, bitcast=True))
-
-
-@triton.jit
-def _dot_weights(words, sb, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, H2_MODE: tl.constexpr):
-    """fp16 [BLOCK_N, BLOCK_G * 16] = e2m1 * e4m3 * 2**-7 of the tile (exact for normal E4M3 scales: the
-    smallest product is 2**-14, the f16 normal minimum), columns in `_dot_k` order. The block scale is
-    applied to f16x2 pairs (both weights of a pair share their block): f16 bits of e4m3 * 2**-8 are the
-    scale's 7 magnitude bits << 7, times 2**15 in f16."""
-    lo, hi = words.to(tl.int32), (words >> 32).to(tl.int32)
-    s16 = ((sb & 0x7F) << 7) * 0x10001
-    scale = _hfma2(s16, tl.full(s16.shape, 0x78007800, tl.int32), tl.zeros_like(s16), H2_MODE)
-    zero = tl.zeros_like(lo)
-    le, lo_odd = _split_signs(lo, H2_MODE)
-    he, hi_odd = _split_signs(hi, H2_MODE)
-    a0, b0 = _halves(_hfma2(_wpair(le, lo_odd, 0), scale, zero, H2_MODE))
-    a1, b1 = _halves(_hfma2(_wpair(le, lo_odd, 1), scale, zero, H2_MODE))
-    a2, b2 = _halves(_hfma2(_wpair(le, lo_odd, 2), scale, zero, H2_MODE))
-    a3, b3 = _halves(_hfma2(_wpair(le, lo_odd, 3), scale, zero, H2_MODE))
-    a4, b4 = _halves(_hfma2(_wpair(he, hi_odd, 0), scale, zero, H2_MODE))
-    a5, b5 = _halves(_hfma2(_wpair(he, hi_odd, 1), scale, zero, H2_MODE))
-    a6, b6 = _halves(_hfma2(_wpair(he, hi_odd, 2), scale, zero, H2_MODE))
-    a7, b7 = _halves(_hfma2(_wpair(he, hi_odd, 3), scale, zero, H2_MODE))
-    w = tl.join(_j8(a0, a1, a2, a3, a4, a5, a6, a7), _j8(b0, b1, b2, b3, b4, b5, b6, b7))
-    return tl.reshape(w, [BLOCK_N, BLOCK_G * 16])
-
-
-@triton.jit
-def _dot_k(g0, BLOCK_G: tl.constexpr):
-    """K index of each `_dot_weights` column: column 2j + l of a group is pair j's lane l, i.e. element
-    j + 4l (j < 4, the low word) or j + 4 + 4l (j >= 4, the high word)."""
-    c = tl.arange(0, BLOCK_G * 16)
-    r = c % 16
-    j = r // 2
-    return g0 * 16 + (c // 16) * 16 + j + 4 * (r % 2) + 4 * (j >= 4).to(tl.int32)
-
-
-@triton.jit
-def _row_scales(x_ptr, t, T, stride_xt, k_lo, k_hi, BLOCK: tl.constexpr):
-    """`_row_scale` for a whole T tile at once: (up, back) vectors over t."""
-    rows = tl.minimum(t, T - 1) * stride_xt
-    amax = tl.zeros([t.shape[0], BLOCK], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + rows[:, None] + k[None, :], mask=(k < k_hi)[None, :], other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    e = tl.minimum(tl.maximum((tl.max(amax, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 13), 253)
-    return ((267 - e) << 23).to(tl.float32, bitcast=True), ((e + 1) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _h2_dot(x_ptr, codes, scales, rows, t, g_lo, g_hi, G, T, stride_xt, T_TILE: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, H2_MODE: tl.constexpr):
-    """Tensor-core variant (T up to a 16-column tile): weights decoded and scaled in f16x2, activations
-    scaled per row to f16, tl.dot with fp32 accumulation. Returns acc [BLOCK_N, T_TILE] in true units."""
-    up, back = _row_scales(x_ptr, t, T, stride_xt, g_lo * 16, g_hi * 16, 64)
-    acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
-    xrow = tl.minimum(t, T - 1) * stride_xt
-    for g0 in range(g_lo, g_hi, BLOCK_G):
-        words, sb = _h2_load(codes, scales, rows, g0, g_hi, G, BLOCK_G, EVEN_G)
-        w = _dot_weights(words, sb, BLOCK_N, BLOCK_G, H2_MODE)
-        k = _dot_k(g0, BLOCK_G)
-        xt = tl.load(x_ptr + xrow[None, :] + k[:, None], mask=(k < g_hi * 16)[:, None], other=0.0)
-        xt = (xt.to(tl.float32) * up[None, :]).to(tl.float16)
-        if H2_MODE == _EMULATE:     # the interpreter's f16 dot does not accumulate in fp32
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc)
-    return acc * (back * 0.0078125)[None, :]      # 2**-7 undoes the weights' scaling
-
-
-@triton.jit
-def _h2_fma(x_ptr, codes, scales, rows, t0, g_lo, g_hi, G, T, stride_xt, T_TILE: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, PREFETCH: tl.constexpr,
-            H2_MODE: tl.constexpr):
-    """The packed-half2 FMA variant (T <= 8): acc [BLOCK_N, T_TILE] in true units."""
+def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
+                         stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+                         DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                         FOLD: tl.constexpr, PREFETCH: tl.constexpr, H2_MODE: tl.constexpr):
+    # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here
+    tl.static_assert(T_TILE <= _MAX_T)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
+    t0 = tl.program_id(2) * T_TILE
+    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
+    g_lo = tl.program_id(1) * g_per
+    g_hi = tl.minimum(G, g_lo + g_per)
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
         up, back = _row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512)
@@ -285,31 +219,6 @@ def _h2_fma(x_ptr, codes, scales, rows, t0, g_lo, g_hi, G, T, stride_xt, T_TILE:
     acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
     for tt in tl.static_range(T_TILE):
         acc = tl.where(cols[None, :] == tt, tl.sum(accs[tt], axis=1)[:, None] * backs[tt], acc)
-    return acc
-
-
-@triton.jit
-def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
-                         stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                         DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-                         FOLD: tl.constexpr, PREFETCH: tl.constexpr, H2_MODE: tl.constexpr):
-    # USE_DOT: the tensor-core variant (a 16-column T tile); DOT_KIND / FOLD are accepted for the shared
-    # launcher and unused here
-    tl.static_assert(T_TILE <= (16 if USE_DOT else _MAX_T))
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
-    t0 = tl.program_id(2) * T_TILE
-    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
-    g_lo = tl.program_id(1) * g_per
-    g_hi = tl.minimum(G, g_lo + g_per)
-    if USE_DOT:
-        acc = _h2_dot(x_ptr, codes, scales, rows, t0 + tl.arange(0, T_TILE), g_lo, g_hi, G, T, stride_xt, T_TILE,
-                      BLOCK_N, BLOCK_G, EVEN_G, H2_MODE)
-    else:
-        acc = _h2_fma(x_ptr, codes, scales, rows, t0, g_lo, g_hi, G, T, stride_xt, T_TILE, BLOCK_N, BLOCK_G,
-                      EVEN_G, PREFETCH, H2_MODE)
-    cols = tl.arange(0, T_TILE)
     _finish(acc * fscale, t0 + cols, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr,
             cnt_ptr, HAS_RES, USE_SPLIT)
 

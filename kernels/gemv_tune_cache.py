@@ -160,7 +160,7 @@ def _shipped() -> dict:
 
 
 def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1) -> bool:
-    if cfg.h2 and (fmt != "nvfp4" or t_bucket > (16 if cfg.use_dot else 8)):   # NVFP4's packed-half2 variant
+    if cfg.h2 and (fmt != "nvfp4" or t_bucket > 8):   # only NVFP4 has the packed-half2 variant, for T <= 8
         return False
     return not (cfg.use_dot and cfg.block_g * GS < 16)   # the kernel's tl.dot needs >= 16 K per step
 

@@ -67,28 +67,6 @@ def test_h2_matches_reference(case):
         assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
 
 
-DOT_CASES = {  # T, dtype, K, block_n, block_g, split, residual
-    "T1-bf16": (1, torch.bfloat16, 160, 32, 4, 1, False),
-    "T4-f16-ragged-split": (4, torch.float16, 176, 16, 4, 3, True),
-    "T11-f32": (11, torch.float32, 96, 64, 2, 1, False),
-    "T16-bf16-split": (16, torch.bfloat16, 144, 32, 2, 2, True),
-}
-
-
-@pytest.mark.parametrize("case", DOT_CASES)
-def test_h2_dot_matches_reference(case):
-    """The tensor-core variant: f16x2-decoded, block-scaled weights into tl.dot (fp32 accumulation)."""
-    T, dtype, K, bn, bg, split, has_res = DOT_CASES[case]
-    codes, scales, gs = weights(N, K, seed=T + 100)
-    x = wide_range_x(T, K, seed=T).to(dtype).to(DEV)
-    res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
-    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
-    cfg = GemvConfig(bn, bg, num_stages=3, split=split, use_dot=True, h2=True)
-    y = gemv_nvfp4(x, codes, scales, gs, out, res, config=cfg)
-    ref = reference.ref_nvfp4(x, codes, scales, gs, residual=res)
-    assert torch.isfinite(y).all() and rel_l2(y, ref) < (RTOL_H2 if dtype == torch.float32 else RTOL_HALF)
-
-
 def test_h2_every_code_and_extreme_groups():
     """Every code byte and scale pattern; groups whose activations are all zero, near the fp32 top or
     fp32-subnormal-small: the scaling must neither overflow f16 nor lose the group."""
@@ -102,18 +80,17 @@ def test_h2_every_code_and_extreme_groups():
     x[0, 32:48] *= 1e-40          # fp32 subnormals
     x[1, 48:64] = 65504.0 * 4     # beyond f16 range before scaling
     x = x.to(DEV)
+    y = gemv_nvfp4(x, codes, scales, 0.5, config=GemvConfig(8, 4, num_stages=1, h2=True))
     ref = reference.ref_nvfp4(x, codes, scales, 0.5)
-    for cfg in (GemvConfig(8, 4, num_stages=1, h2=True), GemvConfig(16, 4, use_dot=True, h2=True)):
-        y = gemv_nvfp4(x, codes, scales, 0.5, config=cfg)
-        assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2, cfg
+    assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2
 
 
 def test_h2_config_rules():
     codes, scales, gs = weights(N, 64, seed=1)
     with pytest.raises(KernelInputError, match="T <= 8"):
         gemv_nvfp4(torch.randn(9, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 4, h2=True))
-    with pytest.raises(KernelInputError, match="T <= 16"):
-        gemv_nvfp4(torch.randn(17, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 4, use_dot=True, h2=True))
+    with pytest.raises(ValueError, match="h2"):
+        GemvConfig(16, 4, use_dot=True, h2=True)
 
 
 def test_h2_candidates_only_where_asked():
