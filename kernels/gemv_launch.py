@@ -116,9 +116,10 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     if h2:
         # T <= 2: also fewer / more K splits for the two leading tiles: with 1-3 resident CTAs per SM the
         # default's ~4 CTAs per SM can leave a partial last wave on medium shapes
-        waves = {(i, wv) for i in range(len(_DECODE_H2_TILES[b])) for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,))}
-        out += [GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv), h2=True)
-                for i, (bn, bg, w) in enumerate(_DECODE_H2_TILES[b]) for wv in (4, 2, 8) if (i, wv) in waves]
+        for i, (bn, bg, w) in enumerate(_DECODE_H2_TILES[b]):
+            for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,)):
+                out.append(GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
+                                      h2=True))
         for bn, bg, w in _DECODE_H2_TILES[b][:1]:   # the leading tile with the next tile's words prefetched
             out.append(GemvConfig(bn, bg, w, 2, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms), h2=True))
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
@@ -219,7 +220,8 @@ def h2_variant(kernel, device):
 
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
             warmup: bool = False, fold: bool = True):
-    """Launch one config; returns (compiled kernel or None, grid, ws or None, cnt or None, scalars, consts)."""
+    """Launch one config; returns (compiled kernel or None, grid, ws or None, cnt or None, scalars, consts,
+    the kernel launched: the format's own or its h2 variant)."""
     T = x.shape[0]
     kernel = h2_variant(kernel, x.device) if cfg.h2 else kernel
     tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
