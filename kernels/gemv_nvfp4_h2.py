@@ -1,7 +1,8 @@
 """NVFP4 dequant-GEMV with packed half2 arithmetic (T <= 8): the decode-path variant of `gemv_nvfp4`.
 
-Why: the fp32 variant spends ~3 integer ops + 1 FFMA per weight and is instruction-bound at ~40-60 % of an
-H200's copy bandwidth (bench/NOTES.md). Here two weights share every instruction:
+Why: the fp32 variant spends ~3 integer ops + 1 FFMA per weight (0.29 warp-instructions per packed byte, an
+H200 issues ~0.25 per byte at full bandwidth). Here two weights share most instructions (0.17 per byte; on
+the H200 T=1 went from 39-63 % to 38-79 % of copy bandwidth, bench/NOTES.md §4):
 
 * weights -> f16x2 without a table: the 16-bit lanes of a code word hold nibbles j and j+4 at the same
   offset; after one rotate and two bit-selects per word move every sign 3 bits up, one shift + mask per pair
@@ -15,8 +16,9 @@ H200's copy bandwidth (bench/NOTES.md). Here two weights share every instruction
   to fp32 and one FFMA with the E4M3 block scale; blocks accumulate in fp32; 2**-k at the end.
 Precision: a block sum carries ~1e-3 relative rounding (f16), below bf16's own 4e-3 output rounding.
 
-The f16x2 FMA and the f32 -> f16x2 pack are inline PTX (`fma.rn.f16x2`: sm_53+, so the V100 path too;
-`cvt.rn.f16x2.f32`: sm_80+, two `cvt.rn.f16.f32` below). The interpreter cannot run PTX: H2_MODE = EMULATE
+The f16x2 FMA, the f32 -> f16x2 pack, the sign split (`shf.l.wrap` + `lop3`) and the f16 lane sum are inline
+PTX (all sm_53+, so the V100 path too, except `cvt.rn.f16x2.f32`: sm_80+, two `cvt.rn.f16.f32` below).
+The interpreter cannot run PTX: H2_MODE = EMULATE
 computes the same f16 roundings with Triton ops (fp32 FMA, then round to f16: identical except for
 double-rounding ties), so the decode logic is tested on CPU.
 Same launch signature and split-K epilogue as the other GEMV kernels (`gemv_common`); weights as in
