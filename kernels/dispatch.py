@@ -107,8 +107,7 @@ def _torch_linear(x, w, out, residual):
 
 
 def _dequant_path(x, qw, out, residual):
-    dt = x.dtype if x.dtype != torch.float32 else torch.float32
-    return _torch_linear(x, dense_weight(qw, dt), out, residual)
+    return _torch_linear(x, dense_weight(qw, x.dtype), out, residual)
 
 
 def _prefill(x, qw, out, residual, path):
@@ -125,12 +124,18 @@ def _prefill(x, qw, out, residual, path):
     raise KernelInputError(f"linear: prefill_path must be 'fused' or 'dequant', got {path!r}")
 
 
-def _choose_prefill(x, qw, residual) -> str:
+def prefill_path_env() -> str:
+    """NINFER_PREFILL_PATH: 'auto' (the default) or one of PREFILL_PATHS; anything else is a one-line error."""
     forced = os.environ.get("NINFER_PREFILL_PATH", "auto")
-    if forced in PREFILL_PATHS:
-        return forced
+    if forced != "auto" and forced not in PREFILL_PATHS:
+        raise KernelInputError(f"NINFER_PREFILL_PATH={forced!r}: expected one of auto, {', '.join(PREFILL_PATHS)}")
+    return forced
+
+
+def _choose_prefill(x, qw, residual) -> str:
+    forced = prefill_path_env()
     if forced != "auto":
-        raise KernelInputError(f"NINFER_PREFILL_PATH={forced!r}: expected auto, fused or dequant")
+        return forced
     if x.device.type != "cuda" or interpreting() or torch.cuda.is_current_stream_capturing():
         return "fused"
     if os.environ.get("NINFER_GEMV_TUNE", "1") == "0":

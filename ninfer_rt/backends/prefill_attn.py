@@ -9,8 +9,9 @@ keys 0 .. L_b - T_b + t. A chunk without cached context (L_b == T_b) is plain `i
 
 `NINFER_PREFILL_ATTN`: `auto` (default) takes this path for CUDA batches whose every sequence brings at least
 `SDPA_MIN_T` new tokens and has at most `SDPA_MAX_KV` keys; `paged` never (the paged kernel everywhere, for
-A/B runs); `sdpa` whatever the number of new tokens. Never while a CUDA graph is captured: the per-sequence
-loop reads the host-side lengths, which a replay would not update.
+A/B runs); `sdpa` whatever the number of new tokens. Any other value is an error, on every device.
+Never while a CUDA graph is captured: the per-sequence loop reads the host-side lengths, which a replay would
+not update.
 """
 from __future__ import annotations
 
@@ -25,8 +26,13 @@ from ninfer_formats.errors import LoadError
 from ..ops import AttnMeta
 
 SDPA_MIN_T = 256
-SDPA_MAX_KV = 32768       # longer contexts stay paged: the gathered, head-repeated K/V would be Hq * L * D * 4 bytes
+# longer contexts stay paged: the gathered, head-repeated K and V of one sequence take 2 * Hq * L * D elements
+SDPA_MAX_KV = 32768
 MODES = ("auto", "paged", "sdpa")
+
+_REFUSED: set = set()       # (dtype, device) where no fast SDPA backend took the call: paged from then on
+_SAID: set = set()          # fallback reasons already reported on stderr (once per process each)
+_DEVICE_FAULT = getattr(torch, "AcceleratorError", ())     # a sticky CUDA error (torch >= 2.8)
 
 
 def mode() -> str:
@@ -36,19 +42,19 @@ def mode() -> str:
     return m
 
 
-_REFUSED: set = set()       # (dtype, device) where no fast SDPA backend took the call: paged from then on
-
-
-def wants_sdpa(q: torch.Tensor, meta: AttnMeta) -> bool:
-    if not q.is_cuda or (q.dtype, q.device) in _REFUSED or torch.cuda.is_current_stream_capturing():
+def wants_sdpa(device: torch.device, dtype: torch.dtype, meta: AttnMeta) -> bool:
+    """Whether a batch of queries on `device` in `dtype` takes `try_prefill_attention`."""
+    m = mode()      # before the device test, so a bad value fails on a CPU run too instead of being ignored
+    if m == "paged" or device.type != "cuda" or (dtype, device) in _REFUSED:
         return False
-    m = mode()
-    return m != "paged" and min(meta.seq_lens) >= (1 if m == "sdpa" else SDPA_MIN_T) \
-        and meta.max_kv_len <= SDPA_MAX_KV
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return min(meta.seq_lens) >= (1 if m == "sdpa" else SDPA_MIN_T) and meta.max_kv_len <= SDPA_MAX_KV
 
 
 def _gather(cache: torch.Tensor, meta: AttnMeta, b: int, n: int, groups: int) -> torch.Tensor:
-    """Keys (or values) 0..n-1 of sequence b as [1, Hk * groups, n, D] (each KV head repeated `groups` times)."""
+    """Keys (or values) 0..n-1 of sequence b as [1, Hk * groups, n, D]; head h is KV head h // groups, the
+    reference's repeat_interleave order."""
     pages = meta.block_tables[b, : -(-n // meta.page_size)]
     rows = cache.index_select(0, pages).flatten(0, 1)[:n]                       # [n, Hk, D]
     hk, d = rows.shape[1:]
@@ -61,6 +67,7 @@ def _sdpa(q, k, v, causal_offset: int, scale: float) -> torch.Tensor:
     t, n = q.shape[2], k.shape[2]
     if causal_offset == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    # is_causal is top-left aligned; with cached keys the last query must see every key
     from torch.nn.attention.bias import causal_lower_right
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, n), scale=scale)
 
@@ -80,18 +87,27 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
+def _say_once(reason: str, text: str) -> None:
+    if reason not in _SAID:
+        _SAID.add(reason)
+        print(f"ninfer-rt: prefill attention: {text}; the paged kernel runs instead", file=sys.stderr)
+
+
 def try_prefill_attention(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor | None:
     """`prefill_attention` with the fast SDPA backends only (never the math one: it would materialise the
-    [Hq, T, L] scores); None when none of them takes these inputs (e.g. fp32, an old GPU) or memory runs out,
-    and the caller runs the paged kernel instead."""
+    [Hq, T, L] scores); None when none of them takes these inputs (e.g. an old GPU) or memory runs out, and
+    the caller runs the paged kernel instead. Device faults are raised: the paged kernel could not recover."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
             return prefill_attention(q, k_cache, v_cache, meta, scale)
     except torch.OutOfMemoryError:
+        _say_once("oom", "out of device memory for the gathered K/V (this time)")
         return None
     except RuntimeError as e:
+        if isinstance(e, _DEVICE_FAULT):
+            raise
         _REFUSED.add((q.dtype, q.device))
-        print(f"prefill attention: no fast SDPA backend for {q.dtype} on {q.device} ({str(e).splitlines()[0]}); "
-              f"the paged kernel runs instead", file=sys.stderr)
+        _say_once(("refused", q.dtype, q.device), f"no fast SDPA backend for {q.dtype} on {q.device} "
+                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
         return None

@@ -2,11 +2,12 @@
 
 - linear: `ninfer_kernels.dispatch.linear` (every stored weight format) when that module is present,
   otherwise the torch reference's dequantize-and-matmul (see `LINEAR_BACKEND`).
-- attention: the paged split-KV kernel for decode / verify / short chunks; long prefill chunks go to torch's
-  scaled_dot_product_attention (`prefill_attn.py`, NINFER_PREFILL_ATTN=paged turns that off).
-- gdn_chunk (prefill): flash-linear-attention's `chunk_gated_delta_rule` on CUDA when `fla` imports and the
-  activations are fp16/bf16 (`fla_gdn.py`); otherwise our token-by-token kernel over the chunk (same math,
-  one program per (sequence, value head, dv tile) walking the tokens).
+- attention: the paged split-KV kernel for decode / verify / short chunks and inside CUDA-graph capture; long
+  prefill chunks go to torch's scaled_dot_product_attention (`prefill_attn.py`, NINFER_PREFILL_ATTN=paged
+  turns that off).
+- gdn_chunk (prefill): flash-linear-attention's `chunk_gated_delta_rule` on CUDA when `fla` imports, the
+  activations are fp16/bf16 and no CUDA graph is being captured (`fla_gdn.py`); otherwise our token-by-token
+  kernel over the chunk (same math, one program per (sequence, value head, dv tile) walking the tokens).
 - embedding of a quantized table: the torch reference (dequantizes only the batch's rows).
 
 Kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1 set before
@@ -15,7 +16,6 @@ this module is imported), which is how the CPU tests exercise them.
 from __future__ import annotations
 
 import importlib
-import sys
 
 import torch
 
@@ -30,16 +30,17 @@ from . import fla_gdn, prefill_attn
 from .torch_ops import TorchOps
 
 
-def _dispatch_linear():
+def _dispatch():
     try:
-        return importlib.import_module("ninfer_kernels.dispatch").linear
+        return importlib.import_module("ninfer_kernels.dispatch")
     except ModuleNotFoundError as e:
         if e.name != "ninfer_kernels.dispatch":
             raise
         return None
 
 
-_LINEAR = _dispatch_linear()
+_DISPATCH = _dispatch()
+_LINEAR = _DISPATCH.linear if _DISPATCH is not None else None
 LINEAR_BACKEND = "ninfer_kernels.dispatch" if _LINEAR is not None else "torch-reference"
 
 
@@ -52,9 +53,11 @@ class TritonOps(Ops):
             if not (interpreting() and isinstance(rmsnorm.rmsnorm_kernel, InterpretedFunction)):
                 raise LoadError("--backend triton: needs a CUDA device, or TRITON_INTERPRET=1 set before "
                                 "ninfer_kernels is first imported (CPU interpreter)")
+        # the prefill switches are read per call; checking them here makes a bad value fail at startup
+        prefill_attn.mode()
+        if _DISPATCH is not None:
+            _DISPATCH.prefill_path_env()
         self._ref = TorchOps()
-        self._fla = None
-        self._fla_checked = False
 
     # ---- dense ----
     def linear(self, x, w):
@@ -92,7 +95,7 @@ class TritonOps(Ops):
         kv_write.kv_write(k_cache, v_cache, k, v, slot_mapping)
 
     def attention(self, q, k_cache, v_cache, meta: AttnMeta, scale):
-        if prefill_attn.wants_sdpa(q, meta):
+        if prefill_attn.wants_sdpa(q.device, q.dtype, meta):
             out = prefill_attn.try_prefill_attention(q, k_cache, v_cache, meta, scale)
             if out is not None:
                 return out
@@ -115,23 +118,19 @@ class TritonOps(Ops):
     def gdn_chunk(self, q, k, v, g, beta, state_pool, meta: GdnMeta):
         if any(i >= 0 for i in meta.snap_index_host):
             raise ValueError("gdn_chunk: snapshots are only produced by gdn_recurrent")
-        fla = self._fla_fn() if v.is_cuda and v.dtype in (torch.float16, torch.bfloat16) else None
+        fla = fla_gdn.load() if fla_gdn.wanted(v.device, v.dtype) else None
         if fla is None:
             return self.gdn_recurrent(q, k, v, g, beta, state_pool, meta)
         return fla(q, k, v, g, beta, state_pool, meta)
 
-    def _fla_fn(self):
-        if not self._fla_checked:         # only ever imported for CUDA inputs (see fla_gdn.py)
-            self._fla, self._fla_checked = fla_gdn.load(), True
-            if self._fla is None:         # the fallback is correct but ~15x slower on long prompts: say so once
-                print("ninfer-rt: flash-linear-attention (fla) is not importable; GDN prefill uses the "
-                      "token-by-token kernel (slow for long prompts: pip install flash-linear-attention)",
-                      file=sys.stderr)
-        return self._fla
-
     def gdn_prefill_impl(self) -> str | None:
-        """'fla' or 'recurrent' once a CUDA prefill has chosen, else None (benchmarks record it)."""
-        return None if not self._fla_checked else ("fla" if self._fla is not None else "recurrent")
+        """'fla' or 'recurrent' once a CUDA prefill in this process has chosen, else None (benchmarks record it)."""
+        return fla_gdn.decided()
+
+    @property
+    def _fla(self):
+        """The loaded fla wrapper or None (bench/prefill_report.py reads this name)."""
+        return fla_gdn.load() if fla_gdn.decided() == "fla" else None
 
     # ---- extras (not in the Ops interface) ----
     def argmax_partial(self, logits: torch.Tensor, vocab_offset: int = 0):
