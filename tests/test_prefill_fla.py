@@ -143,7 +143,8 @@ def test_triton_ops_gdn_chunk_uses_fla_when_routed(monkeypatch, fresh_load):
 def test_missing_fla_said_once_per_process(monkeypatch, capsys, fresh_load):
     """Two backends (e.g. two models in one benchmark process) each run a chunked GDN call that would take
     fla: one stderr line, and both fall back to the recurrent kernel with the reference's result."""
-    monkeypatch.setitem(sys.modules, "fla", None)
+    for mod in ("fla", "fla.ops.gated_delta_rule"):        # the submodule too: a GPU run may have loaded it
+        monkeypatch.setitem(sys.modules, mod, None)
     monkeypatch.setattr(fla_gdn, "wanted", lambda device, dtype: True)
     args, pool, meta = _gdn_case((5, 3), 1, 2, 8, 8, torch.float32)
     want = TorchOps().gdn_chunk(*args, pool.clone(), meta)
