@@ -27,7 +27,7 @@ import triton
 
 from .gemv_f8 import dequant_f8, gemv_f8
 from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s
-from .gemv_launch import KernelInputError, interpreting, next_pow2
+from .gemv_launch import KernelInputError, interpreting, next_pow2, tune_mode
 from .gemv_timing import time_ms
 from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4
 from .gemv_plain import _WIDTH, gemv_plain
@@ -138,7 +138,7 @@ def _choose_prefill(x, qw, residual) -> str:
         return forced
     if x.device.type != "cuda" or interpreting() or torch.cuda.is_current_stream_capturing():
         return "fused"
-    if os.environ.get("NINFER_GEMV_TUNE", "1") == "0":
+    if tune_mode() == "0":
         # no timing: cuBLAS on a dequantized copy beat the fused tile kernel on every shape and format timed on
         # the H200 at T=512 (bench/results/kernels.json, 1.2-4.3x); huge weights keep the copy-free kernel
         return "dequant" if qw.shape[0] * qw.shape[1] * x.element_size() <= DENSE_COPY_MAX else "fused"

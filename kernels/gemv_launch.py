@@ -273,14 +273,17 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def _tune_mode() -> str:
-    """'0' (never time), 'force' (time even when a choice is remembered) or '1'."""
+def tune_mode() -> str:
+    """NINFER_GEMV_TUNE: '0' (never time), 'force' (time even when a choice is remembered) or '1' (the
+    default); anything else is a one-line error (a typo must not silently mean "tune")."""
     mode = os.environ.get("NINFER_GEMV_TUNE", "1")
-    return mode if mode in ("0", "force") else "1"
+    if mode not in ("0", "1", "force"):
+        raise KernelInputError(f"NINFER_GEMV_TUNE={mode!r}: expected one of 0, 1, force")
+    return mode
 
 
 def _tuning_allowed(device: torch.device) -> bool:
-    return device.type == "cuda" and not interpreting() and _tune_mode() != "0" and not _capturing()
+    return device.type == "cuda" and not interpreting() and tune_mode() != "0" and not _capturing()
 
 
 def pick_config(key, cands: list[GemvConfig], run, device: torch.device) -> GemvConfig:
@@ -318,7 +321,7 @@ def choose_config(key, cands: list[GemvConfig], run, device, GS: int) -> tuple[G
         return cands[0], True
     from . import gemv_tune_cache as tc
     pkey = tc.make_key(key, GS, device)
-    mode = _tune_mode()
+    mode = tune_mode()
     cfg = tc.lookup(pkey, GS) if mode != "force" else None
     if cfg is None and mode == "0":
         cfg = tc.heuristic(pkey.fmt, pkey.t_bucket, cands)

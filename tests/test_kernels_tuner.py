@@ -195,3 +195,16 @@ def test_parse_config_round_trips_repr():
         assert tc.parse_config(repr(c)) == c
     with pytest.raises(ValueError):
         tc.parse_config("default")
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "FORCE", ""])
+def test_bad_tune_mode_is_a_one_line_error(monkeypatch, value):
+    monkeypatch.setenv("NINFER_GEMV_TUNE", value)
+    with pytest.raises(gl.KernelInputError, match="NINFER_GEMV_TUNE=.*expected one of 0, 1, force"):
+        gl.tune_mode()
+
+
+@pytest.mark.parametrize("value", ["0", "1", "force"])
+def test_good_tune_modes(monkeypatch, value):
+    monkeypatch.setenv("NINFER_GEMV_TUNE", value)
+    assert gl.tune_mode() == value

@@ -57,6 +57,7 @@ class TritonOps(Ops):
         prefill_attn.mode()
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
+            _DISPATCH.tune_mode()
         self._ref = TorchOps()
 
     # ---- dense ----
