@@ -2,7 +2,7 @@
 
     python bench/decode.py [--quick] [--recipes nvfp4,q6_k,iq3_s] [--parts decode,verify,prefill] [--tp 1,2]
                            [--compare-allreduce auto|always|off] [--out bench/results/decode.json] [--dir DIR]
-                           [--keep] [--eager] [--gemv-tune on|off]
+                           [--keep] [--eager] [--gemv-tune on|off] [--budget-s 510] [--json]
     python bench/decode.py --device cpu --tiny --tp 1,2 --contexts 64 --prefill-tokens 128     # CPU dry run (gloo)
 
 --tp lists the TP sizes to measure, in that order, for every recipe in the same run (default 1; `--tp 1,2` is
@@ -33,6 +33,7 @@ Per (recipe, TP size), measured in this order:
   profile   the decode step's kernels under the torch profiler: count and us per step by name and group
   verify    MTP verify steps K = 1..max (GDN snapshots, commit) vs K = 0, one MTP draft step, and tok/s at a
             per-position acceptance a: tokens/round = sum_{i=0..K} a^i, tok/s = that / (verify_K + K * draft);
+            the record's tok_s is a = 0.75's (null without an MTP module: no draft step to time);
             TP > 1 records add verify_ratio_tp1
   decode    (TP > 1, --compare-allreduce: auto = when the peer-memory path is in use, always, off) the decode
             part again with the peer-memory path switched off on every rank, i.e. every all-reduce through the
@@ -40,28 +41,28 @@ Per (recipe, TP size), measured in this order:
             decode records with allreduce "nccl" and allreduce_forced true
   prefill   eager prefill of N random tokens (chunks of --prefill-chunk), tok/s, and TFLOP/s as % of the
             matmul ceiling with FLOPs = 2 * (decoder-layer linear params) * tokens
-Results: a JSON list of records, rewritten after every (recipe, TP size) (--out), and a table on stdout ("tp:"
-lines compare TP sizes and all-reduce implementations). --budget-s skips a run when less than its estimated
-build time + 90 s is left and stops one that overruns; records stream out of the measuring process as they are
-made, so a stopped run keeps what it had measured. The measuring process leads its own process group (its TP
+Results: a JSON list of records, rewritten after every (recipe, TP size) (--out; left as it was when no record
+is a measurement, i.e. every run was skipped or failed), and a table on stdout ("tp:" lines compare TP sizes
+and all-reduce implementations; --json: the records instead). Exit status 0, 1 when a run failed or nothing
+was measured, 2 on bad arguments. --budget-s skips a run when less than its estimated build time + 90 s is
+left and stops one that overruns; records stream out of the measuring process as they are made, so a stopped
+run keeps what it had measured. The measuring process leads its own process group (its TP
 ranks and precompile workers are in it), so a stop or a crash ends every rank, not only rank 0.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import decode_report as report
 import synth_artifact as synth
+from bench_cli import ArgParser, int_list, name_list, nonneg_int, pick_dir, positive_int
 from ninfer_formats.atomic import write_json_atomic
 from ninfer_formats.errors import NinferError
 
@@ -74,41 +75,25 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        v = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not v or min(v) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return v
-
-
-def _names(allowed):
-    def parse(text: str) -> tuple[str, ...]:
-        v = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in v if allowed and x not in allowed]
-        if not v or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {', '.join(allowed)}, got {text!r}")
-        return v
-    return parse
-
-
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="nvfp4 only (unless --recipes), fewer steps, one prefill run")
-    ap.add_argument("--recipes", type=_names(("nvfp4", "q6_k", "iq3_s", "bf16")), default=None,
+    ap.add_argument("--recipes", type=name_list(("nvfp4", "q6_k", "iq3_s", "bf16")), default=None,
                     help="default nvfp4,q6_k,iq3_s (--quick: nvfp4)")
-    ap.add_argument("--parts", type=_names(PARTS), default=PARTS, help="decode,profile,verify,prefill (load always runs)")
-    ap.add_argument("--contexts", type=_ints, default=(1024, 32768))
-    ap.add_argument("--verify-contexts", type=_ints, default=None, help="default: the first context")
-    ap.add_argument("--max-draft", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 128, --quick 48)")
-    ap.add_argument("--warm", type=int, default=None, help="untimed steps first (default 16, --quick 8)")
-    ap.add_argument("--prefill-tokens", type=int, default=8192)
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the whole prompt in one forward")
-    ap.add_argument("--prefill-runs", type=int, default=None, help="timed runs, best kept (default 2, --quick 1)")
-    ap.add_argument("--tp", type=_ints, default=(1,),
+    ap.add_argument("--parts", type=name_list(PARTS), default=PARTS,
+                    help="decode,profile,verify,prefill (load always runs)")
+    ap.add_argument("--contexts", type=int_list, default=(1024, 32768))
+    ap.add_argument("--verify-contexts", type=int_list, default=None,
+                    help="a subset of --contexts (default: the first context)")
+    ap.add_argument("--max-draft", type=nonneg_int, default=5)
+    ap.add_argument("--steps", type=positive_int, default=None,
+                    help="timed steps per measurement (default 128, --quick 48)")
+    ap.add_argument("--warm", type=nonneg_int, default=None, help="untimed steps first (default 16, --quick 8)")
+    ap.add_argument("--prefill-tokens", type=positive_int, default=8192)
+    ap.add_argument("--prefill-chunk", type=positive_int, default=None, help="default: the whole prompt in one forward")
+    ap.add_argument("--prefill-runs", type=positive_int, default=None,
+                    help="timed runs, best kept (default 2, --quick 1)")
+    ap.add_argument("--tp", type=int_list, default=(1,),
                     help="TP sizes to measure, in this order, each with its own artifact (e.g. 1,2: TP1 vs TP2)")
     ap.add_argument("--compare-allreduce", choices=("auto", "always", "off"), default="auto",
                     help="TP > 1: decode again with the process-group all-reduce (auto: when peer memory is in use)")
@@ -122,9 +107,10 @@ def parse_args(argv=None):
                     help="off: NINFER_GEMV_TUNE=0, the kernels' default configs (far fewer Triton compiles)")
     ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm when it fits, else the temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the artifacts (default: delete after each recipe)")
-    ap.add_argument("--workers", type=int, default=None, help="artifact writer processes (default: usable cores, at most 32)")
-    ap.add_argument("--copy-mb", type=int, default=None, help="copy-bandwidth buffer (default 4096; cpu 256)")
-    ap.add_argument("--matmul-n", type=int, default=None, help="matmul ceiling size (default 8192; cpu 512)")
+    ap.add_argument("--workers", type=positive_int, default=None,
+                    help="artifact writer processes (default: usable cores, at most 32)")
+    ap.add_argument("--copy-mb", type=positive_int, default=None, help="copy-bandwidth buffer (default 4096; cpu 256)")
+    ap.add_argument("--matmul-n", type=positive_int, default=None, help="matmul ceiling size (default 8192; cpu 512)")
     ap.add_argument("--budget-s", type=float, default=510.0, help="wall-clock budget for the whole run")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--json", action="store_true", help="print the records as JSON instead of the table")
@@ -139,39 +125,33 @@ def _cuda_available() -> bool:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, check=False).returncode == 0
 
 
+def _given(v, default):
+    return default if v is None else v          # not `or`: --warm 0 means no warm-up steps
+
+
 def options(args) -> dict:
     """The per-rank options (decode_rank.BenchOptions fields) from the command line."""
+    if len(set(args.tp)) != len(args.tp):
+        raise NinferError(f"--tp: {','.join(map(str, args.tp))} lists a size twice")
+    if not args.budget_s > 0:
+        raise NinferError(f"--budget-s {args.budget_s}: expected a positive number of seconds")
+    if args.verify_contexts and not set(args.verify_contexts) <= set(args.contexts):
+        listed = ",".join(map(str, args.contexts))
+        raise NinferError(f"--verify-contexts {','.join(map(str, args.verify_contexts))}: verify runs at a context "
+                          f"the decode part filled, so each must be one of --contexts {listed}")
     device = args.device or ("cuda" if _cuda_available() else "cpu")
     cpu = device == "cpu"
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    for name in ("max_draft", "prefill_tokens"):
-        if getattr(args, name) < (0 if name == "max_draft" else 1):
-            raise NinferError(f"--{name.replace('_', '-')}: {getattr(args, name)} is out of range")
-    if len(set(args.tp)) != len(args.tp):
-        raise NinferError(f"--tp: {','.join(map(str, args.tp))} lists a size twice")
     return {"parts": tuple(args.parts), "contexts": tuple(args.contexts),
             "verify_contexts": tuple(args.verify_contexts or args.contexts[:1]), "max_draft": args.max_draft,
-            "steps": args.steps or (48 if args.quick else 128), "warm": args.warm or (8 if args.quick else 16),
-            "prefill_tokens": args.prefill_tokens, "prefill_chunk": args.prefill_chunk or args.prefill_tokens,
-            "prefill_runs": args.prefill_runs or (1 if args.quick else 2), "tp": args.tp[0], "device": device,
+            "steps": _given(args.steps, 48 if args.quick else 128), "warm": _given(args.warm, 8 if args.quick else 16),
+            "prefill_tokens": args.prefill_tokens, "prefill_chunk": _given(args.prefill_chunk, args.prefill_tokens),
+            "prefill_runs": _given(args.prefill_runs, 1 if args.quick else 2), "tp": args.tp[0], "device": device,
             "backend": args.backend or ("torch" if cpu and not interp else "triton"),
             "dtype": "float32" if cpu else "bfloat16", "eager": args.eager or cpu, "precompile": not args.no_precompile,
-            "copy_mb": args.copy_mb or (256 if cpu else 4096), "matmul_n": args.matmul_n or (512 if cpu else 8192),
+            "copy_mb": _given(args.copy_mb, 256 if cpu else 4096),
+            "matmul_n": _given(args.matmul_n, 512 if cpu else 8192),
             "compare_allreduce": args.compare_allreduce}
-
-
-def pick_dir(given: str | None, need: int) -> str:
-    if given:
-        return given
-    for base in ("/dev/shm", tempfile.gettempdir()):
-        try:
-            free = shutil.disk_usage(base).free
-        except OSError:
-            continue
-        if free > need * 1.05 + (1 << 30):
-            return os.path.join(base, "ninfer-bench")
-    raise NinferError(f"no folder with {need / 1e9:.1f} GB free (tried /dev/shm and {tempfile.gettempdir()}); "
-                      f"pass --dir")
 
 
 # ---- one recipe in a spawned child ----
@@ -211,7 +191,9 @@ def run_child(opts: dict, recipe: str, paths: list, info: dict, deadline: float)
                 error = msg.get("error")
                 break
     finally:
-        p.join(30 if error is None else 5)
+        # done: it exits by itself; an error message: it is on its way out; a budget stop: it is still
+        # measuring, so waiting would only spend more of the budget
+        p.join(30 if error is None else 0 if error.startswith("stopped") else 5)
         _end_group(p)
     return records, error
 
@@ -236,8 +218,13 @@ def _brief(r: dict) -> str:
     return " ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r)
 
 
-def write(records: list, out: str) -> None:
+def write(records: list, out: str) -> bool:
+    """Rewrite `out` with the records, unless none of them is a measurement (every run skipped or failed
+    before its first record): that file would only replace earlier results with nothing."""
+    if not any(r["kind"] not in ("skipped", "error") for r in records):
+        return False
     write_json_atomic(out, records)
+    return True
 
 
 def measure_one(args, opts: dict, shape, recipe: str, deadline: float, rate: float | None):
@@ -268,31 +255,33 @@ def measure_one(args, opts: dict, shape, recipe: str, deadline: float, rate: flo
     return recs, (None if info["reused"] else info["build_s"] / need)
 
 
-def run(args) -> list[dict]:
+def run(args) -> tuple[list[dict], bool]:
+    """-> (records, whether --out was written)."""
     opts = options(args)
     if args.gemv_tune == "off":
         os.environ["NINFER_GEMV_TUNE"] = "0"         # inherited by the measurement processes
     shape = synth.shape_from_args(args)
     recipes = args.recipes or (("nvfp4",) if args.quick else ("nvfp4", "q6_k", "iq3_s"))
     deadline, records, rate = time.monotonic() + args.budget_s, [], None   # rate: build seconds per planned byte
+    wrote = False
     for recipe in recipes:
         for tp in args.tp:
             recs, r = measure_one(args, {**opts, "tp": tp}, shape, recipe, deadline, rate)
             rate = r or rate
             records += recs
             report.compare_tp(records)
-            write(records, args.out)
-    write(records, args.out)
-    return records
+            wrote = write(records, args.out) or wrote
+    return records, wrote
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        records = run(args)
+        records, wrote = run(args)
     except (NinferError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    log(f"wrote {args.out}" if wrote else f"nothing was measured: {args.out} left as it was")
     if args.json:
         print(json.dumps(records, indent=1))
     else:
@@ -304,8 +293,7 @@ def main(argv=None) -> int:
             print("tp: " + line)
         for g in report.goals(records):
             print("goal: " + g)
-        print(f"wrote {args.out}", file=sys.stderr)
-    return 1 if any(r["kind"] == "error" for r in records) else 0
+    return 1 if not wrote or any(r["kind"] == "error" for r in records) else 0
 
 
 if __name__ == "__main__":

@@ -1,97 +1,31 @@
-"""The measurements of bench/decode.py, one function each: device ceilings, bytes per step, context filling,
-and the timed decode / verify / draft / prefill loops. Everything takes the model (or graph runner) already
-built; `decode_rank.py` strings them together per TP rank.
+"""The measurements of bench/decode.py, one function each: bytes per step, context filling, and the timed
+decode / verify / draft / prefill loops (the ceilings are bench_device's). Everything takes the model (or
+graph runner) already built; `decode_rank.py` strings them together per TP rank.
 """
 from __future__ import annotations
 
 import math
 import time
 
+import bench_device as D
 import torch
 
 from ninfer_rt.model import MtpInput, SeqInput
-from ninfer_rt.weights import QWeight
-
-
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _best(fn, reps: int, device) -> float:
-    fn()
-    sync(device)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-# ---- ceilings ----
-def copy_tbps(device, mbytes: int, reps: int = 10) -> float:
-    """Device copy bandwidth in TB/s, counting bytes read + written (a large contiguous copy)."""
-    n = mbytes << 20
-    bufs = [torch.empty(n, dtype=torch.uint8, device=device).fill_(1), torch.empty(n, dtype=torch.uint8, device=device)]
-    t = _best(lambda: bufs[1].copy_(bufs[0]), reps, device)
-    bufs.clear()
-    return 2 * n / t / 1e12
-
-
-def matmul_tflops(device, n: int, dtype, reps: int = 10) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    t = _best(lambda: torch.matmul(a, b), reps, device)
-    return 2 * n ** 3 / t / 1e12
 
 
 # ---- bytes per step ----
-def _tensors(obj, seen: set, out: list) -> None:
-    if isinstance(obj, QWeight):
-        for v in obj.data.values():
-            _tensors(v, seen, out)
-    elif isinstance(obj, torch.Tensor):
-        key = (obj.data_ptr(), obj.nbytes)
-        if key not in seen:
-            seen.add(key)
-            out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensors(v, seen, out)
-    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("ninfer_rt"):
-        for name, v in vars(obj).items():
-            if name not in ("cfg", "tp", "ops"):
-                _tensors(v, seen, out)
-
-
 def weight_bytes(model) -> dict:
     """Bytes a decode step reads from weights: every layer, the final norm and lm_head (target); the MTP
     module apart. The embedding table is left out (one row per token is read)."""
-    seen, target, mtp = set(), [], []
-    _tensors([model.blocks, model.norm, model.lm_head], seen, target)
-    if model.mtp is not None:
-        _tensors(model.mtp, seen, mtp)
+    seen = set()
+    target = D.tensors([model.blocks, model.norm, model.lm_head], seen)
+    mtp = D.tensors(model.mtp, seen) if model.mtp is not None else []
     return {"target": sum(t.nbytes for t in target), "mtp": sum(t.nbytes for t in mtp)}
 
 
 def layer_params(model) -> int:
     """Logical parameters of the decoder layers' linear weights (excludes embedding, lm_head, MTP)."""
-    seen, ws = set(), []
-
-    def walk(obj):
-        if isinstance(obj, QWeight):
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                ws.append(obj)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("ninfer_rt"):
-            for name, v in vars(obj).items():
-                if name not in ("cfg", "tp", "ops"):
-                    walk(v)
-    for b in model.blocks:
-        walk(b)
-    return sum(w.shape[0] * w.shape[1] for w in ws)
+    return sum(w.shape[0] * w.shape[1] for w in D.qweights(model.blocks))
 
 
 def state_bytes(model, kv_len: int, tokens: int = 1, snapshot: bool = False) -> int:
@@ -101,7 +35,8 @@ def state_bytes(model, kv_len: int, tokens: int = 1, snapshot: bool = False) -> 
     n_main = kv.k.shape[0] - (model.mtp is not None)
     per_tok = 2 * kv.k[0, 0, 0].numel() * kv.k.element_size()           # K and V of one token, one layer
     kv_bytes = n_main * per_tok * (kv_len + tokens)
-    slot = model.gdn_pool.rec[0, 0].numel() * 4 + model.gdn_pool.conv[0, 0].numel() * 4
+    rec, conv = model.gdn_pool.rec[0, 0], model.gdn_pool.conv[0, 0]
+    slot = rec.numel() * rec.element_size() + conv.numel() * conv.element_size()
     gdn = model.n_gdn * slot * (2 + (tokens + 2 if snapshot else 0))
     return kv_bytes + gdn
 
@@ -139,11 +74,11 @@ def _timed(step, steps: int, warm: int, device) -> float:
     """ms per step: `warm` untimed steps, then `steps` timed ones, one sync at the end."""
     for _ in range(warm):
         step()
-    sync(device)
+    D.sync(device)
     t = time.perf_counter()
     for _ in range(steps):
         step()
-    sync(device)
+    D.sync(device)
     return (time.perf_counter() - t) / steps * 1e3
 
 
@@ -197,12 +132,12 @@ def prefill_s(model, tokens: int, chunk: int, gen: torch.Generator) -> float:
     ids = torch.randint(0, model.cfg.vocab_size, (tokens,), generator=gen)
     st = model.new_state()
     try:
-        sync(model.device)
+        D.sync(model.device)
         t = time.perf_counter()
         for a in range(0, tokens, chunk):
             b = min(tokens, a + chunk)
             model.forward([SeqInput(ids[a:b], st, logits="last" if b == tokens else "none")])
-        sync(model.device)
+        D.sync(model.device)
         return time.perf_counter() - t
     finally:
         st.free()

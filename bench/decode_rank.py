@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
+import bench_device as D
 import decode_measure as M
 import decode_tp as T
 import torch
 
+from ninfer_formats.errors import NinferError
+
 ACCEPTANCE = (0.6, 0.75, 0.9)
+HEADLINE_ACCEPTANCE = 0.75          # the verify record's tok_s (the others go to tok_s_by_acceptance)
 PAGE = 16
 
 
@@ -41,12 +46,19 @@ class BenchOptions:
     precompile: bool = True            # compile the GEMV configs the tuner will try in parallel processes
     compare_allreduce: str = "auto"    # TP > 1: decode again with the process-group all-reduce (auto: when
                                        # the peer-memory path is in use; always; off)
+    copy_mb: int = 4096
+    matmul_n: int = 8192
 
     def __post_init__(self):
         if self.compare_allreduce not in ("auto", "always", "off"):
-            raise ValueError(f"compare_allreduce: {self.compare_allreduce!r} is not auto, always or off")
-    copy_mb: int = 4096
-    matmul_n: int = 8192
+            raise NinferError(f"compare_allreduce: {self.compare_allreduce!r} is not auto, always or off")
+        for f in fields(self):
+            v, low = getattr(self, f.name), 0 if f.name in ("warm", "max_draft", "headroom") else 1
+            if f.type in ("int", int) and v < low:
+                raise NinferError(f"{f.name}: {v} is out of range (at least {low})")
+        if not set(self.verify_contexts) <= set(self.contexts):
+            raise NinferError(f"verify_contexts {list(self.verify_contexts)} are not all among the contexts "
+                              f"{list(self.contexts)}: no verify step would run there")
 
 
 def _device(group, opts: BenchOptions) -> torch.device:
@@ -54,13 +66,6 @@ def _device(group, opts: BenchOptions) -> torch.device:
     if dev is not None:
         return torch.device(dev)
     return torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
-
-
-def _gpu_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 def _warm_page_cache(path: str) -> None:
@@ -78,7 +83,6 @@ def _check_backend(opts: BenchOptions, device) -> str:
         return opts.backend
     from ninfer_rt.backends import triton_ops
     if device.type == "cuda" and triton_ops.LINEAR_BACKEND != "ninfer_kernels.dispatch":
-        from ninfer_formats.errors import NinferError
         raise NinferError("the fused GEMV dispatch (ninfer_kernels.dispatch) is not importable: linear would "
                           "dequantize every weight through numpy; refusing to benchmark that")
     return f"triton+{triton_ops.LINEAR_BACKEND}"
@@ -105,14 +109,14 @@ def _load(group, opts: BenchOptions, paths: list[str], device, info: dict):
     dtype = getattr(torch, opts.dtype)
     t = time.perf_counter()
     loaded = load(path, rank=group.rank, tp_size=opts.tp, verify=True, device=device, dtype=dtype)
-    M.sync(device)
+    D.sync(device)
     load_s = time.perf_counter() - t
     need = max(max(opts.contexts) + opts.headroom, opts.prefill_tokens) + 2 * PAGE
     cache = CacheConfig(num_pages=math.ceil(need / PAGE) + 8, page_size=PAGE, max_seqs=3)
     t = time.perf_counter()
     model = Model(loaded.config, loaded.weights, get_ops(opts.backend), group, cache=cache, dtype=dtype,
                   consume_weights=True)
-    M.sync(device)
+    D.sync(device)
     build_s = time.perf_counter() - t
     loaded.close()
     size = os.path.getsize(path)
@@ -123,22 +127,40 @@ def _load(group, opts: BenchOptions, paths: list[str], device, info: dict):
 
 def _linear_shapes(model) -> set:
     """(format, N, K) of every fused linear the model calls."""
-    from ninfer_rt.weights import QWeight
-    found, stack = set(), [model.blocks, model.lm_head, model.mtp]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, QWeight):
-            found.add((obj.fmt, obj.shape[0], obj.shape[1]))
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("ninfer_rt"):
-            stack.extend(v for k, v in vars(obj).items() if k not in ("cfg", "tp", "ops"))
-    return found
+    return {(w.fmt, w.shape[0], w.shape[1]) for w in D.qweights([model.blocks, model.lm_head, model.mtp])}
 
 
 def _precompile_proc(jobs, workers: int) -> None:
     import kernels as kernel_bench
     kernel_bench.precompile(jobs, workers=workers)
+
+
+def _exit_on_sigterm(*_) -> None:
+    sys.exit(128 + signal.SIGTERM)
+
+
+def _limited_entry(target, args) -> None:
+    # SIGTERM becomes SystemExit, so a `with Pool(...)` in target terminates its workers on the way out; a bare
+    # SIGTERM would leave them orphaned (blocked on the task queue, or still compiling) while we measure
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    target(*args)
+
+
+def run_limited(target, args: tuple, timeout_s: float) -> int | None:
+    """target(*args) in a spawned process: its exit code, or None when cut off after `timeout_s` (SIGTERM,
+    SIGKILL if it is still there 10 s later)."""
+    import multiprocessing as mp
+    p = mp.get_context("spawn").Process(target=_limited_entry, args=(target, args))
+    p.start()
+    p.join(timeout_s)
+    if not p.is_alive():
+        return p.exitcode
+    p.terminate()
+    p.join(10)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
+    return None
 
 
 def _precompile(model, opts: BenchOptions, device, timeout_s: float = 300.0) -> float | None:
@@ -159,16 +181,12 @@ def _precompile(model, opts: BenchOptions, device, timeout_s: float = 300.0) -> 
         ts.add(opts.prefill_chunk)
     jobs = [(f, n, k, t_) for f, n, k in sorted(_linear_shapes(model)) for t_ in sorted(ts)]
     t = time.perf_counter()
-    p = mp.get_context("spawn").Process(target=_precompile_proc, args=(jobs, usable_cpus(16)))
-    p.start()
-    p.join(timeout_s)
-    if p.is_alive():
-        p.terminate()
-        p.join(5)
+    code = run_limited(_precompile_proc, (jobs, usable_cpus(16)), timeout_s)
+    if code is None:
         print(f"precompile cut off after {timeout_s:.0f} s", file=sys.stderr)
         return None
-    if p.exitcode != 0:
-        print(f"precompile failed (exit code {p.exitcode}); the tuner compiles lazily", file=sys.stderr)
+    if code != 0:
+        print(f"precompile failed (exit code {code}); the tuner compiles lazily", file=sys.stderr)
         return None
     return time.perf_counter() - t
 
@@ -247,11 +265,11 @@ def _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb) -> None:
         nbytes = wb["target"] + M.state_bytes(model, ctx, k + 1, snapshot=True)
         rec = {**base, "kind": "verify", "context": ctx, "draft_tokens": k, "ms_step": times[k],
                "ms_step_k0": times[0], "verify_ratio": times[k] / times[0], "draft_ms": draft,
-               "bytes_step": nbytes,
+               "bytes_step": nbytes, "tok_s": None,       # without an MTP module there is no draft to time
                "pct_roofline": 100 * nbytes / (ceil["copy_tbps"] * 1e12) * 1e3 / times[k]}
         if draft is not None:
             by = {str(a): M.spec_tok_s(times[k], draft, k, a) for a in ACCEPTANCE}
-            rec.update(tok_s=by["0.75"][1], tok_s_by_acceptance={a: v[1] for a, v in by.items()},
+            rec.update(tok_s=by[str(HEADLINE_ACCEPTANCE)][1], tok_s_by_acceptance={a: v[1] for a, v in by.items()},
                        tokens_per_round_by_acceptance={a: v[0] for a, v in by.items()},
                        tok_s_k0=1e3 / times[0])
         emit(rec)
@@ -277,7 +295,7 @@ def _capture(model, opts: BenchOptions, base: dict, out, rec: dict):
         traceback.print_exc(file=sys.stderr)
         out({**base, "kind": "error", "error": f"graph capture failed, measuring eagerly: {type(e).__name__}: {e}"})
         runner.close()
-        M.sync(model.device)
+        D.sync(model.device)
         opts = replace(opts, eager=True)
         base["graphs"] = False
         runner = _runner(model, opts)
@@ -318,9 +336,9 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
     torch.manual_seed(1234 + group.rank)
     gen = torch.Generator().manual_seed(99)
     backend = _check_backend(opts, device)
-    ceil = {"copy_tbps": M.copy_tbps(device, opts.copy_mb),
-            "matmul_tflops": M.matmul_tflops(device, opts.matmul_n, getattr(torch, opts.dtype))}
-    base = {"recipe": recipe, "tp": opts.tp, "gpu": _gpu_name(device), "copy_tbps": ceil["copy_tbps"],
+    ceil = {"copy_tbps": D.copy_tbps(device, opts.copy_mb),
+            "matmul_tflops": D.matmul_tflops(device, opts.matmul_n, getattr(torch, opts.dtype))}
+    base = {"recipe": recipe, "tp": opts.tp, "gpu": D.device_name(device), "copy_tbps": ceil["copy_tbps"],
             "backend": backend, "graphs": not opts.eager, "dtype": opts.dtype,
             "gemv_tune": os.environ.get("NINFER_GEMV_TUNE", "1") != "0"}
     out({**base, "kind": "ceilings", **ceil})
@@ -363,8 +381,10 @@ def child_main(conn, opts: BenchOptions, recipe: str, paths: list[str], info: di
             with tp.launch(opts.tp, _follower, (opts, recipe, paths, info), device=opts.device) as launch:
                 run_rank(launch.group, opts, recipe, paths, info, emit)
         conn.send({"done": True})
+    except NinferError as e:                         # bad input (artifact, backend): its one line is the report
+        conn.send({"error": str(e)})
     except BaseException as e:                       # noqa: BLE001 - reported to the orchestrator, then exit
-        traceback.print_exc(file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)         # a crash: where it happened is worth the log lines
         conn.send({"error": f"{type(e).__name__}: {e}"})
     finally:
         conn.close()

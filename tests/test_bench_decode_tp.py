@@ -1,6 +1,8 @@
 """bench/decode.py --tp 1,2: a CPU dry run over gloo (tiny synthetic model) measures both TP sizes in one run
 and writes the TP fields (all-reduce count and cost, per-rank memory, forced process-group pass, TP1
-comparison); the report side on made-up records; the collective counter; followers never start children."""
+comparison); the report side on made-up records; the collective counter; followers never start children;
+a budget stop or a cut-off precompile leaves no process behind; bad arguments are one-line errors, and a run
+that measured nothing leaves the results file alone."""
 from __future__ import annotations
 
 import json
@@ -9,17 +11,21 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 sys.path.append(BENCH)
+import decode
+import decode_measure
 import decode_rank
 import decode_report as report
 import decode_tp
 import synth_artifact as synth
 
+from ninfer_formats.errors import NinferError
 from ninfer_rt.tp_group import LocalGroup
 
 REQUIRED = ("recipe", "tp", "context", "draft_tokens", "tok_s", "ms_step", "bytes_step", "pct_roofline",
@@ -71,6 +77,10 @@ def test_both_tp_sizes_in_one_run(dry_run):
     assert math.isclose(tp2["speedup_vs_tp1"], tp2["tok_s"] / tp1["tok_s"], rel_tol=REL_TOL)
     k3 = _one(records, kind="verify", tp=2, draft_tokens=3)
     assert k3["verify_ratio_tp1"] == _one(records, kind="verify", tp=1, draft_tokens=3)["verify_ratio"]
+    for v in (r for r in records if r["kind"] == "verify"):             # the tiny model has an MTP module
+        assert all(k in v for k in REQUIRED), v
+        want = decode_measure.spec_tok_s(v["ms_step"], v["draft_ms"], v["draft_tokens"], 0.75)[1]
+        assert math.isclose(v["tok_s"], want, rel_tol=REL_TOL)
     assert "tp: bf16 TP2 @40:" in stdout
     assert not list((tmp / "art").rglob("*.ninfer"))             # artifacts removed without --keep
 
@@ -135,9 +145,47 @@ def test_collective_counter_counts_and_restores():
     assert "all_reduce" not in vars(g) and "all_gather_last" not in vars(g)
 
 
-def test_bench_options_reject_unknown_compare_mode():
-    with pytest.raises(ValueError, match="compare_allreduce"):
-        decode_rank.BenchOptions(compare_allreduce="sometimes")
+@pytest.mark.parametrize("kw,needle", [
+    ({"compare_allreduce": "sometimes"}, "compare_allreduce"),
+    ({"steps": 0}, "steps: 0"),
+    ({"warm": -1}, "warm: -1"),
+    ({"prefill_chunk": -4}, "prefill_chunk: -4"),
+    ({"contexts": (64,), "verify_contexts": (32,)}, "verify_contexts"),
+], ids=["compare-mode", "no-steps", "negative-warm", "negative-chunk", "verify-outside-contexts"])
+def test_bench_options_validated_on_creation(kw, needle):
+    with pytest.raises(NinferError, match=needle):
+        decode_rank.BenchOptions(**kw)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--steps", "-3"], "argument --steps: expected a positive integer, got '-3'"),
+    (["--warm", "x"], "argument --warm: expected an integer >= 0"),
+    (["--tp", "1,x"], "argument --tp: expected comma-separated integers"),
+    (["--parts", "decode,nope"], "argument --parts: expected a comma-separated subset"),
+], ids=["negative-steps", "warm-not-int", "tp-not-int", "unknown-part"])
+def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        decode.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_options_keep_given_zero_and_check_verify_contexts():
+    opts = decode.options(decode.parse_args(["--device", "cpu", "--warm", "0", "--contexts", "64,128",
+                                             "--verify-contexts", "128"]))
+    assert opts["warm"] == 0 and opts["verify_contexts"] == (128,)        # not the default 16
+    with pytest.raises(NinferError, match="--verify-contexts 32"):
+        decode.options(decode.parse_args(["--device", "cpu", "--contexts", "64", "--verify-contexts", "32"]))
+
+
+def test_nothing_measured_leaves_results_alone(tmp_path, capsys):
+    """A run whose every measurement was skipped (budget) must not replace earlier results with nothing."""
+    out = tmp_path / "decode.json"
+    out.write_text("[]")
+    rc = decode.main(["--device", "cpu", "--tiny", "--recipes", "bf16", "--budget-s", "1", "--dir",
+                      str(tmp_path / "art"), "--out", str(out)])
+    assert rc == 1 and out.read_text() == "[]"
+    assert "left as it was" in capsys.readouterr().err
 
 
 def _daemon_precompile(q):
@@ -161,9 +209,6 @@ def test_daemonic_follower_skips_precompile(monkeypatch):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="lists process group members through /proc")
 def test_budget_stop_leaves_no_rank_behind(tmp_path, monkeypatch):
     """A TP2 measurement stopped by the time budget takes its follower rank with it (own process group)."""
-    import time
-
-    import decode
     args = decode.parse_args(["--device", "cpu", "--tiny", "--backend", "torch", "--tp", "2", "--steps", "1000000",
                               "--contexts", "24", "--parts", "decode", "--copy-mb", "8", "--matmul-n", "64"])
     opts = {**decode.options(args), "tp": 2}
@@ -191,3 +236,32 @@ def _members(pgid: int) -> list[int]:
             except ProcessLookupError:
                 pass
     return out
+
+
+def _pool_sleeper(pid_file: str) -> None:
+    """A stand-in for bench/kernels.py's precompile: a worker pool busy far past the time limit."""
+    with mp.get_context("fork").Pool(2) as pool:
+        with open(pid_file, "w") as f:
+            f.write(" ".join(str(w.pid) for w in pool._pool))
+        pool.map(time.sleep, [120, 120])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"        # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="checks the pool workers through /proc")
+def test_cut_off_precompile_takes_its_workers(tmp_path):
+    """The precompile's time limit ends its pool workers too (they would compile on while decode is timed)."""
+    pid_file = tmp_path / "pids"
+    assert decode_rank.run_limited(_pool_sleeper, (str(pid_file),), timeout_s=6.0) is None
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(map(_gone, pids)), pids
