@@ -12,58 +12,19 @@ import math
 import time
 from contextlib import contextmanager
 
+import bench_device as D
 import torch
 
 SEC, OP = "§sec:", "§op:"
 PAGE = 16
 
 
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_name(device) -> str:
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-    return f"cpu ({platform.machine()})"
-
-
-def matmul_tflops(device, n: int, dtype, reps: int = 5) -> float:
-    """Best of `reps` n x n x n torch.matmul in the activation dtype: the ceiling the GEMMs are held to."""
-    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)
-    sync(device)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.matmul(a, b)
-        sync(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e12
-
-
-def _qweights(obj, out: dict) -> None:
-    from ninfer_rt.weights import QWeight
-    if isinstance(obj, QWeight):
-        out[id(obj)] = obj
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _qweights(v, out)
-    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("ninfer_rt"):
-        for k, v in vars(obj).items():
-            if k not in ("cfg", "tp", "ops"):
-                _qweights(v, out)
-
-
 def linear_params(model) -> dict:
     """Linear weight parameters (N * K) of one decoder layer of each type: {"gdn": .., "attn": ..}."""
     out = {}
     for blk in model.blocks:
-        ws: dict = {}
-        _qweights([blk.mixer, blk.mlp], ws)
-        out.setdefault("attn" if blk.full else "gdn", sum(w.shape[0] * w.shape[1] for w in ws.values()))
+        ws = D.qweights([blk.mixer, blk.mlp])
+        out.setdefault("attn" if blk.full else "gdn", sum(w.shape[0] * w.shape[1] for w in ws))
     return out
 
 
@@ -98,7 +59,7 @@ class Hooks:
 
     def _close(self) -> None:
         if self._sec is not None:
-            sync(self.device)
+            D.sync(self.device)
             self._sec.__exit__(None, None, None)
             self._sec = None
 
@@ -112,14 +73,14 @@ class Hooks:
         try:
             yield
         finally:
-            sync(self.device)
+            D.sync(self.device)
             rf.__exit__(None, None, None)
 
     def resolved_marks(self) -> list[tuple[str, float]]:
         """[(label, seconds since the first mark)] (waits for the events)."""
         if not self.marks:
             return []
-        sync(self.device)
+        D.sync(self.device)
         first = self.marks[0][1]
         if self.device.type == "cuda":
             return [(lab, first.elapsed_time(ev) / 1e3) for lab, ev in self.marks]
@@ -184,7 +145,7 @@ class PrefillRun:
         self.ops = get_ops(backend)
         self.model = Model(loaded.config, loaded.weights, self.ops, cache=cache, dtype=dtype, consume_weights=True)
         loaded.close()
-        sync(self.device)
+        D.sync(self.device)
         self.load_s = time.perf_counter() - t
         self.hooks = Hooks(self.device)
 
@@ -202,10 +163,10 @@ class PrefillRun:
             st.free()
 
     def timed(self) -> float:
-        sync(self.device)
+        D.sync(self.device)
         t = time.perf_counter()
         self.prefill()
-        sync(self.device)
+        D.sync(self.device)
         return time.perf_counter() - t
 
     def sections(self) -> list[tuple[str, float]]:
@@ -225,7 +186,7 @@ class PrefillRun:
         try:
             with instrumented(self.model, self.hooks), profile(activities=acts) as prof:
                 self.prefill()
-                sync(self.device)
+                D.sync(self.device)
         finally:
             self.hooks.mode = "off"
         return events(prof, self.device.type == "cuda")

@@ -18,19 +18,17 @@ Results: a table on stdout, a JSON list of records (--out, default bench/results
 """
 from __future__ import annotations
 
-import argparse
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import bench_device as D
 import prefill_breakdown as PB
 import prefill_hooks as H
 import prefill_report as R
 import synth_artifact as synth
+from bench_cli import ArgParser, pick_dir, positive_int
 from ninfer_formats.atomic import write_json_atomic
 from ninfer_formats.errors import NinferError
 
@@ -43,27 +41,22 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="nvfp4", help="synthetic artifact recipe (nvfp4, q6_k, iq3_s, bf16)")
-    ap.add_argument("--tokens", type=int, default=None, help="prompt tokens (default 8192, --tiny 64)")
-    ap.add_argument("--chunk", type=int, default=None, help="tokens per forward (default: the whole prompt)")
-    ap.add_argument("--runs", type=int, default=3, help="timed prefills, best kept")
-    ap.add_argument("--target-layers", type=int, default=64, help="layer count to extrapolate to")
-    ap.add_argument("--top", type=int, default=25, help="kernels listed")
+    ap.add_argument("--tokens", type=positive_int, default=None, help="prompt tokens (default 8192, --tiny 64)")
+    ap.add_argument("--chunk", type=positive_int, default=None, help="tokens per forward (default: the whole prompt)")
+    ap.add_argument("--runs", type=positive_int, default=3, help="timed prefills, best kept")
+    ap.add_argument("--target-layers", type=positive_int, default=64, help="layer count to extrapolate to")
+    ap.add_argument("--top", type=positive_int, default=25, help="kernels listed")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--backend", choices=("triton", "torch"), default=None, help="default triton on cuda, torch on cpu")
     ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm/ninfer-bench when it fits); "
                                                 "an artifact of the same spec there is reused")
-    ap.add_argument("--matmul-n", type=int, default=None, help="matmul ceiling size (default 8192; cpu 256)")
+    ap.add_argument("--matmul-n", type=positive_int, default=None, help="matmul ceiling size (default 8192; cpu 256)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--json", action="store_true", help="print the records as JSON instead of the tables")
     synth.add_shape_args(ap)
-    args = ap.parse_args(argv)
-    for name in ("tokens", "chunk", "runs", "target_layers", "top", "matmul_n"):
-        v = getattr(args, name)
-        if v is not None and v <= 0:
-            ap.error(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
-    return args
+    return ap.parse_args(argv)
 
 
 def shape_from(args) -> synth.SynthShape:
@@ -76,19 +69,6 @@ def shape_from(args) -> synth.SynthShape:
 def type_counts(cfg) -> dict:
     full = sum(cfg.is_full(i) for i in range(cfg.num_hidden_layers))
     return {"gdn": cfg.num_hidden_layers - full, "attn": full}
-
-
-def pick_dir(given: str | None, need: int) -> str:
-    if given:
-        return given
-    for base in ("/dev/shm", tempfile.gettempdir()):
-        try:
-            if shutil.disk_usage(base).free > need * 1.05 + (1 << 30):
-                return os.path.join(base, "ninfer-bench")
-        except OSError:
-            continue
-    raise NinferError(f"no folder with {need / 1e9:.1f} GB free (tried /dev/shm and {tempfile.gettempdir()}); "
-                      f"pass --dir")
 
 
 def check_types(shape, target_layers: int) -> None:
@@ -124,7 +104,7 @@ def measure(args, shape, path: str) -> list[dict]:
     backend = args.backend or ("triton" if args.device == "cuda" else "torch")
     run = H.PrefillRun(path, args.device, dtype, backend, tokens, chunk)
     counts, target = type_counts(run.model.cfg), type_counts(replace(shape, layers=args.target_layers).config())
-    ceiling = H.matmul_tflops(run.device, args.matmul_n or (8192 if args.device == "cuda" else 256), dtype)
+    ceiling = D.matmul_tflops(run.device, args.matmul_n or (8192 if args.device == "cuda" else 256), dtype)
     log(f"loaded in {run.load_s:.1f} s; matmul ceiling {ceiling:.1f} TFLOP/s; warm-up prefill of {tokens} tokens")
     t = time.perf_counter()
     run.prefill()                              # compiles, prefill-path timing, fla autotune
@@ -139,7 +119,7 @@ def measure(args, shape, path: str) -> list[dict]:
     rows = PB.attribute(kernels, secs, ops)
     summary = PB.summarize(rows, counts, target, top=args.top)
     params = H.linear_params(run.model)
-    base = {"recipe": args.recipe, "device": H.device_name(run.device), "dtype": str(dtype).replace("torch.", ""),
+    base = {"recipe": args.recipe, "device": D.device_name(run.device), "dtype": str(dtype).replace("torch.", ""),
             "backend": backend, "tokens": tokens, "chunk": chunk}
     return R.records(base, run, counts, target, ceiling, warm_s, best, wall, summary, params)
 

@@ -15,11 +15,12 @@ def _versions() -> dict:
     return out
 
 
-def gdn_impl(ops, device_type: str) -> str:
-    """Which chunked delta rule the prefill ran (after a warm-up, so the backend has decided)."""
+def gdn_impl(ops) -> str:
+    """Which chunked delta rule the prefill ran, as the backend reports it after the warm-up prefill
+    (TritonOps.gdn_prefill_impl: "fla" / "recurrent", None when no CUDA prefill has chosen, e.g. on CPU)."""
     if getattr(ops, "name", "") != "triton":
         return "torch reference (chunked, fp32)"
-    if device_type == "cuda" and getattr(ops, "_fla", None) is not None:
+    if getattr(ops, "gdn_prefill_impl", lambda: None)() == "fla":
         return "fla chunk_gated_delta_rule"
     return "triton gdn_recurrent (token by token over the chunk)"
 
@@ -59,8 +60,9 @@ def records(base: dict, run, counts: dict, target: dict, ceiling: float, warm_s:
     afl = attention_flops(cfg.num_attention_heads, cfg.head_dim, tokens, base["chunk"])
     config = {**base, "kind": "config", "layers": cfg.num_hidden_layers, "counts": counts, "target": target,
               "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
-              "gdn_impl": gdn_impl(run.ops, run.device.type),
+              "gdn_impl": gdn_impl(run.ops),
               "prefill_paths": {str(k): v for k, v in dispatch.prefill_choices().items()},
+              # raw values: NINFER_WITH_FLA unset means fla on (bench/device_env.sh); gdn_impl says what ran
               "env": {k: os.environ.get(k) for k in ("NINFER_GEMV_TUNE", "NINFER_WITH_FLA", "NINFER_PREFILL_PATH",
                                                       "NINFER_PREFILL_ATTN")},
               "versions": _versions(), "load_s": run.load_s, "warmup_s": warm_s, "matmul_tflops": ceiling}

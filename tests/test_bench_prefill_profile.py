@@ -123,3 +123,33 @@ def test_bad_layout_is_one_line_error(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --layers 3 with --full-every 4 has no attn layer to extrapolate 64 layers from"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tokens", "0"], "argument --tokens: expected a positive integer, got '0'"),
+    (["--runs", "x"], "argument --runs: expected a positive integer, got 'x'"),
+    (["--device", "tpu"], "argument --device: invalid choice"),
+], ids=["no-tokens", "runs-not-int", "unknown-device"])
+def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        prefill_profile.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+
+
+class _Ops:
+    def __init__(self, name, decided=None):
+        self.name, self._decided = name, decided
+
+    def gdn_prefill_impl(self):
+        return self._decided
+
+
+@pytest.mark.parametrize("ops,want", [
+    (_Ops("triton", "fla"), "fla chunk_gated_delta_rule"),
+    (_Ops("triton", "recurrent"), "triton gdn_recurrent"),
+    (_Ops("triton", None), "triton gdn_recurrent"),          # no CUDA prefill chose (CPU / interpreter)
+    (_Ops("torch"), "torch reference"),
+], ids=["fla", "recurrent", "undecided", "torch"])
+def test_gdn_impl_reads_what_the_backend_ran(ops, want):
+    assert R.gdn_impl(ops).startswith(want)
