@@ -10,12 +10,17 @@ itl = a request's (last - first token time) / (tokens - 1); ttft from the reques
 token times are the scheduler's (its JSONL request log: when each request's first and last token were
 emitted to its stream); `client_*` fields repeat the numbers from SSE chunk arrival at the client, which
 run early or late where the detokenizer holds text back (random ids, a partial UTF-8 character, ids the
-tokenizer has no text for), so they are kept for reference only.
+tokenizer has no text for), so they are kept for reference only. `requests` / `completion_tokens` say what
+the numbers were taken over (every request runs to --max-tokens).
 
-    python bench/serve.py --artifact DIR [--concurrency 1,2,4,8 --max-tokens 128 --prompt-tokens 128
-                          --spec mtp --draft-tokens 3 --tp 1 --device cuda --json]
+    python bench/serve.py --artifact DIR [--concurrency 1,2,4,8] [--max-tokens 128] [--prompt-tokens 128]
+                          [--spec none|mtp] [--draft-tokens 3] [--tp 1] [--device cpu|cuda]
+                          [--dtype float32|bfloat16|float16] [--backend torch|triton] [--timeout-s 1800]
+                          [--out bench/results/serve.json] [--json]
 
-Prints a table (or JSON with --json) and writes bench/results/serve.json.
+Prints a table (or the records as JSON with --json) and writes them to --out (default
+bench/results/serve.json); a concurrency level whose clients take longer than --timeout-s fails the run.
+Exit status 0, 2 on bad arguments or a failed run (one `error:` line, nothing written).
 """
 from __future__ import annotations
 
@@ -31,9 +36,19 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from ninfer_formats.atomic import write_json_atomic  # noqa: E402
+
+from bench_cli import ArgParser, int_list, positive_int
+from ninfer_formats.atomic import write_json_atomic
+from ninfer_formats.errors import NinferError
 
 OUT = Path(__file__).resolve().parent / "results" / "serve.json"
+DTYPES = ("float32", "bfloat16", "float16")
+LOG_WAIT_S = 10.0          # the scheduler logs a request after queuing its last chunk: the client can be first
+SERVER_START_S = 30.0
+
+
+class RunFailed(Exception):
+    """The HTTP side did not start or answer (one line: what and why)."""
 
 
 # ---- client side (runs in a child process) --------------------------------------------------------------
@@ -58,21 +73,24 @@ async def _one(client, body: dict) -> dict:
             if choice.get("finish_reason"):       # sent right after the last token, text or not
                 last = now
                 first = first if first is not None else now
+    if last is None:
+        raise RuntimeError("the stream ended without a finish_reason")
     return {"start": t0, "first": first, "last": last, "tokens": tokens}
 
 
-async def _clients(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+async def _clients(url: str, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> list[dict]:
     import httpx
     limits = httpx.Limits(max_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                    "stream_options": {"include_usage": True}} for p in prompts]
         return await asyncio.gather(*[_one(client, b) for b in bodies])
 
 
-def client_main(args) -> None:
+def client_main(args) -> int:
     spec = json.loads(sys.stdin.read())
-    print(json.dumps(asyncio.run(_clients(args.client, spec["prompts"], spec["max_tokens"]))))
+    print(json.dumps(asyncio.run(_clients(args.client, spec["prompts"], spec["max_tokens"], args.timeout_s))))
+    return 0
 
 
 # ---- measurement ----------------------------------------------------------------------------------------
@@ -86,7 +104,8 @@ def summarize(reqs: list[dict]) -> dict:
     itl = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in reqs if r["tokens"] > 1]
     return {"agg_tok_s": decoded / span if span > 0 else 0.0,
             "ttft_ms_p50": 1e3 * statistics.median(r["first"] - r["start"] for r in reqs),
-            "itl_ms_p50": 1e3 * statistics.median(itl) if itl else None}
+            "itl_ms_p50": 1e3 * statistics.median(itl) if itl else None,
+            "requests": len(reqs), "completion_tokens": sum(r["tokens"] for r in reqs)}
 
 
 def in_engine_thread(fn, init):
@@ -127,11 +146,16 @@ def run_direct(engine, prompts, max_tokens: int, sync) -> dict:
     return summarize(list(reqs.values()))
 
 
-def run_http(url: str, prompts, max_tokens: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--client", url], input=json.dumps(
-        {"prompts": prompts, "max_tokens": max_tokens}), capture_output=True, text=True, check=False)
+def run_http(url: str, prompts, max_tokens: int, timeout_s: float) -> dict:
+    cmd = [sys.executable, __file__, "--client", url, "--timeout-s", str(timeout_s)]
+    try:
+        proc = subprocess.run(cmd, input=json.dumps({"prompts": prompts, "max_tokens": max_tokens}),
+                              capture_output=True, text=True, check=False, timeout=timeout_s + 30)
+    except subprocess.TimeoutExpired:          # subprocess.run has killed it
+        raise RunFailed(f"{len(prompts)} HTTP clients did not finish in {timeout_s:.0f} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"client process failed: {proc.stderr.strip().splitlines()[-1:]}")
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RunFailed(f"client process failed (exit code {proc.returncode}): {last}")
     return summarize(json.loads(proc.stdout))
 
 
@@ -146,12 +170,22 @@ def thread_init(rt):
     return init
 
 
-def server_side(log_path: str, n: int) -> dict:
-    """summarize() over the last n `request_done` events of the server's request log: token emission times
-    as the scheduler saw them (absolute first/last token = event time - total + ttft, + decode)."""
-    done = [json.loads(line) for line in open(log_path) if '"request_done"' in line][-n:]
+def done_events(log_path: str) -> list[dict]:
+    """The `request_done` events of the server's request log, whole lines only."""
+    with open(log_path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.endswith("\n") and '"request_done"' in line]
+
+
+def server_side(log_path: str, start: int, n: int, wait_s: float = LOG_WAIT_S) -> dict:
+    """summarize() over `request_done` events start..start+n: token emission times as the scheduler saw them
+    (absolute first/last token = event time - total + ttft, + decode)."""
+    deadline = time.monotonic() + wait_s
+    while len(done := done_events(log_path)) < start + n:
+        if time.monotonic() > deadline:
+            raise RunFailed(f"the server logged {len(done) - start} of {n} finished requests in {wait_s:.0f} s")
+        time.sleep(0.05)
     reqs = []
-    for e in done:
+    for e in done[start:start + n]:
         t = e["timings_seconds"]
         arrival = e["time"] - t["total"]
         first = arrival + t["ttft"]
@@ -169,17 +203,22 @@ def start_server(rt, max_concurrency: int, log_path: str):
     from ninfer_rt.server.request_log import RequestLog
     from ninfer_rt.server.scheduler import Scheduler, SchedulerConfig
     state = ServerState(model_id="bench")
-    init = thread_init(rt)
     sched = Scheduler(rt.engine, rt.engine.model.kv_pool, rt.tokenizer,
                       SchedulerConfig(max_concurrency=max_concurrency, max_context=rt.max_context, max_pending=1024),
-                      state.metrics, log=RequestLog(log_path), thread_init=init)
+                      state.metrics, log=RequestLog(log_path), thread_init=thread_init(rt))
     sched.start()
     state.ready(sched, rt.tokenizer, rt.loaded.config.vocab_size, {})
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
-    threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True).start()
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + SERVER_START_S
     while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:     # uvicorn failed to start: say so, not hang
+            server.should_exit = True
+            sched.stop()
+            raise RunFailed(f"the HTTP server did not start in {SERVER_START_S:.0f} s")
         time.sleep(0.01)
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, sched
 
@@ -190,39 +229,72 @@ def random_prompts(tok, vocab: int, n: int, length: int, seed: int) -> list[list
     return [[rng.choice(usable) for _ in range(length)] for _ in range(n)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    ap = ArgParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", help="artifact folder (e.g. the 27B-shaped one bench/decode.py builds)")
-    ap.add_argument("--concurrency", default="1,2,4,8")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int_list, default=(1, 2, 4, 8))
+    ap.add_argument("--max-tokens", type=positive_int, default=128, help="at least 2 (rates count the tokens "
+                                                                          "after each request's first)")
+    ap.add_argument("--prompt-tokens", type=positive_int, default=128)
     ap.add_argument("--spec", choices=["none", "mtp"], default="none")
-    ap.add_argument("--draft-tokens", type=int, default=3)
-    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--draft-tokens", type=positive_int, default=3)
+    ap.add_argument("--tp", type=positive_int, default=1)
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    ap.add_argument("--dtype", default=None)
-    ap.add_argument("--backend", default=None)
+    ap.add_argument("--dtype", choices=DTYPES, default=None, help="default bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--backend", choices=("torch", "triton"), default=None, help="default triton on cuda, torch on cpu")
+    ap.add_argument("--timeout-s", type=float, default=1800.0, help="per concurrency level over HTTP")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
     ap.add_argument("--client", help=argparse.SUPPRESS)       # internal: client process mode
-    args = ap.parse_args()
-    if args.client:
-        return client_main(args)
-    if not args.artifact:
+    args = ap.parse_args(argv)
+    if not args.client and not args.artifact:
         ap.error("--artifact is required")
+    if args.max_tokens < 2:
+        ap.error(f"--max-tokens {args.max_tokens}: at least 2 (rates count the tokens after each request's first)")
+    if not args.timeout_s > 0:
+        ap.error(f"--timeout-s {args.timeout_s}: expected a positive number of seconds")
+    return args
+
+
+def _direct_levels(rt, args, levels, prompts) -> dict:
+    import torch
+    dev = rt.engine.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    run_direct(rt.engine, prompts(1, 99), 8, sync)                                              # warm-up
+    return {c: run_direct(rt.engine, prompts(c, c), args.max_tokens, sync) for c in levels}
+
+
+def _http_levels(rt, args, levels, prompts, log_path: str) -> dict:
+    """{c: (server-side summary, client-side summary)}; the server is stopped on the way out, also on error."""
+    url, server, sched = start_server(rt, max(levels), log_path)
     try:
-        records = measure(args)
-    except Exception as e:         # NinferError, OSError, client failures: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    report(records, args)
+        run_http(url, prompts(1, 99), 8, args.timeout_s)                                        # warm-up
+        out = {}
+        for c in levels:
+            seen = len(done_events(log_path))
+            client = run_http(url, prompts(c, c), args.max_tokens, args.timeout_s)
+            out[c] = server_side(log_path, seen, c), client
+        return out
+    finally:
+        server.should_exit = True
+        sched.stop()
+
+
+def _record(c: int, server: dict, client: dict, direct: dict, gpu: str, args) -> dict:
+    return {"concurrency": c, **server, "gpu": gpu, "direct_agg_tok_s": direct["agg_tok_s"],
+            **{f"client_{k}": v for k, v in client.items()}, "direct_itl_ms_p50": direct["itl_ms_p50"],
+            "ratio_to_direct": server["agg_tok_s"] / direct["agg_tok_s"] if direct["agg_tok_s"] else None,
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+            "draft_tokens": args.draft_tokens if args.spec == "mtp" else 0, "tp": args.tp,
+            "artifact": os.path.abspath(args.artifact)}
 
 
 def measure(args) -> list[dict]:
     import torch
 
+    from bench_device import device_name
     from ninfer_rt.server.runtime import RuntimeOptions, open_runtime
-    levels = sorted({int(c) for c in args.concurrency.split(",")})
+    levels = sorted(set(args.concurrency))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     ctx = args.prompt_tokens + args.max_tokens + 16
     rt = open_runtime(RuntimeOptions(
@@ -231,49 +303,44 @@ def measure(args) -> list[dict]:
         backend=args.backend or ("triton" if device == "cuda" else "torch"),
         draft_tokens=args.draft_tokens if args.spec == "mtp" else 0, max_concurrency=max(levels),
         kv_capacity=max(levels) * ctx, max_context=ctx))
-    gpu = torch.cuda.get_device_name(rt.engine.device) if device == "cuda" else "cpu"
-    sync = (lambda: torch.cuda.synchronize(rt.engine.device)) if device == "cuda" else (lambda: None)
     vocab = rt.loaded.config.vocab_size
+
+    def prompts(n: int, seed: int) -> list[list[int]]:
+        return random_prompts(rt.tokenizer, vocab, n, args.prompt_tokens, seed)
     try:
-        def direct_all():
-            run_direct(rt.engine, random_prompts(rt.tokenizer, vocab, 1, args.prompt_tokens, 99), 8, sync)  # warm-up
-            return {c: run_direct(rt.engine, random_prompts(rt.tokenizer, vocab, c, args.prompt_tokens, c),
-                                  args.max_tokens, sync) for c in levels}
-        direct = in_engine_thread(direct_all, thread_init(rt))
-        log_path = os.path.join(tempfile.mkdtemp(prefix="ninfer-serve-bench-"), "requests.jsonl")
-        url, server, sched = start_server(rt, max(levels), log_path)
-        run_http(url, random_prompts(rt.tokenizer, vocab, 1, args.prompt_tokens, 99), 8)              # warm-up
-        records = []
-        for c in levels:
-            client = run_http(url, random_prompts(rt.tokenizer, vocab, c, args.prompt_tokens, c), args.max_tokens)
-            h = server_side(log_path, c)
-            records.append({"concurrency": c, **h, "gpu": gpu, "direct_agg_tok_s": direct[c]["agg_tok_s"],
-                            **{f"client_{k}": v for k, v in client.items()},
-                            "direct_itl_ms_p50": direct[c]["itl_ms_p50"],
-                            "ratio_to_direct": h["agg_tok_s"] / direct[c]["agg_tok_s"] if direct[c]["agg_tok_s"] else None,
-                            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                            "draft_tokens": args.draft_tokens if args.spec == "mtp" else 0, "tp": args.tp,
-                            "artifact": os.path.abspath(args.artifact)})
-        server.should_exit = True
-        sched.stop()
+        gpu = device_name(rt.engine.device)
+        direct = in_engine_thread(lambda: _direct_levels(rt, args, levels, prompts), thread_init(rt))
+        with tempfile.TemporaryDirectory(prefix="ninfer-serve-bench-") as tmp:
+            http = _http_levels(rt, args, levels, prompts, os.path.join(tmp, "requests.jsonl"))
     finally:
         rt.close()
-    return records
+    return [_record(c, *http[c], direct[c], gpu, args) for c in levels]
 
 
-def report(records: list[dict], args) -> None:
-    write_json_atomic(args.out, records)
-    if args.json:
-        print(json.dumps(records, indent=1))
-        return
-    print(f"{'conc':>4} {'http tok/s':>11} {'direct tok/s':>13} {'ratio':>6} {'ttft p50 ms':>12} {'itl p50 ms':>11}")
+def table(records: list[dict]) -> str:
+    lines = [f"{'conc':>4} {'http tok/s':>11} {'direct tok/s':>13} {'ratio':>6} {'ttft p50 ms':>12} {'itl p50 ms':>11}"]
     for r in records:
         ratio = f"{r['ratio_to_direct']:.2f}" if r["ratio_to_direct"] is not None else "-"
         itl = f"{r['itl_ms_p50']:.2f}" if r["itl_ms_p50"] is not None else "-"
-        print(f"{r['concurrency']:>4} {r['agg_tok_s']:>11.1f} {r['direct_agg_tok_s']:>13.1f} {ratio:>6} "
-              f"{r['ttft_ms_p50']:>12.1f} {itl:>11}")
-    print(f"gpu: {records[0]['gpu'] if records else '-'}; wrote {args.out}", file=sys.stderr)
+        lines.append(f"{r['concurrency']:>4} {r['agg_tok_s']:>11.1f} {r['direct_agg_tok_s']:>13.1f} {ratio:>6} "
+                     f"{r['ttft_ms_p50']:>12.1f} {itl:>11}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.client:
+        return client_main(args)
+    try:
+        records = measure(args)
+        write_json_atomic(args.out, records)
+    except (NinferError, OSError, RunFailed) as e:      # bad input or the HTTP side failing: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(records, indent=1) if args.json else table(records))
+    print(f"gpu: {records[0]['gpu']}; wrote {args.out}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
