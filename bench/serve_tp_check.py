@@ -16,11 +16,11 @@ str; finish_reason is "stop" or "length"; usage has integer prompt/completion/to
 completion_tokens <= max_tokens, and == max_tokens when finish_reason is "length"; the server exits 0 on SIGTERM.
 Prints one summary line (or the JSON record with --json) and writes the record
 {"tp", "ok", "http_status", "completion_tokens", "latency_s", "load_s", "gpu", ...} to --out; exit status
-0 when every check passed, 1 when one failed, 2 on bad arguments.
+0 when every check passed, 1 when one failed, 2 on bad arguments, a server that cannot be started or an
+unwritable --out.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench_cli import ArgParser
 from ninfer_formats.atomic import write_json_atomic
 
 OUT = Path(__file__).resolve().parent / "results" / "serve_tp_check.json"
@@ -107,7 +108,7 @@ def address(proc, log_path: str, deadline: float) -> str:
 
 def wait_healthy(url: str, proc, deadline: float) -> None:
     while True:
-        status, body = get(url + "/health", 5.0)
+        status, body = get(url + "/health", min(5.0, deadline - time.monotonic()))
         if status == 200:
             return
         if isinstance(body, dict) and body.get("status") == "error":
@@ -192,13 +193,15 @@ def ask(url: str, kind: str, model: str | None, max_tokens: int, deadline: float
 
 # ---- the run ----
 def gpu_name(device: str | None) -> str:
-    """Asked after the server stopped, so this process never holds a context on a GPU the server uses."""
-    import platform
-
+    """Asked after the server stopped, so this process never holds a context on a GPU the server uses. Never
+    raises: a server that could not use the GPU is a failed check with a record, not a traceback."""
     import torch
-    if (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda":
-        return torch.cuda.get_device_name(0)
-    return f"cpu ({platform.processor() or platform.machine()})"
+
+    from bench_device import device_name
+    cuda = torch.cuda.is_available()
+    if (device or ("cuda" if cuda else "cpu")) == "cpu":
+        return device_name("cpu")
+    return device_name("cuda") if cuda else "cuda (no CUDA device visible to the check)"
 
 
 def exercise(url: str, proc, args, deadline: float, rec: dict, t0: float) -> None:
@@ -228,23 +231,23 @@ def run(args) -> dict:
     deadline = t0 + args.timeout_s
     cmd = server_command(args)
     log("serve_tp_check: " + " ".join(cmd))
-    with tempfile.NamedTemporaryFile("w+b", prefix="serve_tp_check-", suffix=".log", delete=False) as lf:
-        log_path = lf.name
-        proc = start(cmd, lf)
-    try:
-        url = "http://" + address(proc, log_path, deadline)
-        exercise(url, proc, args, deadline, rec, t0)
-    except CheckFailed as e:
-        rec["problems"].append(str(e))
-    finally:
-        running = proc.poll() is None
-        rec["server_exit_code"] = stop(proc)
-        if running and rec["server_exit_code"] != 0:
-            rec["problems"].append(f"the server exited with code {rec['server_exit_code']} after SIGTERM "
-                                   f"(0 expected: drained and stopped its ranks)")
-        if rec["problems"]:
-            rec["server_log_tail"] = tail(log_path)
-        os.unlink(log_path)
+    with tempfile.TemporaryDirectory(prefix="serve_tp_check-") as tmp:
+        log_path = os.path.join(tmp, "server.log")
+        with open(log_path, "wb") as lf:
+            proc = start(cmd, lf)
+        try:
+            url = "http://" + address(proc, log_path, deadline)
+            exercise(url, proc, args, deadline, rec, t0)
+        except CheckFailed as e:
+            rec["problems"].append(str(e))
+        finally:
+            running = proc.poll() is None
+            rec["server_exit_code"] = stop(proc)
+            if running and rec["server_exit_code"] != 0:
+                rec["problems"].append(f"the server exited with code {rec['server_exit_code']} after SIGTERM "
+                                       f"(0 expected: drained and stopped its ranks)")
+            if rec["problems"]:
+                rec["server_log_tail"] = tail(log_path)
     rec["ok"] = not rec["problems"]
     rec["gpu"] = gpu_name(args.device)
     return rec
@@ -254,7 +257,7 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", required=True, help="artifact folder (or hf://ORG/REPO) with a TP set of --tp")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--port", type=int, default=0, help="0: any free port")
@@ -299,11 +302,11 @@ def main(argv=None) -> int:
     if err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rec = run(args)
     try:
+        rec = run(args)                 # OSError: the server could not be started at all
         write_json_atomic(args.out, rec)
     except OSError as e:
-        print(f"error: {args.out}: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if not rec["ok"] and rec.get("server_log_tail"):
         log("server log (tail):\n" + rec["server_log_tail"])

@@ -37,10 +37,15 @@ def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def test_tp2_server_answers(tiny_tp2, tmp_path, capsys, monkeypatch):
-    started = []
-    real_start = stc.start
-    monkeypatch.setattr(stc, "start", lambda *a: started.append(real_start(*a)) or started[-1])
+@pytest.fixture
+def started(monkeypatch):
+    """The server processes the check starts, to see that their process groups are gone afterwards."""
+    procs, real_start = [], stc.start
+    monkeypatch.setattr(stc, "start", lambda *a: procs.append(real_start(*a)) or procs[-1])
+    return procs
+
+
+def test_tp2_server_answers(tiny_tp2, tmp_path, capsys, started):
     out = tmp_path / "check.json"
     rc = stc.main(["--artifact", tiny_tp2, "--tp", "2", "--device", "cpu", "--timeout-s", "120",
                    "--max-tokens", str(MAX_TOKENS), "--out", str(out), "--", "--max-concurrency", "2"])
@@ -56,10 +61,7 @@ def test_tp2_server_answers(tiny_tp2, tmp_path, capsys, monkeypatch):
     assert _group_gone(started[0].pid)
 
 
-def test_deadline_while_loading_fails_and_cleans_up(tiny_tp2, tmp_path, monkeypatch):
-    started = []
-    real_start = stc.start
-    monkeypatch.setattr(stc, "start", lambda *a: started.append(real_start(*a)) or started[-1])
+def test_deadline_while_loading_fails_and_cleans_up(tiny_tp2, tmp_path, started):
     out = tmp_path / "check.json"
     rc = stc.main(["--artifact", tiny_tp2, "--tp", "2", "--device", "cpu", "--timeout-s", "0.3", "--out", str(out)])
     rec = json.loads(out.read_text())
@@ -72,11 +74,24 @@ def test_deadline_while_loading_fails_and_cleans_up(tiny_tp2, tmp_path, monkeypa
     (["--artifact", "/definitely/not/here"], "no such file or folder"),
     (["--artifact", ".", "--tp", "0"], "--tp 0"),
     (["--artifact", ".", "--max-tokens", "0"], "--max-tokens"),
-], ids=["missing-artifact", "tp-zero", "no-tokens"])
+    (["--artifact", ".", "--tp", "two"], "argument --tp: invalid int value"),
+    (["--tp", "2"], "the following arguments are required: --artifact"),
+], ids=["missing-artifact", "tp-zero", "no-tokens", "tp-not-int", "no-artifact"])
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
-    assert stc.main(argv) == 2
+    try:
+        rc = stc.main(argv)
+    except SystemExit as e:             # argparse's own checks exit from parse_args
+        rc = e.code
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+    assert rc == 2 and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_gpu_name_without_cuda_is_a_value_not_a_traceback(monkeypatch):
+    """--device cuda where the check sees no GPU: the server fails, the record still gets its gpu field."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert stc.gpu_name("cuda").startswith("cuda (no CUDA device")
+    assert stc.gpu_name(None).startswith("cpu (") and stc.gpu_name("cpu").startswith("cpu (")
 
 
 def _reply(kind, text="hi", finish="length", usage=(5, MAX_TOKENS, 5 + MAX_TOKENS)):
