@@ -128,11 +128,6 @@ class TritonOps(Ops):
         """'fla' or 'recurrent' once a CUDA prefill in this process has chosen, else None (benchmarks record it)."""
         return fla_gdn.decided()
 
-    @property
-    def _fla(self):
-        """The loaded fla wrapper or None (bench/prefill_report.py reads this name)."""
-        return fla_gdn.load() if fla_gdn.decided() == "fla" else None
-
     # ---- extras (not in the Ops interface) ----
     def argmax_partial(self, logits: torch.Tensor, vocab_offset: int = 0):
         """(max, global index, all-reduce-MAX key) per row of this rank's vocab shard; see ninfer_kernels.sampling."""
