@@ -161,23 +161,28 @@ def check(fmt: str, qw, N: int, K: int) -> list[dict]:
             out.append({"T": T, "path": path or "decode", "rel_l2": err, "ok": err < 1e-2})
         except Exception as e:
             out.append({"T": T, "path": path or "decode", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
-    if fmt == "nvfp4":   # the packed-half2 variant explicitly, whatever the tuner picked
-        out += _check_h2(qw, N, K, rows, idx)
+    if fmt in ("nvfp4", "q6_k"):   # the packed-half2 variant explicitly, whatever the tuner picked
+        out += _check_h2(fmt, qw, N, K, rows, idx)
     return out
 
 
-def _check_h2(qw, N: int, K: int, rows, idx) -> list[dict]:
+def _check_h2(fmt: str, qw, N: int, K: int, rows, idx) -> list[dict]:
     from ninfer_kernels import reference
     from ninfer_kernels.gemv_launch import GemvConfig
     from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4
+    from ninfer_kernels.gemv_q6_k import gemv_q6_k, repack_q6_k
     d, out = qw.data, []
+    packed = repack_q6_k(d["blocks"], K) if fmt == "q6_k" else None
     for T in ((1, 3) if SMOKE else (1, 3, 8)):
         x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
         res = torch.randn(T, N, device=DEV).to(torch.bfloat16)
         cfg = GemvConfig(16 if SMOKE else 128, 4 if SMOKE else 16, 4, 1, 3, h2=True)
         try:
-            y = gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], residual=res, config=cfg)[:, idx]
-            ref = reference.ref_linear(x, "nvfp4", d, residual=res, rows=rows)
+            if fmt == "q6_k":
+                y = gemv_q6_k(x, packed, residual=res, config=cfg)[:, idx]
+            else:
+                y = gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], residual=res, config=cfg)[:, idx]
+            ref = reference.ref_linear(x, fmt, d, residual=res, rows=rows)
             err = float((y.double() - ref.double()).norm() / ref.double().norm())
             out.append({"T": T, "path": "decode-h2", "rel_l2": err, "ok": err < 1e-2})
         except Exception as e:

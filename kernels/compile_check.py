@@ -91,10 +91,10 @@ def compile_variant(v: Variant, cc: int):
     return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps)
 
 
-FORMATS = ("nvfp4", "nvfp4_h2", "q6_k", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
-CC_AWARE = ("nvfp4_h2",)     # kernel_for(..., cc=) picks target-specific inline PTX
-NO_DOT = ("nvfp4_h2",)       # elementwise-only variants (T <= 8), no dequantizer of their own
-_GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k": 16, "iq3_s": 16, "f8": 8, "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
+FORMATS = ("nvfp4", "nvfp4_h2", "q6_k", "q6_k_h2", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
+CC_AWARE = ("nvfp4_h2", "q6_k_h2")     # kernel_for(..., cc=) picks target-specific inline PTX
+NO_DOT = ("nvfp4_h2", "q6_k_h2")       # elementwise-only variants (T <= 8), no dequantizer of their own
+_GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "f8": 8, "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
 
 
 def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:

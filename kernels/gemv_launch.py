@@ -47,7 +47,7 @@ class GemvConfig:
     split: int = 1          # K splits (1 = none); clamped to the number of K tiles
     use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
     t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
-    h2: bool = False        # the format's packed-half2 variant (NVFP4 only, T <= 8: gemv_nvfp4_h2)
+    h2: bool = False        # the format's packed-half2 variant (NVFP4, Q6_K; T <= 8: gemv_*_h2)
 
     def __post_init__(self):
         for f in ("block_n", "block_g", "num_warps", "num_stages", "split"):
@@ -216,7 +216,7 @@ def has_h2(kernel) -> bool:
 
 def h2_variant(kernel, device):
     if not has_h2(kernel):
-        raise KernelInputError(f"{kernel.__name__} has no packed-half2 variant (GemvConfig.h2 is NVFP4 only)")
+        raise KernelInputError(f"{kernel.__name__} has no packed-half2 variant (GemvConfig.h2: NVFP4 and Q6_K only)")
     return _H2_VARIANTS[kernel.__name__](device)
 
 
@@ -348,7 +348,7 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
     if config is not None and config.use_dot and config.block_g * GS < 16:
         raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
     if config is not None and config.h2 and (T > 8 or not has_h2(kernel)):
-        raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 weight and T <= 8, got T={T}")
+        raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 or Q6_K weight and T <= 8, got T={T}")
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
     key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from .gemv_common import dequant_body, even_groups, gemv_body, ld, ld_pair, pairwise
-from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv
+from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv, register_h2
+from .gemv_q6_k_h2 import h2_kernel
 
 GS = 16
 QK = 256
@@ -84,6 +85,9 @@ def q6_k_gemv_kernel(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr, fs
 def q6_k_dequant_kernel(ql, qh, sc, d, out_ptr, fscale, N, G, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     dequant_body(ql, qh, sc, d, None, None, out_ptr, fscale, N, G, _load, _raw, _scale, _GS, _ONE, _ONE,
                  BLOCK_N, BLOCK_G)
+
+
+register_h2(q6_k_gemv_kernel.__name__, h2_kernel)   # T <= 8 candidates include the packed-half2 variant
 
 
 def _repack_rows(b: torch.Tensor) -> tuple:

@@ -33,6 +33,7 @@ from ninfer_formats.atomic import write_json_atomic
 from .gemv_launch import GemvConfig
 
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
+H2_FORMATS = ("nvfp4", "q6_k")   # formats with a packed-half2 variant (gemv_*_h2)
 _TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2")   # a config without its split
 
 
@@ -160,7 +161,7 @@ def _shipped() -> dict:
 
 
 def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1) -> bool:
-    if cfg.h2 and (fmt != "nvfp4" or t_bucket > 8):   # only NVFP4 has the packed-half2 variant, for T <= 8
+    if cfg.h2 and (fmt not in H2_FORMATS or t_bucket > 8):   # the packed-half2 variants exist for T <= 8
         return False
     return not (cfg.use_dot and cfg.block_g * GS < 16)   # the kernel's tl.dot needs >= 16 K per step
 

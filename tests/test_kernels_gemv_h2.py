@@ -1,4 +1,4 @@
-"""The packed-half2 NVFP4 GEMV (kernels/gemv_nvfp4_h2.py) vs the codec-based reference.
+"""The packed-half2 GEMVs (kernels/gemv_nvfp4_h2.py, gemv_q6_k_h2.py) vs the codec-based references.
 
 On CPU the kernel runs in the interpreter with H2_MODE = EMULATE (the same f16 roundings written as Triton
 ops); with CUDA the inline-PTX path runs. Activations span many orders of magnitude per 16-weight group,
@@ -15,8 +15,10 @@ if not torch.cuda.is_available():
 
 from ninfer_formats import codecs  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
+from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, candidates, interpreting, workspace  # noqa: E402
-from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4  # noqa: E402
+from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, nvfp4_gemv_kernel  # noqa: E402
+from ninfer_kernels.gemv_q6_k import gemv_q6_k, q6_k_gemv_kernel, repack_q6_k  # noqa: E402
 
 RTOL_H2 = 2e-3       # fp32 output: f16 block sums (~2**-11 per FMA over 16 terms), measured ~4e-4
 RTOL_HALF = 1e-2     # bf16/f16 output: the output rounding dominates (as in test_kernels_gemv)
@@ -85,7 +87,46 @@ def test_h2_every_code_and_extreme_groups():
     assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2
 
 
+Q6K_CASES = {  # T, dtype, K, block_n, block_g, split, residual, num_stages
+    "T1-bf16": (1, torch.bfloat16, 512, 32, 4, 1, False, 1),
+    "T2-f16-ragged-split": (2, torch.float16, 768, 16, 4, 3, True, 1),
+    "T3-f32-prefetch": (3, torch.float32, 512, 64, 2, 1, False, 2),
+    "T3-bf16-split-prefetch": (3, torch.bfloat16, 768, 32, 2, 2, True, 2),
+}
+
+
+@pytest.mark.parametrize("case", Q6K_CASES)
+def test_q6_k_h2_matches_reference(case):
+    """Q6_K codes to (code - 32) f16x2 through the 1024 + code exponent trick; activations spanning 2**32."""
+    T, dtype, K, bn, bg, split, has_res, stages = Q6K_CASES[case]
+    w = np.random.default_rng(T).standard_normal((N, K)).astype(np.float32) * 0.05
+    blocks = torch.from_numpy(codecs.quantize("q6_k", w)).to(DEV)
+    x = wide_range_x(T, K, seed=T).to(dtype).to(DEV)
+    res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
+    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
+    cfg = GemvConfig(bn, bg, num_stages=stages, split=split, h2=True)
+    y = gemv_q6_k(x, repack_q6_k(blocks, K), out, res, config=cfg)
+    ref = reference.ref_q6_k(x, blocks, residual=res)
+    assert torch.isfinite(y).all() and rel_l2(y, ref) < (RTOL_H2 if dtype == torch.float32 else RTOL_HALF)
+
+
+def test_q6_k_h2_every_code():
+    """All 64 codes at every position of a group (bytes cycled through the planes), extreme groups."""
+    K = 512
+    raw = (np.arange(N * K // 256 * 210) * 37 % 251).astype(np.uint8).reshape(N, -1)
+    raw.reshape(N, K // 256, 210)[..., 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    blocks = torch.from_numpy(raw).to(DEV)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(0))
+    x[0, :16] = 0.0
+    x[1, 16:32] *= 1e30
+    x = x.to(DEV)
+    y = gemv_q6_k(x, repack_q6_k(blocks, K), config=GemvConfig(16, 4, num_stages=1, h2=True))
+    ref = reference.ref_q6_k(x, blocks)
+    assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2
+
+
 def test_h2_config_rules():
+    assert gl.has_h2(q6_k_gemv_kernel) and gl.has_h2(nvfp4_gemv_kernel)
     codes, scales, gs = weights(N, 64, seed=1)
     with pytest.raises(KernelInputError, match="T <= 8"):
         gemv_nvfp4(torch.randn(9, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 4, h2=True))
