@@ -25,6 +25,7 @@ import triton
 
 from ninfer_formats.errors import NinferError
 
+from .gemv_h2_select import H2_STATE, checked_h2
 from .gemv_timing import time_ms   # module global: the tuner tests replace it here
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -115,7 +116,7 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     b = next_pow2(T)
     out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
            for bn, bg, w, st in _DECODE_TILES[b]]
-    if h2 and not _H2_STATE["off"]:
+    if h2 and not H2_STATE["off"]:
         # T <= 2: also fewer / more K splits for the two leading tiles: with 1-3 resident CTAs per SM the
         # default's ~4 CTAs per SM can leave a partial last wave on medium shapes
         for i, (bn, bg, w) in enumerate(_DECODE_H2_TILES[b]):
@@ -306,30 +307,6 @@ def pick_config(key, cands: list[GemvConfig], run, device: torch.device) -> Gemv
         best = checked_h2(best, cands, log, run)
     _TUNED[key], _TUNE_LOG[key] = best, log
     return best
-
-
-H2_CHECK_RTOL = 2e-2     # h2 vs fp32 kernels differ by f16 rounding (~1e-3); a wrong decode is O(1)
-_H2_STATE = {"off": False}
-
-
-def checked_h2(best: GemvConfig, cands: list[GemvConfig], log: list, run) -> GemvConfig:
-    """`best` (an h2 config) if its output agrees with the format's fp32 kernel on the call being tuned, else
-    the fastest non-h2 candidate, and h2 is off for the rest of the process (one stderr line): the packed-
-    half2 PTX has been checked on an H200, and this guards every other GPU the tuner meets."""
-    ref = next((c for c in cands if not c.h2), None)
-    if ref is None:
-        return best
-    got = run(best).float().clone()
-    want = run(ref).float()
-    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-    if bool(torch.isfinite(got).all()) and err <= H2_CHECK_RTOL:
-        return best
-    _H2_STATE["off"] = True
-    import sys
-    print(f"ninfer: the packed-half2 GEMV disagrees with the fp32 kernel on this GPU (relative L2 {err:.3g}); "
-          f"using the fp32 kernels for the rest of this process", file=sys.stderr)
-    timed = [(t, i) for i, (c, t) in enumerate(log) if not c.h2 and t is not None]
-    return log[min(timed)[1]][0] if timed else ref
 
 
 def tune_key(kernel_name: str, N: int, G: int, T: int, x_dtype, has_res: bool, device) -> tuple:

@@ -213,16 +213,16 @@ def test_good_tune_modes(monkeypatch, value):
 def test_h2_choice_is_checked_against_the_fp32_kernel(monkeypatch, capsys):
     """A packed-half2 config that wins the timing but disagrees with the fp32 kernel is replaced by the
     fastest fp32 config, and h2 stays off for the process (one stderr line)."""
-    monkeypatch.setitem(gl._H2_STATE, "off", False)
+    monkeypatch.setitem(gl.H2_STATE, "off", False)
     fp32_a, fp32_b, h2 = GemvConfig(64, 16, 4, 1), GemvConfig(128, 16, 4, 1), GemvConfig(128, 16, 4, 1, h2=True)
     want = torch.arange(1.0, 9.0)
     outs = {fp32_a: want, fp32_b: want, h2: want * (1 + 1e-3)}
     log = [(fp32_a, 0.30), (fp32_b, 0.20), (h2, 0.10)]
     assert gl.checked_h2(h2, [fp32_a, fp32_b, h2], log, lambda c: outs[c]) == h2     # within f16 rounding
-    assert not gl._H2_STATE["off"] and capsys.readouterr().err == ""
+    assert not gl.H2_STATE["off"] and capsys.readouterr().err == ""
     outs[h2] = want.flip(0)                                                             # a wrong decode
     assert gl.checked_h2(h2, [fp32_a, fp32_b, h2], log, lambda c: outs[c]) == fp32_b
-    assert gl._H2_STATE["off"] and "disagrees" in capsys.readouterr().err
+    assert gl.H2_STATE["off"] and "disagrees" in capsys.readouterr().err
     outs[h2] = torch.full((8,), float("nan"))                                          # NaN never passes
     assert gl.checked_h2(h2, [fp32_a, h2], [(fp32_a, 0.3), (h2, 0.1)], lambda c: outs[c]) == fp32_a
 
@@ -234,9 +234,9 @@ def test_h2_candidates_follow_the_switch(monkeypatch):
     monkeypatch.setattr(gl, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
-    monkeypatch.setitem(gl._H2_STATE, "off", False)
+    monkeypatch.setitem(gl.H2_STATE, "off", False)
     assert any(c.h2 for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
     assert not any(c.h2 for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=False))
     assert not any(c.h2 for c in gl.candidates(16, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
-    monkeypatch.setitem(gl._H2_STATE, "off", True)
+    monkeypatch.setitem(gl.H2_STATE, "off", True)
     assert not any(c.h2 for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
