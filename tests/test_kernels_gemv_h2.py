@@ -43,29 +43,47 @@ def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:
     return torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-20, 13, (T, K), generator=g).float())
 
 
-CASES = {  # T, dtype, K, block_n, block_g, split, residual, num_stages (2: next tile prefetched)
-    "T1-bf16": (1, torch.bfloat16, 160, 32, 4, 1, False, 1),
-    "T1-bf16-prefetch-ragged": (1, torch.bfloat16, 176, 32, 4, 1, False, 2),
-    "T2-f16-ragged-split": (2, torch.float16, 176, 16, 4, 3, True, 1),
-    "T3-f32-prefetch": (3, torch.float32, 96, 64, 2, 1, False, 2),
-    "T5-bf16-split-prefetch": (5, torch.bfloat16, 144, 32, 2, 2, True, 2),
-    "T8-f16": (8, torch.float16, 48, 16, 2, 1, False, 1),
+CASES = {  # format, T, dtype, K, block_n, block_g, split, residual, num_stages (2: next tile prefetched)
+    "nvfp4-T1-bf16": ("nvfp4", 1, torch.bfloat16, 160, 32, 4, 1, False, 1),
+    "nvfp4-T1-bf16-prefetch-ragged": ("nvfp4", 1, torch.bfloat16, 176, 32, 4, 1, False, 2),
+    "nvfp4-T2-f16-ragged-split": ("nvfp4", 2, torch.float16, 176, 16, 4, 3, True, 1),
+    "nvfp4-T3-f32-prefetch": ("nvfp4", 3, torch.float32, 96, 64, 2, 1, False, 2),
+    "nvfp4-T5-bf16-split-prefetch": ("nvfp4", 5, torch.bfloat16, 144, 32, 2, 2, True, 2),
+    "nvfp4-T8-f16": ("nvfp4", 8, torch.float16, 48, 16, 2, 1, False, 1),
+    "q6_k-T1-bf16": ("q6_k", 1, torch.bfloat16, 512, 32, 4, 1, False, 1),
+    "q6_k-T2-f16-ragged-split": ("q6_k", 2, torch.float16, 768, 16, 4, 3, True, 1),
+    "q6_k-T3-f32-prefetch": ("q6_k", 3, torch.float32, 512, 64, 2, 1, False, 2),
+    "q6_k-T3-bf16-split-prefetch": ("q6_k", 3, torch.bfloat16, 768, 32, 2, 2, True, 2),
 }
+
+
+def h2_linear(fmt: str, N: int, K: int, seed: int):
+    """(y = f(x, out, residual, config), ref = r(x, residual)) for a random weight of `fmt`."""
+    if fmt == "nvfp4":
+        codes, scales, gs = weights(N, K, seed)
+        return (lambda x, out, res, cfg: gemv_nvfp4(x, codes, scales, gs, out, res, config=cfg),
+                lambda x, res: reference.ref_nvfp4(x, codes, scales, gs, residual=res))
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    blocks = torch.from_numpy(codecs.quantize("q6_k", w)).to(DEV)
+    packed = repack_q6_k(blocks, K)
+    return (lambda x, out, res, cfg: gemv_q6_k(x, packed, out, res, config=cfg),
+            lambda x, res: reference.ref_q6_k(x, blocks, residual=res))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_h2_matches_reference(case):
-    T, dtype, K, bn, bg, split, has_res, stages = CASES[case]
-    codes, scales, gs = weights(N, K, seed=T)
+    """NVFP4 nibbles and Q6_K codes (under the f16 exponent of 1024) to f16x2 pairs; activations spanning
+    2**32 (fp16 inputs: a smaller range, they must fit in fp16 themselves)."""
+    fmt, T, dtype, K, bn, bg, split, has_res, stages = CASES[case]
+    run, ref_fn = h2_linear(fmt, N, K, seed=T)
     x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(DEV)
     res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
-    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
     cfg = GemvConfig(bn, bg, num_stages=stages, split=split, h2=True)
-    y = gemv_nvfp4(x, codes, scales, gs, out, res, config=cfg)
-    ref = reference.ref_nvfp4(x, codes, scales, gs, residual=res)
-    assert torch.isfinite(y).all() and rel_l2(y, ref) < (RTOL_H2 if dtype == torch.float32 else RTOL_HALF)
+    y = run(x, torch.full((T, N), float("nan"), dtype=dtype, device=DEV), res, cfg)
+    assert torch.isfinite(y).all()
+    assert rel_l2(y, ref_fn(x, res)) < (RTOL_H2 if dtype == torch.float32 else RTOL_HALF)
     if split > 1:   # deterministic, counters back at zero
-        assert torch.equal(gemv_nvfp4(x, codes, scales, gs, None, res, config=cfg), y)
+        assert torch.equal(run(x, None, res, cfg), y)
         assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
 
 
@@ -85,29 +103,6 @@ def test_h2_every_code_and_extreme_groups():
     y = gemv_nvfp4(x, codes, scales, 0.5, config=GemvConfig(8, 4, num_stages=1, h2=True))
     ref = reference.ref_nvfp4(x, codes, scales, 0.5)
     assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2
-
-
-Q6K_CASES = {  # T, dtype, K, block_n, block_g, split, residual, num_stages
-    "T1-bf16": (1, torch.bfloat16, 512, 32, 4, 1, False, 1),
-    "T2-f16-ragged-split": (2, torch.float16, 768, 16, 4, 3, True, 1),
-    "T3-f32-prefetch": (3, torch.float32, 512, 64, 2, 1, False, 2),
-    "T3-bf16-split-prefetch": (3, torch.bfloat16, 768, 32, 2, 2, True, 2),
-}
-
-
-@pytest.mark.parametrize("case", Q6K_CASES)
-def test_q6_k_h2_matches_reference(case):
-    """Q6_K codes to (code - 32) f16x2 through the 1024 + code exponent trick; activations spanning 2**32."""
-    T, dtype, K, bn, bg, split, has_res, stages = Q6K_CASES[case]
-    w = np.random.default_rng(T).standard_normal((N, K)).astype(np.float32) * 0.05
-    blocks = torch.from_numpy(codecs.quantize("q6_k", w)).to(DEV)
-    x = wide_range_x(T, K, seed=T).to(dtype).to(DEV)
-    res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
-    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
-    cfg = GemvConfig(bn, bg, num_stages=stages, split=split, h2=True)
-    y = gemv_q6_k(x, repack_q6_k(blocks, K), out, res, config=cfg)
-    ref = reference.ref_q6_k(x, blocks, residual=res)
-    assert torch.isfinite(y).all() and rel_l2(y, ref) < (RTOL_H2 if dtype == torch.float32 else RTOL_HALF)
 
 
 def test_q6_k_h2_every_code():
