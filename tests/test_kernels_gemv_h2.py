@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 from ninfer_formats import codecs  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
-from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, candidates, interpreting, workspace  # noqa: E402
+from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
 from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, nvfp4_gemv_kernel  # noqa: E402
 from ninfer_kernels.gemv_q6_k import gemv_q6_k, q6_k_gemv_kernel, repack_q6_k  # noqa: E402
 
@@ -127,12 +127,3 @@ def test_h2_config_rules():
         gemv_nvfp4(torch.randn(9, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 4, h2=True))
     with pytest.raises(ValueError, match="h2"):
         GemvConfig(16, 4, use_dot=True, h2=True)
-
-
-def test_h2_candidates_only_where_asked():
-    cuda = torch.device("cuda")
-    if not torch.cuda.is_available():
-        pytest.skip("candidates() for a CUDA device reads its properties; needs CUDA")
-    assert any(c.h2 for c in candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
-    assert not any(c.h2 for c in candidates(1, 5120, 320, 16, torch.bfloat16, cuda))
-    assert not any(c.h2 for c in candidates(16, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
