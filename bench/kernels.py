@@ -141,53 +141,52 @@ def make_copies(fmt: str, N: int, K: int):
     return qws, nbytes
 
 
+def _probe(fmt: str, qw, N: int, K: int, T: int, path: str, rows, idx, run) -> dict:
+    """One check record: run(x, res) [T, N] vs the codec reference on the sampled rows."""
+    from ninfer_kernels import reference
+    x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
+    res = torch.randn(T, N, device=DEV).to(torch.bfloat16)
+    try:
+        y = run(x, res)[:, idx]
+        ref = reference.ref_linear(x, fmt, qw.data, residual=res, rows=rows)
+        err = float((y.double() - ref.double()).norm() / ref.double().norm())
+        return {"T": T, "path": path, "rel_l2": err, "ok": err < 1e-2}
+    except Exception as e:
+        return {"T": T, "path": path, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def check(fmt: str, qw, N: int, K: int) -> list[dict]:
-    """Kernel (decode and both prefill paths) vs the codec reference on 256 sampled rows."""
-    from ninfer_kernels import dispatch, reference
+    """Kernel (decode, both prefill paths, and the packed-half2 variant where the format has one) vs the
+    codec reference on 256 sampled rows."""
+    from ninfer_kernels import dispatch
     rows = np.unique(np.concatenate([np.arange(4), np.arange(N - 4, N),
                                      np.random.default_rng(N).integers(0, N, 248)]))
     idx = torch.as_tensor(rows, device=DEV)
     probes = ((1, None), (3, None), (20, "fused"), (20, "dequant")) if SMOKE else \
         ((1, None), (8, None), (16, None), (64, "fused"), (64, "dequant"))
-    out = []
-    for T, path in probes:
-        x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
-        res = torch.randn(T, N, device=DEV).to(torch.bfloat16)
-        try:
-            dispatch.linear(x, qw, residual=res, prefill_path=path)   # first call: tuner + checked path
-            y = dispatch.linear(x, qw, residual=res, prefill_path=path)[:, idx]  # decode: the cached plan
-            ref = reference.ref_linear(x, fmt, qw.data, residual=res, rows=rows)
-            err = float((y.double() - ref.double()).norm() / ref.double().norm())
-            out.append({"T": T, "path": path or "decode", "rel_l2": err, "ok": err < 1e-2})
-        except Exception as e:
-            out.append({"T": T, "path": path or "decode", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
-    if fmt in ("nvfp4", "q6_k"):   # the packed-half2 variant explicitly, whatever the tuner picked
-        out += _check_h2(fmt, qw, N, K, rows, idx)
+
+    def linear(path):
+        def run(x, res):
+            dispatch.linear(x, qw, residual=res, prefill_path=path)          # first call: tuner + checked path
+            return dispatch.linear(x, qw, residual=res, prefill_path=path)   # decode: the cached plan
+        return run
+    out = [_probe(fmt, qw, N, K, T, path or "decode", rows, idx, linear(path)) for T, path in probes]
+    if fmt in ("nvfp4", "q6_k"):   # explicitly, whatever the tuner picked
+        run = _h2_runner(fmt, qw, K)
+        out += [_probe(fmt, qw, N, K, T, "decode-h2", rows, idx, run) for T in ((1, 3) if SMOKE else (1, 3, 8))]
     return out
 
 
-def _check_h2(fmt: str, qw, N: int, K: int, rows, idx) -> list[dict]:
-    from ninfer_kernels import reference
+def _h2_runner(fmt: str, qw, K: int):
     from ninfer_kernels.gemv_launch import GemvConfig
     from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4
     from ninfer_kernels.gemv_q6_k import gemv_q6_k, repack_q6_k
-    d, out = qw.data, []
-    packed = repack_q6_k(d["blocks"], K) if fmt == "q6_k" else None
-    for T in ((1, 3) if SMOKE else (1, 3, 8)):
-        x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
-        res = torch.randn(T, N, device=DEV).to(torch.bfloat16)
-        cfg = GemvConfig(16 if SMOKE else 128, 4 if SMOKE else 16, 4, 1, 3, h2=True)
-        try:
-            if fmt == "q6_k":
-                y = gemv_q6_k(x, packed, residual=res, config=cfg)[:, idx]
-            else:
-                y = gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], residual=res, config=cfg)[:, idx]
-            ref = reference.ref_linear(x, fmt, d, residual=res, rows=rows)
-            err = float((y.double() - ref.double()).norm() / ref.double().norm())
-            out.append({"T": T, "path": "decode-h2", "rel_l2": err, "ok": err < 1e-2})
-        except Exception as e:
-            out.append({"T": T, "path": "decode-h2", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
-    return out
+    d = qw.data
+    cfg = GemvConfig(16 if SMOKE else 128, 4 if SMOKE else 16, 4, 1, 3, h2=True)
+    if fmt == "q6_k":
+        packed = repack_q6_k(d["blocks"], K)
+        return lambda x, res: gemv_q6_k(x, packed, residual=res, config=cfg)
+    return lambda x, res: gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], residual=res, config=cfg)
 
 
 _KERNEL_NAME = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel", "iq3_s": "iq3_s_gemv_kernel",
