@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from tiny_util import pack_tiny
 
 BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 BENCH = os.path.join(BENCH_DIR, "serve.py")
@@ -26,11 +27,7 @@ REL_TOL = 1e-9          # a field derived from two others of the same record: eq
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from ninfer_pack.convert import convert
-    from ninfer_pack.demo import tiny_checkpoint
-    out = tmp_path_factory.mktemp("serve-bench") / "tiny"
-    convert(str(tiny_checkpoint()), out, recipe="bf16", jobs=1, progress=False, vision=False, tp=1)
-    return str(out)
+    return pack_tiny(tmp_path_factory.mktemp("serve-bench") / "tiny", tp=1)
 
 
 def test_serve_bench_records(tiny, tmp_path):

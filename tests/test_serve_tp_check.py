@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from tiny_util import pack_tiny
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import serve_tp_check as stc
@@ -19,11 +20,7 @@ FIELDS = ("tp", "ok", "http_status", "completion_tokens", "latency_s", "load_s",
 
 @pytest.fixture(scope="module")
 def tiny_tp2(tmp_path_factory):
-    from ninfer_pack.convert import convert
-    from ninfer_pack.demo import tiny_checkpoint
-    out = tmp_path_factory.mktemp("serve-tp") / "tiny-tp2"
-    convert(str(tiny_checkpoint()), out, recipe="bf16", jobs=1, progress=False, vision=False, tp=2)
-    return str(out)
+    return pack_tiny(tmp_path_factory.mktemp("serve-tp") / "tiny-tp2", tp=2)
 
 
 def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
