@@ -1,7 +1,7 @@
 """The packed-half2 (f16x2) GEMV skeleton shared by the formats' h2 variants (`gemv_nvfp4_h2`, `gemv_q6_k_h2`).
 
 A format supplies
-  LOAD(w0, w1, w2, w3, rows, g0, g_hi, G, BLOCK_G, EVEN_G) -> state    the packed bytes of a [BN, BG] tile
+  LOAD(w0..w5, rows, g, wm, G) -> state    its fp32 kernel's tile load (`gemv_common` convention)
   TILE(accs, ups, state, g, xm, t0, T, x_ptr, stride_xt, T_TILE, H2_MODE) -> accs
       per T column: f16x2 weight pairs (j, j+4) of every 16-weight group times `x_pairs` with HFMA2, the
       f16 block sum to fp32 (`lanes_f32`) times the group's scale, added to accs[tt] [BN, BG] fp32
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import _finish, _tile_g, _zeros, ld
+from .gemv_common import _finish, _load_tile, _tile_g, _zeros, ld
 
 EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
 MAX_T_TILE = 8                             # f16x2 accumulators and x pairs per column: beyond 8 tl.dot wins
@@ -129,15 +129,16 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
     if PREFETCH:   # the next tile's words are in flight while this one is decoded (see gemv_common._fma_loop)
         last = g_lo + ((g_hi - g_lo - 1) // BLOCK_G) * BLOCK_G
-        st = LOAD(w0, w1, w2, w3, rows, g_lo, g_hi, G, BLOCK_G, EVEN_G)
+        st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g_lo, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
         for g0 in range(g_lo, g_hi, BLOCK_G):
-            st_next = LOAD(w0, w1, w2, w3, rows, tl.minimum(g0 + BLOCK_G, last), g_hi, G, BLOCK_G, EVEN_G)
+            gn = _tile_g(tl.minimum(g0 + BLOCK_G, last), BLOCK_G, 2)
+            st_next = _load_tile(w0, w1, w2, w3, None, None, rows, gn, g_hi, G, LOAD, EVEN_G)
             tl.debug_barrier()
             accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE)
             st = st_next
     else:
         for g0 in range(g_lo, g_hi, BLOCK_G):
-            st = LOAD(w0, w1, w2, w3, rows, g0, g_hi, G, BLOCK_G, EVEN_G)
+            st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
             accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE)
     cols = tl.arange(0, T_TILE)
     acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)

@@ -18,7 +18,6 @@ import triton.language as tl
 
 from .gemv_common import dequant_body, e4m3_magnitude, gemv_body, ld
 from .gemv_launch import as_words, check_weight, check_x, dequant, gemv, KernelInputError, register_h2
-from .gemv_nvfp4_h2 import h2_kernel
 
 GS = 16                          # weights per block (one int64 word of codes, one E4M3 scale)
 _GS = tl.constexpr(GS)
@@ -68,7 +67,12 @@ def nvfp4_dequant_kernel(codes, scales, out_ptr, fscale, N, G, BLOCK_N: tl.const
                  BLOCK_N, BLOCK_G)
 
 
-register_h2(nvfp4_gemv_kernel.__name__, h2_kernel)   # T <= 8 candidates include the packed-half2 variant
+def _h2_kernel(device):
+    from .gemv_nvfp4_h2 import h2_kernel     # imported on first use: it reuses this module's tile load
+    return h2_kernel(device)
+
+
+register_h2(nvfp4_gemv_kernel.__name__, _h2_kernel)   # T <= 8 candidates include the packed-half2 variant
 
 
 def _weights(codes, scales, K: int, device, what: str):

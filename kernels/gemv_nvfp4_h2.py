@@ -23,8 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv_common import _tset, e4m3_magnitude, _tile_g
+from .gemv_common import _tset, e4m3_magnitude
 from .gemv_h2_common import _EMULATE, compile_consts, factory, h2_body, hfma2, lanes_f32, x_pairs
+from .gemv_nvfp4 import _load
 
 _PAIR = tl.constexpr(0x8E008E00)           # f16 bits 15 and 11..9 of both lanes
 _UP_BIAS = tl.constexpr(267)               # up = 2**(140 - E): |x'| < 2**14
@@ -64,21 +65,9 @@ def _wpair(even, odd, j: tl.constexpr):
 
 
 @triton.jit
-def _load(codes, scales, w2, w3, rows, g0, g_hi, G, BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr):
-    """Code words (int64) and scale bytes (int32) of the tile at g0; masked groups read code 0 (weight 0)."""
-    g = _tile_g(g0, BLOCK_G, 2)
-    off = rows[:, None] * G + g[None, :]
-    if EVEN_G:
-        return tl.load(codes + off), tl.load(scales + off).to(tl.int32)
-    else:
-        wm = (g < g_hi)[None, :]
-        return tl.load(codes + off, mask=wm, other=0), tl.load(scales + off, mask=wm, other=0).to(tl.int32)
-
-
-@triton.jit
 def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H2_MODE: tl.constexpr):
-    words, sb = st
-    lo, hi, sc = words.to(tl.int32), (words >> 32).to(tl.int32), e4m3_magnitude(sb)
+    lo, hi, sb = st                       # gemv_nvfp4's tile load: code words split in halves, scale bytes
+    sc = e4m3_magnitude(sb)
     le, lo_odd = _split_signs(lo, H2_MODE)
     he, hi_odd = _split_signs(hi, H2_MODE)
     for tt in tl.static_range(T_TILE):
@@ -104,7 +93,7 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
             USE_SPLIT, HAS_RES, EVEN_G, PREFETCH, H2_MODE)
 
 
-h2_kernel = factory(nvfp4_h2_gemv_kernel, "nvfp4_gemv_kernel")   # gemv_nvfp4 registers it with the tuner
+h2_kernel = factory(nvfp4_h2_gemv_kernel, "nvfp4_gemv_kernel")   # gemv_nvfp4 registers it (lazily)
 
 
 def kernel_for(fmt: str = "nvfp4_h2", dequant: bool = False, cc: int = 90):

@@ -19,7 +19,6 @@ import triton.language as tl
 
 from .gemv_common import dequant_body, even_groups, gemv_body, ld, ld_pair, pairwise
 from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv, register_h2
-from .gemv_q6_k_h2 import h2_kernel
 
 GS = 16
 QK = 256
@@ -87,7 +86,12 @@ def q6_k_dequant_kernel(ql, qh, sc, d, out_ptr, fscale, N, G, BLOCK_N: tl.conste
                  BLOCK_N, BLOCK_G)
 
 
-register_h2(q6_k_gemv_kernel.__name__, h2_kernel)   # T <= 8 candidates include the packed-half2 variant
+def _h2_kernel(device):
+    from .gemv_q6_k_h2 import h2_kernel     # imported on first use: it reuses this module's tile load
+    return h2_kernel(device)
+
+
+register_h2(q6_k_gemv_kernel.__name__, _h2_kernel)   # T <= 8 candidates include the packed-half2 variant
 
 
 def _repack_rows(b: torch.Tensor) -> tuple:

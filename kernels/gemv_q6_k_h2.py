@@ -13,8 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv_common import _tile_g, _tset, even_groups, ld_pair, pairwise
+from .gemv_common import _tset
 from .gemv_h2_common import compile_consts, factory, h2_body, hfma2, lanes_f32, x_pairs
+from .gemv_q6_k import _load
 
 _LOW = tl.constexpr(0x00FF00FF)            # bytes 0 and 2 of a word, one per f16 lane
 _EXP = tl.constexpr(0x64006400)            # f16 exponent of 1024 in both lanes
@@ -22,25 +23,6 @@ _ONE2 = tl.constexpr(0x3C003C00)           # f16x2 (1, 1)
 _NEG2 = tl.constexpr(-467606496)           # f16x2 (-1056, -1056) = 0xE420E420 as int32
 _UP_BIAS = tl.constexpr(259)               # up = 2**(132 - E): |x'| < 2**6
 _BACK_BIAS = tl.constexpr(-5)              # back = 2**(E - 132) = 1 / up
-
-
-@triton.jit
-def _load(ql, qh, sc, d, rows, g0, g_hi, G, BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr):
-    """(low 4-bit words a, b; spread high bits h; fp32 scale sc * d) of the tile at g0; masked groups read
-    zeros (code 0 times scale 0)."""
-    g = _tile_g(g0, BLOCK_G, 2)
-    off = rows[:, None] * G + g[None, :]
-    ge = even_groups(g)
-    dp = d + rows[:, None] * (G // 16) + (ge // 16)[None, :]
-    if EVEN_G:
-        q, h, s8 = tl.load(ql + off), tl.load(qh + off), tl.load(sc + off)
-        dd = pairwise(ld_pair(dp, ge, None, G).to(tl.float32))
-    else:
-        wm = (g < g_hi)[None, :]
-        q, h = tl.load(ql + off, mask=wm, other=0), tl.load(qh + off, mask=wm, other=0)
-        s8 = tl.load(sc + off, mask=wm, other=0)
-        dd = pairwise(ld_pair(dp, ge, wm, G).to(tl.float32))
-    return q.to(tl.int32), (q >> 32).to(tl.int32), h, s8.to(tl.float32) * dd
 
 
 @triton.jit
@@ -54,14 +36,14 @@ def _pairs(w, H2_MODE: tl.constexpr):
 
 @triton.jit
 def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H2_MODE: tl.constexpr):
-    a, b, h, s = st
-    e0, e2 = _pairs((a & 0x0F0F0F0F) | (h & 0x30303030), H2_MODE)                 # (0,4), (2,6)
-    o1, o3 = _pairs(((a >> 4) & 0x0F0F0F0F) | ((h << 2) & 0x30303030), H2_MODE)   # (1,5), (3,7)
-    e8, e10 = _pairs((b & 0x0F0F0F0F) | ((h >> 2) & 0x30303030), H2_MODE)          # (8,12), (10,14)
-    o9, o11 = _pairs(((b >> 4) & 0x0F0F0F0F) | ((h << 4) & 0x30303030), H2_MODE)  # (9,13), (11,15)
+    qe_a, qo_a, qe_b, qo_b, s = st       # gemv_q6_k's tile load: complete codes, fp32 scale sc * d
+    e0, e2 = _pairs(qe_a, H2_MODE)       # weights (0,4), (2,6)
+    o1, o3 = _pairs(qo_a, H2_MODE)       # (1,5), (3,7)
+    e8, e10 = _pairs(qe_b, H2_MODE)      # (8,12), (10,14)
+    o9, o11 = _pairs(qo_b, H2_MODE)      # (9,13), (11,15)
     for tt in tl.static_range(T_TILE):
         p = x_pairs(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g, xm, ups[tt], H2_MODE)
-        acc = hfma2(e0, p[0][None, :], tl.zeros_like(a), H2_MODE)
+        acc = hfma2(e0, p[0][None, :], tl.zeros_like(qe_a), H2_MODE)
         acc = hfma2(o1, p[1][None, :], acc, H2_MODE)
         acc = hfma2(e2, p[2][None, :], acc, H2_MODE)
         acc = hfma2(o3, p[3][None, :], acc, H2_MODE)
@@ -85,7 +67,7 @@ def q6_k_h2_gemv_kernel(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr,
             HAS_RES, EVEN_G, PREFETCH, H2_MODE)
 
 
-h2_kernel = factory(q6_k_h2_gemv_kernel, "q6_k_gemv_kernel")   # gemv_q6_k registers it with the tuner
+h2_kernel = factory(q6_k_h2_gemv_kernel, "q6_k_gemv_kernel")   # gemv_q6_k registers it (lazily)
 
 
 def kernel_for(fmt: str = "q6_k_h2", dequant: bool = False, cc: int = 90):
