@@ -336,6 +336,24 @@ def run(args) -> tuple[list[dict], list[dict]]:
     return records, checks
 
 
+def _rec_key(r: dict) -> tuple:
+    return (r.get("format"), r.get("name"), r.get("tp"), tuple(r.get("shape") or ()), r.get("T"),
+            "prefill_us" in r)
+
+
+def merge_base(path: str, records: list) -> list:
+    """The records of `path` that `records` does not replace (same format, shape, tp, T, kind)."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path}: cannot merge into it: {e}")
+    new = {_rec_key(r) for r in records}
+    return [r for r in old if isinstance(r, dict) and _rec_key(r) not in new]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 shapes, T in (1, 8), short timing")
@@ -349,6 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="precompile processes")
     ap.add_argument("--no-precompile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU + interpreter dry run of this script")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep --out's records for the (format, shape, tp, T) this run did not measure")
     args = ap.parse_args(argv)
     if args.smoke:
         args.T, args.quick = args.T or [1, 3], True
@@ -361,8 +381,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     records, checks = run(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    kept = merge_base(args.out, records) if args.merge else []
     with open(args.out + ".partial", "w") as f:
-        json.dump(records, f, indent=1)
+        json.dump(kept + records, f, indent=1)
     os.replace(args.out + ".partial", args.out)
     if checks:
         with open(os.path.splitext(args.out)[0] + "_check.json", "w") as f:

@@ -56,14 +56,14 @@ class Variant:
     has_res: bool = False
     num_warps: int = 4
     dequant: bool = False
-    prefetch: bool = False
+    stages: int = 1           # elementwise weight-load pipeline depth (STAGES)
 
     @property
     def name(self) -> str:
         if self.dequant:
             return f"{self.fmt}-dequant-{self.x_dtype}-n{self.block_n}-g{self.block_g}"
         return (f"{self.fmt}-{self.x_dtype}-T{self.t_tile}-n{self.block_n}-g{self.block_g}-w{self.num_warps}"
-                f"{'-pf' if self.prefetch else ''}{'-split' if self.use_split else ''}{'-dot' if self.use_dot else ''}{'-res' if self.has_res else ''}")
+                f"{f'-s{self.stages}' if self.stages > 1 else ''}{'-split' if self.use_split else ''}{'-dot' if self.use_dot else ''}{'-res' if self.has_res else ''}")
 
 
 def _module(fmt: str):
@@ -85,10 +85,11 @@ def compile_variant(v: Variant, cc: int):
     dot_kind = {"float16": 0, "bfloat16": 1}.get(v.x_dtype, 2)
     const = {"T_TILE": v.t_tile, "BLOCK_N": v.block_n, "BLOCK_G": v.block_g, "USE_SPLIT": v.use_split,
              "USE_DOT": v.use_dot, "DOT_KIND": dot_kind, "HAS_RES": v.has_res, "EVEN_G": True,
-             "FOLD": v.use_dot, "PREFETCH": v.prefetch and not v.use_dot, **extra}
+             "FOLD": v.use_dot, "STAGES": 1 if v.use_dot else v.stages, **extra}
     for k in const:
         sig[k] = "constexpr"
-    return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps)
+    return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps,
+                          num_stages=3 if v.use_dot else v.stages)
 
 
 FORMATS = ("nvfp4", "nvfp4_h2", "q6_k", "q6_k_h2", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
@@ -106,10 +107,10 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
         xd = "float16" if cc < 80 else "bfloat16"
         for f in FORMATS:
             bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
-            # the tuner's default elementwise loop (register prefetch); `full` has the load-then-decode loop
-            out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, prefetch=True), cc))
+            # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop
+            out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=3), cc))
             if f in NO_DOT:
-                out.append((Variant(f, xd, 1, 128, bg), cc))
+                out.append((Variant(f, xd, 1, 128, bg, stages=3), cc))
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
                 continue
@@ -119,7 +120,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
             if full:
                 for t, bn, w in ((1, 64, 4), (1, 128, 4), (4, 64, 4), (8, 32, 4), (16, 32, 4)):
                     out.append((Variant(f, xd, t, bn, bg, num_warps=w), cc))
-                    out.append((Variant(f, xd, t, bn, bg, num_warps=w, prefetch=True), cc))
+                    out.append((Variant(f, xd, t, bn, bg, num_warps=w, stages=3), cc))
                 out.append((Variant(f, xd, 16, 128, bg_dot, num_warps=8, use_dot=True, use_split=True), cc))
     return out
 

@@ -207,7 +207,7 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
               LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
               SW: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr,
               USE_DOT: tl.constexpr, DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-              FOLD: tl.constexpr, PREFETCH: tl.constexpr = False, VEC: tl.constexpr = 2):
+              FOLD: tl.constexpr, STAGES: tl.constexpr = 1, VEC: tl.constexpr = 2):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
@@ -223,7 +223,7 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
             acc = acc * fscale
     else:
         accs = _fma_loop(x_ptr, w0, w1, w2, w3, w4, w5, rows, t0, g_lo, g_hi, G, T, stride_xt,
-                         LOAD, RAW, SCALE, GS, XS, T_TILE, BLOCK_N, BLOCK_G, EVEN_G, PREFETCH, VEC)
+                         LOAD, RAW, SCALE, GS, XS, T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, VEC)
         cols = tl.arange(0, T_TILE)
         acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
         for tt in tl.static_range(T_TILE):
@@ -254,27 +254,15 @@ def _load_tile(w0, w1, w2, w3, w4, w5, rows, g, g_hi, G, LOAD: tl.constexpr, EVE
 def _fma_loop(x_ptr, w0, w1, w2, w3, w4, w5, rows, t0, g_lo, g_hi, G, T, stride_xt,
               LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
               T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr,
-              PREFETCH: tl.constexpr, VEC: tl.constexpr):
-    """The elementwise K loop. PREFETCH: the packed words of the next tile are loaded into registers before
-    the current tile is decoded (plain loads are not pipelined by num_stages, and ptxas sinks a prefetch to
-    the loop end unless a barrier pins it), so a tile of weight bytes is in flight per warp while it
-    computes; the last prefetch re-reads the last tile (never used), so no address leaves [g_lo, g_hi)."""
+              STAGES: tl.constexpr, VEC: tl.constexpr):
+    """The elementwise K loop. STAGES > 1 pipelines the packed-weight loads that many tiles deep (cp.async
+    into shared memory on sm_80+; Triton pipelines loads that feed no tl.dot only in a `tl.range` loop with
+    an explicit num_stages), so the next tiles' bytes are in flight while this one is decoded."""
     accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
-    if PREFETCH:
-        last = g_lo + ((g_hi - g_lo - 1) // BLOCK_G) * BLOCK_G
-        st = _load_tile(w0, w1, w2, w3, w4, w5, rows, _tile_g(g_lo, BLOCK_G, VEC), g_hi, G, LOAD, EVEN_G)
-        for g0 in range(g_lo, g_hi, BLOCK_G):
-            gn = _tile_g(tl.minimum(g0 + BLOCK_G, last), BLOCK_G, VEC)
-            st_next = _load_tile(w0, w1, w2, w3, w4, w5, rows, gn, g_hi, G, LOAD, EVEN_G)
-            tl.debug_barrier()
-            accs = _fma_tile(accs, st, g0, g_hi, t0, T, x_ptr, stride_xt, RAW, SCALE, GS, XS, T_TILE, BLOCK_N,
-                             BLOCK_G, EVEN_G, VEC)
-            st = st_next
-    else:
-        for g0 in range(g_lo, g_hi, BLOCK_G):
-            st = _load_tile(w0, w1, w2, w3, w4, w5, rows, _tile_g(g0, BLOCK_G, VEC), g_hi, G, LOAD, EVEN_G)
-            accs = _fma_tile(accs, st, g0, g_hi, t0, T, x_ptr, stride_xt, RAW, SCALE, GS, XS, T_TILE, BLOCK_N,
-                             BLOCK_G, EVEN_G, VEC)
+    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):
+        st = _load_tile(w0, w1, w2, w3, w4, w5, rows, _tile_g(g0, BLOCK_G, VEC), g_hi, G, LOAD, EVEN_G)
+        accs = _fma_tile(accs, st, g0, g_hi, t0, T, x_ptr, stride_xt, RAW, SCALE, GS, XS, T_TILE, BLOCK_N,
+                         BLOCK_G, EVEN_G, VEC)
     return accs
 
 

@@ -119,7 +119,7 @@ def _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE: tl.constexpr, 
 @triton.jit
 def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl.constexpr, TILE: tl.constexpr,
           UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, PREFETCH: tl.constexpr, H2_MODE: tl.constexpr):
+          BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr):
     """acc [BLOCK_N, T_TILE] fp32 in true units (before the per-tensor scale)."""
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
@@ -127,19 +127,9 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
                              UP_BIAS, BACK_BIAS)
         ups, backs = ups + (up,), backs + (back,)
     accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
-    if PREFETCH:   # the next tile's words are in flight while this one is decoded (see gemv_common._fma_loop)
-        last = g_lo + ((g_hi - g_lo - 1) // BLOCK_G) * BLOCK_G
-        st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g_lo, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
-        for g0 in range(g_lo, g_hi, BLOCK_G):
-            gn = _tile_g(tl.minimum(g0 + BLOCK_G, last), BLOCK_G, 2)
-            st_next = _load_tile(w0, w1, w2, w3, None, None, rows, gn, g_hi, G, LOAD, EVEN_G)
-            tl.debug_barrier()
-            accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE)
-            st = st_next
-    else:
-        for g0 in range(g_lo, g_hi, BLOCK_G):
-            st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
-            accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE)
+    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
+        st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
+        accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE)
     cols = tl.arange(0, T_TILE)
     acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
     for tt in tl.static_range(T_TILE):
@@ -151,7 +141,7 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
 def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-            USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, PREFETCH: tl.constexpr,
+            USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
             H2_MODE: tl.constexpr):
     """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue)."""
     tl.static_assert(T_TILE <= _MAX_T)
@@ -162,7 +152,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
     g_lo = tl.program_id(1) * g_per
     g_hi = tl.minimum(G, g_lo + g_per)
     acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
-                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, PREFETCH, H2_MODE)
+                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE)
     _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
             ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT)
 

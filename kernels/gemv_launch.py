@@ -44,7 +44,7 @@ class GemvConfig:
     block_n: int
     block_g: int
     num_warps: int = 4
-    num_stages: int = 2     # tl.dot: pipeline depth; elementwise: >= 2 prefetches the next tile into registers
+    num_stages: int = 2     # pipeline depth of the weight loads (tl.dot and elementwise; 1 = none)
     split: int = 1          # K splits (1 = none); clamped to the number of K tiles
     use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
     t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
@@ -81,23 +81,23 @@ def auto_split(n_ctas: int, g_tiles: int, sms: int, waves: int = 4) -> int:
 
 # decode candidates per T bucket, trimmed to what won on the H200 (bench/NOTES.md): (block_n, block_g, num_warps,
 # num_stages) elementwise tiles (block_g = 16 groups is 144..208 bytes of a row per step, 2 groups = one 16-byte
-# load per thread; num_stages 2 = the next tile's words prefetched into registers, 1 = load then decode) and
-# (block_n, K per step, num_warps) tl.dot tiles (sm_80+; sm_70 only from T = 4). T >= 8 never won
-# elementwise except one tile at T = 8; T = 1..2 never won with tl.dot.
-_DECODE_TILES = {1: ((64, 16, 4, 2), (64, 16, 4, 1), (64, 16, 2, 1), (128, 16, 8, 2), (128, 16, 4, 1)),
-                 2: ((64, 16, 4, 2), (64, 16, 4, 1), (64, 16, 2, 1), (128, 16, 4, 1)),
-                 4: ((64, 16, 4, 2), (128, 16, 4, 1), (64, 16, 4, 1)),
-                 8: ((64, 16, 4, 1), (32, 16, 4, 2)),
+# load per thread; num_stages 1 = load then decode, >= 2 = the weight loads cp.async-pipelined that deep, which
+# lost 1.1-2x on every NVFP4 shape and won two Q6_K ones) and (block_n, K per step, num_warps) tl.dot tiles
+# (sm_80+; sm_70 only from T = 4). T >= 8 never won elementwise; T = 1..2 never won with tl.dot.
+_DECODE_TILES = {1: ((64, 16, 4, 1), (64, 16, 2, 1), (128, 16, 4, 1)),
+                 2: ((64, 16, 4, 1), (64, 16, 2, 1), (128, 16, 4, 1)),
+                 4: ((128, 16, 4, 1), (64, 16, 4, 1)),
+                 8: ((64, 16, 4, 1),),
                  16: ()}
 _DECODE_DOT_TILES = {1: (), 2: (), 4: ((64, 256, 4), (128, 256, 8)),
                      8: ((64, 256, 4), (128, 128, 4), (128, 256, 8)),
                      16: ((64, 256, 4), (128, 128, 4), (128, 256, 8))}
-# packed-half2 NVFP4 tiles (block_n, block_g, num_warps): more rows per thread amortize the per-group
-# activation scaling and packing (gemv_nvfp4_h2)
-_DECODE_H2_TILES = {1: ((128, 16, 4), (64, 16, 4), (256, 16, 8), (256, 16, 4)),
-                    2: ((128, 16, 4), (64, 16, 4), (256, 16, 8)),
-                    4: ((64, 16, 4), (128, 16, 4)),
-                    8: ((64, 16, 4), (32, 16, 4)),
+# packed-half2 tiles (block_n, block_g, num_warps, num_stages): more rows per thread amortize the per-group
+# activation scaling and packing (gemv_nvfp4_h2); for T <= 2 the first two also get fewer / more K splits
+_DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 16, 4, 1), (128, 16, 4, 3)),
+                    2: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (128, 16, 4, 3)),
+                    4: ((64, 16, 4, 1), (128, 16, 4, 1)),
+                    8: ((64, 16, 4, 1),),
                     16: ()}
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
@@ -117,14 +117,11 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
            for bn, bg, w, st in _DECODE_TILES[b]]
     if h2 and not H2_STATE["off"]:
-        # T <= 2: also fewer / more K splits for the two leading tiles: with 1-3 resident CTAs per SM the
-        # default's ~4 CTAs per SM can leave a partial last wave on medium shapes
-        for i, (bn, bg, w) in enumerate(_DECODE_H2_TILES[b]):
+        # T <= 2: with 1-3 resident CTAs per SM the default's ~4 CTAs per SM can leave a partial last wave
+        for i, (bn, bg, w, st) in enumerate(_DECODE_H2_TILES[b]):
             for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,)):
-                out.append(GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
+                out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
                                       h2=True))
-        for bn, bg, w in _DECODE_H2_TILES[b][:1]:   # the leading tile with the next tile's words prefetched
-            out.append(GemvConfig(bn, bg, w, 2, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms), h2=True))
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:
@@ -240,7 +237,7 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
     consts = {"T_TILE": tt, "BLOCK_N": cfg.block_n, "BLOCK_G": cfg.block_g, "USE_SPLIT": split > 1,
               "USE_DOT": cfg.use_dot, "DOT_KIND": dot_kind(x.dtype), "HAS_RES": residual is not None,
               "EVEN_G": G % cfg.block_g == 0, "FOLD": bool(fold and cfg.use_dot),
-              "PREFETCH": cfg.num_stages > 1 and not cfg.use_dot, "num_warps": cfg.num_warps,
+              "STAGES": 1 if cfg.use_dot else cfg.num_stages, "num_warps": cfg.num_warps,
               "num_stages": cfg.num_stages}
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,

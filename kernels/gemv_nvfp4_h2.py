@@ -86,11 +86,11 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
                          stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-                         FOLD: tl.constexpr, PREFETCH: tl.constexpr, H2_MODE: tl.constexpr):
+                         FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr):
     # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here
     h2_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
             stride_xt, stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G,
-            USE_SPLIT, HAS_RES, EVEN_G, PREFETCH, H2_MODE)
+            USE_SPLIT, HAS_RES, EVEN_G, STAGES, H2_MODE)
 
 
 h2_kernel = factory(nvfp4_h2_gemv_kernel, "nvfp4_gemv_kernel")   # gemv_nvfp4 registers it (lazily)

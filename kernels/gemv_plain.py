@@ -69,19 +69,19 @@ def plain_gemv_kernel(x_ptr, w, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N,
                       stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                       DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-                      FOLD: tl.constexpr, PREFETCH: tl.constexpr, W_KIND: tl.constexpr):
+                      FOLD: tl.constexpr, STAGES: tl.constexpr, W_KIND: tl.constexpr):
     if W_KIND == 0:
         gemv_body(x_ptr, w, None, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
                   T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw_bf16, _scale, 4, _ONE, _ONE,
-                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, PREFETCH)
+                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES)
     elif W_KIND == 1:
         gemv_body(x_ptr, w, None, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
                   T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw_f16, _scale, 4, _ONE, _ONE,
-                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, PREFETCH)
+                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES)
     else:
         gemv_body(x_ptr, w, None, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
                   T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw_f32, _scale, 2, _ONE, _ONE,
-                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, PREFETCH)
+                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES)
 
 
 def _weights(w, K: int, device, what: str):

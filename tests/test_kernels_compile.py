@@ -53,7 +53,9 @@ TL_NAMES_IN_3_6 = {
     "num_programs", "program_id", "reshape", "split", "static_assert", "static_range", "store", "sum", "uint16",
     "uint32", "where", "zeros", "zeros_like",
     # gemv_nvfp4_h2, run on the H200 with Triton 3.6 (bench/results/kernels_h2_check.json: 96/96 ok)
-    "abs", "full", "inline_asm_elementwise", "max", "maximum"}
+    "abs", "full", "inline_asm_elementwise", "max", "maximum",
+    # pipelined elementwise loops and NVFP4 scale words (bench/gpu_session3.sh, Triton 3.6 on the H200)
+    "range", "pointer_type"}
 
 
 def test_kernels_use_only_triton_3_6_language():

@@ -43,17 +43,17 @@ def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:
     return torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-20, 13, (T, K), generator=g).float())
 
 
-CASES = {  # format, T, dtype, K, block_n, block_g, split, residual, num_stages (2: next tile prefetched)
+CASES = {  # format, T, dtype, K, block_n, block_g, split, residual, num_stages (> 1: pipelined weight loads)
     "nvfp4-T1-bf16": ("nvfp4", 1, torch.bfloat16, 160, 32, 4, 1, False, 1),
-    "nvfp4-T1-bf16-prefetch-ragged": ("nvfp4", 1, torch.bfloat16, 176, 32, 4, 1, False, 2),
+    "nvfp4-T1-bf16-stages-ragged": ("nvfp4", 1, torch.bfloat16, 176, 32, 4, 1, False, 3),
     "nvfp4-T2-f16-ragged-split": ("nvfp4", 2, torch.float16, 176, 16, 4, 3, True, 1),
-    "nvfp4-T3-f32-prefetch": ("nvfp4", 3, torch.float32, 96, 64, 2, 1, False, 2),
-    "nvfp4-T5-bf16-split-prefetch": ("nvfp4", 5, torch.bfloat16, 144, 32, 2, 2, True, 2),
+    "nvfp4-T3-f32-stages": ("nvfp4", 3, torch.float32, 96, 64, 2, 1, False, 2),
+    "nvfp4-T5-bf16-split-stages": ("nvfp4", 5, torch.bfloat16, 144, 32, 2, 2, True, 3),
     "nvfp4-T8-f16": ("nvfp4", 8, torch.float16, 48, 16, 2, 1, False, 1),
     "q6_k-T1-bf16": ("q6_k", 1, torch.bfloat16, 512, 32, 4, 1, False, 1),
     "q6_k-T2-f16-ragged-split": ("q6_k", 2, torch.float16, 768, 16, 4, 3, True, 1),
-    "q6_k-T3-f32-prefetch": ("q6_k", 3, torch.float32, 512, 64, 2, 1, False, 2),
-    "q6_k-T3-bf16-split-prefetch": ("q6_k", 3, torch.bfloat16, 768, 32, 2, 2, True, 2),
+    "q6_k-T3-f32-stages": ("q6_k", 3, torch.float32, 512, 64, 2, 1, False, 2),
+    "q6_k-T3-bf16-split-stages": ("q6_k", 3, torch.bfloat16, 768, 32, 2, 2, True, 3),
 }
 
 
@@ -127,3 +127,4 @@ def test_h2_config_rules():
         gemv_nvfp4(torch.randn(9, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 4, h2=True))
     with pytest.raises(ValueError, match="h2"):
         GemvConfig(16, 4, use_dot=True, h2=True)
+
