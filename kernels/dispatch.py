@@ -145,7 +145,7 @@ def _choose_prefill(x, qw, residual) -> str:
     times = {}
     for path, fn in (("fused", _gemv), ("dequant", _dequant_path)):
         try:
-            times[path] = time_ms(lambda: fn(x, qw, None, residual))
+            times[path] = time_ms(lambda: fn(x, qw, None, residual), graph=False)   # prefill runs eagerly
         except (RuntimeError, triton.CompilationError, triton.runtime.errors.OutOfResources):
             continue  # e.g. out of memory for the dense copy: the other path wins
     return min(times, key=times.get) if times else "fused"

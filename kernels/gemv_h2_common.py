@@ -120,7 +120,11 @@ def _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE: tl.constexpr, 
 def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl.constexpr, TILE: tl.constexpr,
           UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr):
-    """acc [BLOCK_N, T_TILE] fp32 in true units (before the per-tensor scale)."""
+    """acc [BLOCK_N, T_TILE] fp32 in true units (before the per-tensor scale). At T_TILE = 1 (one stage) a
+    barrier after each tile's loads keeps them issued together: without it ptxas spreads a tile's 16-byte
+    loads over the decode to save registers and the memory latency is exposed several times per tile. On the
+    H200 that made T=1 2-12 % faster and T=2 5-25 % slower (more live registers), hence T=1 only
+    (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned)."""
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
         up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512,
@@ -129,6 +133,8 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
     for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
         st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
+        if STAGES == 1 and T_TILE == 1:
+            tl.debug_barrier()
         accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE)
     cols = tl.arange(0, T_TILE)
     acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)

@@ -5,8 +5,9 @@ default (used in the interpreter, without CUDA, while a CUDA graph is being capt
 NINFER_GEMV_TUNE=0 on a shape nothing is known about). On a GPU the first call for a (kernel, N, K, T bucket,
 dtype, residual, device) key takes the choice remembered across processes (`gemv_tune_cache`: the user cache
 file, then the shipped H200 winners); with NINFER_GEMV_TUNE=0 and no such choice, the tile that won most often
-for the format and T bucket; otherwise it times every candidate (median of 12 runs, L2 flushed before each),
-keeps the fastest (`tuned_configs()`, `tuning_log()`) and records it in the cache file.
+for the format and T bucket; otherwise it times every candidate inside a CUDA graph, as the decode step runs
+it (`gemv_timing.time_ms`: median of 12 replays, L2 flushed by a read before each call), keeps the fastest
+(`tuned_configs()`, `tuning_log()`) and records it in the cache file.
 NINFER_GEMV_TUNE=force re-times and re-records even when a choice is remembered (benchmarks). Warm up before
 capturing a CUDA graph.
 

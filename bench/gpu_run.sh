@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call (H200) that runs the named steps in order; results under $OUT (at most 8 files come back):
+#   tuner     GPU pytest of the GEMV tuner's timer
+#   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
+#   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
+#             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them)
+#   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
+#   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
+# Env: ANATOMY_S, KERNELS_S, SERVE_S, TOTAL_S (whole call, default 580), RECIPES and PARTS (comma lists), SERVE_C,
+# ANATOMY_SHAPES, ANATOMY_CONFIGS.
+#     bash bench/gpu_run.sh anatomy kernels decode
+set -u
+source bench/device_env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+t0=$(date +%s)
+el() { echo $(( $(date +%s) - t0 )); }
+left() { echo $(( ${TOTAL_S:-580} - $(el) - 15 )); }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+for step in "$@"; do
+  echo "== $step at $(el) s"
+  case $step in
+    tuner) timeout 120 python3 -m pytest -q -x tests/test_kernels_tuner.py 2>&1 | tail -3 ;;
+    anatomy)
+      timeout ${ANATOMY_S:-150} python3 bench/gemv_anatomy.py --out "$OUT/gemv_anatomy.json" \
+        --shapes ${ANATOMY_SHAPES:-attn_qkv mlp_gate_up mlp_down attn_qkv_tp2} \
+        --configs ${ANATOMY_CONFIGS:-128:3,64:3} > "$OUT/anatomy.txt" 2>&1
+      echo "anatomy rc=$?"; tail -70 "$OUT/anatomy.txt" ;;
+    kernels)
+      timeout ${KERNELS_S:-300} python3 bench/kernels.py --check --formats nvfp4 q6_k --tp 1 2 --T 1 2 4 8 --merge \
+        --out bench/results/kernels.json > "$OUT/kernels_table.txt" 2> "$OUT/kernels_log.txt"
+      echo "kernels rc=$?"; tail -2 "$OUT/kernels_log.txt"
+      cp bench/results/kernels.json bench/results/kernels_check.json "$OUT/" 2>/dev/null
+      python3 -m ninfer_kernels.gemv_tune_cache bench/results/kernels.json && cp kernels/gemv_tuned.json "$OUT/" ;;
+    decode)
+      l=$(left); [ "$l" -gt 120 ] || { echo "no time for decode ($l s)"; continue; }
+      keep=""; case " $* " in *" serve "*) keep="--keep --dir /dev/shm/ninfer-run"; l=$(( l - ${SERVE_S:-150} ));; esac
+      timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} --steps 64 $keep \
+        --budget-s $(( l - 10 )) --out "$OUT/decode.json" > "$OUT/decode_table.txt" 2> "$OUT/decode_log.txt"
+      echo "decode rc=$?"; tail -30 "$OUT/decode_table.txt"; tail -3 "$OUT/decode_log.txt" ;;
+    serve)
+      l=$(left); [ "$l" -gt 90 ] || { echo "no time for serve ($l s)"; continue; }
+      art=$(ls -d /dev/shm/ninfer-run/nvfp4-tp1 2>/dev/null) || { echo "serve: no artifact (run decode first)"; continue; }
+      timeout $l python3 bench/serve.py --artifact "$art" --concurrency ${SERVE_C:-1,2,4,8} --max-tokens 64 \
+        --out "$OUT/serve.json" > "$OUT/serve_table.txt" 2>&1
+      echo "serve rc=$?"; tail -15 "$OUT/serve_table.txt" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "done at $(el) s"
