@@ -43,6 +43,7 @@ from ninfer_kernels.gemv_common import _tile_g, e4m3_magnitude  # noqa: E402
 from ninfer_kernels.gemv_h2_common import hfma2, lanes_f32, row_scale, x_pairs  # noqa: E402
 from ninfer_kernels.gemv_nvfp4 import _load  # noqa: E402
 from ninfer_kernels.gemv_nvfp4_h2 import _split_signs, _wpair  # noqa: E402
+from ninfer_kernels.gemv_timing import replay_ms  # noqa: E402
 
 
 @triton.jit
@@ -127,15 +128,7 @@ def graph_us(fns, reps: int = 20) -> float:
     with torch.cuda.graph(g, stream=s):
         for i in range(n):
             fns[i % len(fns)]()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    return sorted(times)[len(times) // 2]
+    return replay_ms(g, reps) * 1e3 / n
 
 
 def copy_tbps() -> float:
