@@ -21,11 +21,13 @@ META_KEYS = ("source", "recipe", "producer")
 
 
 def default_producer() -> str:
+    """`ninfer x.y.z` of the installed distribution; a bare source tree (not pip-installed) says so instead of
+    inventing a version."""
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import version
         return f"ninfer {version('ninfer')}"
-    except Exception:  # noqa: BLE001 - not installed as a distribution (e.g. a source checkout)
-        return "ninfer 0.0.0"
+    except PackageNotFoundError:
+        return "ninfer (source tree, not installed)"
 
 
 def _int(v) -> int:

@@ -132,6 +132,13 @@ def prefill_path_env() -> str:
     return forced
 
 
+def untimed_prefill_path(n: int, k: int, element_size: int) -> str:
+    """The prefill path without timing (NINFER_GEMV_TUNE=0): cuBLAS on a dequantized copy beat the fused tile
+    kernel on every shape and format timed on the H200 at T=512 (bench/results/kernels.json, 1.2-4.3x);
+    weights whose dense copy would exceed DENSE_COPY_MAX keep the copy-free kernel."""
+    return "dequant" if n * k * element_size <= DENSE_COPY_MAX else "fused"
+
+
 def _choose_prefill(x, qw, residual) -> str:
     forced = prefill_path_env()
     if forced != "auto":
@@ -139,9 +146,7 @@ def _choose_prefill(x, qw, residual) -> str:
     if x.device.type != "cuda" or interpreting() or torch.cuda.is_current_stream_capturing():
         return "fused"
     if tune_mode() == "0":
-        # no timing: cuBLAS on a dequantized copy beat the fused tile kernel on every shape and format timed on
-        # the H200 at T=512 (bench/results/kernels.json, 1.2-4.3x); huge weights keep the copy-free kernel
-        return "dequant" if qw.shape[0] * qw.shape[1] * x.element_size() <= DENSE_COPY_MAX else "fused"
+        return untimed_prefill_path(qw.shape[0], qw.shape[1], x.element_size())
     times = {}
     for path, fn in (("fused", _gemv), ("dequant", _dequant_path)):
         try:

@@ -168,15 +168,17 @@ def test_verify_missing_path(tmp_path):
 
 
 # ---- real processes: the entry points people run ------------------------------------------------
-def _commands():
-    cmds = [[sys.executable, "-c", "from ninfer_pack.cli import main; main()"]]
-    if shutil.which("ninfer-pack"):
-        cmds.append([shutil.which("ninfer-pack")])
-    return cmds
+def _command(which: str) -> list[str]:
+    if which == "module":
+        return [sys.executable, "-c", "from ninfer_pack.cli import main; main()"]
+    exe = shutil.which("ninfer-pack")
+    assert exe, "the ninfer-pack entry point is not on PATH (pip install -e . installs it)"
+    return [exe]
 
 
-@pytest.mark.parametrize("cmd", _commands(), ids=lambda c: os.path.basename(c[0]))
-def test_subprocess_verify(tmp_path, good, cmd):
+@pytest.mark.parametrize("which", ["module", "ninfer-pack"])
+def test_subprocess_verify(tmp_path, good, which):
+    cmd = _command(which)
     ok = subprocess.run(cmd + ["verify", good["tp1"]], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.startswith("OK "), ok.stderr
     bad = _bad_file(tmp_path, good, "flipped-tensor-bit")

@@ -38,6 +38,9 @@ from numerics import rel
 
 LOGIT_TOL = 1e-5          # rel L2, fp32 torch backend: only the padded GEMM row count differs
 STATE_TOL = 1e-5
+TRITON_TOL = 1e-4         # the Triton kernels (interpreter on CPU) in two runners: padded rows change fp32 sums
+BF16_GRAPH_TOL = 2e-2     # bf16 on the GPU: graph replay vs eager launches of the same kernels, split-K tiles
+                          # chosen per padded batch size (different summation order), compounding over 40 steps
 RMS_FACTOR = 1.5          # synthetic weights: decoded RMS within this factor of 0.5 / sqrt(K)
 SMALL = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "gdn_k_heads": 2,
          "gdn_v_heads": 4, "gdn_head_dim": 16, "vocab": 256}
@@ -211,15 +214,15 @@ def test_eager_runner_equals_model_triton(tmp_path):
         x.forward([SeqInput(prompt, st[k][0])])
     tok = prompt[-1:]
     for _ in range(2):
-        a, _ = _step([ref], r, lambda k, tok=tok: [SeqInput(tok, st[k][0])], tol=1e-4)
+        a, _ = _step([ref], r, lambda k, tok=tok: [SeqInput(tok, st[k][0])], tol=TRITON_TOL)
         tok = a.logits.argmax(-1)
     ver = torch.cat([tok, tok])
-    a, _ = _step([ref], r, lambda k: [SeqInput(ver, st[k][0], snapshot=True)], tol=1e-4)
+    a, _ = _step([ref], r, lambda k: [SeqInput(ver, st[k][0], snapshot=True)], tol=TRITON_TOL)
     for k in (0, 1):
         st[k][0].commit(1)
     da = ref.mtp_forward([MtpInput(tok, a.hidden[:1], st[0][0].mtp)])
     db = r.mtp_forward([MtpInput(tok, a.hidden[:1], st[1][0].mtp)])
-    assert rel(db.logits, da.logits) <= 1e-4
+    assert rel(db.logits, da.logits) <= TRITON_TOL
     assert r.stats.eager_steps == 4
 
 
@@ -241,18 +244,18 @@ def test_graph_replay_equals_eager_gpu(nvfp4_path):
         sel = [0, 1] if i % 3 else [1]
         outs = [rn.forward([SeqInput(tok[j:j + 1], st[k][j], snapshot=False) for j in sel])
                 for k, rn in enumerate(runners)]
-        assert rel(outs[1].logits, outs[0].logits) <= 2e-2
+        assert rel(outs[1].logits, outs[0].logits) <= BF16_GRAPH_TOL
         nxt = outs[0].logits.argmax(-1)
         for j, t in zip(sel, nxt):
             tok[j] = t
     ver = torch.cat([tok[1:2], tok[:1], tok[1:2]])
     outs = [rn.forward([SeqInput(ver, st[k][1], snapshot=True)]) for k, rn in enumerate(runners)]
-    assert rel(outs[1].logits, outs[0].logits) <= 2e-2
+    assert rel(outs[1].logits, outs[0].logits) <= BF16_GRAPH_TOL
     for k in (0, 1):
         st[k][1].commit(2)
-    assert rel(models[1].gdn_pool.rec[:, st[1][1].slot], models[0].gdn_pool.rec[:, st[0][1].slot]) <= 2e-2
+    assert rel(models[1].gdn_pool.rec[:, st[1][1].slot], models[0].gdn_pool.rec[:, st[0][1].slot]) <= BF16_GRAPH_TOL
     d = [rn.mtp_forward([MtpInput(tok[:1], outs[0].hidden[1:2], st[k][1].mtp)]) for k, rn in enumerate(runners)]
-    assert rel(d[1].logits, d[0].logits) <= 2e-2
+    assert rel(d[1].logits, d[0].logits) <= BF16_GRAPH_TOL
     assert runners[1].stats.replays == 42 and runners[1].stats.fallbacks == 0
 
 

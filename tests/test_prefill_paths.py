@@ -192,6 +192,17 @@ def test_prefill_path_forced_by_env(forced, monkeypatch):
     assert dispatch._choose_prefill(torch.zeros(33, 64), _Shape(48, 64), None) == forced
 
 
+@pytest.mark.parametrize("n, k, item, want", [
+    (14336, 5120, 2, "dequant"),            # a 27B attention q/k/v/gate weight: 147 MB dense
+    (32768, 16384, 2, "dequant"),           # exactly DENSE_COPY_MAX (2**30 bytes)
+    (32768, 16385, 2, "fused"),             # one column more
+    (248320, 5120, 4, "fused"),             # lm_head with fp32 activations: 5 GB dense
+], ids=["attn_qkv", "at-limit", "over-limit", "lm_head-fp32"])
+def test_untimed_prefill_path_size_rule(n, k, item, want):
+    from ninfer_kernels import dispatch
+    assert dispatch.untimed_prefill_path(n, k, item) == want
+
+
 def test_prefill_path_env_rejects_unknown(monkeypatch):
     from ninfer_kernels import dispatch
     from ninfer_kernels.gemv_launch import KernelInputError
