@@ -58,7 +58,8 @@ def _kv_capacity(ctx, param, value):
 @click.option("--default-max-tokens", default=4096, show_default=True, type=click.IntRange(1),
               help="Completion budget of requests that give no max_tokens (capped by the context).")
 @click.option("--api-key", default=None, envvar="NINFER_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on every route but /health (env NINFER_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' (or 'X-API-Key: KEY') on every route but /health "
+                   "(env NINFER_API_KEY).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Default: cuda when a GPU is visible, else cpu.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,

@@ -277,7 +277,35 @@ BAD_REQUESTS = [
     ("overlong-prompt", "/v1/completions", {"model": MODEL_ID, "prompt": "x" * 200}, 400, "prompt"),
     ("prompt-plus-max-tokens", "/v1/completions", {"model": MODEL_ID, "prompt": "x" * 50, "max_tokens": 60},
      400, "max_tokens"),
+    ("prompt-plus-max-completion-tokens", "/v1/chat/completions",
+     {**CHAT, "max_tokens": None, "max_completion_tokens": 500}, 400, "max_completion_tokens"),
+    # fields that would change the reply are refused by name, never silently ignored
+    ("logit-bias", "/v1/chat/completions", {**CHAT, "logit_bias": {"10": 100}}, 400, "logit_bias"),
+    ("response-format-json", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("best-of-2", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "best_of": 2}, 400, "best_of"),
 ]
+
+
+def test_null_means_default_for_optional_fields(fake):
+    """OpenAI's schema allows null for n, stream, logit_bias, response_format: the defaults apply."""
+    srv, _, _ = fake
+    nulls = {"n": None, "stream": None, "logit_bias": None, "response_format": None}
+    r = _post(srv, "/v1/chat/completions", {**CHAT, **nulls})
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    r = _post(srv, "/v1/chat/completions", {**CHAT, "logit_bias": {}, "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+    r = _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 2, "best_of": 1, **nulls})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+
+
+def test_routing_errors_are_counted(fake):
+    srv, _, _ = fake
+    before = {s: metric(srv, "ninfer_request_errors_total", f'status="{s}"') for s in (404, 405)}
+    assert httpx.get(srv.url + "/v1/nope", headers=_auth(srv)).status_code == 404
+    assert httpx.get(srv.url + "/v1/chat/completions", headers=_auth(srv)).status_code == 405
+    for s in (404, 405):
+        assert metric(srv, "ninfer_request_errors_total", f'status="{s}"') == before[s] + 1
 
 
 @pytest.mark.parametrize("path,body,status,param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])

@@ -141,6 +141,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
         kind = "not_found" if e.status_code == 404 else "method_not_allowed" if e.status_code == 405 else None
+        state.metrics.errors.labels(status=str(e.status_code)).inc()
         resp = _error(P.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=kind))
         resp.headers.update(e.headers or {})          # a 405 names the allowed methods in `Allow`
         return resp
@@ -207,13 +208,15 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
         img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
     else:
         ids = H.completion_prompt(tok, req, state.vocab_size)
-    requested = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    by_mct = chat and req.max_completion_tokens is not None
+    requested = req.max_completion_tokens if by_mct else req.max_tokens
     n_prompt = len(img.request) if img is not None else len(ids)     # image placeholders expanded
-    max_tokens = sched.max_tokens_for(n_prompt, requested, "messages" if chat else "prompt")
+    max_tokens = sched.max_tokens_for(n_prompt, requested, "messages" if chat else "prompt",
+                                      "max_completion_tokens" if by_mct else "max_tokens")
     params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids)
     handle = sched.submit(ids, params, H.splitter(tok, ids) if chat else None,
                           vision=img.request if img is not None else None,
                           image_tokens=img.image_tokens if img is not None else 0)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await H.respond(handle, request, chat=chat, model=state.model_id, stream=req.stream,
+    return await H.respond(handle, request, chat=chat, model=state.model_id, stream=bool(req.stream),
                            include_usage=include_usage, fingerprint=state.fingerprint)

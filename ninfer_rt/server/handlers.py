@@ -72,7 +72,7 @@ def completion_prompt(tok, req: P.CompletionRequest, vocab: int) -> list[int]:
 
 def splitter(tok, prompt_ids: list[int]) -> ReasoningSplitter:
     start, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
-    return ReasoningSplitter(start, end, prompt_think_state(prompt_ids, start, end))
+    return ReasoningSplitter(start, end, prompt_think_state(prompt_ids, start, end, tok.token_to_id("<|im_start|>")))
 
 
 # ---- replies ----

@@ -77,11 +77,15 @@ class _Sampling(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None                    # null means the default (1), as in OpenAI's API
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # accepted so that a request using them is refused by name (400) rather than answered as if they were
+    # honoured: a bias, a response format or best-of changes what the client gets back
+    logit_bias: dict | None = None
+    response_format: dict | None = None
 
 
 class ChatRequest(_Sampling):
@@ -94,6 +98,7 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
@@ -121,8 +126,14 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "ContentPa
 
 
 def _check_common(req: _Sampling) -> None:
-    if req.n != 1:
+    if req.n not in (None, 1):
         raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
+    if req.logit_bias:
+        raise bad_request("logit_bias: not supported by this server", param="logit_bias")
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request(f"response_format: only type 'text' is supported, got {fmt.get('type')!r}",
+                          param="response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -160,6 +171,8 @@ def _check_completion(req: CompletionRequest) -> None:
         raise bad_request("prompt: must not be empty", param="prompt")
     if isinstance(p, str) and not p:
         raise bad_request("prompt: must not be empty", param="prompt")
+    if req.best_of not in (None, 1):
+        raise bad_request(f"best_of: only best_of=1 is supported, got {req.best_of}", param="best_of")
     if req.echo:
         raise bad_request("echo: not supported by this server", param="echo")
     if req.suffix:

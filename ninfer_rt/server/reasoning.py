@@ -6,7 +6,9 @@ two parts are detokenized by separate `TextStream`s (stop strings apply to the a
 
 The generation prompt of a thinking chat template already ends inside the reasoning block
 (`<|im_start|>assistant\\n<think>\\n`); with thinking disabled it ends after an empty block
-(`<think>\\n\\n</think>\\n\\n`). `prompt_think_state` reads that from the prompt's token ids.
+(`<think>\\n\\n</think>\\n\\n`). `prompt_think_state` reads that from the prompt's token ids, from the
+last turn header (`<|im_start|>`) on: tags in a user message or an earlier turn say nothing about the turn
+being generated.
 """
 from __future__ import annotations
 
@@ -14,12 +16,16 @@ REASONING, CONTENT = "reasoning", "content"
 OPEN, CLOSED, NONE = "open", "closed", "none"
 
 
-def prompt_think_state(prompt_ids, start_id: int | None, end_id: int | None) -> str:
-    """OPEN if the prompt leaves a `<think>` block open, CLOSED if its last block is closed, else NONE."""
+def prompt_think_state(prompt_ids, start_id: int | None, end_id: int | None, turn_id: int | None = None) -> str:
+    """OPEN if the generation prompt leaves a `<think>` block open, CLOSED if its last block is closed, else
+    NONE. With `turn_id` (the turn-header token) only the ids after its last occurrence are read."""
     if start_id is None or end_id is None:
         return NONE
+    ids = [int(t) for t in prompt_ids]
+    if turn_id is not None and turn_id in ids:
+        ids = ids[len(ids) - ids[::-1].index(turn_id):]
     last_start = last_end = -1
-    for i, t in enumerate(prompt_ids):
+    for i, t in enumerate(ids):
         if t == start_id:
             last_start = i
         elif t == end_id:

@@ -114,8 +114,10 @@ class Scheduler:
     def max_context(self) -> int:
         return min(self.cfg.max_context, self.total_pages * self.page_size - self.cfg.reserve_slack)
 
-    def max_tokens_for(self, prompt_len: int, requested: int | None, prompt_param: str = "messages") -> int:
-        """The completion budget; 400 `context_length_exceeded` if the request cannot fit."""
+    def max_tokens_for(self, prompt_len: int, requested: int | None, prompt_param: str = "messages",
+                       limit_param: str = "max_tokens") -> int:
+        """The completion budget; 400 `context_length_exceeded` if the request cannot fit. `limit_param`: the
+        request field that set `requested` (max_tokens or max_completion_tokens), named in the error."""
         limit = self.max_context
         if prompt_len >= limit:
             raise bad_request(f"the prompt has {prompt_len} tokens; this server's context limit is {limit} "
@@ -123,8 +125,8 @@ class Scheduler:
         if requested is None:
             return min(self.cfg.default_max_tokens, limit - prompt_len)
         if prompt_len + requested > limit:
-            raise bad_request(f"prompt ({prompt_len} tokens) + max_tokens ({requested}) exceeds this server's "
-                              f"context limit of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+            raise bad_request(f"prompt ({prompt_len} tokens) + {limit_param} ({requested}) exceeds this server's "
+                              f"context limit of {limit} tokens", param=limit_param, code="context_length_exceeded")
         return requested
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, split=None, vision=None,
