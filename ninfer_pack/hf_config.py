@@ -6,6 +6,7 @@ the text-only layout saved from `Qwen3_5ForCausalLM` (`model_type: qwen3_5_text`
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from ninfer_formats.errors import NinferError, SourceError
@@ -42,11 +43,32 @@ def _ids(v: Any) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (list, tuple)) else (v,)
 
 
-def _layer_types(text: dict, n: int) -> list[str]:
+def _positive_int(v: Any, field: str) -> int:
+    # bool is an int to Python but never a count; a string "4" must not reach arithmetic
+    if type(v) is not int or v <= 0:
+        raise SourceError(f"{field}: expected a positive integer, got {v!r:.40}")
+    return v
+
+
+def _layer_types(text: dict, n: int, sect: str) -> list[str]:
     if "layer_types" in text:
-        return text["layer_types"]
-    every = text.get("full_attention_interval", 4)     # HF derives the schedule from this when absent
+        lt = text["layer_types"]
+        # a bare string would be iterated per character; null would fail with a bare TypeError
+        if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
+            raise SourceError(f"{sect}layer_types: expected an array of {LINEAR!r}/{FULL!r} names, got {lt!r:.40}")
+        return lt
+    # HF derives the schedule from this when layer_types is absent
+    every = _positive_int(text.get("full_attention_interval", 4), sect + "full_attention_interval")
     return [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
+
+
+def _mtp_layers(text: dict, sect: str, mtp: bool) -> int:
+    """1 when MTP is packed; the runtime (and the inventory) know exactly one MTP layer."""
+    n = text.get("mtp_num_hidden_layers")
+    if mtp and n is not None and (type(n) is not int or n not in (0, 1)):
+        raise SourceError(f"{sect}mtp_num_hidden_layers: expected 0 or 1 (one MTP layer is supported), got "
+                          f"{n!r:.40}; use --no-mtp to pack without MTP")
+    return 1 if mtp else 0
 
 
 def _number(v: Any, field: str) -> float:
@@ -96,24 +118,28 @@ def to_model_config(hf: dict, gen: dict | None, *, mtp: bool, vision: bool,
     if missing:
         raise SourceError(f"{where}: {sect}{missing[0]} is missing")
     gen = gen or {}
+    _check_token_ids(text, top, sect, gen, where)
     eos = _ids(text.get("eos_token_id", top.get("eos_token_id")))
     eos += tuple(i for i in _ids(gen.get("eos_token_id")) if i not in eos)
     vis = _vision(hf, where) if vision else None
     try:
         cfg = ModelConfig(
             **{k: text[k] for k in _TEXT_INTS},
-            layer_types=_layer_types(text, text["num_hidden_layers"]),
+            layer_types=_layer_types(text, text["num_hidden_layers"], sect),
             rms_norm_eps=_number(text.get("rms_norm_eps", 1e-6), sect + "rms_norm_eps"), **_rope(text, sect),
-            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            max_position_embeddings=_positive_int(text.get("max_position_embeddings", 32768),
+                                                  sect + "max_position_embeddings"),
             tie_word_embeddings=top.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
             eos_token_ids=eos, bos_token_id=text.get("bos_token_id", top.get("bos_token_id")),
             pad_token_id=text.get("pad_token_id", top.get("pad_token_id")),
-            mtp_num_hidden_layers=1 if mtp else 0,
+            mtp_num_hidden_layers=_mtp_layers(text, sect, mtp),
             image_token_id=top.get("image_token_id"), video_token_id=top.get("video_token_id"),
             vision_start_token_id=top.get("vision_start_token_id"),
             vision_end_token_id=top.get("vision_end_token_id"),
             vision=vis,
             extra={"source_model_type": mt})
+    except SourceError as e:        # the helpers above name the field with its section already
+        raise SourceError(f"{where}: {e}") from None
     except NinferError as e:        # ConfigError names the field; add the file
         raise SourceError(f"{where}: {sect}{e}") from None
     except TypeError as e:
@@ -124,4 +150,36 @@ def to_model_config(hf: dict, gen: dict | None, *, mtp: bool, vision: bool,
         check_model(cfg.to_dict())
     except NinferError as e:
         raise SourceError(f"{where}: {e}") from None
+    # types are settled now; a bad mrope_section would pack fine and only fail (confusingly) with images
+    _check_mrope(cfg, text, sect, vision, where)
     return cfg
+
+
+def _check_token_ids(text: dict, top: dict, sect: str, gen: dict, where: str) -> None:
+    """eos/bos/pad must index the embedding: a stop id outside the vocab never fires, a bos id crashes.
+    Checked per source field, so the message names the file that holds the bad value."""
+    vocab = text["vocab_size"]
+    vocab = vocab if type(vocab) is int and vocab > 0 else None     # a bad vocab_size is reported on its own
+    gen_where = str(Path(where).with_name("generation_config.json"))
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        field = sect + key if key in text else key
+        sources = [(where, field, text.get(key, top.get(key)))]
+        if key == "eos_token_id":            # only generation_config's eos ids reach the artifact
+            sources.append((gen_where, key, gen.get(key)))
+        for file, name, v in sources:
+            for i in _ids(v):
+                if type(i) is not int:
+                    raise SourceError(f"{file}: {name}: expected a token id (integer), got {i!r:.40}")
+                if vocab is not None and not 0 <= i < vocab:
+                    raise SourceError(f"{file}: {name}: {i} is not a token id (vocab_size {vocab})")
+
+
+def _check_mrope(cfg: ModelConfig, text: dict, sect: str, vision: bool, where: str) -> None:
+    """Each rotary frequency takes its position from one of the (T, H, W) axes: 3 sections covering rot/2."""
+    rp = text.get("rope_parameters") or {}
+    if "mrope_section" not in rp and not vision:
+        return                               # text only: positions are 1-D and the default is never read
+    sec, half = cfg.mrope_section, cfg.rotary_dim // 2
+    if len(sec) != 3 or min(sec) < 0 or sum(sec) != half:
+        raise SourceError(f"{where}: {sect}rope_parameters.mrope_section: expected 3 non-negative integers "
+                          f"summing to {half} (rotary dim {cfg.rotary_dim} / 2), got {list(sec)}")

@@ -2,7 +2,8 @@
 
 `open_source` reads only safetensors headers and small JSON files: it builds the ModelConfig, matches
 every tensor against the inventory the config implies (missing, extra, misshaped, unsupported dtype ->
-SourceError naming it) and collects the resources. Headers are parsed by `safe_open` (a corrupt one is a
+SourceError naming it) and collects the resources, checked as the runtime will read them (`hf_resources`:
+the tokenizer loads, the chat template compiles). Headers are parsed by `safe_open` (a corrupt one is a
 SourceError naming the file); tensor data is read later, lazily and by row range (`TensorReader`: plain
 `pread` at the validated offsets, so nothing stays mapped), in whichever process needs it.
 """
@@ -22,6 +23,7 @@ from ninfer_formats.errors import SourceError
 from ninfer_formats.model_config import ModelConfig
 
 from .hf_config import to_model_config
+from .hf_resources import check_template, check_tokenizer, config_template
 from .inventory import artifact_name, artifact_shape, expected_shapes
 
 INDEX = "model.safetensors.index.json"
@@ -80,7 +82,14 @@ def resolve(source: str) -> tuple[Path, str]:
     return path, f"{repo}@{path.name}"
 
 
+def _not_a_dir(path: Path) -> None:
+    # is_file() is False for a folder too; "missing" would send the user looking for the wrong problem
+    if path.is_dir():
+        raise SourceError(f"{path}: is a directory, expected a file")
+
+
 def _load_json(path: Path, required: bool) -> dict | None:
+    _not_a_dir(path)
     if not path.is_file():
         if required:
             raise SourceError(f"{path}: missing (every HF checkpoint folder has a config.json)")
@@ -98,14 +107,22 @@ def _shard_files(root: Path) -> list[Path]:
     index = _load_json(root / INDEX, required=False)
     if index is None:
         files = sorted(root.glob("*.safetensors"))
+        for f in files:
+            _not_a_dir(f)
         if not files:
             raise SourceError(f"{root}: no *.safetensors files")
         return files
     wm = index.get("weight_map")
     if not isinstance(wm, dict) or not wm:
         raise SourceError(f"{root / INDEX}: weight_map is missing or empty")
+    for k, v in wm.items():
+        # values are shard file names next to the index; anything else would be hashed/joined as a path
+        if not isinstance(v, str) or not v or Path(v).is_absolute() or ".." in Path(v).parts:
+            raise SourceError(f"{root / INDEX}: weight_map[{json.dumps(k)}]: expected a file name in the "
+                              f"checkpoint folder, got {v!r:.40}")
     files = [root / f for f in sorted(set(wm.values()))]
     for f in files:
+        _not_a_dir(f)
         if not f.is_file():
             raise SourceError(f"{f}: listed in {INDEX} but missing")
     return files
@@ -169,14 +186,18 @@ def _match(found: dict, expected: dict, skip: tuple[str, ...], where: str) -> di
 
 
 def _resources(root: Path) -> dict[str, bytes]:
+    """The resource files, each checked as the runtime will read it (see hf_resources)."""
+    for n in RESOURCES:
+        _not_a_dir(root / n)
     out = {n: (root / n).read_bytes() for n in RESOURCES if (root / n).is_file()}
-    if "chat_template.jinja" not in out and "tokenizer_config.json" in out:
-        tpl = (_load_json(root / "tokenizer_config.json", True) or {}).get("chat_template")
-        if isinstance(tpl, list):   # named templates: [{"name": ..., "template": ...}]
-            tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"),
-                       None)
-        if isinstance(tpl, str):
-            out["chat_template.jinja"] = tpl.encode("utf-8")
+    check_tokenizer(out.get("tokenizer.json"), str(root / "tokenizer.json"))
+    _load_json(root / "preprocessor_config.json", required=False)      # the vision runtime reads it as JSON
+    tc_path = root / "tokenizer_config.json"
+    tpl = config_template((_load_json(tc_path, required=False) or {}).get("chat_template"), str(tc_path))
+    if "chat_template.jinja" in out:                   # the runtime prefers this file over tokenizer_config's
+        check_template(out["chat_template.jinja"], str(root / "chat_template.jinja"))
+    elif tpl is not None:
+        out["chat_template.jinja"] = check_template(tpl, f"{tc_path}: chat_template").encode("utf-8")
     return dict(sorted(out.items()))
 
 

@@ -365,6 +365,124 @@ def test_bad_input_one_line_error(small, tmp_path, mutate, args, msg):
     assert not out.exists() or not any(out.iterdir())          # refused before any work
 
 
+def _text_cfg(**kv):
+    """Set keys of config.json's text section (the value _DROP removes the key)."""
+    def mutate(d):
+        c = json.loads((d / "config.json").read_text())
+        t = c.get("text_config", c)
+        for k, v in kv.items():
+            t.pop(k) if v is _DROP else t.__setitem__(k, v)
+        (d / "config.json").write_text(json.dumps(c))
+    return mutate
+
+
+_DROP = object()
+
+
+def _mrope(sec):
+    def mutate(d):
+        c = json.loads((d / "config.json").read_text())
+        c.get("text_config", c)["rope_parameters"]["mrope_section"] = sec
+        (d / "config.json").write_text(json.dumps(c))
+    return mutate
+
+
+def _json_file(name, fn):
+    def mutate(d):
+        j = json.loads((d / name).read_text())
+        fn(j)
+        (d / name).write_text(json.dumps(j))
+    return mutate
+
+
+def _write(name, data):
+    return lambda d: (d / name).write_bytes(data)
+
+
+def _make_dir(name):
+    def mutate(d):
+        (d / name).unlink()
+        (d / name).mkdir()
+    return mutate
+
+
+def _shard_dir(d):
+    f = _shard_of(d, "lm_head.weight")
+    f.unlink()
+    f.mkdir()
+
+
+def _no_jinja_tc_template(value):
+    def mutate(d):
+        (d / "chat_template.jinja").unlink()
+        _json_file("tokenizer_config.json", lambda j: j.__setitem__("chat_template", value))(d)
+    return mutate
+
+
+BAD_SOURCE = [  # (id, mutation, message regex): values that used to crash, or pack fine and fail later
+    ("full_attention_interval=0", _text_cfg(layer_types=_DROP, full_attention_interval=0),
+     r"config\.json: full_attention_interval: expected a positive integer, got 0$"),
+    ("full_attention_interval='4'", _text_cfg(layer_types=_DROP, full_attention_interval="4"),
+     r"config\.json: full_attention_interval: expected a positive integer, got '4'$"),
+    ("layer_types=null", _text_cfg(layer_types=None), r"config\.json: layer_types: expected an array of .*got None$"),
+    ("layer_types=str", _text_cfg(layer_types="linear_attention"),
+     r"config\.json: layer_types: expected an array of .*got 'linear_attention'$"),
+    ("eos_token_id=-1", _text_cfg(eos_token_id=-1), r"config\.json: eos_token_id: -1 is not a token id"),
+    ("eos_token_id=vocab", _text_cfg(eos_token_id=256), r"config\.json: eos_token_id: 256 is not a token id"),
+    ("eos_token_id='x'", _text_cfg(eos_token_id="x"), r"config\.json: eos_token_id: expected a token id"),
+    ("generation eos_token_id=vocab",
+     _json_file("generation_config.json", lambda j: j.__setitem__("eos_token_id", 999)),
+     r"generation_config\.json: eos_token_id: 999 is not a token id"),
+    ("max_position_embeddings=0", _text_cfg(max_position_embeddings=0),
+     r"config\.json: max_position_embeddings: expected a positive integer, got 0$"),
+    ("max_position_embeddings=-5", _text_cfg(max_position_embeddings=-5),
+     r"config\.json: max_position_embeddings: expected a positive integer, got -5$"),
+    ("mtp_num_hidden_layers=2", _text_cfg(mtp_num_hidden_layers=2),
+     r"config\.json: mtp_num_hidden_layers: expected 0 or 1 .*got 2; use --no-mtp"),
+    ("mrope_section wrong sum", _mrope([3, 3, 3]),
+     r"config\.json: rope_parameters\.mrope_section: expected 3 non-negative integers summing to 4 .*\[3, 3, 3\]$"),
+    ("mrope_section wrong length", _mrope([2, 2]), r"config\.json: rope_parameters\.mrope_section: .*got \[2, 2\]$"),
+    ("weight_map value list", _json_file("model.safetensors.index.json",
+                                         lambda j: j["weight_map"].__setitem__("lm_head.weight", ["a"])),
+     r"model\.safetensors\.index\.json: weight_map\[\"lm_head\.weight\"\]: expected a file name"),
+    ("weight_map value int", _json_file("model.safetensors.index.json",
+                                        lambda j: j["weight_map"].__setitem__("lm_head.weight", 5)),
+     r"model\.safetensors\.index\.json: weight_map\[\"lm_head\.weight\"\]: expected a file name"),
+    ("tokenizer.json broken", _write("tokenizer.json", b"{bad"),
+     r"tokenizer\.json: not loadable by the tokenizers library"),
+    ("tokenizer.json missing", lambda d: (d / "tokenizer.json").unlink(), r"tokenizer\.json: missing \(the runtime"),
+    ("chat_template.jinja not UTF-8", _write("chat_template.jinja", b"\xff\xfebad"),
+     r"chat_template\.jinja: not UTF-8 text"),
+    ("chat_template.jinja bad Jinja", _write("chat_template.jinja", b"{% for x in %}"),
+     r"chat_template\.jinja: not a valid Jinja template \(line 1: "),
+    ("tokenizer_config chat_template=['oops']", _no_jinja_tc_template(["oops"]),
+     r"tokenizer_config\.json: chat_template: expected a string or a list of \{name, template\} objects"),
+    ("tokenizer_config chat_template=5", _json_file("tokenizer_config.json",
+                                                    lambda j: j.__setitem__("chat_template", 5)),
+     r"tokenizer_config\.json: chat_template: expected a string or a list"),
+    ("tokenizer_config chat_template bad Jinja", _no_jinja_tc_template("{% if %}"),
+     r"tokenizer_config\.json: chat_template: not a valid Jinja template"),
+    ("config.json is a directory", _make_dir("config.json"), r"config\.json: is a directory, expected a file$"),
+    ("shard is a directory", _shard_dir, r"\.safetensors: is a directory, expected a file$"),
+]
+
+
+@pytest.mark.parametrize("mutate,msg", [c[1:] for c in BAD_SOURCE], ids=[c[0] for c in BAD_SOURCE])
+def test_bad_source_one_line_error(small, tmp_path, mutate, msg):
+    """The source check refuses these before any work: exit 2, one line naming the file and the field."""
+    from click.testing import CliRunner
+    from ninfer_pack.cli import main
+    src = _copy(small, tmp_path / "src")
+    mutate(src)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["convert", str(src), str(out), "--quiet", "-j", "1"])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.output
+    assert re.search(msg, lines[0]), lines[0]
+    assert not out.exists() or not any(out.iterdir())
+
+
 @pytest.mark.parametrize("tensor,recipe", [("layers.0.mlp.up_proj.weight", "nvfp4"),
                                            ("layers.1.post_attention_layernorm.weight", "bf16")],
                          ids=["nvfp4-group", "passthrough"])
@@ -410,7 +528,7 @@ BAD_CONFIG_VALUES = [  # (config.json key, wrong value, message regex)
     ("rope_parameters", [1], r"config\.json: rope_parameters: expected an object, got list"),
     ("rope_parameters", {"rope_theta": "1e7"}, r"rope_parameters\.rope_theta: expected a finite number, got '1e7'"),
     ("rms_norm_eps", "x", r"config\.json: rms_norm_eps: expected a finite number, got 'x'"),
-    ("eos_token_id", ["x", 1], r"config\.json: model\.eos_token_ids: expected an array of integers"),
+    ("eos_token_id", ["x", 1], r"config\.json: eos_token_id: expected a token id \(integer\), got 'x'"),
     ("tie_word_embeddings", "yes", r"config\.json: model\.tie_word_embeddings: expected a boolean, got 'yes'"),
 ]
 
