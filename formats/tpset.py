@@ -68,8 +68,19 @@ def _check_file(path: str, report: Report) -> FileInfo | None:
         report.problems.append(f"{path}: {e.strerror or e}")
         report.bad_files.add(os.path.realpath(path))
         return None
+    _check_name(info, report)
     report.ok.append(info)
     return info
+
+
+def _check_name(info: FileInfo, report: Report) -> None:
+    """The runtime finds siblings by the names recorded inside (tp.files); a renamed or swapped file passes
+    every checksum yet cannot load, so its name must be the one its own directory records for its rank."""
+    recorded = info.tp_files[info.rank]["name"]
+    named = os.path.basename(info.path)
+    if named != recorded:
+        report.problems.append(f"{info.path}: file name does not match its contents: named {named}, "
+                               f"but it records itself as {recorded} (rank {info.rank} of tp {info.tp_size})")
 
 
 def _check_set(members: list[FileInfo], checked: dict, report: Report) -> None:

@@ -7,6 +7,7 @@ The header and directory are written last by `finalize_set`, then the file is fs
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import mmap
@@ -65,7 +66,8 @@ class RankWriter:
             if os.path.exists(p):
                 os.unlink(p)
         fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        os.ftruncate(fd, self.file_size)
+        with _naming(self.partial):
+            os.ftruncate(fd, self.file_size)
         self._fd, self._pid = fd, os.getpid()
         self._append_journal({"plan": self.fingerprint})
 
@@ -87,17 +89,19 @@ class RankWriter:
 
     def _pwrite(self, data, pos: int) -> None:
         fd, mv = self._ensure_fd(), memoryview(data).cast("B")
-        while len(mv):
-            n = os.pwrite(fd, mv[:_MAX_PWRITE], pos)
-            mv, pos = mv[n:], pos + n
+        with _naming(self.partial):
+            while len(mv):
+                n = os.pwrite(fd, mv[:_MAX_PWRITE], pos)
+                mv, pos = mv[n:], pos + n
 
     def _append_journal(self, record: dict) -> None:
         # one O_APPEND write per record: concurrent writers never interleave inside a line
-        fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
-        finally:
-            os.close(fd)
+        with _naming(self.journal):
+            fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+            finally:
+                os.close(fd)
 
     def __getstate__(self):
         state = dict(self.__dict__, _fd=None, _pid=None)
@@ -193,12 +197,24 @@ class RankWriter:
             raise FormatError(f"{self.path}: directory grew past its planned {self.dir_len} bytes")
         directory += b" " * (self.dir_len - len(directory))
         self._pwrite(make_header(directory, self.payload_length) + directory, 0)
-        os.fsync(self._ensure_fd())
+        with _naming(self.partial):
+            os.fsync(self._ensure_fd())
 
     def close(self) -> None:
         if self._fd is not None and self._pid == os.getpid():
             os.close(self._fd)
         self._fd = None
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+    """fd calls (pwrite, write, fsync) raise OSError without a file name; a full disk must name the file."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, path) from None
 
 
 def _as_bytes(data, name: str) -> memoryview:

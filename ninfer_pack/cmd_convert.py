@@ -23,7 +23,8 @@ from .recipes import BUILTIN, DEFAULT
               help="Worker processes [default: all cores].")
 @click.option("--no-vision", is_flag=True, help="Leave the vision tower out.")
 @click.option("--no-mtp", is_flag=True, help="Leave the MTP draft head out.")
-@click.option("--force", is_flag=True, help="Replace a complete artifact or another run's partial output.")
+@click.option("--force", is_flag=True, help="Replace a complete artifact, another run's partial output, or a README.md/report.json "
+                   "ninfer-pack did not write (only this artifact's rank files are deleted).")
 @click.option("--base-model", default=None, help="Hub id for the model card [default: the Hub source].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report summary as JSON.")

@@ -3,7 +3,8 @@
 Order of work: open and validate the whole source (headers only), plan every tensor (format, TP cut),
 prepare the output folder (refuse / resume / start over), create all rank writers, run the tasks in worker
 processes (memory-bounded scheduling), finalize the TP set, then publish report.json and README.md.
-Resumable: finished tensors are journaled by the writers and skipped by a rerun with the same arguments.
+Resumable: finished tensors are journaled by the writers and skipped by a rerun with the same arguments;
+a source whose files were only touched (new mtimes) still resumes once its finished tensors re-hash as recorded.
 """
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ from pathlib import Path
 import xxhash
 
 from ninfer_formats.container import RankWriter, finalize_set, open_artifact, rank_file_name
-from ninfer_formats.errors import NinferError
+from ninfer_formats.errors import NinferError, SourceError
 
 from . import out_dir
 from .hf_source import open_source
 from .model_card import render_card
 from .pack_plan import STEM, PackPlan, Task, make_plan
-from .pack_worker import init_worker, run_task
+from .pack_worker import init_worker, run_task, source_digest
 from .recipes import DEFAULT, load_recipe
 from .report import build_report
 
@@ -53,13 +54,34 @@ def default_jobs() -> int:
 
 
 def _state(plan: PackPlan) -> dict:
-    h = xxhash.xxh3_128(plan.source.fingerprint.encode())
-    h.update(json.dumps(plan.recipe.describe(), sort_keys=True).encode())
+    """Resume state: `args` (recipe, TP, cuts) and the source (config, headers, sizes) make the fingerprint;
+    mtimes are kept beside it, so a touched source resumes after its done tensors are re-checked."""
+    args = xxhash.xxh3_128(json.dumps(plan.recipe.describe(), sort_keys=True).encode())
     for j in plan.jobs:
-        h.update(f"{j.name}:{j.fmt}:{j.split.rank_shape}:{j.split.ranges}\n".encode())
+        args.update(f"{j.name}:{j.fmt}:{j.split.rank_shape}:{j.split.ranges}\n".encode())
+    fp = xxhash.xxh3_128(f"{plan.source.fingerprint}:{args.hexdigest()}".encode())
+    stats = {f: os.stat(f) for f in sorted({j.src.file for j in plan.jobs})}
     files = [rank_file_name(STEM, plan.tp, r) for r in range(plan.tp)]
-    return {"fingerprint": h.hexdigest(), "files": files,
+    return {"fingerprint": fp.hexdigest(), "args": args.hexdigest(), "files": files,
+            "source_files": {os.path.basename(f): [st.st_size, st.st_mtime_ns] for f, st in stats.items()},
             "summary": f"recipe {plan.recipe.name}, tp {plan.tp}, source {plan.source.label}"}
+
+
+def _check_source(plan: PackPlan, out: Path, old: dict | None, state: dict) -> None:
+    """Resuming after the source files were touched: their already converted tensors must hash as recorded
+    (same bytes: resume; otherwise refuse, naming the file). Then the new mtimes are recorded."""
+    was = (old or {}).get("source_files", {})
+    touched = {n for n, st in state["source_files"].items() if was.get(n) != st}
+    if not touched:
+        return
+    reports = out_dir.load_reports(out)
+    for j in plan.jobs:
+        if os.path.basename(j.src.file) not in touched or j.name not in reports:
+            continue
+        if reports[j.name].get("source_xxh3") != source_digest(j.src):
+            raise SourceError(f"{j.src.file}: changed since the unfinished conversion in {out} began "
+                              f"(tensor {j.src.hf_name} differs); add --force to start over")
+    out_dir.write_state(out, state)
 
 
 class _Progress:
@@ -91,7 +113,7 @@ def _run_pool(tasks: list[Task], writers, jobs: int, on_done) -> None:
     budget = max(t.cost for t in tasks) + MEM_SLACK
     pending, inflight, used = list(tasks), {}, 0
     ex = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=init_worker, initargs=(writers,))
+                             initializer=init_worker, initargs=(writers, os.getpid()))
     try:
         while pending or inflight:
             while pending and len(inflight) < jobs:
@@ -160,7 +182,13 @@ def convert(source: str, out: str | os.PathLike, *, recipe: str = DEFAULT, overr
     src = open_source(str(source), vision=vision, mtp=mtp)
     plan = make_plan(src, load_recipe(recipe, tuple(overrides)), tp)
     out = Path(out)
-    mode = out_dir.prepare(out, _state(plan), force)
+    if out.resolve() == src.root.resolve():
+        # the source folder holds files named like ours (README.md) that are not ours to replace
+        raise SourceError(f"{out}: is the source folder; write the artifact to another folder")
+    state, old = _state(plan), out_dir.read_state(out)
+    mode = out_dir.prepare(out, state, force, STEM)
+    if mode != "fresh":
+        _check_source(plan, out, old, state)
     if mode != "publish":
         _execute(plan, out, jobs or default_jobs(), progress)
     return _publish(plan, out, base_model)

@@ -204,8 +204,8 @@ def _resources(root: Path) -> dict[str, bytes]:
 def _fingerprint(files: list[Path], tensors: dict[str, SourceTensor], cfg_bytes: bytes) -> str:
     h = xxhash.xxh3_128(cfg_bytes)
     for f in files:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        # no mtime: a touched source must still resume (the state records mtimes; see convert._check_source)
+        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
     for t in tensors.values():
         h.update(f"{t.name}:{t.hf_name}:{t.fmt}:{t.hf_shape}\n".encode())
     return h.hexdigest()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from .out_dir import CARD_MARKER
 from .pack_plan import PackPlan
 
 
@@ -27,7 +28,7 @@ def _front_matter(plan: PackPlan, report: dict, base_model: str | None) -> list[
               f"  params: {report['totals']['params']}",
               f"  bits_per_weight: {report['totals']['bits_per_weight']}", "  files:"]
     lines += [f"    {_q(f['name'])}: {f['bytes']}" for f in report["files"]]
-    return lines + ["---", ""]
+    return lines + ["---", "", CARD_MARKER, ""]       # the marker: a rerun may replace this card
 
 
 def _gib(n: int) -> str:

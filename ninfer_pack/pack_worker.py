@@ -12,6 +12,7 @@ import os
 import time
 
 import numpy as np
+import xxhash
 
 from ninfer_formats import codecs
 from ninfer_formats.codecs import fp8, nvfp4
@@ -26,10 +27,25 @@ _ROW_MAJOR = frozenset({"f32", "f16", "bf16", "i32", "q6_k", "iq3_s"})   # encod
 _WRITERS: list | None = None
 
 
-def init_worker(writers) -> None:
+def init_worker(writers, parent_pid: int | None = None) -> None:
     """Pool initializer: the rank writers (pickled; each process reopens the .partial files)."""
     global _WRITERS
     _WRITERS = writers
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
+
+
+def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """A SIGKILLed packer cannot shut its pool down; without this its workers would live on forever (they
+    only notice when they next talk to the dead parent, and an idle worker never does). Portable: a daemon
+    thread polls getppid(), which changes when the parent dies (reparenting to init or a subreaper)."""
+    import threading
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def chunks(shape: tuple[int, ...]):
@@ -91,6 +107,19 @@ def _pieces(job: TensorJob, enc, cshape, rank: int, a: int, b: int):
     return out
 
 
+def _hash_rows(h, raw: np.ndarray) -> None:
+    h.update(np.ascontiguousarray(raw).reshape(-1).view(np.uint8).data)
+
+
+def source_digest(src) -> str:
+    """xxh3-128 of a source tensor's stored bytes: tells a resume whether a touched file really changed."""
+    h = xxhash.xxh3_128()
+    with TensorReader(src) as rd:
+        for a, b in chunks(src.shape):
+            _hash_rows(h, rd.rows(a, b))
+    return h.hexdigest()
+
+
 def _encode(job: TensorJob, raw: np.ndarray, gscale):
     if job.fmt == job.src.fmt:                                  # same dtype: bits pass through unchanged
         return codecs.encode(job.fmt, raw, name=job.name)
@@ -122,9 +151,11 @@ def convert_job(job: TensorJob, ranks: tuple[int, ...], gscale, writers) -> dict
     keys = (0,) if job.split.replicated else ranks
     asm = {r: ShardAssembler(job.fmt, job.split.rank_shape) for r in keys}
     err2 = ref2 = 0.0
+    src_hash = xxhash.xxh3_128()
     with TensorReader(job.src) as rd:
         for a, b in chunks(job.src.shape):
             raw = rd.rows(a, b)
+            _hash_rows(src_hash, raw)
             cshape = (b - a,) + tuple(job.src.shape[1:])
             enc = _encode(job, raw, gscale)
             if job.fmt != job.src.fmt:        # pass-through is exact: no error to measure
@@ -141,7 +172,7 @@ def convert_job(job: TensorJob, ranks: tuple[int, ...], gscale, writers) -> dict
             "shape": list(job.src.shape), "rank_shape": list(job.split.rank_shape),
             "bits_per_weight": round(8 * size / max(1, numel(job.src.shape)), 4),
             "rel_rmse": float(np.sqrt(err2 / ref2)) if ref2 > 0 else float(np.sqrt(err2)),
-            "seconds": round(time.perf_counter() - t0, 4)}
+            "seconds": round(time.perf_counter() - t0, 4), "source_xxh3": src_hash.hexdigest()}
 
 
 def run_task(task: Task, writers=None) -> list[dict]:

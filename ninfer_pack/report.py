@@ -7,6 +7,7 @@ from pathlib import Path
 from ninfer_formats.constants import FORMATS
 from ninfer_formats.plan import default_producer
 
+from .out_dir import REPORT_MARKER
 from .pack_plan import PackPlan, numel
 
 
@@ -34,6 +35,7 @@ def build_report(plan: PackPlan, entries: dict[str, dict], files: list[Path], ar
         e = {k: v for k, v in entries.get(j.name, {}).items() if k != "name"}
         tensors[j.name] = e or {"format": j.fmt, "missing": "no report line (converted by an older run)"}
     return {
+        REPORT_MARKER[0]: REPORT_MARKER[1],        # lets a rerun tell our report.json from the user's
         "producer": default_producer(), "source": plan.source.label, "artifact_id": artifact_id,
         "recipe": plan.recipe.describe(), "tp": plan.tp,
         "files": [{"name": f.name, "bytes": f.stat().st_size} for f in files],

@@ -188,3 +188,26 @@ def test_subprocess_verify(tmp_path, good, which):
     r = subprocess.run(cmd + ["inspect", bad[:-3]], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     _one_error_line(r.stderr)
+
+
+def _renamed(tmp_path, good, names):
+    """The good TP2 set copied under other names (rank order of `names` = the files' real ranks)."""
+    d = tmp_path / "renamed"
+    d.mkdir()
+    for src, name in zip(good["tp2"], names):
+        shutil.copy(src, d / name)
+    return d
+
+
+@pytest.mark.parametrize("names,needles", [
+    (("m.tp2-rank1.ninfer", "m.tp2-rank0.ninfer"),
+     ("named m.tp2-rank0.ninfer", "records itself as m.tp2-rank1.ninfer", "rank 1 of tp 2")),
+    (("other.tp2-rank0.ninfer", "m.tp2-rank1.ninfer"),
+     ("other.tp2-rank0.ninfer", "records itself as m.tp2-rank0.ninfer", "rank 0 of tp 2")),
+], ids=["swapped-ranks", "renamed-stem"])
+def test_verify_file_name_must_match_recorded_name(tmp_path, good, names, needles):
+    """Checksums pass, but the runtime finds siblings by their recorded names: verify must refuse too."""
+    d = _renamed(tmp_path, good, names)
+    r = CliRunner().invoke(main, ["verify", str(d)])
+    assert r.exit_code == 1
+    _one_error_line(r.stderr, *needles)

@@ -401,3 +401,17 @@ def test_mixed_and_incomplete_sets(tmp_path):
 
 def test_errors_are_ninfer_errors():
     assert issubclass(ChecksumError, FormatError) and issubclass(FormatError, NinferError)
+
+
+@pytest.mark.parametrize("call", ["pwrite", "write"], ids=["tensor-pwrite", "journal-append"])
+def test_disk_full_names_the_file(tmp_path, tensors, monkeypatch, call):
+    """os.pwrite/os.write on an fd raise OSError without a file name; the CLI would print `error: : ...`."""
+    import errno
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, call, full)
+    with pytest.raises(OSError) as e:
+        write_artifact(tmp_path, "m", tiny_config(), [tensors], RESOURCES, META)
+    assert e.value.errno == errno.ENOSPC
+    assert e.value.filename.endswith("m.tp1-rank0.ninfer.partial" + ("" if call == "pwrite" else ".journal"))

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -264,11 +265,12 @@ def test_publish_after_kill_between_finalize_and_card(small, runs, tmp_path):
     tensors = json.loads((ref / "report.json").read_text())["tensors"]     # the journal survives such a kill
     out_dir.append_reports(out, [{"name": n, **e} for n, e in tensors.items()])
     (out / "README.md").unlink()
+    (out / "model.tp2-rank0.ninfer.partial.journal").write_text("{}\n")    # finalize had not dropped it yet
     mtimes = {f.name: f.stat().st_mtime_ns for f in out.glob("*.ninfer")}
     convert(str(small), out, tp=2, overrides=SMALL_NVFP4, jobs=1, progress=False)
     assert (out / "README.md").read_bytes() == (ref / "README.md").read_bytes()
     assert {f.name: f.stat().st_mtime_ns for f in out.glob("*.ninfer")} == mtimes
-    assert not (out / out_dir.STATE).exists()
+    assert not (out / out_dir.STATE).exists() and not list(out.glob("*.journal"))
 
 
 def _copy(src, dst):
@@ -621,3 +623,153 @@ def test_hub_source_downloads_only_needed_files(small, monkeypatch):
     assert s.label == f"Qwen/Qwen3.8-27B@{small.name}"
     with pytest.raises(SourceError, match="no such folder, and not a Hub repo id"):
         hf_source.open_source("/definitely/not/here")
+
+
+# ---- output folder: resume, foreign files, --force scope, disk full, orphaned workers ----------------
+class _Killed(BaseException):
+    """Stands in for SIGKILL inside the test process (no except clause of the packer catches it)."""
+
+
+def _kill_after_reports(monkeypatch, n):
+    """Die after `n` report lines were journaled (mid-conversion, like KILL_HOOK, but in-process)."""
+    real, calls = out_dir.append_reports, [0]
+
+    def append(d, entries):
+        real(d, entries)
+        calls[0] += 1
+        if calls[0] >= n:
+            raise _Killed
+    monkeypatch.setattr(out_dir, "append_reports", append)
+    return real
+
+
+def _count_jobs(monkeypatch):
+    calls, real = [], pack_worker.convert_job
+    monkeypatch.setattr(pack_worker, "convert_job", lambda job, *a: calls.append(job.name) or real(job, *a))
+    return calls
+
+
+def _small(src, out, **kw):
+    return convert(str(src), out, tp=2, overrides=SMALL_NVFP4, jobs=1, progress=False, **kw)
+
+
+def test_resume_after_kill_between_rank_renames(small, runs, tmp_path, monkeypatch):
+    """rank0 final, rank1 still .partial: the identical command finishes without converting anything again."""
+    ref, out = runs(small, "nvfp4", 2, SMALL_NVFP4), tmp_path / "o"
+    real = os.replace
+
+    def replace(a, b):
+        real(a, b)
+        if str(a).endswith(".ninfer.partial"):
+            raise _Killed
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(_Killed):
+        _small(small, out)
+    monkeypatch.setattr(os, "replace", real)
+    assert (out / "model.tp2-rank0.ninfer").exists() and (out / "model.tp2-rank1.ninfer.partial").exists()
+    calls = _count_jobs(monkeypatch)
+    _small(small, out)
+    assert calls == [] and _bytes(out) == _bytes(ref)
+    assert not (out / out_dir.STATE).exists() and not list(out.glob("*.partial*"))
+
+
+def test_resume_after_source_touched(small, runs, tmp_path, monkeypatch):
+    """New mtimes, same bytes: the identical command resumes (only the unfinished tensors are converted)."""
+    ref, src, out = runs(small, "nvfp4", 2, SMALL_NVFP4), _copy(small, tmp_path / "src" / small.name), tmp_path / "o"
+    real = _kill_after_reports(monkeypatch, 5)
+    with pytest.raises(_Killed):
+        _small(src, out)
+    monkeypatch.setattr(out_dir, "append_reports", real)
+    finished = len(out_dir.load_reports(out))
+    for f in src.glob("*.safetensors"):
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    calls = _count_jobs(monkeypatch)
+    _small(src, out)
+    assert len(calls) == len(json.loads((ref / "report.json").read_text())["tensors"]) - finished
+    assert _bytes(out) == _bytes(ref)
+
+
+def test_resume_refused_when_source_bytes_changed(small, tmp_path, monkeypatch):
+    """Same size, other bytes in an already converted tensor: refused, naming the file and the tensor."""
+    from ninfer_pack.hf_source import open_source
+    src, out = _copy(small, tmp_path / "src" / small.name), tmp_path / "o"
+    real = _kill_after_reports(monkeypatch, 5)
+    with pytest.raises(_Killed):
+        _small(src, out)
+    monkeypatch.setattr(out_dir, "append_reports", real)
+    t = open_source(str(src)).tensors[next(iter(out_dir.load_reports(out)))]
+    with open(t.file, "r+b") as f:
+        f.seek(t.offset)
+        b = f.read(1)
+        f.seek(t.offset)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(SourceError, match=rf"{re.escape(str(t.file))}: changed since the unfinished "
+                                          rf"conversion .* \(tensor {re.escape(t.hf_name)} differs\)"):
+        _small(src, out)
+
+
+def test_out_dir_equal_to_source_is_refused(small):
+    with pytest.raises(SourceError, match="is the source folder"):
+        _small(small, small)
+
+
+@pytest.mark.parametrize("name,text", [("README.md", "# my notes\n"), ("report.json", '{"mine": 1}\n')],
+                         ids=["user-readme", "user-report"])
+def test_foreign_readme_or_report_needs_force(small, tmp_path, name, text):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / name).write_text(text)
+    with pytest.raises(SourceError, match=rf"{name}: not written by ninfer-pack .*add --force"):
+        _small(small, out)
+    assert (out / name).read_text() == text and sorted(p.name for p in out.iterdir()) == [name]
+    _small(small, out, force=True)
+    assert out_dir.written_by_us(out / name)
+
+
+def test_force_deletes_only_this_artifacts_files(small, runs, tmp_path):
+    ref = runs(small, "nvfp4", 2, SMALL_NVFP4)
+    out = _copy(ref, tmp_path / "o")
+    keep = ["other.tp2-rank0.ninfer", "other.tp2-rank1.ninfer.partial", "notes.txt"]
+    for n in keep:
+        (out / n).write_bytes(b"not ours")
+    _small(small, out, force=True)
+    assert all((out / n).read_bytes() == b"not ours" for n in keep)
+    assert _bytes(out) == {**_bytes(ref), **{n: b"not ours" for n in keep}}
+
+
+def test_report_journal_disk_full_names_the_file(tmp_path, monkeypatch):
+    import errno
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as e:
+        out_dir.append_reports(tmp_path, [{"name": "x"}])
+    assert e.value.filename == str(tmp_path / out_dir.REPORT_JOURNAL)
+
+
+def test_worker_exits_when_its_parent_is_killed():
+    """A SIGKILLed packer cannot stop its pool; the workers' watchdog must end them."""
+    child = ("import os, time; from ninfer_pack.pack_worker import _exit_with_parent; "
+             "_exit_with_parent(os.getppid(), 0.05); print('ready', flush=True); time.sleep(60)")
+    parent = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+              "print(p.pid, flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", parent, child], stdout=subprocess.PIPE, text=True,
+                         env=os.environ.copy())
+    pid = int(p.stdout.readline())
+    assert p.stdout.readline().strip() == "ready"
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

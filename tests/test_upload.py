@@ -125,3 +125,15 @@ def test_hub_failure_is_one_line(artifact, fake_api):
     log, err = res.stderr.strip().splitlines()          # the verification log line, then the error
     assert log.startswith("verified artifact ")
     assert err == "error: me/tiny-ninfer: upload failed: 401 Client Error: Unauthorized"
+
+
+def test_renamed_stem_is_not_uploaded(artifact, fake_api, tmp_path):
+    """other.tp2-rank0 next to model.tp2-rank1: every checksum holds, but the runtime cannot load the set."""
+    bad = tmp_path / "bad"
+    shutil.copytree(artifact, bad)
+    (bad / "model.tp2-rank0.ninfer").rename(bad / "other.tp2-rank0.ninfer")
+    res = _run(bad, "me/tiny-ninfer")
+    assert res.exit_code == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "other.tp2-rank0.ninfer" in lines[0] and "model.tp2-rank0.ninfer" in lines[0]
+    assert fake_api.calls == []
