@@ -22,6 +22,7 @@ from ninfer_formats.errors import NinferError
 from ninfer_formats.atomic import write_json_atomic
 
 from .cli import main, user_errors
+from .kv_limits import MIN_KV_TOKENS
 from .vision.cli_options import IMAGE_LIMIT_FLAGS, image_limit_options
 
 if TYPE_CHECKING:
@@ -65,6 +66,16 @@ class GenerateOptions:
                                 + (f" (got {', '.join('--' + g for g in given)})" if given else ""))
         if self.raw == "":              # no chat template around it: nothing to prefill (found before the load)
             raise GenerateError("--raw: empty text; the model needs at least one prompt token")
+        from .tokenizer import text_problem
+        for name in ("prompt", "raw"):  # found now, not as a TypeError in the tokenizer after the load
+            why = getattr(self, name) is not None and text_problem(getattr(self, name))
+            if why:
+                raise GenerateError(f"--{name}: {why}")
+        if self.max_context is not None and self.max_context < MIN_KV_TOKENS:
+            raise GenerateError(f"--max-context: expected at least {MIN_KV_TOKENS} tokens (two KV pages), "
+                                f"got {self.max_context}")
+        if self.stats_json is not None:
+            check_output_path("--stats-json", self.stats_json)
 
 
 def _read_messages(path: str) -> list[dict]:
@@ -84,7 +95,24 @@ def _read_messages(path: str) -> list[dict]:
         if isinstance(m["content"], list):
             for j, part in enumerate(m["content"]):
                 _check_part(f"{path}: messages.{i}.content.{j}", part)
+    from .tokenizer import first_text_problem
+    bad = first_text_problem(msgs, "messages")
+    if bad is not None:
+        raise GenerateError(f"{path}: {bad[0]}: {bad[1]}")
     return msgs
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """Before the (slow) run: the file can be written where asked (its folder exists and is writable, and
+    the path is not a folder), so the results are not lost at the end."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise GenerateError(f"{flag} {path}: is a directory, expected a file path")
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise GenerateError(f"{flag} {path}: parent folder {parent} {what}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise GenerateError(f"{flag} {path}: parent folder {parent} is not writable")
 
 
 def _check_part(where: str, part) -> None:
@@ -186,8 +214,15 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
         rt.close()
     _report(stats, log)
     if opts.stats_json:
-        write_json_atomic(opts.stats_json, stats)
+        _write_stats(opts.stats_json, stats)
     return stats
+
+
+def _write_stats(path: str, stats: dict) -> None:
+    try:       # temp file + rename in the checked folder; no folder is created behind the user's back
+        write_json_atomic(path, stats, make_parents=False)
+    except OSError as e:
+        raise GenerateError(f"--stats-json {path}: cannot write: {e.strerror or e}") from None
 
 
 def _attach_vision(opts: GenerateOptions, rt):
@@ -249,7 +284,8 @@ def _default_device() -> str:
 @click.option("--frequency-penalty", type=float, default=0.0)
 @click.option("--seed", type=int, help="Seed of the request's sampler (reproducible output).")
 @click.option("--no-think", is_flag=True, help="Render the chat template with enable_thinking=False.")
-@click.option("--max-context", type=int, help="Context length in tokens (prompt + generated).")
+@click.option("--max-context", type=int,
+              help=f"Context length in tokens (prompt + generated), at least {MIN_KV_TOKENS}.")
 @click.option("--no-verify", is_flag=True, help="Skip checksum verification at load.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write load/throughput/MTP stats here.")
 @click.option("--eager", is_flag=True, help="Do not capture CUDA graphs (decode/verify/draft steps run eagerly).")
@@ -262,11 +298,12 @@ def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_token
                  max_context, no_verify, stats_json, eager, vision, max_images, max_image_bytes,
                  max_image_pixels, vision_max_pixels):
     """Generate text for one prompt from ARTIFACT_DIR."""
-    from .speculative import SpecConfig
+    from .speculative import MAX_DRAFT_TOKENS
     vis = vision_options(vision, max_images=max_images, max_image_bytes=max_image_bytes,
                          max_image_pixels=max_image_pixels, max_pixels=vision_max_pixels)
     device = device or _default_device()
-    SpecConfig(num_draft_tokens=draft_tokens)              # validates K even when --spec none ignores it
+    if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:          # checked even when --spec none ignores it
+        raise GenerateError(f"--draft-tokens: expected an integer in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens}")
     opts = GenerateOptions(
         artifact=artifact_dir, prompt=prompt, messages=messages, raw=raw, max_new=max_new,
         draft_tokens=draft_tokens if spec == "mtp" else 0, tp=tp, device=device,

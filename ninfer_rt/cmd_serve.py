@@ -6,6 +6,7 @@ import sys
 import click
 
 from .cli import main, user_errors
+from .kv_limits import MIN_KV_TOKENS
 from .vision.cli_options import IMAGE_LIMIT_FLAGS, image_limit_options
 
 TEXT_BODY_MIB, VISION_BODY_MIB = 4.0, 32.0     # --max-body-mib defaults (images arrive as base64 data URIs)
@@ -33,8 +34,8 @@ def _kv_capacity(ctx, param, value):
         n = int(value)
     except ValueError:
         raise click.BadParameter(f"expected a number of tokens or 'auto', got {value!r}") from None
-    if n < 2:
-        raise click.BadParameter(f"expected at least 2 tokens, got {n}")
+    if n < MIN_KV_TOKENS:       # the pool needs two pages (runtime.kv_pages)
+        raise click.BadParameter(f"expected at least {MIN_KV_TOKENS} tokens (two KV pages) or 'auto', got {n}")
     return n
 
 
@@ -52,7 +53,8 @@ def _kv_capacity(ctx, param, value):
               help="Sequences batched together (continuous batching slots).")
 @click.option("--kv-capacity", default="auto", show_default=True, callback=_kv_capacity,
               help="Tokens in the shared KV pool, or 'auto' (free device memory after weights).")
-@click.option("--max-context", default=None, type=click.IntRange(2), help="Prompt + completion tokens per request.")
+@click.option("--max-context", default=None, type=click.IntRange(MIN_KV_TOKENS),
+              help=f"Prompt + completion tokens per request (at least {MIN_KV_TOKENS}).")
 @click.option("--max-pending", default=64, show_default=True, type=click.IntRange(1),
               help="Queued requests before answering 429.")
 @click.option("--default-max-tokens", default=4096, show_default=True, type=click.IntRange(1),

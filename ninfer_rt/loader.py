@@ -113,7 +113,14 @@ def find_rank_file(path_or_dir, rank: int = 0, tp_size: int | None = None) -> st
     (stem, n), ranks = next(iter(sets.items()))
     if rank not in ranks:
         raise LoadError(f"{p}: rank {rank} file {stem}.tp{n}-rank{rank}{SUFFIX} is missing")
-    return os.path.join(p, f"{stem}.tp{n}-rank{rank}{SUFFIX}")
+    return _rank_file(os.path.join(p, f"{stem}.tp{n}-rank{rank}{SUFFIX}"))
+
+
+def _rank_file(path: str) -> str:
+    """`path` if it can be a rank file: a folder under that name would fail later as a bare EISDIR."""
+    if os.path.isdir(path):
+        raise LoadError(f"{path}: is a directory, expected a {SUFFIX} rank file")
+    return path
 
 
 def _check_tp(art, path: str, rank: int, tp_size: int | None) -> None:
@@ -130,7 +137,7 @@ def _check_tp(art, path: str, rank: int, tp_size: int | None) -> None:
         sib = os.path.join(folder, f["name"])
         if not os.path.exists(sib):
             raise LoadError(f"{path}: incomplete TP set: rank {r} file {sib} is missing")
-        with open_artifact(sib) as other:
+        with open_artifact(_rank_file(sib)) as other:
             if other.artifact_id != art.artifact_id:
                 raise LoadError(f"{sib}: belongs to artifact {other.artifact_id}, not {art.artifact_id} "
                                 f"(mixed TP set)")

@@ -25,7 +25,66 @@ def _resource_text(resources: dict, name: str) -> str | None:
     v = resources.get(name)
     if v is None:
         return None
-    return v.decode("utf-8") if isinstance(v, (bytes, bytearray, memoryview)) else str(v)
+    if not isinstance(v, (bytes, bytearray, memoryview)):
+        return str(v)
+    try:
+        return bytes(v).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"resource {name}: not valid UTF-8 "
+                             f"(byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+
+
+def text_problem(text: str) -> str | None:
+    """Why `text` cannot be tokenized, or None. Command-line bytes that are not UTF-8 arrive as surrogate
+    escapes and JSON `\\ud800` as a lone surrogate; the Rust tokenizer refuses both with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        if 0xDC80 <= c <= 0xDCFF:       # os.fsdecode's surrogateescape of one undecodable byte
+            return f"not valid UTF-8 (byte 0x{c - 0xDC00:02x} at character {e.start})"
+        return f"not valid UTF-8 text (lone surrogate U+{c:04X} at character {e.start})"
+    return None
+
+
+def first_text_problem(obj, path: str = "") -> tuple[str, str] | None:
+    """(dotted path, problem) of the first string (key or value) in a JSON value that is not valid text."""
+    stack = [(path, obj)]
+    while stack:                          # iterative: a deeply nested request body must not hit the recursion limit
+        where, v = stack.pop()
+        if isinstance(v, str):
+            why = text_problem(v)
+            if why:
+                return where, why
+        elif isinstance(v, dict):
+            for k, x in reversed(list(v.items())):
+                sub = f"{where}.{k}" if where else str(k)
+                stack.append((sub, x))
+                stack.append((sub, k))    # checked first: a bad key also makes a bad path
+        elif isinstance(v, list):
+            stack.extend((f"{where}.{i}" if where else str(i), x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+class ChatTemplateError(TokenizerError):
+    """The artifact's chat template is unusable or failed while rendering: a server-side problem, not the
+    request's (a template's own `raise_exception` about the messages stays a plain TokenizerError)."""
+
+
+def _pick_template(tcfg: dict):
+    """tokenizer_config.json's chat_template: a string, or HF's list of {name, template} (the default one)."""
+    source = "tokenizer_config.json: chat_template"
+    where = f"resource {source}"
+    t = tcfg.get("chat_template")
+    if t is None or isinstance(t, str):
+        return t, source
+    if isinstance(t, list) and all(isinstance(x, dict) for x in t):
+        t = next((x.get("template") for x in t if x.get("name") == "default"), None)
+        if t is None or isinstance(t, str):
+            return t, source
+        raise ChatTemplateError(f"{where}: the 'default' entry's template is {type(t).__name__}, expected a string")
+    raise ChatTemplateError(f"{where}: expected a string or a list of {{name, template}} objects, "
+                            f"got {type(t).__name__} {t!r:.60}")
 
 
 def _json_resource(resources: dict, name: str) -> dict:
@@ -60,6 +119,8 @@ class Tokenizer:
         self.bos_token, self.eos_token = bos_token, eos_token
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self._template = None
+        self.template_source = "chat_template.jinja"   # named in template errors
+        self.template_problem: str | None = None          # a broken template, reported when it is needed
 
     @classmethod
     def from_resources(cls, resources: dict, eos_token_ids=()) -> Tokenizer:
@@ -69,12 +130,11 @@ class Tokenizer:
             raise TokenizerError("resource tokenizer.json: missing from the artifact")
         tcfg = _json_resource(resources, "tokenizer_config.json")
         gen = _json_resource(resources, "generation_config.json")
-        template = _resource_text(resources, "chat_template.jinja") or tcfg.get("chat_template")
-        if isinstance(template, list):     # HF allows named templates; the default is the one to use
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        template, source, problem = _template_of(resources, tcfg)
         stop = set(_ids(eos_token_ids)) | set(_ids(gen.get("eos_token_id")))
         tok = cls(text, chat_template=template, bos_token=_tok_str(tcfg.get("bos_token")),
                   eos_token=_tok_str(tcfg.get("eos_token")))
+        tok.template_source, tok.template_problem = source, problem
         if tok.eos_token is not None and tok.token_to_id(tok.eos_token) is not None:
             stop.add(tok.token_to_id(tok.eos_token))
         tok.stop_ids = frozenset(stop)
@@ -83,6 +143,9 @@ class Tokenizer:
     # ---- ids <-> text ----
     def encode(self, text: str) -> list[int]:
         """No BOS is added (Qwen); special-token text such as `<|im_start|>` maps to its id."""
+        why = text_problem(text)
+        if why:                  # callers check their inputs first; this keeps a TypeError out of the rest
+            raise TokenizerError(f"prompt text: {why}")
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -98,19 +161,49 @@ class Tokenizer:
     # ---- chat template ----
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, tools=None,
                     **kwargs) -> str:
-        if not self.chat_template:
+        template = self._compiled()
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   tools=tools, bos_token=self.bos_token or "",
+                                   eos_token=self.eos_token or "", **kwargs)
+        except TemplateError as e:       # raise_exception / undefined use: the template refuses these messages
+            raise TokenizerError(f"chat template: {_first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 -- e.g. {{ 1/0 }}: a bug in the artifact's template, not the input
+            raise ChatTemplateError(f"resource {self.template_source}: rendering failed: "
+                                    f"{type(e).__name__}: {_first_line(e)}") from None
+
+    def _compiled(self):
+        if self.template_problem:
+            raise ChatTemplateError(self.template_problem)
+        if not self.chat_template:       # a 400 like vLLM's: the client asked a base model for chat
             raise TokenizerError("resource chat_template.jinja: the artifact has no chat template")
         if self._template is None:
             try:
                 self._template = _jinja_env().from_string(self.chat_template)
-            except TemplateError as e:
-                raise TokenizerError(f"resource chat_template.jinja: {e}") from None
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "", **kwargs)
-        except TemplateError as e:
-            raise TokenizerError(f"chat template: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            except Exception as e:  # noqa: BLE001 -- TemplateSyntaxError mostly; any failure means unusable
+                raise ChatTemplateError(f"resource {self.template_source}: {_first_line(e)}") from None
+        return self._template
+
+    def check_template(self) -> None:
+        """Raise TokenizerError now if the chat template cannot be used (missing, broken, not compiling)."""
+        self._compiled()
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _template_of(resources: dict, tcfg: dict) -> tuple[str | None, str, str | None]:
+    """(template, its source for messages, problem). A broken template is kept as a problem rather than
+    raised: raw prompts and /v1/completions do not need it, chat rendering reports it."""
+    try:
+        jinja = _resource_text(resources, "chat_template.jinja")
+        if jinja:
+            return jinja, "chat_template.jinja", None
+        template, source = _pick_template(tcfg)
+        return template, source, None
+    except TokenizerError as e:
+        return None, "chat_template.jinja", str(e)
 
 
 def _tok_str(v) -> str | None:

@@ -386,12 +386,12 @@ def tiny_resources() -> dict[str, bytes]:
 
 
 def make_tiny_artifact(dir, tiny: TinyHF | None = None, *, tp: int = 1, quant: bool = False, stem: str = "model",
-                       ranks: list[dict] | None = None, **build_kw) -> list[str]:
+                       ranks: list[dict] | None = None, resources: dict | None = None, **build_kw) -> list[str]:
     """Write a tiny TP set `{stem}.tp{tp}-rank{r}.ninfer` into `dir`; returns the paths. `ranks` overrides
-    the tensors (tests that need a broken inventory)."""
+    the tensors (tests that need a broken inventory), `resources` the tokenizer files (broken templates)."""
     from ninfer_formats.container import write_artifact
     tiny = tiny or build_hf_model(**build_kw)
     cfg = model_config_from_hf(tiny.text_config, mtp=tiny.mtp is not None, vision_config=tiny.vision_config)
     ranks = ranks if ranks is not None else artifact_tensors(tiny, tp=tp, quant=quant)
     meta = {"source": "hf_tiny", "recipe": {"default": "nvfp4+f8" if quant else "plain"}}
-    return write_artifact(dir, stem, cfg, ranks, tiny_resources(), meta)
+    return write_artifact(dir, stem, cfg, ranks, resources if resources is not None else tiny_resources(), meta)

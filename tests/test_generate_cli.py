@@ -48,7 +48,10 @@ def test_generate_with_mtp_matches_plain_greedy_and_writes_stats(packed, tmp_pat
     assert s["generated_tokens"] == 16 and s["drafted"] > 0 and len(s["acceptance_per_position"]) == 3
     assert s["tokens_per_round"] >= 1.0 and s["load_s"] > 0 and s["decode_tok_s"] > 0
     assert "mtp K=3: accepted" in spec.stderr and "tok/s" in spec.stderr
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".stats-")]      # temp file renamed away
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".stats")]       # temp file renamed away
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stats.stat().st_mode & 0o777 == 0o666 & ~umask      # an ordinary file, not mkstemp's 0600
 
 
 def test_chat_prompt_messages_and_sampling_seed(packed, tmp_path):
@@ -100,28 +103,41 @@ def bad_artifacts(tmp_path_factory, packed):
     ("packed", [], r"exactly one of --prompt, --messages, --raw"),
     ("packed", ["--raw", "x", "--prompt", "y"], r"exactly one of"),
     ("packed", ["--raw", ""], r"--raw: empty text"),
-    ("packed", ["--raw", "x", "--spec", "mtp", "--draft-tokens", "9"], r"num_draft_tokens"),
-    ("packed", ["--raw", "x", "--draft-tokens", "9"], r"num_draft_tokens"),
+    ("packed", ["--raw", "x", "--spec", "mtp", "--draft-tokens", "9"], r"^error: --draft-tokens: .*1\.\.7, got 9$"),
+    ("packed", ["--raw", "x", "--draft-tokens", "9"], r"^error: --draft-tokens: "),
     ("packed", ["--raw", "x", "--top-p", "0"], r"top_p"),
     ("packed", ["--messages", "MISSING"], r"missing\.json: No such file"),
     ("packed", ["--messages", "BADJSON"], r"not valid JSON"),
     ("packed", ["--messages", "TEXTPART"], r"messages\.0\.content\.1\.text: expected a string"),
     ("packed", ["--messages", "NUMPART"], r"messages\.0\.content\.0: expected an object with 'type'"),
     ("missing", ["--raw", "x"], r"no such file or folder"),
+    # argv bytes that are not UTF-8 reach Python as surrogate escapes (os.fsdecode)
+    ("packed", ["--raw", "\udcff\udcfe"], r"^error: --raw: not valid UTF-8 \(byte 0xff"),
+    ("packed", ["--prompt", "a\udcff"], r"^error: --prompt: not valid UTF-8 \(byte 0xff at character 1\)"),
+    ("packed", ["--messages", "SURROGATE"], r"surrogate\.json: messages\.0\.content: .*lone surrogate U\+D800"),
+    ("packed", ["--raw", "x", "--max-context", "31"], r"^error: --max-context: expected at least 32 tokens"),
+    ("packed", ["--raw", "x", "--stats-json", "NOPARENT"],
+     r"^error: --stats-json .*nope.s\.json: parent folder .* does not exist"),
+    ("packed", ["--raw", "x", "--stats-json", "FILEPARENT"],
+     r"^error: --stats-json .*: parent folder .* is not a directory"),
 ], ids=["corrupt-tensor", "other-model", "no-mtp", "overlong-prompt", "no-prompt", "two-prompts", "empty-raw", "bad-k",
         "bad-k-without-spec", "bad-top-p", "missing-messages", "bad-messages", "text-part-not-string",
-        "part-not-object", "missing-artifact"])
+        "part-not-object", "missing-artifact", "raw-not-utf8", "prompt-not-utf8", "messages-lone-surrogate",
+        "max-context-under-two-pages", "stats-json-no-folder", "stats-json-folder-is-a-file"])
 def test_bad_input_is_one_line_error(packed, bad_artifacts, tmp_path, case, args, message):
     import re
     art = {"packed": packed, "missing": tmp_path / "nope", **bad_artifacts}[case]
     files = {"BADJSON": "[{", "MISSING": None,
              "TEXTPART": json.dumps([{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                   {"type": "text", "text": 5}]}]),
-             "NUMPART": json.dumps([{"role": "user", "content": [7]}])}
+             "NUMPART": json.dumps([{"role": "user", "content": [7]}]),
+             "SURROGATE": '[{"role": "user", "content": "hi \\ud800 there"}]'}
     for name, text in files.items():
         if text is not None:
             (tmp_path / f"{name.lower()}.json").write_text(text)
-    args = [str(tmp_path / f"{a.lower()}.json") if a in files else a for a in args]
+    (tmp_path / "afile").write_text("")
+    paths = {"NOPARENT": tmp_path / "nope" / "s.json", "FILEPARENT": tmp_path / "afile" / "s.json"}
+    args = [str(tmp_path / f"{a.lower()}.json") if a in files else str(paths.get(a, a)) for a in args]
     res = cli(art, *args)
     assert res.exit_code == 2, (res.exit_code, res.stderr)
     errors = [ln for ln in res.stderr.strip().splitlines() if ln.startswith("error: ")]
@@ -130,6 +146,7 @@ def test_bad_input_is_one_line_error(packed, bad_artifacts, tmp_path, case, args
     assert "Traceback" not in res.stderr and res.stdout == ""
     if case == "packed" and "prompt has" not in message:     # caught before the (slow) load
         assert "KV pool" not in res.stderr, res.stderr
+    assert not (tmp_path / "nope").exists()                  # --stats-json never creates folders
 
 
 def test_tp2_generate_matches_tp1_and_reports_a_bad_follower_shard(tmp_path):
@@ -160,3 +177,43 @@ def test_bad_generation_config_values_are_one_line_errors(key, value):
     flag = {"temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1}[key]     # a flag given wins
     assert getattr(sampling_params(GenerateOptions(artifact="a", raw="x", **{key: flag}),
                                    {"do_sample": True, key: value}, ()), key) == flag
+
+
+def _template_resources(**changes) -> dict:
+    from hf_tiny import tiny_resources
+    res = tiny_resources()
+    tcfg = json.loads(res["tokenizer_config.json"])
+    if "tc" in changes:                          # tokenizer_config.json's chat_template, no .jinja file
+        del res["chat_template.jinja"]
+        res["tokenizer_config.json"] = json.dumps({**tcfg, "chat_template": changes["tc"]}).encode()
+    if "jinja" in changes:
+        res["chat_template.jinja"] = changes["jinja"]
+    return res
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"tc": ["oops"]}, r"^error: resource tokenizer_config\.json: chat_template: expected a string or a list"),
+    ({"tc": 5}, r"^error: resource tokenizer_config\.json: chat_template: expected .* got int 5$"),
+    ({"jinja": b"\xff\xfe{{ x }}"}, r"^error: resource chat_template\.jinja: not valid UTF-8"),
+    ({"jinja": b"{{ 1/0 }}"}, r"^error: resource chat_template\.jinja: rendering failed: ZeroDivisionError"),
+], ids=["list-of-strings", "number", "not-utf8", "raises-at-render"])
+def test_broken_chat_template_fails_chat_prompts_only(tmp_path, change, message):
+    import re
+    make_tiny_artifact(tmp_path / "art", build_hf_model(seed=1), resources=_template_resources(**change))
+    res = cli(tmp_path / "art", "--prompt", "hi", "--max-new", "2")
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    errors = [ln for ln in res.stderr.strip().splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and re.search(message, errors[0]), res.stderr
+    raw = cli(tmp_path / "art", "--raw", "hi", "--max-new", "2")      # a raw prompt needs no template
+    assert raw.exit_code == 0 and raw.stdout, raw.stderr
+
+
+def test_tp2_rank_file_that_is_a_folder_is_named(tmp_path):
+    make_tiny_artifact(tmp_path, build_hf_model(seed=1), tp=2)
+    rank1 = tmp_path / "model.tp2-rank1.ninfer"
+    rank1.unlink()
+    rank1.mkdir()
+    res = cli(tmp_path, "--raw", "x", "--tp", "2", "--max-new", "2")
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last == f"error: {rank1}: is a directory, expected a .ninfer rank file", res.stderr

@@ -82,7 +82,11 @@ def _cli(args):
     (["{art}", "--port", "{busy}"], "cannot bind"),
     (["{art}", "--max-context", "100000", "--port", "0", "--device", "cpu"], "at most 512 positions"),
     (["hf://not-a-repo"], "expected hf://ORG/REPO"),
-], ids=["missing-artifact", "bad-kv-capacity", "port-in-use", "context-over-model", "bad-hf-spec"])
+    # the KV pool needs two 16-token pages: refused at parsing, not after the load with a misleading hint
+    (["{art}", "--kv-capacity", "31", "--port", "{busy}"], "'--kv-capacity': expected at least 32 tokens"),
+    (["{art}", "--max-context", "31", "--port", "{busy}"], "'--max-context': 31 is not in the range x>=32"),
+], ids=["missing-artifact", "bad-kv-capacity", "port-in-use", "context-over-model", "bad-hf-spec",
+        "kv-capacity-under-two-pages", "max-context-under-two-pages"])
 def test_cli_errors_are_one_line(tmp_path_factory, args, needle):
     art = tiny_artifact(tmp_path_factory)
     busy = socket.socket()

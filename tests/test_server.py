@@ -284,6 +284,10 @@ BAD_REQUESTS = [
     ("response-format-json", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("best-of-2", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "best_of": 2}, 400, "best_of"),
+    # JSON's "\\ud800" decodes to a lone surrogate no tokenizer takes (json.dumps writes it escaped)
+    ("lone-surrogate-chat", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "hi \ud800 there"}]}, 400, "messages.0.content"),
+    ("lone-surrogate-prompt", "/v1/completions", {"model": MODEL_ID, "prompt": "a\udfff"}, 400, "prompt"),
 ]
 
 
@@ -318,6 +322,23 @@ def test_bad_requests_get_openai_errors(fake, path, body, status, param):
     assert err["param"] == param
     ok = _post(srv, "/v1/chat/completions", CHAT)        # the server keeps serving
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("resources,needle", [
+    ({"chat_template.jinja": b"{{ 1/0 }}"}, "resource chat_template.jinja: rendering failed: ZeroDivisionError"),
+    ({"tokenizer_config.json": b'{"chat_template": 5}'}, "resource tokenizer_config.json: chat_template: expected"),
+], ids=["raises-at-render", "number"])
+def test_broken_chat_template_is_a_500_naming_it(fake, resources, needle):
+    """The artifact's template, not the request, is at fault: a 500 with the OpenAI error body; the
+    completions route (no template) keeps working."""
+    srv, _, _ = fake
+    res = {"tokenizer.json": hf_tiny.tokenizer_json(), **resources}
+    srv.state.tokenizer = Tokenizer.from_resources(res, eos_token_ids=[hf_tiny.EOS_ID])
+    r = _post(srv, "/v1/chat/completions", CHAT)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "chat_template_error" and needle in err["message"]
+    assert _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
 def test_huge_body_is_413_with_and_without_content_length(fake):

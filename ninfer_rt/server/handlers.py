@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..sampling import SamplingError, SamplingParams
-from ..tokenizer import TokenizerError
+from ..tokenizer import ChatTemplateError, TokenizerError
 from . import protocol as P
 from .reasoning import ReasoningSplitter, prompt_think_state
 
@@ -53,7 +53,9 @@ def chat_prompt(tok, req: P.ChatRequest) -> list[int]:
         raise P.bad_request(f"chat_template_kwargs: {bad[0]!r} cannot be set here", param="chat_template_kwargs")
     try:
         text = tok.render_chat(P.chat_messages(req), add_generation_prompt=True, **extra)
-    except TokenizerError as e:
+    except ChatTemplateError as e:     # the artifact's template is broken: the server's fault, not the request's
+        raise P.ApiError(500, str(e), type="server_error", code="chat_template_error") from None
+    except TokenizerError as e:        # the template's raise_exception refused these messages
         raise P.bad_request(str(e), param="messages") from None
     return tok.encode(text)
 

@@ -117,12 +117,22 @@ def parse(model: type[_Strict], data) -> _Strict:
         loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
         param = ".".join(loc) or None
         raise bad_request(f"{param or 'body'}: {err['msg']}", param=param) from None
+    _check_text(data)
     _check_common(req)
     return req
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "ContentPart", "ImageURL", "StreamOptions",
                "ChatMessage"}
+
+
+def _check_text(data: dict) -> None:
+    """JSON may escape a lone surrogate (`"\\ud800"`); no tokenizer can take it, so it is the client's 400."""
+    from ..tokenizer import first_text_problem
+    bad = first_text_problem(data)
+    if bad is not None:
+        where, why = bad
+        raise bad_request(f"{where or 'body'}: {why}", param=where or None)
 
 
 def _check_common(req: _Sampling) -> None:

@@ -22,6 +22,8 @@ import torch
 
 from ninfer_formats.errors import NinferError
 
+from ..kv_limits import MIN_KV_TOKENS, PAGE_SIZE
+
 if TYPE_CHECKING:
     from ..vision.setup import VisionOptions
 
@@ -29,7 +31,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_KV_TOKENS = 32768
 HEADROOM_BYTES = 1 << 30
 DEFAULT_CONTEXT = 8192
-PAGE_SIZE = 16
 DEFAULT_VISION_TOKENS = 4096        # image tokens per request (--vision-max-tokens)
 
 
@@ -64,8 +65,9 @@ class RuntimeOptions:
                 raise ServeError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
         for name in ("kv_capacity", "max_context"):
             v = getattr(self, name)
-            if v is not None and v < 2:
-                raise ServeError(f"--{name.replace('_', '-')}: expected at least 2 tokens, got {v}")
+            if v is not None and v < MIN_KV_TOKENS:
+                raise ServeError(f"--{name.replace('_', '-')}: expected at least {MIN_KV_TOKENS} tokens "
+                                 f"(two KV pages), got {v}")
         if self.vision is not None:
             from ..vision.setup import VisionOptions
             if not isinstance(self.vision, VisionOptions):
@@ -145,7 +147,7 @@ def kv_pages(cfg, opts: RuntimeOptions, device: torch.device, group) -> int:
     if group is not None and group.size > 1:
         tokens = min(group.all_gather_object(tokens))
     tokens = min(tokens, opts.max_concurrency * ctx)
-    if tokens < 2 * PAGE_SIZE:
+    if tokens < MIN_KV_TOKENS:
         raise ServeError(f"KV cache: only {tokens} tokens fit (context {ctx}); free device memory, raise "
                          f"--kv-capacity or --max-context, or lower --max-concurrency / --draft-tokens")
     return tokens // PAGE_SIZE

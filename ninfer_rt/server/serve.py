@@ -110,7 +110,18 @@ class _Loader(threading.Thread):
                        tp=ropts.tp, max_concurrency=ropts.max_concurrency, kv_pages=pool.num_pages,
                        page_size=pool.page_size, max_context=sched.max_context, draft_tokens=ropts.draft_tokens,
                        vision_max_tokens=ropts.vision_max_tokens if rt.vision is not None else None)
+        _warn_template(rt.tokenizer)
         print(f"ninfer-rt serve: {self.state.model_id} ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+
+
+def _warn_template(tok) -> None:
+    """A broken chat template does not stop the server (/v1/completions needs none); say so once at start,
+    chat requests then get an error naming the same problem."""
+    from ..tokenizer import TokenizerError
+    try:
+        tok.check_template()
+    except TokenizerError as e:
+        print(f"ninfer-rt serve: warning: {e}; chat requests will fail", file=sys.stderr)
 
 
 def _thread_init(opts: RuntimeOptions, rt):
