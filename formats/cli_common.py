@@ -10,7 +10,7 @@ from .errors import NinferError
 
 
 def user_errors(fn):
-    """Report NinferError/OSError as `error: <message>` on stderr with exit 2."""
+    """Report NinferError/OSError as `error: <message>` on stderr with exit 2; Ctrl-C as `error: interrupted`, 130."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -21,4 +21,7 @@ def user_errors(fn):
         except OSError as e:
             click.echo(f"error: {e.filename or ''}: {e.strerror or e}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:       # Ctrl-C: one line and the shell's 128 + SIGINT, not click's "Aborted!"
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
     return wrapper

@@ -22,6 +22,7 @@ import xxhash
 
 from ninfer_formats.container import RankWriter, finalize_set, open_artifact, rank_file_name
 from ninfer_formats.errors import NinferError, SourceError
+from ninfer_formats.proc_signals import parent_signals_blocked
 
 from . import out_dir
 from .hf_source import open_source
@@ -121,7 +122,8 @@ def _run_pool(tasks: list[Task], writers, jobs: int, on_done) -> None:
                 if k is None:
                     break
                 t = pending.pop(k)
-                inflight[ex.submit(run_task, t)] = t
+                with parent_signals_blocked((signal.SIGINT,)):   # a worker may start here; see proc_signals
+                    inflight[ex.submit(run_task, t)] = t
                 used += t.cost
             finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
             for f in finished:
@@ -131,8 +133,21 @@ def _run_pool(tasks: list[Task], writers, jobs: int, on_done) -> None:
     except BrokenProcessPool:
         raise PackError("a worker process died (out of memory? try a smaller -j); "
                         "rerun the same command to resume") from None
+    except BaseException:
+        _end_workers(ex)     # Ctrl-C or an error: the workers ignore SIGINT, so do not wait for their tasks
+        raise
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _end_workers(ex: ProcessPoolExecutor) -> None:
+    """Terminate the pool's workers now (a half-written tensor has no report line, so resume redoes it)."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
 
 
 def _execute(plan: PackPlan, out: Path, jobs: int, progress: bool) -> None:

@@ -28,7 +28,11 @@ _WRITERS: list | None = None
 
 
 def init_worker(writers, parent_pid: int | None = None) -> None:
-    """Pool initializer: the rank writers (pickled; each process reopens the .partial files)."""
+    """Pool initializer: the rank writers (pickled; each process reopens the .partial files). Ctrl-C is the
+    parent's to handle (it ends the workers and prints one line); the workers ignore SIGINT."""
+    import signal
+    from ninfer_formats.proc_signals import ignore_in_child
+    ignore_in_child((signal.SIGINT,))
     global _WRITERS
     _WRITERS = writers
     if parent_pid is not None:

@@ -195,10 +195,10 @@ class Engine(Core):
         if not self.has_work():
             return []
         plan = self._schedule()
-        if self.tp.size > 1:
-            self._send_plan(plan)
         t0 = time.perf_counter()
         try:
+            if self.tp.size > 1:
+                self._send_plan(plan)
             results = self._execute(plan)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -12,6 +12,7 @@ itself the same way and falls back to NCCL for everything when it cannot be used
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from ninfer_formats.errors import NinferError
+from ninfer_formats.proc_signals import ignore_in_child, parent_signals_blocked
 
 from . import allreduce
 from .tp_group import TPGroup
@@ -151,6 +153,10 @@ def _init(rank: int, size: int, store, device: str) -> DistGroup:
 
 
 def _follower_entry(rank, size, port, device, follower_fn, args):
+    # Ctrl-C / SIGTERM reach the whole process group: rank 0 owns the shutdown (it stops the followers, or
+    # closes the group, which ends them here); they were blocked while this process started (proc_signals)
+    ignore_in_child()
+    _watch_parent()
     os.environ.update(TP_ENV)
     group = None
     try:
@@ -163,11 +169,40 @@ def _follower_entry(rank, size, port, device, follower_fn, args):
     except NinferError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception as e:
+        if group is not None and _peer_gone(e):
+            sys.exit(RANK0_GONE)    # rank 0 closed the group (interrupted, or it failed and reports it)
+        raise
     finally:
         if group is not None:
             group.p2p = None        # the symmetric buffer goes before the process group it was exchanged over
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _watch_parent(period_s: float = 1.0) -> None:
+    """Exit when rank 0's process is gone (killed, or ended by a signal the followers ignore): a follower
+    blocked in an NCCL collective would otherwise wait for its timeout."""
+    import threading
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(RANK0_GONE)
+    threading.Thread(target=watch, name="ninfer-tp-parent-watch", daemon=True).start()
+
+
+RANK0_GONE = 3      # a follower's exit code when rank 0 closed the group under it
+
+
+def _peer_gone(e: BaseException) -> bool:
+    """A collective failed because another rank closed its connections (rank 0 shut the group down)."""
+    if isinstance(e, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(k in text for k in (
+        "connection closed", "connection reset", "broken pipe", "socket closed"))
 
 
 class Launch:
@@ -176,17 +211,16 @@ class Launch:
     def __init__(self, group: DistGroup, procs: list):
         self.group, self.procs = group, procs
 
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float = 60.0, released: bool = True) -> None:
+        """Wait up to timeout_s for the followers to exit, then kill the rest. released=False: they were not
+        told to stop (a step or the load was interrupted or failed) and sit in a collective that rank 0 will
+        never join, so they are killed at once."""
         self.group.p2p = None
+        if not released:
+            _kill(self.procs)
         if dist.is_initialized():
             dist.destroy_process_group()
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():           # stuck in a collective after rank 0 gave up: end our own child
-                p.terminate()
-                p.join(5)
+        _kill(self.procs, grace_s=timeout_s)    # stuck in a collective after rank 0 gave up: end our own children
 
     def __enter__(self):
         return self
@@ -208,19 +242,43 @@ def launch(size: int, follower_fn, args=(), *, device: str = "cpu", join_timeout
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_follower_entry, args=(r, size, store.port, device, follower_fn, args),
                          daemon=True) for r in range(1, size)]
-    for p in procs:
-        p.start()
+    with parent_signals_blocked():      # the followers ignore them once started (proc_signals)
+        for p in procs:
+            p.start()
+    _STARTED[:] = [p for p in _STARTED if p.exitcode is None] + procs
     try:
         _wait_joined(store, procs, join_timeout_s)
         group = _init(0, size, store, device)
     except BaseException:
-        for p in procs:
-            p.terminate()
-            p.join(5)
+        _kill(procs, grace_s=0.0)
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
     return Launch(group, procs)
+
+
+_STARTED: list = []     # every follower this process started (end_followers)
+
+
+def end_followers() -> None:
+    """Kill the followers still running (they ignore SIGINT/SIGTERM). Registered at exit, ahead of
+    multiprocessing's own exit hook, which would only send SIGTERM and then wait for them."""
+    _kill(_STARTED)
+
+
+atexit.register(end_followers)
+
+
+def _kill(procs, grace_s: float = 0.0) -> None:
+    """SIGKILL the followers still running after `grace_s` (they ignore SIGINT/SIGTERM) and reap them."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def _wait_joined(store, procs, timeout_s: float) -> None:

@@ -86,11 +86,14 @@ class Runtime:
     vision: object = None               # VisionRuntime (rank 0) when serving with vision
 
     def close(self) -> None:
+        released = False            # the followers were told to stop (else they sit in a step's collective)
         try:
+            usable = self.engine.usable
             self.engine.shutdown()
+            released = usable
         finally:
             if self.launch is not None:
-                self.launch.close()
+                self.launch.close(released=released)
             self.loaded.close()
 
 
@@ -226,9 +229,9 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
         return engine, Tokenizer.from_resources(loaded.resources, eos_token_ids=loaded.config.eos_token_ids), vis
     try:
         loaded, pages, (engine, tok, vis) = _build(opts, group, rank_device(opts.device, 0), make)
-    except BaseException:
-        if lch is not None:
-            lch.close(timeout_s=10)
+    except BaseException as e:
+        if lch is not None:     # an agreed load error ends the followers by itself; an interrupt does not
+            lch.close(timeout_s=10, released=not isinstance(e, KeyboardInterrupt))
         raise
     print(f"ninfer-rt: KV pool {pages} pages x {PAGE_SIZE} tokens, context {engine.max_model_len}, "
           f"{opts.max_concurrency} slots, tp {opts.tp}" + (", vision" if vis is not None else "") +

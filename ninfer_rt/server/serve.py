@@ -72,17 +72,21 @@ class _Loader(threading.Thread):
         self.opts, self.state, self.server, self.log = opts, state, server, log
         self.runtime = self.scheduler = None
         self.failed = False
+        self.abandoned = False      # the server stopped while this was loading: the process is exiting
 
     def run(self) -> None:
+        # abandoned: the server stopped mid-load and the process is exiting (its TP ranks are ended under the
+        # load in progress); whatever that raises here is not news
         try:
             self._load()
         except (NinferError, OSError) as e:
-            msg = str(e) if isinstance(e, NinferError) else f"{e.filename or ''}: {e.strerror or e}"
-            self._give_up(msg)
+            if not self.abandoned:
+                self._give_up(str(e) if isinstance(e, NinferError) else f"{e.filename or ''}: {e.strerror or e}")
         except BaseException as e:      # a bug: still stop the server instead of serving 503 forever
-            import traceback
-            traceback.print_exc(file=sys.stderr)
-            self._give_up(f"loading failed: {type(e).__name__}: {e}")
+            if not self.abandoned:
+                import traceback
+                traceback.print_exc(file=sys.stderr)
+                self._give_up(f"loading failed: {type(e).__name__}: {e}")
 
     def _give_up(self, msg: str) -> None:
         self.failed = True
@@ -135,7 +139,7 @@ def _thread_init(opts: RuntimeOptions, rt):
 
 
 def run_server(opts: ServeOptions) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code (2 when loading failed)."""
+    """Serve until SIGTERM/SIGINT; returns the exit code (2 when loading failed, 130 after Ctrl-C, else 0)."""
     import uvicorn
     if not opts.runtime.artifact.startswith("hf://"):
         resolve_artifact(opts.runtime.artifact)          # a missing artifact fails before binding
@@ -146,13 +150,21 @@ def run_server(opts: ServeOptions) -> int:
                             timeout_keep_alive=5)
     server = uvicorn.Server(config)
     loader = _Loader(opts, state, server, log)
-    loader.start()
-    print(f"ninfer-rt serve: listening on http://{opts.host}:{sock.getsockname()[1]} (loading the model)",
-          file=sys.stderr)
     # uvicorn re-raises the signal that stopped it once it returns; with these handlers in place that
-    # re-raise lands here (a no-op) instead of killing the process before the engine and TP ranks shut down
-    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # re-raise is only noted (it picks the exit code) instead of killing the process before the engine and
+    # TP ranks shut down; signals after that change nothing: shutdown is already under way and bounded.
+    # Installed before anything starts, so a Ctrl-C before uvicorn's own handlers is not lost either.
+    stops: list[int] = []
+
+    def on_signal(sig, frame) -> None:
+        stops.append(sig)
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        loader.start()
+        print(f"ninfer-rt serve: listening on http://{opts.host}:{sock.getsockname()[1]} (loading the model)",
+              file=sys.stderr)
         server.run(sockets=[sock])
     finally:
         t_stop = time.monotonic()
@@ -162,16 +174,28 @@ def run_server(opts: ServeOptions) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print(f"ninfer-rt serve: stopped ({time.monotonic() - t_stop:.1f} s to shut down)", file=sys.stderr)
-    return 2 if loader.failed else 0
+    rc = 2 if loader.failed else 130 if signal.SIGINT in stops else 0   # Ctrl-C: the shell's 128 + SIGINT
+    if loader.abandoned:
+        _exit_now(rc)
+    return rc
 
 
-def _note_signal(sig, frame) -> None:
-    """Signals after uvicorn returned: shutdown is already under way and bounded; nothing more to do."""
+def _exit_now(rc: int) -> None:
+    """Exit with the loader thread still inside torch: interpreter teardown under its C++ threads can abort
+    ('terminate called without an active exception'), so end the TP ranks and leave without it."""
+    import os
+    tp = sys.modules.get("ninfer_rt.tp")
+    if tp is not None:
+        tp.end_followers()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def _shutdown(loader: _Loader, drain_s: float) -> None:
     """Let the scheduler finish what uvicorn's drain left running, then cancel the rest and close the engine."""
     if loader.is_alive():
+        loader.abandoned = True
         print("ninfer-rt serve: shut down while still loading", file=sys.stderr)
         return
     if loader.scheduler is not None:
