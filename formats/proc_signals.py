@@ -12,8 +12,10 @@ parent receives its own pending copy as soon as it unblocks them.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
+import time
 
 PARENT_OWNED = (signal.SIGINT, signal.SIGTERM)
 
@@ -54,3 +56,14 @@ def ignore_in_child(signals=PARENT_OWNED) -> None:
         signal.signal(s, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def exit_with_parent(parent_pid: int, code: int, poll_s: float = 0.5) -> None:
+    """In a helper process: exit with `code` once the parent process is gone. A killed parent cannot end its
+    helpers, and they ignore the group signals (above); an idle one would otherwise live on forever. Portable:
+    a daemon thread polls getppid(), which changes when the parent dies (reparenting to init or a subreaper)."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(code)
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

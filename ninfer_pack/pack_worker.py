@@ -31,25 +31,12 @@ def init_worker(writers, parent_pid: int | None = None) -> None:
     """Pool initializer: the rank writers (pickled; each process reopens the .partial files). Ctrl-C is the
     parent's to handle (it ends the workers and prints one line); the workers ignore SIGINT."""
     import signal
-    from ninfer_formats.proc_signals import ignore_in_child
+    from ninfer_formats.proc_signals import exit_with_parent, ignore_in_child
     ignore_in_child((signal.SIGINT,))
     global _WRITERS
     _WRITERS = writers
     if parent_pid is not None:
-        _exit_with_parent(parent_pid)
-
-
-def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
-    """A SIGKILLed packer cannot shut its pool down; without this its workers would live on forever (they
-    only notice when they next talk to the dead parent, and an idle worker never does). Portable: a daemon
-    thread polls getppid(), which changes when the parent dies (reparenting to init or a subreaper)."""
-    import threading
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(poll_s)
-        os._exit(1)
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+        exit_with_parent(parent_pid, 1)
 
 
 def chunks(shape: tuple[int, ...]):

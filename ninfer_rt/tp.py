@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from ninfer_formats.errors import NinferError
-from ninfer_formats.proc_signals import ignore_in_child, parent_signals_blocked
+from ninfer_formats.proc_signals import exit_with_parent, ignore_in_child, parent_signals_blocked
 
 from . import allreduce
 from .tp_group import TPGroup
@@ -156,7 +156,7 @@ def _follower_entry(rank, size, port, device, follower_fn, args):
     # Ctrl-C / SIGTERM reach the whole process group: rank 0 owns the shutdown (it stops the followers, or
     # closes the group, which ends them here); they were blocked while this process started (proc_signals)
     ignore_in_child()
-    _watch_parent()
+    exit_with_parent(os.getppid(), RANK0_GONE, 1.0)    # rank 0 killed: do not sit in a collective
     os.environ.update(TP_ENV)
     group = None
     try:
@@ -178,19 +178,6 @@ def _follower_entry(rank, size, port, device, follower_fn, args):
             group.p2p = None        # the symmetric buffer goes before the process group it was exchanged over
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _watch_parent(period_s: float = 1.0) -> None:
-    """Exit when rank 0's process is gone (killed, or ended by a signal the followers ignore): a follower
-    blocked in an NCCL collective would otherwise wait for its timeout."""
-    import threading
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(period_s)
-        os._exit(RANK0_GONE)
-    threading.Thread(target=watch, name="ninfer-tp-parent-watch", daemon=True).start()
 
 
 RANK0_GONE = 3      # a follower's exit code when rank 0 closed the group under it

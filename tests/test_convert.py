@@ -750,8 +750,8 @@ def test_report_journal_disk_full_names_the_file(tmp_path, monkeypatch):
 
 def test_worker_exits_when_its_parent_is_killed():
     """A SIGKILLed packer cannot stop its pool; the workers' watchdog must end them."""
-    child = ("import os, time; from ninfer_pack.pack_worker import _exit_with_parent; "
-             "_exit_with_parent(os.getppid(), 0.05); print('ready', flush=True); time.sleep(60)")
+    child = ("import os, time; from ninfer_formats.proc_signals import exit_with_parent; "
+             "exit_with_parent(os.getppid(), 1, 0.05); print('ready', flush=True); time.sleep(60)")
     parent = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
               "print(p.pid, flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", parent, child], stdout=subprocess.PIPE, text=True,
