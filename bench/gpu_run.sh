@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call (H200) that runs the named steps in order; results under $OUT (at most 8 files come back):
 #   tuner     GPU pytest of the GEMV tuner's timer
+#   h2test    GPU pytest of the packed-half2 GEMVs (compiled PTX path against the codec references)
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them)
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 # Env: ANATOMY_S, KERNELS_S, SERVE_S, TOTAL_S (whole call, default 580), RECIPES and PARTS (comma lists), SERVE_C,
-# ANATOMY_SHAPES, ANATOMY_CONFIGS.
+# ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values).
 #     bash bench/gpu_run.sh anatomy kernels decode
 set -u
 source bench/device_env.sh
@@ -20,13 +21,15 @@ for step in "$@"; do
   echo "== $step at $(el) s"
   case $step in
     tuner) timeout 120 python3 -m pytest -q -x tests/test_kernels_tuner.py 2>&1 | tail -3 ;;
+    h2test) timeout 150 python3 -m pytest -q -x tests/test_kernels_gemv_h2.py 2>&1 | tail -3 ;;
     anatomy)
       timeout ${ANATOMY_S:-150} python3 bench/gemv_anatomy.py --out "$OUT/gemv_anatomy.json" \
         --shapes ${ANATOMY_SHAPES:-attn_qkv mlp_gate_up mlp_down attn_qkv_tp2} \
         --configs ${ANATOMY_CONFIGS:-128:3,64:3} > "$OUT/anatomy.txt" 2>&1
       echo "anatomy rc=$?"; tail -70 "$OUT/anatomy.txt" ;;
     kernels)
-      timeout ${KERNELS_S:-300} python3 bench/kernels.py --check --formats nvfp4 q6_k --tp 1 2 --T 1 2 4 8 --merge \
+      timeout ${KERNELS_S:-300} python3 bench/kernels.py --check --formats ${KFORMATS:-nvfp4 q6_k} --tp 1 2 \
+        --T ${KTS:-1 2 4 8} --merge \
         --out bench/results/kernels.json > "$OUT/kernels_table.txt" 2> "$OUT/kernels_log.txt"
       echo "kernels rc=$?"; tail -2 "$OUT/kernels_log.txt"
       cp bench/results/kernels.json bench/results/kernels_check.json "$OUT/" 2>/dev/null
@@ -46,4 +49,6 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
 done
+# at most 8 files come back: the text logs travel as one archive
+( cd "$OUT" && ls *.txt >/dev/null 2>&1 && tar czf logs.tgz *.txt && rm -f *.txt )
 echo "done at $(el) s"

@@ -72,7 +72,7 @@ def _h2_kernel(device):
     return h2_kernel(device)
 
 
-register_h2(nvfp4_gemv_kernel.__name__, _h2_kernel)   # T <= 8 candidates include the packed-half2 variant
+register_h2(nvfp4_gemv_kernel.__name__, _h2_kernel, dot=True)   # T <= 8 (16 into tl.dot): the h2 variant
 
 
 def _weights(codes, scales, K: int, device, what: str):
