@@ -8,7 +8,8 @@ weight) and the MMA accumulates in fp32, so the cost per weight no longer grows 
 of one MMA tile.
 
 A format supplies
-  LOAD(w0..w3, None, None, rows, g, wm, G) -> state   its tile load (`gemv_common` convention)
+  LOAD(w0, w1, rows, g0, g_hi, G, BLOCK_G, EVEN_G) -> state   the tile at group g0 (every load pipelinable:
+                                                           cp.async moves 4, 8 or 16 bytes, no fewer)
   WTILE(st, H2_MODE) -> fp16 [BLOCK_N, BLOCK_G * 16]    the weights / fscale * 2**-W_EXP in the pair order
 and W_BACK = 2**W_EXP. The pair order: column 2m + b of a 16-weight block holds weight 8 (m // 4) + m % 4 + 4b
 (m = 0..7, b = 0..1), i.e. the f16x2 pairs (j, j + 4) of the h2 decode side by side, so that each pair word is
@@ -25,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv_common import _finish, _load_tile, _tile_g
+from .gemv_common import _finish
 
 _UP_BIAS = tl.constexpr(267)      # up = 2**(140 - E) for the fp32 exponent field E of the slice's max |x|
 
@@ -45,8 +46,7 @@ def _dot_loop(x_ptr, w0, w1, w2, w3, rows, t, g_lo, g_hi, G, T, stride_xt, LOAD:
               BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, H2_MODE: tl.constexpr):
     acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
     for g0 in range(g_lo, g_hi, BLOCK_G):
-        st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
-        w = WTILE(st, H2_MODE)
+        w = WTILE(LOAD(w0, w1, rows, g0, g_hi, G, BLOCK_G, EVEN_G), H2_MODE)
         k = g0 * 16 + tl.arange(0, BLOCK_G * 16)
         xt = tl.load(x_ptr + t[None, :] * stride_xt + k[:, None],
                      mask=(k < g_hi * 16)[:, None] & (t < T)[None, :], other=0.0)

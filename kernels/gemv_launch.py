@@ -126,7 +126,7 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
             for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,)):
                 out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
                                       h2=True))
-    if h2_dot and not H2_STATE["off"] and b >= 2 and (cc >= (8, 0) or T >= 4):
+    if h2_dot and not H2_STATE["off"] and b >= 2 and (cc >= (8, 0) or T >= 4) and G % H2_DOT_G == 0:
         for bn, bg, w, st in _DECODE_H2_DOT_TILES:
             out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 2), True,
                                   h2=True))
@@ -211,6 +211,7 @@ _H2_VARIANTS: dict = {}
 
 
 _H2_DOT: set = set()
+H2_DOT_G = 4      # the h2 dot route loads block scales as int32 words of 4 groups (gemv_nvfp4_h2._load_dot)
 
 
 def register_h2(kernel_name: str, factory, dot: bool = False) -> None:
@@ -377,6 +378,9 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
     if config is not None and config.h2 and config.use_dot and not has_h2_dot(kernel):
         raise KernelInputError(f"{what}: GemvConfig(h2=True, use_dot=True) needs an NVFP4 weight")
+    if config is not None and config.h2 and config.use_dot and (G % H2_DOT_G or config.block_g % H2_DOT_G):
+        raise KernelInputError(f"{what}: GemvConfig(h2=True, use_dot=True) needs K and block_g * {GS} to be "
+                               f"multiples of {H2_DOT_G * GS}, got K={G * GS}, block_g={config.block_g}")
     if config is not None and config.h2 and (T > h2_max_t(config.use_dot) or not has_h2(kernel)):
         raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 or Q6_K weight and T <= "
                                f"{h2_max_t(config.use_dot)}{' (use_dot)' if config.use_dot else ''}, got T={T}")

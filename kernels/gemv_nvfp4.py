@@ -81,6 +81,8 @@ def _weights(codes, scales, K: int, device, what: str):
     n = codes.shape[0] if isinstance(codes, torch.Tensor) and codes.dim() == 2 else -1
     codes = check_weight(codes, "codes", (n, K // 2), (torch.uint8,), what, device)
     scales = check_weight(scales, "scales", (n, K // GS), (torch.uint8,), what, device)
+    if scales.data_ptr() % 16:   # the h2 dot route reads them as int32 words (artifact tensors are 256-aligned)
+        scales = scales.clone()
     return n, (as_words(codes, torch.int64), scales)
 
 

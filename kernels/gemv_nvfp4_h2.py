@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv_common import _j8, _tset, e4m3_magnitude
+from .gemv_common import _j4, _j8, _tset, e4m3_magnitude
 from .gemv_h2_common import _EMULATE, compile_consts, factory, h2_body, hfma2, hmul2, lanes_f32, x_pairs
 from .gemv_h2_dot import h2_dot_body
 from .gemv_nvfp4 import _load
@@ -86,6 +86,28 @@ def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H
 
 
 @triton.jit
+def _load_dot(codes, scales, rows, g0, g_hi, G, BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr):
+    """The dot route's tile load: codes as `_load`, the scale bytes as int32 words of 4 groups (G and BLOCK_G
+    multiples of 4, scales 4-byte aligned: the launcher checks), so that a row's 16 scale bytes are one
+    16-byte load the pipeliner can issue stages ahead like the codes. A 2-byte load cannot be cp.async'ed:
+    it was issued in the loop and each iteration waited a full memory latency for its scales."""
+    g = tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, BLOCK_G), 4), 4)
+    g4 = tl.max_contiguous(tl.multiple_of(g0 // 4 + tl.arange(0, BLOCK_G // 4), BLOCK_G // 4), BLOCK_G // 4)
+    off = rows[:, None] * G + g[None, :]
+    soff = rows[:, None] * (G // 4) + g4[None, :]
+    sw = scales.to(tl.pointer_type(tl.int32))
+    if EVEN_G:
+        words = tl.load(codes + off)
+        s4 = tl.load(sw + soff)
+    else:   # a word whose first group is in range lies inside the row (G % 4 == 0); its later codes are masked
+        words = tl.load(codes + off, mask=(g < g_hi)[None, :], other=0)
+        s4 = tl.load(sw + soff, mask=(g4 * 4 < g_hi)[None, :], other=0)
+    s = tl.reshape(_j4(s4 & 0xFF, (s4 >> 8) & 0xFF, (s4 >> 16) & 0xFF, (s4 >> 24) & 0xFF),
+                   [rows.shape[0], BLOCK_G])       # group 4i + j = byte j of word i (little-endian)
+    return words.to(tl.int32), (words >> 32).to(tl.int32), s
+
+
+@triton.jit
 def _half(p, HIGH: tl.constexpr):
     """One f16 lane of f16x2 words, as an fp16 tensor."""
     if HIGH:
@@ -121,7 +143,7 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
     # DOT_KIND / FOLD are accepted for the shared launcher and unused here (the dot path is always fp16)
     if USE_DOT:
         h2_dot_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
-                    stride_xt, stride_ot, stride_rt, _load, _wtile, _W_BACK, T_TILE, BLOCK_N, BLOCK_G,
+                    stride_xt, stride_ot, stride_rt, _load_dot, _wtile, _W_BACK, T_TILE, BLOCK_N, BLOCK_G,
                     USE_SPLIT, HAS_RES, EVEN_G, H2_MODE)
     else:
         h2_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,

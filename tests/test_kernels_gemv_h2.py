@@ -120,13 +120,13 @@ def test_q6_k_h2_every_code():
     assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2
 
 
-DOT_CASES = {  # T, dtype, K, block_n, block_g, split, residual
-    "T2-bf16": (2, torch.bfloat16, 160, 16, 4, 1, False),
-    "T4-bf16-ragged-split-res": (4, torch.bfloat16, 176, 32, 2, 3, True),
-    "T3-f16": (3, torch.float16, 96, 64, 1, 1, False),
-    "T8-f32-split": (8, torch.float32, 144, 16, 2, 2, False),
-    "T16-bf16-ragged": (16, torch.bfloat16, 208, 32, 4, 1, True),
-    "T13-bf16-ragged": (13, torch.bfloat16, 80, 16, 2, 1, False),
+DOT_CASES = {  # T, dtype, K, block_n, block_g, split, residual (K and block_g * 16: multiples of 64)
+    "T2-bf16": (2, torch.bfloat16, 128, 16, 4, 1, False),
+    "T4-bf16-ragged-split-res": (4, torch.bfloat16, 448, 32, 8, 3, True),
+    "T3-f16": (3, torch.float16, 192, 64, 4, 1, False),
+    "T8-f32-split": (8, torch.float32, 256, 16, 4, 2, False),
+    "T16-bf16-ragged": (16, torch.bfloat16, 320, 32, 8, 1, True),
+    "T13-bf16-ragged-one-word": (13, torch.bfloat16, 64, 16, 8, 1, False),
 }
 
 
@@ -177,6 +177,11 @@ def test_h2_config_rules():
         gemv_nvfp4(torch.randn(9, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 4, h2=True))
     with pytest.raises(KernelInputError, match="T <= 16"):
         gemv_nvfp4(torch.randn(17, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 4, use_dot=True, h2=True))
+    with pytest.raises(KernelInputError, match="multiples of 64"):
+        gemv_nvfp4(torch.randn(4, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 2, use_dot=True, h2=True))
+    c80, s80, g80 = weights(N, 80, seed=1)
+    with pytest.raises(KernelInputError, match="multiples of 64"):
+        gemv_nvfp4(torch.randn(4, 80).to(DEV), c80, s80, g80, config=GemvConfig(16, 4, use_dot=True, h2=True))
     assert gl.has_h2_dot(nvfp4_gemv_kernel) and not gl.has_h2_dot(q6_k_gemv_kernel)
     blocks = torch.from_numpy(codecs.quantize("q6_k", np.ones((N, 256), np.float32))).to(DEV)
     with pytest.raises(KernelInputError, match="NVFP4"):

@@ -245,6 +245,8 @@ def test_h2_candidates_follow_the_switch(monkeypatch):
                if c.h2 and c.use_dot] for T in (1, 2, 4, 16)}
     assert not dot[1] and dot[2] and dot[4] and dot[16]
     assert not any(c.h2 and c.use_dot for c in gl.candidates(4, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
+    assert not any(c.h2 and c.use_dot for c in gl.candidates(4, 5120, 322, 16, torch.bfloat16, cuda, h2=True,
+                                                              h2_dot=True))   # scale words need G % 4 == 0
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
     sm70 = {T: any(c.h2 and c.use_dot for c in gl.candidates(T, 5120, 320, 16, torch.float16, cuda, h2=True,
                                                              h2_dot=True)) for T in (2, 4)}
