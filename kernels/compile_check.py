@@ -94,8 +94,7 @@ def compile_variant(v: Variant, cc: int):
 
 FORMATS = ("nvfp4", "nvfp4_h2", "q6_k", "q6_k_h2", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
 CC_AWARE = ("nvfp4_h2", "q6_k_h2")     # kernel_for(..., cc=) picks target-specific inline PTX
-NO_DOT = ("q6_k_h2",)                  # elementwise-only variants (T <= 8)
-NO_DEQUANT = ("nvfp4_h2", "q6_k_h2")   # the h2 variants have no dequantizer of their own
+NO_DOT = ("nvfp4_h2", "q6_k_h2")       # elementwise-only variants (T <= 8), no dequantizer of their own
 _GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "f8": 8, "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
 
 
@@ -110,16 +109,12 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
             bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
             # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop
             out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=3), cc))
-            if f in NO_DEQUANT:
+            if f in NO_DOT:
                 out.append((Variant(f, xd, 1, 128, bg, stages=3), cc))
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
-            if f in NO_DOT:
                 continue
-            # the h2 dot route decodes whole 16-weight blocks into the tile: block_g 16 as the tuner's tiles
-            out.append((Variant(f, xd, 16, 64, bg if f in NO_DEQUANT else bg_dot, use_dot=True), cc))
-            if f in NO_DEQUANT:
-                continue
+            out.append((Variant(f, xd, 16, 64, bg_dot, use_dot=True), cc))
             if not f.startswith("plain"):
                 out.append((Variant(f, xd, dequant=True, block_n=32, block_g=8), cc))
             if full:

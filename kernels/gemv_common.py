@@ -17,6 +17,9 @@ Two inner products share the decode:
     stays in registers), cast to the activation dtype and fed to tl.dot (T tile >= 16); on sm_70 tl.dot
     lowers to FMAs. With FOLD (host-checked to stay finite) XS * SW * fscale ride on SCALE: one multiply
     per weight. The same path with T tiles of 32..128 is the fused prefill GEMM.
+A format may give the tl.dot route its own tile load (LOAD_DOT, whole tiles only): every load of that loop
+must be one the pipeliner can issue stages ahead (cp.async moves 4, 8 or 16 bytes, so NVFP4 reads its scale
+bytes as int32 words there).
 Grid = (row blocks, K splits, T tiles). With K splits every CTA writes an fp32 partial to a workspace, the
 last CTA of a row block (an acq_rel counter, reset by that CTA so the workspace is reusable and graph-safe)
 sums the partials in split order -- deterministic -- and runs the epilogue: * fscale, + residual, cast.
@@ -207,7 +210,7 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
               LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
               SW: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr,
               USE_DOT: tl.constexpr, DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-              FOLD: tl.constexpr, STAGES: tl.constexpr = 1, VEC: tl.constexpr = 2):
+              FOLD: tl.constexpr, STAGES: tl.constexpr = 1, VEC: tl.constexpr = 2, LOAD_DOT: tl.constexpr = None):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
@@ -218,7 +221,8 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
         acc = _dot_loop(acc, x_ptr, w0, w1, w2, w3, w4, w5, rows, t, g_lo, g_hi, G, fscale, T, stride_xt,
-                        LOAD, RAW, SCALE, GS, XS, SW, T_TILE, BLOCK_N, BLOCK_G, DOT_KIND, EVEN_G, FOLD, VEC)
+                        LOAD, RAW, SCALE, GS, XS, SW, T_TILE, BLOCK_N, BLOCK_G, DOT_KIND, EVEN_G, FOLD, VEC,
+                        LOAD_DOT)
         if not FOLD:
             acc = acc * fscale
     else:
@@ -284,9 +288,13 @@ def _fma_tile(accs, st, g0, g_hi, t0, T, x_ptr, stride_xt, RAW: tl.constexpr, SC
 def _dot_loop(acc, x_ptr, w0, w1, w2, w3, w4, w5, rows, t, g_lo, g_hi, G, fscale, T, stride_xt,
               LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
               SW: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-              DOT_KIND: tl.constexpr, EVEN_G: tl.constexpr, FOLD: tl.constexpr, VEC: tl.constexpr):
+              DOT_KIND: tl.constexpr, EVEN_G: tl.constexpr, FOLD: tl.constexpr, VEC: tl.constexpr,
+              LOAD_DOT: tl.constexpr):
     for g0 in range(g_lo, g_hi, BLOCK_G):
-        st = _load_tile(w0, w1, w2, w3, w4, w5, rows, _tile_g(g0, BLOCK_G, VEC), g_hi, G, LOAD, EVEN_G)
+        if LOAD_DOT is None:
+            st = _load_tile(w0, w1, w2, w3, w4, w5, rows, _tile_g(g0, BLOCK_G, VEC), g_hi, G, LOAD, EVEN_G)
+        else:   # the format's own tile load for this route: LOAD's state from (w0, w1, rows, g0, G, BLOCK_G)
+            st = LOAD_DOT(w0, w1, rows, g0, G, BLOCK_G)
         sc = SCALE(st)
         k = g0 * GS + tl.arange(0, BLOCK_G * GS)
         xt = tl.load(x_ptr + t[None, :] * stride_xt + k[:, None],

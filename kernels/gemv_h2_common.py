@@ -27,9 +27,6 @@ EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
 MAX_T_TILE = 8                             # f16x2 accumulators and x pairs per column: beyond 8 tl.dot wins
 _EMULATE, _PTX_SM80, _MAX_T = tl.constexpr(EMULATE), tl.constexpr(PTX_SM80), tl.constexpr(MAX_T_TILE)
 _LANE = tl.constexpr(0xFFFF)
-# activations per step of `row_scale`: its steps are dependent L2 round trips before the first weight load,
-# so one step covers a whole K slice of the tuned splits (1280-1707 of K = 5120; was 512: 3-4 steps)
-_SCALE_BLOCK = tl.constexpr(2048)
 
 
 @triton.jit
@@ -53,16 +50,6 @@ def hfma2(a, b, c, H2_MODE: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
                                          dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def hmul2(a, b, H2_MODE: tl.constexpr):
-    """Lane-wise a * b on f16x2 bit patterns (int32)."""
-    if H2_MODE == _EMULATE:
-        return f16_bits(lane_f32(a) * lane_f32(b)) | (f16_bits(lane_f32(a >> 16) * lane_f32(b >> 16)) << 16)
-    else:
-        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)
 
 
 @triton.jit
@@ -140,7 +127,7 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned)."""
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
-        up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, _SCALE_BLOCK,
+        up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512,
                              UP_BIAS, BACK_BIAS)
         ups, backs = ups + (up,), backs + (back,)
     accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)

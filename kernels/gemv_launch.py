@@ -49,8 +49,7 @@ class GemvConfig:
     split: int = 1          # K splits (1 = none); clamped to the number of K tiles
     use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
     t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
-    h2: bool = False        # the format's packed-half2 variant (NVFP4, Q6_K: gemv_*_h2; T <= 8, with use_dot
-                            # T <= 16: the f16x2 decode into tl.dot, gemv_h2_dot)
+    h2: bool = False        # the format's packed-half2 variant (NVFP4, Q6_K; T <= 8: gemv_*_h2)
 
     def __post_init__(self):
         for f in ("block_n", "block_g", "num_warps", "num_stages", "split"):
@@ -59,6 +58,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{f} must be a positive power of two (split: positive), got {v}")
         if self.t_tile and (self.t_tile & (self.t_tile - 1) or (self.use_dot and self.t_tile < 16)):
             raise ValueError(f"GemvConfig.t_tile must be a power of two (>= 16 with use_dot), got {self.t_tile}")
+        if self.h2 and self.use_dot:
+            raise ValueError("GemvConfig: h2 (packed-half2 FMAs) and use_dot are two different inner products")
 
 
 def next_pow2(n: int) -> int:
@@ -99,17 +100,13 @@ _DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 
                     4: ((64, 16, 4, 1), (128, 16, 4, 1)),
                     8: ((64, 16, 4, 1),),
                     16: ()}
-# packed-half2 decode into tl.dot (block_n, block_g, num_warps, num_stages): the formats with an h2 dot route
-_DECODE_H2_DOT_TILES = ((64, 16, 4, 3), (64, 16, 4, 1), (128, 16, 8, 3), (128, 16, 4, 1))
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
 
 
-def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
-               h2_dot: bool = False) -> list[GemvConfig]:
+def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False) -> list[GemvConfig]:
     """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2: the kernel has a
-    packed-half2 variant (`h2_variant`), whose tiles are added for T <= 8; h2_dot: that variant also decodes
-    into tl.dot (T = 2..16; sm_70 from T = 4, as the other dot tiles)."""
+    packed-half2 variant (`h2_variant`), whose tiles are added for T <= 8."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
         return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
@@ -126,10 +123,6 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
             for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,)):
                 out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
                                       h2=True))
-    if h2_dot and not H2_STATE["off"] and b >= 2 and (cc >= (8, 0) or T >= 4) and G % H2_DOT_G == 0:
-        for bn, bg, w, st in _DECODE_H2_DOT_TILES:
-            out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 2), True,
-                                  h2=True))
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:
@@ -210,35 +203,14 @@ def effective_split(cfg: GemvConfig, G: int) -> int:
 _H2_VARIANTS: dict = {}
 
 
-_H2_DOT: set = set()
-H2_DOT_G = 4      # the h2 dot route loads block scales as int32 words of 4 groups (gemv_nvfp4_h2._load_dot)
-
-
-def register_h2(kernel_name: str, factory, dot: bool = False) -> None:
+def register_h2(kernel_name: str, factory) -> None:
     """`factory(device)` returns the packed-half2 variant of the kernel named `kernel_name` (a launcher
-    object like the kernel itself); configs with h2=True launch it. dot: it also has the tl.dot route
-    (configs with h2=True and use_dot=True, `gemv_h2_dot`)."""
+    object like the kernel itself); configs with h2=True launch it."""
     _H2_VARIANTS[kernel_name] = factory
-    if dot:
-        _H2_DOT.add(kernel_name)
-
-
-def has_h2_dot(kernel) -> bool:
-    return kernel.__name__ in _H2_DOT
-
-
-def h2_max_t(use_dot: bool) -> int:
-    """The largest T an h2 config serves: 8 elementwise (f16x2 accumulators per column), 16 into tl.dot."""
-    return 16 if use_dot else 8
 
 
 def has_h2(kernel) -> bool:
     return kernel.__name__ in _H2_VARIANTS
-
-
-def candidates_for(kernel, T: int, N: int, G: int, GS: int, x_dtype, device) -> list[GemvConfig]:
-    """`candidates()` with the h2 routes `kernel` has."""
-    return candidates(T, N, G, GS, x_dtype, device, h2=has_h2(kernel), h2_dot=has_h2_dot(kernel))
 
 
 def h2_variant(kernel, device):
@@ -376,18 +348,12 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         raise KernelInputError(f"{what}: [{N}, {G} groups] is too large for 32-bit offsets; split the rows")
     if config is not None and config.use_dot and config.block_g * GS < 16:
         raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
-    if config is not None and config.h2 and config.use_dot and not has_h2_dot(kernel):
-        raise KernelInputError(f"{what}: GemvConfig(h2=True, use_dot=True) needs an NVFP4 weight")
-    if config is not None and config.h2 and config.use_dot and (G % H2_DOT_G or config.block_g % H2_DOT_G):
-        raise KernelInputError(f"{what}: GemvConfig(h2=True, use_dot=True) needs K and block_g * {GS} to be "
-                               f"multiples of {H2_DOT_G * GS}, got K={G * GS}, block_g={config.block_g}")
-    if config is not None and config.h2 and (T > h2_max_t(config.use_dot) or not has_h2(kernel)):
-        raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 or Q6_K weight and T <= "
-                               f"{h2_max_t(config.use_dot)}{' (use_dot)' if config.use_dot else ''}, got T={T}")
+    if config is not None and config.h2 and (T > 8 or not has_h2(kernel)):
+        raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 or Q6_K weight and T <= 8, got T={T}")
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
     key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)
-    cands = candidates_for(kernel, T, N, G, GS, x.dtype, x.device)
+    cands = candidates(T, N, G, GS, x.dtype, x.device, h2=has_h2(kernel))
     scratch = []
 
     def run(c):

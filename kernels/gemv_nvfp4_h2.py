@@ -23,17 +23,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv_common import _j4, _j8, _tset, e4m3_magnitude
-from .gemv_h2_common import _EMULATE, compile_consts, factory, h2_body, hfma2, hmul2, lanes_f32, x_pairs
-from .gemv_h2_dot import h2_dot_body
+from .gemv_common import _tset, e4m3_magnitude
+from .gemv_h2_common import _EMULATE, compile_consts, factory, h2_body, hfma2, lanes_f32, x_pairs
 from .gemv_nvfp4 import _load
 
 _PAIR = tl.constexpr(0x8E008E00)           # f16 bits 15 and 11..9 of both lanes
 _UP_BIAS = tl.constexpr(267)               # up = 2**(140 - E): |x'| < 2**14
 _BACK_BIAS = tl.constexpr(1)               # back = 2**(E - 126) = 2**14 / up (the weights carry 2**-14)
-_S16 = tl.constexpr(0x00800080)            # code * this: the E4M3 bits at f16 bits 13..7 of both lanes
-_TWO15 = tl.constexpr(0x78007800)          # f16x2 (2**15, 2**15)
-_W_BACK = tl.constexpr(128.0)              # the dot path's weights carry 2**-7 (see _wtile)
 
 
 @triton.jit
@@ -86,69 +82,15 @@ def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H
 
 
 @triton.jit
-def _load_dot(codes, scales, rows, g0, g_hi, G, BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr):
-    """The dot route's tile load: codes as `_load`, the scale bytes as int32 words of 4 groups (G and BLOCK_G
-    multiples of 4, scales 4-byte aligned: the launcher checks), so that a row's 16 scale bytes are one
-    16-byte load the pipeliner can issue stages ahead like the codes. A 2-byte load cannot be cp.async'ed:
-    it was issued in the loop and each iteration waited a full memory latency for its scales."""
-    g = tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, BLOCK_G), 4), 4)
-    g4 = tl.max_contiguous(tl.multiple_of(g0 // 4 + tl.arange(0, BLOCK_G // 4), BLOCK_G // 4), BLOCK_G // 4)
-    off = rows[:, None] * G + g[None, :]
-    soff = rows[:, None] * (G // 4) + g4[None, :]
-    sw = scales.to(tl.pointer_type(tl.int32))
-    if EVEN_G:
-        words = tl.load(codes + off)
-        s4 = tl.load(sw + soff)
-    else:   # a word whose first group is in range lies inside the row (G % 4 == 0); its later codes are masked
-        words = tl.load(codes + off, mask=(g < g_hi)[None, :], other=0)
-        s4 = tl.load(sw + soff, mask=(g4 * 4 < g_hi)[None, :], other=0)
-    s = tl.reshape(_j4(s4 & 0xFF, (s4 >> 8) & 0xFF, (s4 >> 16) & 0xFF, (s4 >> 24) & 0xFF),
-                   [rows.shape[0], BLOCK_G])       # group 4i + j = byte j of word i (little-endian)
-    return words.to(tl.int32), (words >> 32).to(tl.int32), s
-
-
-@triton.jit
-def _half(p, HIGH: tl.constexpr):
-    """One f16 lane of f16x2 words, as an fp16 tensor."""
-    if HIGH:
-        p = p >> 16
-    return p.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _wtile(st, H2_MODE: tl.constexpr):
-    """fp16 [BN, BG * 16] weights e2m1 * e4m3 * 2**-7 in the pair order of `gemv_h2_dot` (|w| <= 21: no f16
-    overflow; the smallest, 0.5 * 2**-9 * 2**-7, is an exact f16 subnormal). The E4M3 bits at f16 bits 13..7
-    are the scale * 2**-8 exactly (E4M3 subnormals included); one HMUL2 by 2**15 makes it scale * 2**7
-    (<= 57344), and one HMUL2 per weight pair with it turns a pair (e2m1 * 2**-14, `_wpair`) into weights.
-    Each pair word stays one register of the MMA operand (the lanes are adjacent columns): no byte permutes."""
-    lo, hi, sb = st
-    s = hmul2((sb & 0x7F) * _S16, tl.full(sb.shape, _TWO15, tl.int32), H2_MODE)
-    le, lo_odd = _split_signs(lo, H2_MODE)
-    he, hi_odd = _split_signs(hi, H2_MODE)
-    w32 = _j8(hmul2(_wpair(le, lo_odd, 0), s, H2_MODE), hmul2(_wpair(le, lo_odd, 1), s, H2_MODE),
-              hmul2(_wpair(le, lo_odd, 2), s, H2_MODE), hmul2(_wpair(le, lo_odd, 3), s, H2_MODE),
-              hmul2(_wpair(he, hi_odd, 0), s, H2_MODE), hmul2(_wpair(he, hi_odd, 1), s, H2_MODE),
-              hmul2(_wpair(he, hi_odd, 2), s, H2_MODE), hmul2(_wpair(he, hi_odd, 3), s, H2_MODE))
-    w = tl.join(_half(w32, False), _half(w32, True))
-    return tl.reshape(w, [lo.shape[0], lo.shape[1] * 16])
-
-
-@triton.jit
 def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
                          stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr):
-    # DOT_KIND / FOLD are accepted for the shared launcher and unused here (the dot path is always fp16)
-    if USE_DOT:
-        h2_dot_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
-                    stride_xt, stride_ot, stride_rt, _load_dot, _wtile, _W_BACK, T_TILE, BLOCK_N, BLOCK_G,
-                    USE_SPLIT, HAS_RES, EVEN_G, H2_MODE)
-    else:
-        h2_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
-                stride_xt, stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G,
-                USE_SPLIT, HAS_RES, EVEN_G, STAGES, H2_MODE)
+    # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here
+    h2_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
+            stride_xt, stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G,
+            USE_SPLIT, HAS_RES, EVEN_G, STAGES, H2_MODE)
 
 
 h2_kernel = factory(nvfp4_h2_gemv_kernel, "nvfp4_gemv_kernel")   # gemv_nvfp4 registers it (lazily)

@@ -34,7 +34,6 @@ from .gemv_launch import GemvConfig
 
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
 H2_FORMATS = ("nvfp4", "q6_k")   # formats with a packed-half2 variant (gemv_*_h2)
-H2_DOT_FORMATS = ("nvfp4",)      # ... whose variant also decodes into tl.dot (gemv_h2_dot)
 _TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2")   # a config without its split
 
 
@@ -162,9 +161,8 @@ def _shipped() -> dict:
 
 
 def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1) -> bool:
-    if cfg.h2 and (fmt not in H2_FORMATS or t_bucket > 8) and not (cfg.use_dot and fmt in H2_DOT_FORMATS
-                                                                      and t_bucket <= 16):
-        return False   # the packed-half2 variants exist for T <= 8 (T <= 16 into tl.dot)
+    if cfg.h2 and (fmt not in H2_FORMATS or t_bucket > 8):   # the packed-half2 variants exist for T <= 8
+        return False
     return not (cfg.use_dot and cfg.block_g * GS < 16)   # the kernel's tl.dot needs >= 16 K per step
 
 

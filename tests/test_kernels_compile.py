@@ -55,10 +55,7 @@ TL_NAMES_IN_3_6 = {
     # gemv_nvfp4_h2, run on the H200 with Triton 3.6 (bench/results/kernels_h2_check.json: 96/96 ok)
     "abs", "full", "inline_asm_elementwise", "max", "maximum",
     # pipelined elementwise loops and NVFP4 scale words (bench/gpu_session3.sh, Triton 3.6 on the H200)
-    "range", "pointer_type",
-    # the packed-half2 decode into tl.dot (gemv_h2_dot): tl.permute exists since Triton 3.0 (checked in the
-    # 3.x sources); first compiled on the H200 in the fifth session (bench/NOTES.md §6)
-    "permute"}
+    "range", "pointer_type"}
 
 
 def test_kernels_use_only_triton_3_6_language():

@@ -128,6 +128,24 @@ def test_nvfp4_large_global_scale_dot_path():
     assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_HALF
 
 
+@pytest.mark.parametrize("bg,split", [(4, 1), (8, 3), (16, 2)], ids=["g4", "g8-split3", "g16-split2"])
+def test_nvfp4_dot_word_scales(bg, split):
+    """The tl.dot route on whole tiles reads the E4M3 scale bytes as int32 words (4 groups each): every byte
+    value at every position of a word, several tiles and splits, and a scales tensor starting at an odd byte
+    (re-aligned by a copy) give the reference."""
+    K, n = 512, 24
+    qw = quantized("nvfp4", n, K, seed=5)
+    codes = qw.data["codes"]
+    sc = (torch.arange(n * K // 16) * 7 % 127).to(torch.uint8).reshape(n, K // 16).to(DEV)   # 0x00..0x7E
+    odd = torch.empty(n * K // 16 + 1, dtype=torch.uint8, device=DEV)[1:].view(n, K // 16)
+    odd.copy_(sc)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(2)).to(DEV)
+    for scales in (sc, odd):
+        y = gemv_nvfp4(x, codes, scales, 0.5, out=poisoned(5, n, torch.float32),
+                       config=GemvConfig(16, bg, split=split, use_dot=True))
+        assert torch.isfinite(y).all() and rel_l2(y, reference.ref_nvfp4(x, codes, sc, 0.5)) < RTOL_FP32
+
+
 def test_decode_every_code_pattern():
     """Dense weights from the kernels' decode vs the codecs on all codes: every E2M1 nibble with normal and
     subnormal E4M3 block scales, all non-NaN E4M3 bytes, random GGML block bytes."""

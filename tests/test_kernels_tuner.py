@@ -231,8 +231,7 @@ def test_h2_choice_is_checked_against_the_fp32_kernel(monkeypatch, capsys):
 
 def test_h2_candidates_follow_the_switch(monkeypatch):
     """candidates() for a CUDA device (its properties faked): h2 tiles only for kernels that have a variant,
-    only for T <= 8 (T = 2..16 into tl.dot when the variant has that route; sm_70 from T = 4), and none once a
-    check has turned h2 off."""
+    only for T <= 8, and none once a check has turned h2 off."""
     monkeypatch.setattr(gl, "sm_count", lambda device: 132)
     monkeypatch.setattr(gl, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -241,19 +240,8 @@ def test_h2_candidates_follow_the_switch(monkeypatch):
     assert any(c.h2 for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
     assert not any(c.h2 for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=False))
     assert not any(c.h2 for c in gl.candidates(16, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
-    dot = {T: [c for c in gl.candidates(T, 5120, 320, 16, torch.bfloat16, cuda, h2=True, h2_dot=True)
-               if c.h2 and c.use_dot] for T in (1, 2, 4, 16)}
-    assert not dot[1] and dot[2] and dot[4] and dot[16]
-    assert not any(c.h2 and c.use_dot for c in gl.candidates(4, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
-    assert not any(c.h2 and c.use_dot for c in gl.candidates(4, 5120, 322, 16, torch.bfloat16, cuda, h2=True,
-                                                              h2_dot=True))   # scale words need G % 4 == 0
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
-    sm70 = {T: any(c.h2 and c.use_dot for c in gl.candidates(T, 5120, 320, 16, torch.float16, cuda, h2=True,
-                                                             h2_dot=True)) for T in (2, 4)}
-    assert sm70 == {2: False, 4: True}
     monkeypatch.setitem(gl.H2_STATE, "off", True)
     assert not any(c.h2 for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
-    assert not any(c.h2 for c in gl.candidates(4, 5120, 320, 16, torch.bfloat16, cuda, h2=True, h2_dot=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times a real launch: needs CUDA")
