@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from ninfer_formats.atomic import write_json_atomic  # noqa: E402
+from ninfer_kernels.gemv_timing import replay_ms  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_US = 6.0
@@ -130,16 +131,9 @@ def time_graph(fn, x, calls: int, reps: int, group) -> float:
         chain(static)
     g.replay()
     _sync(group)
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1000.0 / calls)
+    us = replay_ms(g, reps) * 1000.0 / calls
     del g
-    return statistics.median(out)
+    return us
 
 
 def _measure(group, fn, impl: str, x, want, opts: dict, base: dict) -> list[dict]:

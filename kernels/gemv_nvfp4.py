@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import _j4, dequant_body, e4m3_magnitude, gemv_body, ld
+from .gemv_common import _j4, _load_tile, _tile_g, dequant_body, e4m3_magnitude, gemv_body, ld
 from .gemv_launch import as_words, check_weight, check_x, dequant, gemv, KernelInputError, register_h2
 
 GS = 16                          # weights per block (one int64 word of codes, one E4M3 scale)
@@ -35,19 +35,24 @@ def _load(codes, scales, w2, w3, w4, w5, rows, g, wm, G):
 
 
 @triton.jit
-def _load_words(codes, scales, rows, g0, G, BLOCK_G: tl.constexpr):
-    """`_load` for the tl.dot route on whole tiles of a multiple of 4 groups (the kernel checks): the scale
-    bytes as int32 words of 4 groups, so that a row's scales in a tile are 4..16-byte loads which the
-    pipeliner issues stages ahead like the codes. A 2-byte load cannot be cp.async'ed: it stayed in the loop
+def _load_dot(codes, scales, rows, g0, g_hi, G, BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr):
+    """`_load` for the tl.dot route. On whole tiles of a multiple of 4 groups (every real shape) the scale bytes
+    are read as int32 words of 4 groups, so that a row's scales in a tile are 4..16-byte loads which the
+    pipeliner issues stages ahead like the codes: a 2-byte load cannot be cp.async'ed, it stayed in the loop
     and every iteration waited a memory latency for its scales (bench/NOTES.md §6). The scales are 16-byte
-    aligned (`_weights`) and a row is G bytes, a multiple of 4."""
-    g = tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, BLOCK_G), 4), 4)
-    g4 = tl.max_contiguous(tl.multiple_of(g0 // 4 + tl.arange(0, BLOCK_G // 4), BLOCK_G // 4), BLOCK_G // 4)
-    words = tl.load(codes + rows[:, None] * G + g[None, :])
-    s4 = tl.load(scales.to(tl.pointer_type(tl.int32)) + rows[:, None] * (G // 4) + g4[None, :])
-    s = tl.reshape(_j4(s4 & 0xFF, (s4 >> 8) & 0xFF, (s4 >> 16) & 0xFF, (s4 >> 24) & 0xFF),
-                   [rows.shape[0], BLOCK_G])       # group 4i + j = byte j of word i (little-endian)
-    return words.to(tl.int32), (words >> 32).to(tl.int32), s
+    aligned (`_weights`) and a row is G bytes, a multiple of 4 (EVEN_G: G % BLOCK_G == 0). Ragged tiles take
+    the byte load."""
+    if EVEN_G and BLOCK_G % 4 == 0:
+        g = tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, BLOCK_G), 4), 4)
+        g4 = tl.max_contiguous(tl.multiple_of(g0 // 4 + tl.arange(0, BLOCK_G // 4), BLOCK_G // 4), BLOCK_G // 4)
+        words = tl.load(codes + rows[:, None] * G + g[None, :])
+        s4 = tl.load(scales.to(tl.pointer_type(tl.int32)) + rows[:, None] * (G // 4) + g4[None, :])
+        s = tl.reshape(_j4(s4 & 0xFF, (s4 >> 8) & 0xFF, (s4 >> 16) & 0xFF, (s4 >> 24) & 0xFF),
+                       [rows.shape[0], BLOCK_G])       # group 4i + j = byte j of word i (little-endian)
+        return words.to(tl.int32), (words >> 32).to(tl.int32), s
+    else:
+        return _load_tile(codes, scales, None, None, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, _load,
+                          EVEN_G)
 
 
 @triton.jit
@@ -72,15 +77,10 @@ def nvfp4_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, f
                       BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                       DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                       FOLD: tl.constexpr, STAGES: tl.constexpr):
-    if USE_DOT and EVEN_G and BLOCK_G % 4 == 0:   # EVEN_G: G % BLOCK_G == 0, so G % 4 == 0
-        gemv_body(x_ptr, codes, scales, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
-                  T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _XS, _SW,
-                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES,
-                  LOAD_DOT=_load_words)
-    else:
-        gemv_body(x_ptr, codes, scales, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
-                  T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _XS, _SW,
-                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES)
+    gemv_body(x_ptr, codes, scales, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
+              T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _XS, _SW,
+              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES,
+              LOAD_DOT=_load_dot)
 
 
 @triton.jit
