@@ -2,6 +2,7 @@
 # One device call (H200) that runs the named steps in order; results under $OUT (at most 8 files come back):
 #   tuner     GPU pytest of the GEMV tuner's timer
 #   h2test    GPU pytest of the packed-half2 GEMVs (compiled PTX path against the codec references)
+#   mmatest   GPU pytest of the warp-MMA NVFP4 GEMV (PTX path vs the codec references); a failure ends the call
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them)
@@ -22,6 +23,9 @@ for step in "$@"; do
   case $step in
     tuner) timeout 120 python3 -m pytest -q -x tests/test_kernels_tuner.py 2>&1 | tail -3 ;;
     h2test) timeout 150 python3 -m pytest -q -x tests/test_kernels_gemv_h2.py 2>&1 | tail -3 ;;
+    mmatest)
+      timeout 200 python3 -m pytest -q -x tests/test_kernels_gemv_mma.py > "$OUT/mmatest.txt" 2>&1
+      rc=$?; tail -25 "$OUT/mmatest.txt"; [ $rc -eq 0 ] || { echo "mmatest failed (rc=$rc): stopping"; break; } ;;
     anatomy)
       timeout ${ANATOMY_S:-150} python3 bench/gemv_anatomy.py --out "$OUT/gemv_anatomy.json" \
         --shapes ${ANATOMY_SHAPES:-attn_qkv mlp_gate_up mlp_down attn_qkv_tp2} \

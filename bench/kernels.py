@@ -97,7 +97,7 @@ def _precompile_job(job) -> str:
     x = torch.zeros(T, K, dtype=torch.bfloat16, device=dev)
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     done = 0
-    for c in gl.candidates(T, N, K // gs, gs, x.dtype, dev, h2=gl.has_h2(kern)):
+    for c in gl.candidates(T, N, K // gs, gs, x.dtype, dev, h2=gl.has_h2(kern), mma=gl.has_variant(kern, "mma")):
         try:
             gl.launch(kern, weights, x, N, K // gs, 1.0, out, None, c, warmup=True)
             done += 1
@@ -115,8 +115,9 @@ def precompile(jobs, workers: int) -> None:
     for fmt, N, K, T in jobs:
         _, _, gs = _kernel_spec(fmt)
         G = K // gs
-        cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev, h2=gl.has_h2(_kernel_spec(fmt)[0]))
-        sig = frozenset(((c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2),
+        kern = _kernel_spec(fmt)[0]
+        cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev, h2=gl.has_h2(kern), mma=gl.has_variant(kern, "mma"))
+        sig = frozenset(((c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2, c.mma),
                          _spec(gl.effective_split(c, G))) for c in cands)
         uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))
     t0 = time.time()

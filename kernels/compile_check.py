@@ -75,6 +75,8 @@ def compile_variant(v: Variant, cc: int):
     mod = _module(v.fmt)
     kernel, wsig, extra = (mod.kernel_for(v.fmt, dequant=v.dequant, cc=cc) if v.fmt in CC_AWARE
                            else mod.kernel_for(v.fmt, dequant=v.dequant))
+    if "NW" in extra:
+        extra = {**extra, "NW": v.num_warps}
     xt = _TORCH_TO_TRITON[v.x_dtype]
     if v.dequant:
         sig = {**wsig, "out_ptr": f"*{xt}", "fscale": "fp32", "N": "i32", "G": "i32",
@@ -92,9 +94,11 @@ def compile_variant(v: Variant, cc: int):
                           num_stages=3 if v.use_dot else v.stages)
 
 
-FORMATS = ("nvfp4", "nvfp4_h2", "q6_k", "q6_k_h2", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32")
-CC_AWARE = ("nvfp4_h2", "q6_k_h2")     # kernel_for(..., cc=) picks target-specific inline PTX
+FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "iq3_s", "f8", "plain:bf16", "plain:f16",
+           "plain:f32")
+CC_AWARE = ("nvfp4_h2", "q6_k_h2", "nvfp4_mma")   # kernel_for(..., cc=) picks target-specific inline PTX
 NO_DOT = ("nvfp4_h2", "q6_k_h2")       # elementwise-only variants (T <= 8), no dequantizer of their own
+LANE_EXACT = ("nvfp4_mma",)            # per-thread kernels: their inline PTX must see element e in thread e
 _GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "f8": 8, "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
 
 
@@ -106,6 +110,13 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
     for cc in ccs:
         xd = "float16" if cc < 80 else "bfloat16"
         for f in FORMATS:
+            if f in LANE_EXACT:   # the warp-MMA tiles (gemv_launch._DECODE_MMA_TILES), T tiles 8 and 16
+                out.append((Variant(f, xd, 8, 256 if cc >= 80 else 64, 8, use_split=True, has_res=True), cc))
+                if cc >= 80:   # sm_70 (never launched there) compiles the emulated warp steps, slowly: one tile
+                    out.append((Variant(f, xd, 16, 256, 8), cc))
+                if full:
+                    out += [(Variant(f, xd, 8, 256, 16), cc), (Variant(f, xd, 8, 512, 8, num_warps=8), cc)]
+                continue
             bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
             # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop
             out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=3), cc))
@@ -130,7 +141,10 @@ def _compile_row(item) -> dict:
     t0 = time.time()
     try:
         c = compile_variant(v, cc)
-        return {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
+        row = {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
+        if v.fmt in LANE_EXACT:
+            row["lane_layouts_bad"] = lane_layouts_bad(c.asm["ttgir"], v.num_warps)
+        return row
     except Exception as e:  # report every failing variant, not only the first
         return {"variant": v.name, "cc": cc, "ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
 
@@ -148,6 +162,37 @@ def _cuda_tool(name: str, compiled, *args) -> str:
 def sass(compiled) -> str:
     """SASS listing of a compiled kernel ("" where the bundled disassembler dropped the arch, e.g. sm_70)."""
     return _cuda_tool("cuobjdump", compiled, "-sass")
+
+
+def _layout_lists(text: str) -> dict:
+    return {k: [int(x) for x in re.findall(r"\d+", v)] for k, v in
+            re.findall(r"(sizePerThread|threadsPerWarp|warpsPerCTA) = \[([0-9, ]*)\]", text)}
+
+
+def lane_layouts_bad(ttgir: str, num_warps: int) -> list[str]:
+    """The layouts of inline-asm results in a TTGIR module that do not put element e of a [32 * num_warps]
+    tensor in thread e (lane e % 32 of warp e // 32): a 1-D blocked layout of one element per thread, or the
+    dim-1 slice of a blocked layout whose dimension 0 is spread the same way. Empty when all are exact."""
+    defs = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, flags=re.M))
+    used = set()
+    for line in ttgir.splitlines():
+        if "elementwise_inline_asm" in line:
+            used |= set(re.findall(r"tensor<\d+x\w+, (#\w+|#ttg\.slice<\{dim = 1, parent = #\w+\}>)>", line))
+    bad = []
+    for lay in sorted(used):
+        lin = re.fullmatch(r"#ttg\.linear<\{register = \[\], lane = (.*), warp = (.*), block = \[\]\}>",
+                           defs.get(lay, ""))
+        if lin and lin.groups() == (str([[1 << i] for i in range(5)]), str([[32 << i] for i in range(
+                num_warps.bit_length() - 1)])):
+            continue   # the linear form of the same 1-D layout
+        m = re.fullmatch(r"#ttg\.slice<\{dim = 1, parent = (#\w+)\}>", lay)
+        d = _layout_lists(defs.get(m.group(1) if m else lay, ""))
+        spt, tpw, wpc = d.get("sizePerThread", []), d.get("threadsPerWarp", []), d.get("warpsPerCTA", [])
+        ok = bool(spt) and spt[0] == 1 and tpw[:1] == [32] and wpc[:1] == [num_warps] \
+            and all(t == 1 for t in tpw[1:] + wpc[1:]) and (len(spt) == 1) == (m is None)
+        if not ok:
+            bad.append(f"{lay} = {defs.get(m.group(1) if m else lay, '?')}")
+    return bad
 
 
 def summarize(compiled) -> dict:

@@ -132,31 +132,64 @@ def _dot(w, xt, acc, DOT_KIND: tl.constexpr):
 
 
 @triton.jit
-def _store_out(v, t, offs_n, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES: tl.constexpr):
+def store_out(v, cols, rows, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES: tl.constexpr):
+    """out[cols, rows] = v (+ residual), masked by m; cols / rows broadcast against v."""
     if HAS_RES:
-        v += tl.load(res_ptr + t[None, :] * stride_rt + offs_n[:, None], mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t[None, :] * stride_ot + offs_n[:, None], v.to(out_ptr.dtype.element_ty), mask=m)
+        v += tl.load(res_ptr + cols * stride_rt + rows, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols * stride_ot + rows, v.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def split_partial(v, cols, rows, m, N, T, ws_ptr):
+    """This CTA's fp32 partial of out[cols, rows] into its split's slice of the workspace."""
+    tl.store(ws_ptr + (tl.program_id(1) * T + cols) * N + rows, v, mask=m)
+
+
+@triton.jit
+def split_arrive(cnt_ptr, split):
+    """True in the last CTA of a row block (and T tile) to arrive: every partial is then visible to it."""
+    tl.debug_barrier()  # every thread's partial is issued before the counter is released
+    cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    return tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu") == split - 1
+
+
+@triton.jit
+def split_total(cols, rows, m, N, T, split, ws_ptr):
+    tot = tl.zeros(m.shape, tl.float32)
+    for s in range(0, split):  # fixed order: bitwise reproducible
+        tot += tl.load(ws_ptr + (s * T + cols) * N + rows, mask=m, other=0.0, cache_modifier=".cg")
+    return tot
+
+
+@triton.jit
+def split_release(cnt_ptr):
+    """Reset the row block's counter (by its last CTA) so the workspace is reusable and graph-safe."""
+    tl.atomic_xchg(cnt_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), 0, sem="relaxed",
+                   scope="gpu")
 
 
 @triton.jit
 def _finish(v, t, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
             HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr):
     """v [BLOCK_N, T_TILE] fp32 -> out (through the split-K workspace when USE_SPLIT)."""
-    m = (offs_n < N)[:, None] & (t < T)[None, :]
+    finish_at(v, t[None, :], offs_n[:, None], N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr,
+              cnt_ptr, HAS_RES, USE_SPLIT)
+
+
+@triton.jit
+def finish_at(v, cols, rows, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
+              HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr):
+    """out[cols, rows] = v (+ residual) for fp32 v; cols and rows broadcast against v; through the split-K
+    workspace when USE_SPLIT (the last CTA of the row block sums the partials in split order)."""
+    m = (rows < N) & (cols < T)
     if USE_SPLIT:
-        tl.store(ws_ptr + (tl.program_id(1) * T + t)[None, :] * N + offs_n[:, None], v, mask=m)
-        tl.debug_barrier()  # every thread's partial is issued before the counter is released
-        cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        arrived = tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu")
-        if arrived == split - 1:
-            tot = tl.zeros_like(v)
-            for s in range(0, split):  # fixed order: bitwise reproducible
-                tot += tl.load(ws_ptr + (s * T + t)[None, :] * N + offs_n[:, None], mask=m, other=0.0,
-                               cache_modifier=".cg")
-            _store_out(tot, t, offs_n, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES)
-            tl.atomic_xchg(cnt_ptr + cidx, 0, sem="relaxed", scope="gpu")
+        split_partial(v, cols, rows, m, N, T, ws_ptr)
+        if split_arrive(cnt_ptr, split):
+            store_out(split_total(cols, rows, m, N, T, split, ws_ptr), cols, rows, m, out_ptr, stride_ot,
+                      res_ptr, stride_rt, HAS_RES)
+            split_release(cnt_ptr)
     else:
-        _store_out(v, t, offs_n, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES)
+        store_out(v, cols, rows, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES)
 
 
 @triton.jit

@@ -53,6 +53,16 @@ def hfma2(a, b, c, H2_MODE: tl.constexpr):
 
 
 @triton.jit
+def hmul2(a, b, H2_MODE: tl.constexpr):
+    """Lane-wise a * b on f16x2 bit patterns (int32)."""
+    if H2_MODE == _EMULATE:
+        return f16_bits(lane_f32(a) * lane_f32(b)) | (f16_bits(lane_f32(a >> 16) * lane_f32(b >> 16)) << 16)
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def pack2(lo, hi, H2_MODE: tl.constexpr):
     """f16x2 bits (lo in the low lane) of two fp32 tensors, rounded to nearest even."""
     if H2_MODE == _EMULATE:

@@ -50,6 +50,8 @@ class GemvConfig:
     use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
     t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
     h2: bool = False        # the format's packed-half2 variant (NVFP4, Q6_K; T <= 8: gemv_*_h2)
+    mma: bool = False       # the format's warp-MMA variant (NVFP4, sm_80+, T <= 16: gemv_nvfp4_mma); block_g is
+                            # 8 or 16 groups per step and block_n a multiple of 16 rows per warp
 
     def __post_init__(self):
         for f in ("block_n", "block_g", "num_warps", "num_stages", "split"):
@@ -58,8 +60,12 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{f} must be a positive power of two (split: positive), got {v}")
         if self.t_tile and (self.t_tile & (self.t_tile - 1) or (self.use_dot and self.t_tile < 16)):
             raise ValueError(f"GemvConfig.t_tile must be a power of two (>= 16 with use_dot), got {self.t_tile}")
-        if self.h2 and self.use_dot:
-            raise ValueError("GemvConfig: h2 (packed-half2 FMAs) and use_dot are two different inner products")
+        if self.h2 + self.use_dot + self.mma > 1:
+            raise ValueError("GemvConfig: h2, use_dot and mma are three different inner products; pick one")
+        if self.mma and (self.block_g not in (8, 16) or self.block_n % (16 * self.num_warps)
+                         or self.t_tile not in (0, 8, 16)):
+            raise ValueError("GemvConfig: mma needs block_g 8 or 16, block_n a multiple of 16 * num_warps and "
+                             f"t_tile 0, 8 or 16, got {self.block_g}, {self.block_n}, {self.t_tile}")
 
 
 def next_pow2(n: int) -> int:
@@ -100,13 +106,16 @@ _DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 
                     4: ((64, 16, 4, 1), (128, 16, 4, 1)),
                     8: ((64, 16, 4, 1),),
                     16: ()}
+# warp-MMA tiles (block_n, block_g, num_warps): 16 rows per warp and m-tile, 8 groups (128 weights) per chunk
+_DECODE_MMA_TILES = ((256, 8, 4), (128, 8, 4), (256, 16, 4), (512, 8, 8))
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
 
 
-def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False) -> list[GemvConfig]:
-    """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2: the kernel has a
-    packed-half2 variant (`h2_variant`), whose tiles are added for T <= 8."""
+def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
+               mma: bool = False) -> list[GemvConfig]:
+    """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2 / mma: the kernel has a
+    packed-half2 / warp-MMA variant (`variant`), whose tiles are added for T <= 8 / T <= 16 (mma: sm_80+)."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
         return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
@@ -123,6 +132,10 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
             for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,)):
                 out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
                                       h2=True))
+    if mma and not H2_STATE["mma_off"] and cc >= (8, 0) and x_dtype != torch.float32:
+        for bn, bg, w in _DECODE_MMA_TILES:
+            if G % bg == 0:
+                out.append(GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), G // bg, sms), mma=True))
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:
@@ -200,23 +213,32 @@ def effective_split(cfg: GemvConfig, G: int) -> int:
     return triton.cdiv(G, triton.cdiv(triton.cdiv(G, split), cfg.block_g) * cfg.block_g)
 
 
-_H2_VARIANTS: dict = {}
+_VARIANTS: dict = {"h2": {}, "mma": {}}
+
+
+def register_variant(kind: str, kernel_name: str, factory) -> None:
+    """`factory(device)` returns the `kind` ("h2": packed-half2, "mma": warp-MMA) variant of the kernel named
+    `kernel_name` (a launcher object like the kernel itself); configs with that flag set launch it."""
+    _VARIANTS[kind][kernel_name] = factory
 
 
 def register_h2(kernel_name: str, factory) -> None:
-    """`factory(device)` returns the packed-half2 variant of the kernel named `kernel_name` (a launcher
-    object like the kernel itself); configs with h2=True launch it."""
-    _H2_VARIANTS[kernel_name] = factory
+    register_variant("h2", kernel_name, factory)
+
+
+def has_variant(kernel, kind: str) -> bool:
+    return kernel.__name__ in _VARIANTS[kind]
 
 
 def has_h2(kernel) -> bool:
-    return kernel.__name__ in _H2_VARIANTS
+    return has_variant(kernel, "h2")
 
 
-def h2_variant(kernel, device):
-    if not has_h2(kernel):
-        raise KernelInputError(f"{kernel.__name__} has no packed-half2 variant (GemvConfig.h2: NVFP4 and Q6_K only)")
-    return _H2_VARIANTS[kernel.__name__](device)
+def variant(kernel, kind: str, device):
+    if not has_variant(kernel, kind):
+        raise KernelInputError(f"{kernel.__name__} has no {kind} variant (GemvConfig.h2: NVFP4 and Q6_K; "
+                               f"GemvConfig.mma: NVFP4)")
+    return _VARIANTS[kind][kernel.__name__](device)
 
 
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
@@ -224,8 +246,12 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
     """Launch one config; returns (compiled kernel or None, grid, ws or None, cnt or None, scalars, consts,
     the kernel launched: the format's own or its h2 variant)."""
     T = x.shape[0]
-    kernel = h2_variant(kernel, x.device) if cfg.h2 else kernel
-    tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
+    kind = "h2" if cfg.h2 else "mma" if cfg.mma else None
+    kernel = variant(kernel, kind, x.device) if kind else kernel
+    if cfg.mma:
+        tt = cfg.t_tile or (8 if T <= 8 else 16)
+    else:
+        tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
     grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
     split = effective_split(cfg, G)
     if split > 1:
@@ -240,6 +266,8 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
               "EVEN_G": G % cfg.block_g == 0, "FOLD": bool(fold and cfg.use_dot),
               "STAGES": 1 if cfg.use_dot else cfg.num_stages, "num_warps": cfg.num_warps,
               "num_stages": cfg.num_stages}
+    if cfg.mma:
+        consts["NW"] = cfg.num_warps   # the per-thread tensors are [32 * num_warps]
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,
                    x.stride(0), out.stride(0), res.stride(0), **consts)
@@ -301,7 +329,7 @@ def pick_config(key, cands: list[GemvConfig], run, device: torch.device) -> Gemv
         log.append((c, t))
         if t < best_t:
             best, best_t = c, t
-    if best.h2:
+    if best.h2 or best.mma:
         best = checked_h2(best, cands, log, run)
     _TUNED[key], _TUNE_LOG[key] = best, log
     return best
@@ -350,10 +378,13 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
     if config is not None and config.h2 and (T > 8 or not has_h2(kernel)):
         raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 or Q6_K weight and T <= 8, got T={T}")
+    if config is not None and config.mma and (T > 16 or not has_variant(kernel, "mma") or G % config.block_g):
+        raise KernelInputError(f"{what}: GemvConfig.mma needs an NVFP4 weight, T <= 16 and K a multiple of "
+                               f"{config.block_g * GS}, got T={T}, K={G * GS}")
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
     key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)
-    cands = candidates(T, N, G, GS, x.dtype, x.device, h2=has_h2(kernel))
+    cands = candidates(T, N, G, GS, x.dtype, x.device, h2=has_h2(kernel), mma=has_variant(kernel, "mma"))
     scratch = []
 
     def run(c):

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _j4, _load_tile, _tile_g, dequant_body, e4m3_magnitude, gemv_body, ld
-from .gemv_launch import as_words, check_weight, check_x, dequant, gemv, KernelInputError, register_h2
+from .gemv_launch import (as_words, check_weight, check_x, dequant, gemv, KernelInputError, register_h2,
+                          register_variant)
 
 GS = 16                          # weights per block (one int64 word of codes, one E4M3 scale)
 _GS = tl.constexpr(GS)
@@ -94,7 +95,13 @@ def _h2_kernel(device):
     return h2_kernel(device)
 
 
+def _mma_kernel(device):
+    from .gemv_nvfp4_mma import mma_kernel
+    return mma_kernel(device)
+
+
 register_h2(nvfp4_gemv_kernel.__name__, _h2_kernel)   # T <= 8 candidates include the packed-half2 variant
+register_variant("mma", nvfp4_gemv_kernel.__name__, _mma_kernel)   # sm_80+, T <= 16: the warp-MMA variant
 
 
 def _weights(codes, scales, K: int, device, what: str):

@@ -34,7 +34,8 @@ from .gemv_launch import GemvConfig
 
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
 H2_FORMATS = ("nvfp4", "q6_k")   # formats with a packed-half2 variant (gemv_*_h2)
-_TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2")   # a config without its split
+MMA_FORMATS = ("nvfp4",)         # formats with a warp-MMA variant (gemv_*_mma; sm_80+)
+_TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2", "mma")   # without the split
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,10 @@ def _shipped() -> dict:
     return _SHIPPED
 
 
-def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1) -> bool:
+def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1, cc: str = "9.0", K: int = 0) -> bool:
     if cfg.h2 and (fmt not in H2_FORMATS or t_bucket > 8):   # the packed-half2 variants exist for T <= 8
+        return False
+    if cfg.mma and (fmt not in MMA_FORMATS or t_bucket > 16 or float(cc) < 8.0 or K % (cfg.block_g * GS)):
         return False
     return not (cfg.use_dot and cfg.block_g * GS < 16)   # the kernel's tl.dot needs >= 16 K per step
 
@@ -169,7 +172,7 @@ def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1) -> 
 def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
     """The user cache's config for `key`, else the shipped one for its GPU, else None."""
     hit = _user().get(key)
-    if hit is not None and _usable(hit[0], GS, key.fmt, key.t_bucket):
+    if hit is not None and _usable(hit[0], GS, key.fmt, key.t_bucket, key.cc, key.K):
         return hit[0]
     ship = _shipped()
     if ship.get("dtype") != key.dtype:
@@ -180,7 +183,7 @@ def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
                 cfg = GemvConfig(**e["config"])
             except (TypeError, KeyError, ValueError):
                 return None
-            return cfg if _usable(cfg, GS, key.fmt, key.t_bucket) else None
+            return cfg if _usable(cfg, GS, key.fmt, key.t_bucket, key.cc, key.K) else None
     return None
 
 
@@ -188,7 +191,9 @@ def heuristic(fmt: str, t_bucket: int, cands: list[GemvConfig]) -> GemvConfig:
     """The best-ranked shipped tile for (fmt, T bucket) that is among `cands`, else cands[0]."""
     by_tile = {tuple(getattr(c, f) for f in _TILE): c for c in reversed(cands)}   # first candidate wins ties
     for tile in _shipped().get("heuristic", {}).get(fmt, {}).get(str(t_bucket), ()):
-        c = by_tile.get(tuple(tile.get(f, False if f == "h2" else None) for f in _TILE)) if isinstance(tile, dict) else None
+        if not isinstance(tile, dict):
+            continue
+        c = by_tile.get(tuple(tile.get(f, False if f in ("h2", "mma") else None) for f in _TILE))
         if c is not None:
             return c
     return cands[0]
