@@ -113,7 +113,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
             if f in LANE_EXACT:   # the warp-MMA tiles (gemv_launch._DECODE_MMA_TILES), T tiles 8 and 16
                 out.append((Variant(f, xd, 8, 256 if cc >= 80 else 64, 8, use_split=True, has_res=True), cc))
                 if cc >= 80:   # sm_70 (never launched there) compiles the emulated warp steps, slowly: one tile
-                    out.append((Variant(f, xd, 16, 256, 8), cc))
+                    out.append((Variant(f, xd, 16, 256, 8, stages=2), cc))
                 if full:
                     out += [(Variant(f, xd, 8, 256, 16), cc), (Variant(f, xd, 8, 512, 8, num_warps=8), cc)]
                 continue

@@ -63,9 +63,10 @@ class GemvConfig:
         if self.h2 + self.use_dot + self.mma > 1:
             raise ValueError("GemvConfig: h2, use_dot and mma are three different inner products; pick one")
         if self.mma and (self.block_g not in (8, 16) or self.block_n % (16 * self.num_warps)
-                         or self.t_tile not in (0, 8, 16)):
-            raise ValueError("GemvConfig: mma needs block_g 8 or 16, block_n a multiple of 16 * num_warps and "
-                             f"t_tile 0, 8 or 16, got {self.block_g}, {self.block_n}, {self.t_tile}")
+                         or self.t_tile not in (0, 8, 16) or self.num_stages > 2):
+            raise ValueError("GemvConfig: mma needs block_g 8 or 16, block_n a multiple of 16 * num_warps, t_tile "
+                             f"0, 8 or 16 and num_stages 1 or 2, got {self.block_g}, {self.block_n}, {self.t_tile}, "
+                             f"{self.num_stages}")
 
 
 def next_pow2(n: int) -> int:
@@ -106,8 +107,11 @@ _DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 
                     4: ((64, 16, 4, 1), (128, 16, 4, 1)),
                     8: ((64, 16, 4, 1),),
                     16: ()}
-# warp-MMA tiles (block_n, block_g, num_warps): 16 rows per warp and m-tile, 8 groups (128 weights) per chunk
-_DECODE_MMA_TILES = ((256, 8, 4), (128, 8, 4), (256, 16, 4), (512, 8, 8))
+# warp-MMA tiles (block_n, block_g, num_warps, num_stages): 16 rows per warp and m-tile, 8 groups (128 weights)
+# per chunk; num_stages 1 = load then decode, 2 = the next step's loads issued before this step's decode
+# (gemv_nvfp4_mma._k_loop)
+_DECODE_MMA_TILES = ((256, 8, 4, 2), (128, 8, 4, 2), (256, 16, 4, 2), (256, 8, 4, 1), (128, 8, 4, 1),
+                     (256, 16, 4, 1))
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
 
@@ -133,9 +137,9 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
                 out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
                                       h2=True))
     if mma and not H2_STATE["mma_off"] and cc >= (8, 0) and x_dtype != torch.float32:
-        for bn, bg, w in _DECODE_MMA_TILES:
+        for bn, bg, w, st in _DECODE_MMA_TILES:
             if G % bg == 0:
-                out.append(GemvConfig(bn, bg, w, 1, auto_split(triton.cdiv(N, bn), G // bg, sms), mma=True))
+                out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), G // bg, sms), mma=True))
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:

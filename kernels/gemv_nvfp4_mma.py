@@ -30,14 +30,31 @@ _W_EXP = tl.constexpr(128.0)                # the f16 weights carry 2**-7
 
 
 @triton.jit
-def _x_pairs(x_ptr, col, k0, q, stride_xt, NW: tl.constexpr, MODE: tl.constexpr):
-    """(16 f16x2 B pairs, back) for this thread's 32 activations x[col, k0 + 32q + 0..31]: pair 4w + j holds
-    elements (8w + j, 8w + j + 4), as the weight pairs; back undoes the quad's power-of-two scale."""
-    ks = tl.multiple_of(k0 + 32 * q, 32)
+def _load_chunk(x_ptr, codes, scales, rows, cols, gk, q, G, stride_xt, M_REP: tl.constexpr, NB: tl.constexpr):
+    """The raw bytes of chunk gk for this thread: per column block four 16-byte activation loads
+    (x[col, 16 gk + 32q + 0..31]; a [NT, 32] load would be spread over 4 lanes by Triton), per row one 16-byte
+    code load (groups gk + 2q, gk + 2q + 1) and one u16 of their two scale bytes."""
+    ks = tl.multiple_of(gk * 16 + 32 * q, 32)
+    xr = ()
+    for nb in tl.static_range(NB):
+        for h in tl.static_range(4):
+            xr = xr + (tl.load(x_ptr + (cols[nb] * stride_xt + ks + 8 * h)[:, None] + tl.arange(0, 8)[None, :]),)
+    wr = ()
+    for r in tl.static_range(2 * M_REP):
+        off = tl.multiple_of(rows[r] * G + gk + 2 * q, 2)
+        wr = wr + (tl.load(codes + off[:, None] + tl.arange(0, 2)[None, :]),
+                   tl.load(scales.to(tl.pointer_type(tl.int16)) + off // 2))
+    return xr, wr
+
+
+@triton.jit
+def _x_pairs(xr, nb: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr):
+    """(16 f16x2 B pairs, back) from column block nb's 32 activations: pair 4w + j holds elements
+    (8w + j, 8w + j + 4), as the weight pairs; back undoes the quad's power-of-two scale."""
     f = ()
-    amax = tl.zeros_like(ks)
-    for h in tl.static_range(4):   # 16-byte loads of 8 (a [NT, 32] load is spread over 4 lanes by Triton)
-        xs = split_all(tl.load(x_ptr + (col * stride_xt + ks + 8 * h)[:, None] + tl.arange(0, 8)[None, :]), 3)
+    amax = tl.zeros(xr[0].shape[:1], tl.int32)
+    for h in tl.static_range(4):
+        xs = split_all(xr[4 * nb + h], 3)
         for i in tl.static_range(8):
             fi = xs[i].to(tl.float32)
             f = f + (fi,)
@@ -51,12 +68,10 @@ def _x_pairs(x_ptr, col, k0, q, stride_xt, NW: tl.constexpr, MODE: tl.constexpr)
 
 
 @triton.jit
-def _w_pairs(codes, scales, row, g0, q, G, MODE: tl.constexpr):
-    """16 f16x2 A pairs (weight * 2**-7) of one row for this thread: groups g0 + 2q and g0 + 2q + 1."""
-    off = tl.multiple_of(row * G + g0 + 2 * q, 2)
-    words = tl.load(codes + off[:, None] + tl.arange(0, 2)[None, :])           # [NT, 2] int64: one 16-byte load
+def _w_pairs(words, s16, MODE: tl.constexpr):
+    """16 f16x2 A pairs (weight * 2**-7) of one row from its 16 code bytes and u16 of scale bytes."""
     ga, gb = tl.split(words)
-    s = tl.load(scales.to(tl.pointer_type(tl.int16)) + off // 2).to(tl.int32)  # both scale bytes
+    s = s16.to(tl.int32)
     sa, sb = s & 0x7F, (s >> 8) & 0x7F
     two15 = tl.full(s.shape, _F16_2_15, tl.int32)
     sc_a = hmul2((sa << 7) | (sa << 23), two15, MODE)
@@ -72,24 +87,64 @@ def _w_pairs(codes, scales, row, g0, q, G, MODE: tl.constexpr):
 
 
 @triton.jit
-def _chunk(accs, x_ptr, codes, scales, rows, cols, gk, q, G, stride_xt, M_REP: tl.constexpr,
-           NB: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr):
-    """accs[(m * NB + nb) * 4 + i] += chunk gk's D fragment i of m-tile m and column block nb, times back."""
+def _chunk(accs, loaded, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr):
+    """accs[(m * NB + nb) * 4 + i] += a loaded chunk's D fragment i of m-tile m and column block nb, times back."""
+    xr, wr = loaded
     xps, backs = (), ()
     for nb in tl.static_range(NB):
-        xp, back = _x_pairs(x_ptr, cols[nb], gk * 16, q, stride_xt, NW, MODE)
+        xp, back = _x_pairs(xr, nb, NW, MODE)
         b_even, b_odd = col_back(back, NW, MODE)
         xps, backs = xps + (xp,), backs + ((b_even.to(tl.float32, bitcast=True), b_odd.to(tl.float32, bitcast=True)),)
     for m in tl.static_range(M_REP):
-        top = _w_pairs(codes, scales, rows[2 * m], gk, q, G, MODE)
-        bot = _w_pairs(codes, scales, rows[2 * m + 1], gk, q, G, MODE)
+        top = _w_pairs(wr[4 * m], wr[4 * m + 1], MODE)
+        bot = _w_pairs(wr[4 * m + 2], wr[4 * m + 3], MODE)
         for nb in tl.static_range(NB):
-            z = tl.zeros(q.shape, tl.float32)
+            z = tl.zeros(top[0].shape, tl.float32)
             d0, d1, d2, d3 = z, z, z, z
             for s in tl.static_range(8):
                 d0, d1, d2, d3 = mma(top[2 * s], bot[2 * s], top[2 * s + 1], bot[2 * s + 1], xps[nb][2 * s],
                                      xps[nb][2 * s + 1], d0, d1, d2, d3, NW, MODE)
             accs = _add4(accs, (m * NB + nb) * 4, d0, d1, d2, d3, backs[nb])
+    return accs
+
+
+@triton.jit
+def _load_step(x_ptr, codes, scales, rows, cols, g0, q, G, stride_xt, BLOCK_G: tl.constexpr,
+               M_REP: tl.constexpr, NB: tl.constexpr):
+    """Every chunk of one K step (BLOCK_G / 8 of them)."""
+    ld = ()
+    for kc in tl.static_range(BLOCK_G // 8):
+        ld = ld + (_load_chunk(x_ptr, codes, scales, rows, cols, g0 + kc * 8, q, G, stride_xt, M_REP, NB),)
+    return ld
+
+
+@triton.jit
+def _step(accs, ld, BLOCK_G: tl.constexpr, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr,
+          MODE: tl.constexpr):
+    for kc in tl.static_range(BLOCK_G // 8):
+        accs = _chunk(accs, ld[kc], M_REP, NB, NW, MODE)
+    return accs
+
+
+@triton.jit
+def _k_loop(accs, x_ptr, codes, scales, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G: tl.constexpr,
+            M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr):
+    """STAGES 1: load a step, then decode it (ptxas interleaves the loads with the previous m-tiles' work, so
+    their latency is exposed once per m-tile); 2: the next step's loads are issued before this step's decode
+    (a register double buffer; the last step re-reads itself, from L2). (A barrier after a step's loads, which
+    keeps the T = 1 h2 loop's loads together, did not: ptxas still interleaved them, Triton 3.6 sm_90 SASS.)"""
+    if STAGES == 2:
+        ld = _load_step(x_ptr, codes, scales, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB)
+        for g0 in range(g_lo, g_hi, BLOCK_G):
+            nxt = _load_step(x_ptr, codes, scales, rows, cols, tl.minimum(g0 + BLOCK_G, g_hi - BLOCK_G), q, G,
+                             stride_xt, BLOCK_G, M_REP, NB)
+            tl.debug_barrier()
+            accs = _step(accs, ld, BLOCK_G, M_REP, NB, NW, MODE)
+            ld = nxt
+    else:
+        for g0 in range(g_lo, g_hi, BLOCK_G):
+            accs = _step(accs, _load_step(x_ptr, codes, scales, rows, cols, g0, q, G, stride_xt, BLOCK_G, M_REP, NB),
+                         BLOCK_G, M_REP, NB, NW, MODE)
     return accs
 
 
@@ -108,9 +163,9 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
                           BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                           DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr):
-    # USE_DOT / DOT_KIND / FOLD / STAGES / EVEN_G are accepted for the shared launcher and unused here
+    # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
     tl.static_assert(BLOCK_N % (16 * NW) == 0 and (BLOCK_G == 8 or BLOCK_G == 16))
-    tl.static_assert(T_TILE == 8 or T_TILE == 16)
+    tl.static_assert((T_TILE == 8 or T_TILE == 16) and 1 <= STAGES and STAGES <= 2)
     M_REP: tl.constexpr = BLOCK_N // (16 * NW)
     NB: tl.constexpr = T_TILE // 8
     e = tl.arange(0, NW * 32)
@@ -130,10 +185,8 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
     accs = ()
     for _ in tl.static_range(M_REP * NB * 4):
         accs = accs + (tl.zeros(e.shape, tl.float32),)
-    for g0 in range(g_lo, g_hi, BLOCK_G):
-        for kc in tl.static_range(BLOCK_G // 8):
-            accs = _chunk(accs, x_ptr, codes, scales, rows, cols, g0 + kc * 8, q, G, stride_xt, M_REP, NB, NW,
-                          H2_MODE)
+    accs = _k_loop(accs, x_ptr, codes, scales, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G, M_REP, NB, NW,
+                   STAGES, H2_MODE)
     _epilogue(accs, offs, t0, q, fscale * _W_EXP, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr,
               cnt_ptr, M_REP, NB, HAS_RES, USE_SPLIT)
 

@@ -45,23 +45,23 @@ def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:
     return torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-20, 13, (T, K), generator=g).float())
 
 
-CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, split, residual
-    "T1-bf16-one-chunk": (1, torch.bfloat16, 37, 128, 64, 8, 2, 1, False),
-    "T3-f32-split3": (3, torch.float32, 37, 384, 64, 8, 2, 3, True),
-    "T8-f16-g16": (8, torch.float16, 70, 512, 32, 16, 2, 1, False),
-    "T5-bf16-split2-res": (5, torch.bfloat16, 19, 768, 64, 8, 4, 2, True),
-    "T11-f32-two-col-blocks": (11, torch.float32, 37, 256, 32, 8, 2, 1, False),
-    "T16-bf16-split2-g16": (16, torch.bfloat16, 33, 512, 64, 16, 2, 2, True),
+CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, residual
+    "T1-bf16-one-chunk": (1, torch.bfloat16, 37, 128, 64, 8, 2, 1, 1, False),
+    "T3-f32-split3-prefetch": (3, torch.float32, 37, 384, 64, 8, 2, 2, 3, True),
+    "T8-f16-g16": (8, torch.float16, 70, 512, 32, 16, 2, 1, 1, False),
+    "T5-bf16-split2-res": (5, torch.bfloat16, 19, 768, 64, 8, 4, 1, 2, True),
+    "T11-f32-two-col-blocks-prefetch": (11, torch.float32, 37, 384, 32, 8, 2, 2, 1, False),
+    "T16-bf16-split2-g16-prefetch": (16, torch.bfloat16, 33, 768, 64, 16, 2, 2, 2, True),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_mma_matches_reference(case):
-    T, dtype, N, K, bn, bg, nw, split, has_res = CASES[case]
+    T, dtype, N, K, bn, bg, nw, stages, split, has_res = CASES[case]
     codes, scales, gs = weights(N, K, seed=T)
     x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(DEV)
     res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
-    cfg = GemvConfig(bn, bg, nw, 1, split=split, mma=True)
+    cfg = GemvConfig(bn, bg, nw, stages, split=split, mma=True)
     y = gemv_nvfp4(x, codes, scales, gs, torch.full((T, N), float("nan"), dtype=dtype, device=DEV), res, config=cfg)
     assert torch.isfinite(y).all()
     assert rel_l2(y, reference.ref_nvfp4(x, codes, scales, gs, residual=res)) < (
@@ -131,7 +131,7 @@ def test_gpu_mma_real_shapes(shape, T):
     codes, scales, gs = weights(N, K, seed=1)
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     ref = reference.ref_nvfp4(x, codes, scales, gs)
-    for bn, bg, nw in gl._DECODE_MMA_TILES:
-        cfg = GemvConfig(bn, bg, nw, 1, split=gl.auto_split(-(-N // bn), K // 16 // bg, gl.sm_count(x.device)),
+    for bn, bg, nw, st in gl._DECODE_MMA_TILES:
+        cfg = GemvConfig(bn, bg, nw, st, split=gl.auto_split(-(-N // bn), K // 16 // bg, gl.sm_count(x.device)),
                          mma=True)
         assert rel_l2(gemv_nvfp4(x, codes, scales, gs, config=cfg), ref) < RTOL_HALF, cfg
