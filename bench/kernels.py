@@ -98,11 +98,12 @@ def _precompile_job(job) -> str:
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     done = 0
     for c in gl.candidates(T, N, K // gs, gs, x.dtype, dev, h2=gl.has_h2(kern), mma=gl.has_variant(kern, "mma")):
-        try:
-            gl.launch(kern, weights, x, N, K // gs, 1.0, out, None, c, warmup=True)
-            done += 1
-        except Exception as e:  # the tuner skips configs that fail; so does the precompile
-            log(f"  precompile {fmt} {N}x{K} T={T} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        for res in (None, out):   # --check runs with a residual: its tuner compiles those variants too
+            try:
+                gl.launch(kern, weights, x, N, K // gs, 1.0, out, res, c, warmup=True)
+                done += 1
+            except Exception as e:  # the tuner skips configs that fail; so does the precompile
+                log(f"  precompile {fmt} {N}x{K} T={T} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     return f"{fmt} {N}x{K} T={T}: {done}"
 
 

@@ -109,9 +109,8 @@ _DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 
                     16: ()}
 # warp-MMA tiles (block_n, block_g, num_warps, num_stages): 16 rows per warp and m-tile, 8 groups (128 weights)
 # per chunk; num_stages 1 = load then decode, 2 = the next step's loads issued before this step's decode
-# (gemv_nvfp4_mma._k_loop)
-_DECODE_MMA_TILES = ((256, 8, 4, 2), (128, 8, 4, 2), (256, 16, 4, 2), (256, 8, 4, 1), (128, 8, 4, 1),
-                     (256, 16, 4, 1))
+# (gemv_nvfp4_mma._k_loop; at block_g 16 that needs 196-255 registers and 40-65 s of ptxas per variant)
+_DECODE_MMA_TILES = ((256, 8, 4, 2), (128, 8, 4, 2), (256, 8, 4, 1), (128, 8, 4, 1), (256, 16, 4, 1))
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
 
