@@ -118,7 +118,8 @@ _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), 
 def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
                mma: bool = False) -> list[GemvConfig]:
     """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2 / mma: the kernel has a
-    packed-half2 / warp-MMA variant (`variant`), whose tiles are added for T <= 8 / T <= 16 (mma: sm_80+)."""
+    packed-half2 / warp-MMA variant (`variant`), whose tiles are added for T <= 8 / T <= 16 (mma: sm_80+) with
+    fp16/bf16 activations (both round activations to f16; fp32 activations ask for fp32 products)."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
         return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
@@ -129,7 +130,7 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     b = next_pow2(T)
     out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
            for bn, bg, w, st in _DECODE_TILES[b]]
-    if h2 and not H2_STATE["off"]:
+    if h2 and not H2_STATE["off"] and x_dtype != torch.float32:   # fp32 activations keep fp32 products
         # T <= 2: with 1-3 resident CTAs per SM the default's ~4 CTAs per SM can leave a partial last wave
         for i, (bn, bg, w, st) in enumerate(_DECODE_H2_TILES[b]):
             for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,)):
