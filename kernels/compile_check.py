@@ -115,7 +115,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                 if cc >= 80:   # sm_70 (never launched there) compiles the emulated warp steps, slowly: one tile
                     out.append((Variant(f, xd, 16, 256, 8, stages=2), cc))
                 if full:
-                    out += [(Variant(f, xd, 8, 256, 16), cc), (Variant(f, xd, 8, 512, 8, num_warps=8), cc)]
+                    out += [(Variant(f, xd, 8, 256, 16), cc), (Variant(f, xd, 8, 128, 8, stages=2), cc)]
                 continue
             bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
             # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop

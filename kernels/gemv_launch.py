@@ -248,7 +248,7 @@ def variant(kernel, kind: str, device):
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
             warmup: bool = False, fold: bool = True):
     """Launch one config; returns (compiled kernel or None, grid, ws or None, cnt or None, scalars, consts,
-    the kernel launched: the format's own or its h2 variant)."""
+    the kernel launched: the format's own or its h2 / mma variant)."""
     T = x.shape[0]
     kind = "h2" if cfg.h2 else "mma" if cfg.mma else None
     kernel = variant(kernel, kind, x.device) if kind else kernel
