@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ninfer_formats import codecs  # noqa: E402
+from gemv_inputs import every_code_nvfp4, extreme_x, nvfp4_weights, rel_l2, wide_range_x  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
@@ -26,21 +27,8 @@ DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 N = 37
 
 
-def rel_l2(a, b) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def weights(N: int, K: int, seed: int):
-    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
-    c, s, g = codecs.nvfp4.quantize(w)
-    return torch.from_numpy(c).to(DEV), torch.from_numpy(s).to(DEV), float(g)
-
-
-def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:
-    """N(0,1) times 2**u, u uniform in [-20, 12] per element: tiny and large activations side by side."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-20, 13, (T, K), generator=g).float())
+    return nvfp4_weights(N, K, seed, DEV)
 
 
 CASES = {  # format, T, dtype, K, block_n, block_g, split, residual, num_stages (> 1: pipelined weight loads)
@@ -91,15 +79,8 @@ def test_h2_every_code_and_extreme_groups():
     """Every code byte and scale pattern; groups whose activations are all zero, near the fp32 top or
     fp32-subnormal-small: the scaling must neither overflow f16 nor lose the group."""
     K = 256
-    codes = torch.from_numpy((np.arange(8 * K // 2) % 256).astype(np.uint8).reshape(8, K // 2)).to(DEV)
-    scales = torch.from_numpy(np.array([0x01, 0x07, 0x08, 0x38, 0x7E, 0x30, 0x40, 0x50] * 16,
-                                       dtype=np.uint8).reshape(8, K // 16)).to(DEV)
-    x = torch.randn(2, K, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
-    x[0, 0:16] = 0.0
-    x[0, 16:32] *= 1e30
-    x[0, 32:48] *= 1e-40          # fp32 subnormals
-    x[1, 48:64] = 65504.0 * 4     # beyond f16 range before scaling
-    x = x.to(DEV)
+    codes, scales = every_code_nvfp4(8, K, DEV)
+    x = extreme_x(K, 16, DEV)       # one 16-weight group each
     y = gemv_nvfp4(x, codes, scales, 0.5, config=GemvConfig(8, 4, num_stages=1, h2=True))
     ref = reference.ref_nvfp4(x, codes, scales, 0.5)
     assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2

@@ -9,15 +9,14 @@ per-chunk power-of-two scaling into f16 is what this variant adds.
 """
 import os
 
-import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ninfer_formats import codecs  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
+from gemv_inputs import every_code_nvfp4, extreme_x, nvfp4_weights, rel_l2, wide_range_x  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
 from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, nvfp4_gemv_kernel  # noqa: E402
@@ -28,21 +27,8 @@ DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 GPU_MMA = DEV == "cuda" and torch.cuda.get_device_capability() >= (8, 0)
 
 
-def rel_l2(a, b) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def weights(N: int, K: int, seed: int):
-    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
-    c, s, g = codecs.nvfp4.quantize(w)
-    return torch.from_numpy(c).to(DEV), torch.from_numpy(s).to(DEV), float(g)
-
-
-def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:
-    """N(0,1) times 2**u, u uniform in [-20, 12] per element: tiny and large activations side by side."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-20, 13, (T, K), generator=g).float())
+    return nvfp4_weights(N, K, seed, DEV)
 
 
 CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, residual
@@ -76,15 +62,8 @@ def test_mma_every_code_scale_and_extreme_chunks():
     all-zero, near-fp32-top, fp32-subnormal and beyond-f16 activations: the per-chunk scaling must neither
     overflow f16 nor lose a chunk, and subnormal block scales stay exact."""
     K, N = 512, 32
-    codes = torch.from_numpy((np.arange(N * K // 2) % 256).astype(np.uint8).reshape(N, K // 2)).to(DEV)
-    pattern = np.array([0x01, 0x07, 0x08, 0x38, 0x7E, 0x30, 0x40, 0x50], dtype=np.uint8)
-    scales = torch.from_numpy(np.resize(pattern, (N, K // 16))).to(DEV)
-    x = torch.randn(2, K, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
-    x[0, 0:128] = 0.0
-    x[0, 128:256] *= 1e30
-    x[0, 256:384] *= 1e-40          # fp32 subnormals
-    x[1, 384:512] = 65504.0 * 4     # beyond f16 range before scaling
-    x = x.to(DEV)
+    codes, scales = every_code_nvfp4(N, K, DEV)
+    x = extreme_x(K, 128, DEV)      # one 128-weight chunk each
     y = gemv_nvfp4(x, codes, scales, 0.5, config=GemvConfig(32, 8, 2, 1, mma=True))
     ref = reference.ref_nvfp4(x, codes, scales, 0.5)
     assert torch.isfinite(y).all()
