@@ -11,9 +11,10 @@ the activations of the same real k of column t0 + g (and t0 + 8 + g for T tiles 
 quad into f16. So T = 1..8 cost the same MMAs and T = 16 twice as many, against the decode of every weight
 once -- no weight tile goes through shared memory.
 
-Requires G % BLOCK_G == 0 with BLOCK_G in {8, 16} (K a multiple of 128 or 256; every Qwen3.8 shape), fp16 or
-bf16 activations on the GPU (fp32 in the interpreter). Weights as in `gemv_nvfp4` (codes int64 [N, K/16],
-E4M3 scales u8 [N, K/16], 16-byte aligned). Output as the other GEMVs (split-K workspace, residual).
+Requires G % BLOCK_G == 0 with BLOCK_G in {8, 16} (K a multiple of 128 or 256; every Qwen3.8 shape). Any
+activation dtype works (all are rounded to f16 after the power-of-two scaling); the tuner offers this variant
+for fp16/bf16 only. Weights as in `gemv_nvfp4` (codes int64 [N, K/16], E4M3 scales u8 [N, K/16], 16-byte
+aligned). Output as the other GEMVs (split-K workspace, residual).
 """
 from __future__ import annotations
 
