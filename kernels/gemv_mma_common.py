@@ -8,9 +8,8 @@ thread (g = lane / 4, q = lane % 4) supplies A's rows g and g + 8 and B's column
 B, so each thread decodes only bytes it loaded itself and no data crosses threads before the MMA.
 
 The kernels are written per thread: every tensor has one element per thread, shape [NT] = [32 * NW], element
-e = thread e (warp e // 32, lane e % 32 -- Triton's blocked layout for such a tensor; a kernel whose compiled
-TTGIR holds no `convert_layout` keeps every value in the thread that computed it, which the compile tests
-check). The warp-collective steps are inline PTX (`MODE` = PTX_SM80) or, in the interpreter and for the sm_70
+e = thread e (warp e // 32, lane e % 32 -- Triton's blocked layout for such a tensor; the compile tests check
+that every inline-asm operand's layout in the compiled TTGIR is that one: `compile_check.lane_layouts_bad`). The warp-collective steps are inline PTX (`MODE` = PTX_SM80) or, in the interpreter and for the sm_70
 compile check, the same arithmetic written as Triton ops over [NW, 8, 4] views (element order is lane order
 there; the launcher never offers this variant below sm_80).
 
@@ -24,8 +23,6 @@ import triton
 import triton.language as tl
 
 from .gemv_h2_common import _PTX_SM80, lane_f32
-
-_LANE = tl.constexpr(0xFFFF)
 
 
 @triton.jit
