@@ -111,11 +111,13 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
         xd = "float16" if cc < 80 else "bfloat16"
         for f in FORMATS:
             if f in LANE_EXACT:   # the warp-MMA tiles (gemv_launch._DECODE_MMA_TILES), T tiles 8 and 16
-                out.append((Variant(f, xd, 8, 256 if cc >= 80 else 64, 8, use_split=True, has_res=True), cc))
-                if cc >= 80:   # sm_70 (never launched there) compiles the emulated warp steps, slowly: one tile
-                    out.append((Variant(f, xd, 16, 256, 8, stages=2), cc))
+                if cc < 80:   # sm_70 (never launched there) compiles the emulated warp steps, slowly: one tile
+                    out.append((Variant(f, xd, 8, 64, 8, use_split=True, has_res=True), cc))
+                    continue
+                out += [(Variant(f, xd, 8, 128, 8, use_split=True, has_res=True, stages=2), cc),
+                        (Variant(f, xd, 16, 256, 8), cc)]
                 if full:
-                    out += [(Variant(f, xd, 8, 256, 16), cc), (Variant(f, xd, 8, 128, 8, stages=2), cc)]
+                    out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue
             bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
             # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop

@@ -12,7 +12,7 @@ H2_STATE = {"off": False, "mma_off": False}
 
 
 def _plain(c) -> bool:
-    return not (c.h2 or getattr(c, "mma", False))
+    return not (c.h2 or c.mma)
 
 
 def checked_h2(best, cands: list, log: list, run):
@@ -27,8 +27,8 @@ def checked_h2(best, cands: list, log: list, run):
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
     if bool(torch.isfinite(got).all()) and err <= H2_CHECK_RTOL:
         return best
-    kind = "warp-MMA" if getattr(best, "mma", False) else "packed-half2"
-    H2_STATE["mma_off" if getattr(best, "mma", False) else "off"] = True
+    kind = "warp-MMA" if best.mma else "packed-half2"
+    H2_STATE["mma_off" if best.mma else "off"] = True
     print(f"ninfer: the {kind} GEMV disagrees with the fp32 kernel on this GPU (relative L2 {err:.3g}); "
           f"using the other kernels for the rest of this process", file=sys.stderr)
     timed = [(t, i) for i, (c, t) in enumerate(log) if _plain(c) and t is not None]

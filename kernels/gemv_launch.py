@@ -107,10 +107,12 @@ _DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 
                     4: ((64, 16, 4, 1), (128, 16, 4, 1)),
                     8: ((64, 16, 4, 1),),
                     16: ()}
-# warp-MMA tiles (block_n, block_g, num_warps, num_stages): 16 rows per warp and m-tile, 8 groups (128 weights)
-# per chunk; num_stages 1 = load then decode, 2 = the next step's loads issued before this step's decode
-# (gemv_nvfp4_mma._k_loop; at block_g 16 that needs 196-255 registers and 40-65 s of ptxas per variant)
-_DECODE_MMA_TILES = ((256, 8, 4, 2), (128, 8, 4, 2), (256, 8, 4, 1), (128, 8, 4, 1), (256, 16, 4, 1))
+# warp-MMA tiles (block_n, block_g, num_warps, num_stages) per T bucket, trimmed to what won on the H200 (bench/
+# NOTES.md §7): 16 rows per warp and m-tile, 8 groups (128 weights) per chunk; num_stages 1 = load then decode,
+# 2 = the next step's loads issued before this step's decode (gemv_nvfp4_mma._k_loop). T = 1 never won (h2 does);
+# block_g 16 never won and its double buffer needs 196-255 registers and 40-65 s of ptxas per variant.
+_MMA_T2_8 = ((128, 8, 4, 2), (256, 8, 4, 2))
+_DECODE_MMA_TILES = {1: (), 2: _MMA_T2_8, 4: _MMA_T2_8, 8: _MMA_T2_8, 16: ((256, 8, 4, 1), (128, 8, 4, 1))}
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
 
@@ -118,7 +120,7 @@ _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), 
 def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
                mma: bool = False) -> list[GemvConfig]:
     """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2 / mma: the kernel has a
-    packed-half2 / warp-MMA variant (`variant`), whose tiles are added for T <= 8 / T <= 16 (mma: sm_80+) with
+    packed-half2 / warp-MMA variant (`variant`), whose tiles are added for T <= 8 / 2 <= T <= 16 (mma: sm_80+) with
     fp16/bf16 activations (both round activations to f16; fp32 activations ask for fp32 products)."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
@@ -137,7 +139,7 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
                 out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
                                       h2=True))
     if mma and not H2_STATE["mma_off"] and cc >= (8, 0) and x_dtype != torch.float32:
-        for bn, bg, w, st in _DECODE_MMA_TILES:
+        for bn, bg, w, st in _DECODE_MMA_TILES[b]:
             if G % bg == 0:
                 out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), G // bg, sms), mma=True))
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):

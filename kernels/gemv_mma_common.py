@@ -96,7 +96,7 @@ def col_back(v, NW: tl.constexpr, MODE: tl.constexpr):
         return tl.inline_asm_elementwise(
             "{ .reg .b32 q, s; mov.u32 q, %laneid; and.b32 q, q, 3; shl.b32 s, q, 3; "
             "shfl.sync.idx.b32 $0, $2, s, 0x1f, -1; add.u32 s, s, 4; shfl.sync.idx.b32 $1, $2, s, 0x1f, -1; }",
-            "=r,=r,r", [v.to(tl.int32, bitcast=True)], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+            "=f,=f,f", [v], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
 @triton.jit

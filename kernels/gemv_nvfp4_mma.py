@@ -94,8 +94,7 @@ def _chunk(accs, loaded, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr
     xps, backs = (), ()
     for nb in tl.static_range(NB):
         xp, back = _x_pairs(xr, nb, NW, MODE)
-        b_even, b_odd = col_back(back, NW, MODE)
-        xps, backs = xps + (xp,), backs + ((b_even.to(tl.float32, bitcast=True), b_odd.to(tl.float32, bitcast=True)),)
+        xps, backs = xps + (xp,), backs + (col_back(back, NW, MODE),)
     for m in tl.static_range(M_REP):
         top = _w_pairs(wr[4 * m], wr[4 * m + 1], MODE)
         bot = _w_pairs(wr[4 * m + 2], wr[4 * m + 3], MODE)

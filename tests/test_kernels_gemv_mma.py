@@ -89,14 +89,15 @@ def test_mma_config_and_input_errors():
 
 
 def test_mma_candidates_only_where_they_run():
-    """Offered on sm_80+ for fp16/bf16 activations when K is whole 128-weight chunks; never elsewhere."""
+    """Offered on sm_80+ for fp16/bf16 activations at T >= 2 when K is whole 128-weight chunks; never elsewhere."""
     assert gl.has_variant(nvfp4_gemv_kernel, "mma")
     if not GPU_MMA:
         assert not any(c.mma for c in gl.candidates(4, 5120, 320, 16, torch.bfloat16, torch.device(DEV), mma=True))
         return
     dev = torch.device(DEV)
-    for T in (1, 4, 16):
+    for T in (2, 4, 16):
         assert any(c.mma for c in gl.candidates(T, 5120, 320, 16, torch.bfloat16, dev, mma=True))
+    assert not any(c.mma for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, dev, mma=True))  # h2 wins T=1
     assert not any(c.mma for c in gl.candidates(4, 5120, 321, 16, torch.bfloat16, dev, mma=True))
     assert not any(c.mma for c in gl.candidates(4, 5120, 320, 16, torch.float32, dev, mma=True))
 
@@ -110,7 +111,7 @@ def test_gpu_mma_real_shapes(shape, T):
     codes, scales, gs = weights(N, K, seed=1)
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     ref = reference.ref_nvfp4(x, codes, scales, gs)
-    for bn, bg, nw, st in gl._DECODE_MMA_TILES:
+    for bn, bg, nw, st in sorted({tile for tiles in gl._DECODE_MMA_TILES.values() for tile in tiles}):
         cfg = GemvConfig(bn, bg, nw, st, split=gl.auto_split(-(-N // bn), K // 16 // bg, gl.sm_count(x.device)),
                          mma=True)
         assert rel_l2(gemv_nvfp4(x, codes, scales, gs, config=cfg), ref) < RTOL_HALF, cfg
