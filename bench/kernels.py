@@ -97,7 +97,8 @@ def _precompile_job(job) -> str:
     x = torch.zeros(T, K, dtype=torch.bfloat16, device=dev)
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     done = 0
-    for c in gl.candidates(T, N, K // gs, gs, x.dtype, dev, h2=gl.has_h2(kern), mma=gl.has_variant(kern, "mma")):
+    for c in gl.candidates(T, N, K // gs, gs, x.dtype, dev, h2=gl.has_h2(kern), mma=gl.has_variant(kern, "mma"),
+                                h2_tiles=gl.h2_tiles(kern)):
         for res in (None, out):   # --check runs with a residual: its tuner compiles those variants too
             try:
                 gl.launch(kern, weights, x, N, K // gs, 1.0, out, res, c, warmup=True)
@@ -117,7 +118,8 @@ def precompile(jobs, workers: int) -> None:
         _, _, gs = _kernel_spec(fmt)
         G = K // gs
         kern = _kernel_spec(fmt)[0]
-        cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev, h2=gl.has_h2(kern), mma=gl.has_variant(kern, "mma"))
+        cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev, h2=gl.has_h2(kern), mma=gl.has_variant(kern, "mma"),
+                              h2_tiles=gl.h2_tiles(kern))
         sig = frozenset(((c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2, c.mma),
                          _spec(gl.effective_split(c, G))) for c in cands)
         uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))

@@ -94,12 +94,13 @@ def compile_variant(v: Variant, cc: int):
                           num_stages=3 if v.use_dot else v.stages)
 
 
-FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "iq3_s", "f8", "plain:bf16", "plain:f16",
-           "plain:f32")
-CC_AWARE = ("nvfp4_h2", "q6_k_h2", "nvfp4_mma")   # kernel_for(..., cc=) picks target-specific inline PTX
-NO_DOT = ("nvfp4_h2", "q6_k_h2")       # elementwise-only variants (T <= 8), no dequantizer of their own
+FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "iq3_s", "iq3_s_h2", "f8", "plain:bf16",
+           "plain:f16", "plain:f32")
+CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma")   # kernel_for(..., cc=) picks target-specific PTX
+NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
 LANE_EXACT = ("nvfp4_mma",)            # per-thread kernels: their inline PTX must see element e in thread e
-_GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "f8": 8, "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
+_GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "iq3_s_h2": 16, "f8": 8,
+       "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
 
 
 def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
@@ -120,10 +121,12 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue
             bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
-            # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop
-            out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=3), cc))
+            # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop. The
+            # per-thread IQ3_S h2 kernel: its winning tile, and its register double buffer (stages >= 2)
+            st, bn1 = (1, 64) if f == "iq3_s_h2" else (3, 128)
+            out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=st), cc))
             if f in NO_DOT:
-                out.append((Variant(f, xd, 1, 128, bg, stages=3), cc))
+                out.append((Variant(f, xd, 1, bn1, bg, stages=3), cc))
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
                 continue

@@ -184,24 +184,29 @@ class H2Kernel:
     """Binds H2_MODE so the generic launcher (`gemv_launch`) treats an h2 kernel like the other kernels. Its
     __name__ is the format's own kernel's: both variants compete for the same tuner key."""
 
-    def __init__(self, jit, name: str, mode: int):
+    def __init__(self, jit, name: str, mode: int, per_thread: bool = False):
         self.__name__, self.jit, self.mode, self.extra_consts = name, jit, mode, {"H2_MODE": mode}
+        self.per_thread = per_thread
+
+    def _consts(self, kw: dict) -> dict:
+        # per-thread kernels ([32 * NW] tensors) take the warp count as a constexpr too
+        return {"H2_MODE": self.mode, **({"NW": kw["num_warps"]} if self.per_thread else {})}
 
     def __getitem__(self, grid):
-        return lambda *a, **kw: self.jit[grid](*a, H2_MODE=self.mode, **kw)
+        return lambda *a, **kw: self.jit[grid](*a, **self._consts(kw), **kw)
 
     def warmup(self, *a, grid, **kw):
-        return self.jit.warmup(*a, grid=grid, H2_MODE=self.mode, **kw)
+        return self.jit.warmup(*a, grid=grid, **self._consts(kw), **kw)
 
 
-def factory(jit, name: str):
+def factory(jit, name: str, per_thread: bool = False):
     """`device -> H2Kernel` with one launcher object per H2_MODE (for `gemv_launch.register_h2`)."""
     made: dict = {}
 
     def make(device: torch.device) -> H2Kernel:
         mode = h2_mode(device)
         if mode not in made:
-            made[mode] = H2Kernel(jit, name, mode)
+            made[mode] = H2Kernel(jit, name, mode, per_thread)
         return made[mode]
     return make
 

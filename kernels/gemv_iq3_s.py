@@ -3,16 +3,20 @@
 Load-time repack (`repack_iq3_s`, same 110 bytes per 256 weights): the 2-byte-aligned GGML blocks are split
 into planar arrays, each row-major over the row's weights, indexed by 16-weight group g:
   qs    int32 [N, K/16]  low 8 bits of the grid index of the four 4-weight groups of g (one byte each)
-  signs int16 [N, K/16]  sign bits, bit i = weight 16g + i
+  signs int16 [N, K/16]  sign bits of g's four 4-weight groups k, permuted: weights 4k, 4k+1, 4k+2, 4k+3 at
+                         bits 7-k, 3-k, 15-k, 11-k (`SIGN_BITS`; the order `gemv_iq3_s_h2` reads)
   qh    u8    [N, K/32]  bit 8 of the grid indices, bit k = group k of the 32-weight sub-block
   sc    u8    [N, K/64]  4-bit sub-block scales, even sub-block in the low nibble
   d     fp16  [N, K/256] super-block scales
-Lookup table (built once per device from `ninfer_formats.codecs.iq3_s_tables.grid_values`): entry
-idx + 512 * s (idx the 9-bit grid index, s the group's 4 sign bits) is the grid point with the signs applied,
-one byte per coordinate stored as 128 + signed coordinate -- 8192 int32 words, 32 KB, L1-resident. One gather
-per 4 weights then replaces the grid lookup and the sign handling, and a weight is one byte extract: byte |
-0x4B000000 is the float 2**23 + 128 + signed coordinate, one FADD from the value (no int->float conversion).
-w = d * (1 + 2 * s4) * coordinate * sign.
+Lookup table "grid" (built once per device from `ninfer_formats.codecs.iq3_s_tables.grid_values`), int32:
+* words 0..8191 (this kernel): entry idx + 512 * s (idx the 9-bit grid index, s the 4-weight group's sign
+  bits in the order (1, 0, 3, 2) of its coordinates: what `_sign_nibble` gathers from the permuted word) is
+  the grid point with the signs applied, one byte per coordinate stored as 128 + signed coordinate -- 32 KB,
+  L1-resident. One gather per 4 weights then replaces the grid lookup and the sign handling, and a weight is
+  one byte extract: byte | 0x4B000000 is the float 2**23 + 128 + signed coordinate, one FADD from the value
+  (no int->float conversion). w = d * (1 + 2 * s4) * coordinate * sign.
+* words 8192..8703 (`gemv_iq3_s_h2`): entry idx holds the four unsigned coordinates in the f16x2 bit fields
+  that variant decodes (its docstring).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import dequant_body, even_groups, gemv_body, ld, ld_pair, pairwise
-from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv
+from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv, register_h2
 
 GS = 16
 QK = 256
@@ -30,27 +34,51 @@ _GS = tl.constexpr(GS)
 _ONE = tl.constexpr(1.0)
 _MAGIC = tl.constexpr(0x4B000000)          # float bits of 2**23
 _OFFSET = tl.constexpr(8388608.0 + 128.0)
-TABLE_SIZE = 512 * 16
+SIGNED_WORDS = 512 * 16                     # the signed table of this kernel
+H2_WORDS = 512                             # the unsigned table of gemv_iq3_s_h2, after it
+TABLE_SIZE = SIGNED_WORDS + H2_WORDS
+SIGN_BITS = tuple((7 - k, 3 - k, 15 - k, 11 - k) for k in range(4))   # [k][j]: bit of weight 4k + j
+_NIBBLE_ORDER = (1, 0, 3, 2)               # signed-table sign bit b is coordinate _NIBBLE_ORDER[b]'s sign
 _TABLE: dict = {}
 
 
-def signed_grid_table(device) -> torch.Tensor:
-    """int32 [8192] on `device` (cached): entry idx + 512*s, byte j = 128 + grid[idx][j] * (-1 if s bit j)."""
+def grid_table(device) -> torch.Tensor:
+    """int32 [TABLE_SIZE] on `device` (cached): the signed table, then the h2 variant's (module docstring)."""
     key = str(device)
     if key not in _TABLE:
         import numpy as np
         from ninfer_formats.codecs.iq3_s_tables import grid_values
+        from .gemv_iq3_s_h2 import h2_grid_words
         g = grid_values().astype(np.int64)                                   # [512, 4] coordinates 1..15
-        s = (np.arange(16)[:, None] >> np.arange(4)) & 1                     # [16, 4] sign bits
+        bit = np.argsort(_NIBBLE_ORDER)                                      # coordinate j's sign bit
+        s = (np.arange(16)[:, None] >> bit) & 1                              # [16, 4] sign of coordinate j
         v = 128 + np.where(s[:, None, :] == 1, -g[None], g[None])            # [16, 512, 4] in 113..143
-        words = (v << (8 * np.arange(4))).sum(axis=-1).reshape(TABLE_SIZE)
-        _TABLE[key] = torch.from_numpy(words.astype(np.uint32).view(np.int32)).to(device)
+        words = (v << (8 * np.arange(4))).sum(axis=-1).reshape(SIGNED_WORDS)
+        words = np.concatenate([words, h2_grid_words(g)]).astype(np.uint32).view(np.int32)
+        _TABLE[key] = torch.from_numpy(words).to(device)
     return _TABLE[key]
+
+
+def permute_signs(signs: torch.Tensor) -> torch.Tensor:
+    """int16 sign words (bit i = weight 16g + i, GGML order) -> the repacked order `SIGN_BITS`."""
+    s = signs.to(torch.int32) & 0xFFFF
+    out = torch.zeros_like(s)
+    for k in range(4):
+        for j in range(4):
+            out |= ((s >> (4 * k + j)) & 1) << SIGN_BITS[k][j]
+    return torch.where(out >= 32768, out - 65536, out).to(torch.int16)
+
+
+@triton.jit
+def _sign_nibble(sg, k: tl.constexpr):
+    """The signed table's 4 sign bits of 4-weight group k: the permuted word's bits 3-k, 7-k, 11-k, 15-k
+    (coordinates 1, 0, 3, 2) moved together by one multiply (the four products land on distinct bits)."""
+    return ((((sg >> (3 - k)) & 0x1111) * 0x1248) >> 12) & 0xF
 
 
 @triton.jit
 def _signed_group(qs, qh4, sg, table, k: tl.constexpr):
-    idx = ((qs >> (8 * k)) & 0xFF) | (((qh4 >> k) & 1) << 8) | (((sg >> (4 * k)) & 0xF) << 9)
+    idx = ((qs >> (8 * k)) & 0xFF) | (((qh4 >> k) & 1) << 8) | (_sign_nibble(sg, k) << 9)
     return tl.load(table + idx)
 
 
@@ -107,20 +135,34 @@ def iq3_s_dequant_kernel(qs, signs, qh, sc, d, grid, out_ptr, fscale, N, G, BLOC
                  BLOCK_N, BLOCK_G)
 
 
+def _h2_kernel(device):
+    from .gemv_iq3_s_h2 import h2_kernel     # imported on first use: it imports this module's table layout
+    return h2_kernel(device)
+
+
+# the h2 variant's tiles (block_n, block_g, num_warps, num_stages; per-thread kernel: a thread holds one 32-weight
+# sub-block column of R = block_n * block_g / (64 * num_warps) rows), trimmed to what won on the H200 (bench/NOTES.md
+# §8: R = 2..4; R = 8, block_g 8 and the register double buffer, num_stages=2, lost 5-30 %). T >= 8: its activation
+# work per weight (converted per thread, shared by its rows only) exceeds the fp32 kernel's (sm_90: 15 per weight)
+H2_TILES = {1: ((64, 16, 4, 1), (32, 16, 2, 1), (32, 16, 4, 1)), 2: ((64, 16, 4, 1), (128, 16, 4, 1)),
+            4: ((64, 16, 4, 1),), 8: (), 16: ()}
+register_h2(iq3_s_gemv_kernel.__name__, _h2_kernel, H2_TILES)   # T <= 8 candidates include the h2 variant
+
+
 def _repack_rows(b: torch.Tensor) -> tuple:
     n, nb = b.shape[0], b.shape[1] // BLOCK_BYTES
     b = b.reshape(n, nb, BLOCK_BYTES)
     d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, nb)
     qs = b[..., 2:66].reshape(n, nb * 64).contiguous().view(torch.int32)
     qh = b[..., 66:74].reshape(n, nb * 8).contiguous()
-    signs = b[..., 74:106].reshape(n, nb * 32).contiguous().view(torch.int16)
+    signs = permute_signs(b[..., 74:106].reshape(n, nb * 32).contiguous().view(torch.int16))
     sc = b[..., 106:110].reshape(n, nb * 4).contiguous()
     return qs, signs, qh, sc, d
 
 
 def repack_iq3_s(blocks: torch.Tensor, K: int, *, chunk_rows: int = 8192) -> dict:
     """GGML IQ3_S rows u8 [N, K/256*110] -> {"qs", "signs", "qh", "sc", "d", "grid"} (module docstring;
-    "grid" is the shared signed lookup table)."""
+    "grid" is the shared lookup table)."""
     if K % QK or not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.dtype != torch.uint8 \
             or blocks.shape[1] != K // QK * BLOCK_BYTES:
         got = (tuple(blocks.shape), blocks.dtype) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
@@ -128,7 +170,7 @@ def repack_iq3_s(blocks: torch.Tensor, K: int, *, chunk_rows: int = 8192) -> dic
                                f"(K a multiple of {QK}), got {got}")
     parts = [_repack_rows(blocks[r:r + chunk_rows]) for r in range(0, blocks.shape[0], chunk_rows)]
     qs, signs, qh, sc, d = (torch.cat(p) for p in zip(*parts))
-    return {"qs": qs, "signs": signs, "qh": qh, "sc": sc, "d": d, "grid": signed_grid_table(blocks.device)}
+    return {"qs": qs, "signs": signs, "qh": qh, "sc": sc, "d": d, "grid": grid_table(blocks.device)}
 
 
 def _weights(packed: dict, K: int, device, what: str):

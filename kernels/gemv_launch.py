@@ -118,10 +118,11 @@ _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), 
 
 
 def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
-               mma: bool = False) -> list[GemvConfig]:
+               mma: bool = False, h2_tiles: dict | None = None) -> list[GemvConfig]:
     """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2 / mma: the kernel has a
     packed-half2 / warp-MMA variant (`variant`), whose tiles are added for T <= 8 / 2 <= T <= 16 (mma: sm_80+) with
-    fp16/bf16 activations (both round activations to f16; fp32 activations ask for fp32 products)."""
+    fp16/bf16 activations (both round activations to f16; fp32 activations ask for fp32 products); h2_tiles: that
+    variant's own tile table (`h2_tiles(kernel)`)."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
         return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
@@ -134,7 +135,7 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
            for bn, bg, w, st in _DECODE_TILES[b]]
     if h2 and not H2_STATE["off"] and x_dtype != torch.float32:   # fp32 activations keep fp32 products
         # T <= 2: with 1-3 resident CTAs per SM the default's ~4 CTAs per SM can leave a partial last wave
-        for i, (bn, bg, w, st) in enumerate(_DECODE_H2_TILES[b]):
+        for i, (bn, bg, w, st) in enumerate((h2_tiles or _DECODE_H2_TILES)[b]):
             for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,)):
                 out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
                                       h2=True))
@@ -220,16 +221,25 @@ def effective_split(cfg: GemvConfig, G: int) -> int:
 
 
 _VARIANTS: dict = {"h2": {}, "mma": {}}
+_VARIANT_TILES: dict = {}
 
 
-def register_variant(kind: str, kernel_name: str, factory) -> None:
+def register_variant(kind: str, kernel_name: str, factory, tiles: dict | None = None) -> None:
     """`factory(device)` returns the `kind` ("h2": packed-half2, "mma": warp-MMA) variant of the kernel named
-    `kernel_name` (a launcher object like the kernel itself); configs with that flag set launch it."""
+    `kernel_name` (a launcher object like the kernel itself); configs with that flag set launch it. `tiles`:
+    the variant's own decode tiles per T bucket (for h2: instead of `_DECODE_H2_TILES`)."""
     _VARIANTS[kind][kernel_name] = factory
+    if tiles is not None:
+        _VARIANT_TILES[(kind, kernel_name)] = tiles
 
 
-def register_h2(kernel_name: str, factory) -> None:
-    register_variant("h2", kernel_name, factory)
+def register_h2(kernel_name: str, factory, tiles: dict | None = None) -> None:
+    register_variant("h2", kernel_name, factory, tiles)
+
+
+def h2_tiles(kernel) -> dict | None:
+    """The h2 variant's own tile table, if it registered one (None: the shared `_DECODE_H2_TILES`)."""
+    return _VARIANT_TILES.get(("h2", kernel.__name__))
 
 
 def has_variant(kernel, kind: str) -> bool:
@@ -242,7 +252,7 @@ def has_h2(kernel) -> bool:
 
 def variant(kernel, kind: str, device):
     if not has_variant(kernel, kind):
-        raise KernelInputError(f"{kernel.__name__} has no {kind} variant (GemvConfig.h2: NVFP4 and Q6_K; "
+        raise KernelInputError(f"{kernel.__name__} has no {kind} variant (GemvConfig.h2: NVFP4, Q6_K and IQ3_S; "
                                f"GemvConfig.mma: NVFP4)")
     return _VARIANTS[kind][kernel.__name__](device)
 
@@ -390,7 +400,8 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
     key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)
-    cands = candidates(T, N, G, GS, x.dtype, x.device, h2=has_h2(kernel), mma=has_variant(kernel, "mma"))
+    cands = candidates(T, N, G, GS, x.dtype, x.device, h2=has_h2(kernel), mma=has_variant(kernel, "mma"),
+                       h2_tiles=h2_tiles(kernel))
     scratch = []
 
     def run(c):

@@ -126,13 +126,33 @@ def split_all(v, LOG: tl.constexpr):
 
 
 @triton.jit
-def stack_all(vals, LOG: tl.constexpr):
-    """Tuple of 2**LOG [NT] tensors -> [NT, 2**LOG], each thread's values in its own registers (tl.join adds a
-    dimension held by the thread); the inverse order of `split_all` is not needed: stack every operand alike."""
+def join_tree(vals, LOG: tl.constexpr):
+    """Tuple of 2**LOG [NT] tensors -> one [NT, 2, ..., 2] tensor, each thread's values in its own registers (tl.join
+    adds a dimension held by the thread); the last dimension is the top of the tree (first half / second half)."""
     parts = vals
     for lvl in tl.static_range(LOG):
         nxt = ()
         for i in tl.static_range(1 << (LOG - 1 - lvl)):
             nxt = nxt + (tl.join(parts[2 * i], parts[2 * i + 1]),)
         parts = nxt
-    return tl.reshape(parts[0], [vals[0].shape[0], 1 << LOG])
+    return parts[0]
+
+
+@triton.jit
+def split_tree(t, LOG: tl.constexpr):
+    """The inverse of `join_tree`: splitting the last dimension first returns the values in their joined order."""
+    parts = (t,)
+    for lvl in tl.static_range(LOG):
+        nxt = ()
+        for i in tl.static_range(1 << lvl):
+            a, b = tl.split(parts[i])
+            nxt = nxt + (a, b)
+        parts = nxt
+    return parts
+
+
+@triton.jit
+def stack_all(vals, LOG: tl.constexpr):
+    """Tuple of 2**LOG [NT] tensors -> [NT, 2**LOG] (`join_tree` flattened); the inverse order of `split_all` is not
+    needed: stack every operand alike."""
+    return tl.reshape(join_tree(vals, LOG), [vals[0].shape[0], 1 << LOG])

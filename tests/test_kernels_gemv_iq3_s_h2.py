@@ -1,0 +1,99 @@
+"""The IQ3_S packed-half2 GEMV (kernels/gemv_iq3_s_h2.py) vs the codec reference, and its repack.
+
+On CPU the kernel runs in the interpreter with H2_MODE = EMULATE; with CUDA the inline-PTX path runs (and the
+shared-memory gather that the interpreter computes with numpy).
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ninfer_formats import codecs  # noqa: E402
+from gemv_inputs import rel_l2, wide_range_x  # noqa: E402
+from ninfer_kernels import reference  # noqa: E402
+from ninfer_kernels import gemv_launch as gl  # noqa: E402
+from ninfer_kernels.gemv_iq3_s import (H2_TILES, SIGN_BITS, gemv_iq3_s, iq3_s_gemv_kernel, permute_signs,  # noqa: E402
+                                       repack_iq3_s)
+from ninfer_kernels.gemv_launch import GemvConfig, interpreting, workspace  # noqa: E402
+
+RTOL_H2 = 2e-3       # fp32 output: f16 sums over 32-weight sub-blocks (as test_kernels_gemv_h2)
+RTOL_HALF = 1e-2     # bf16/f16 output: the output rounding dominates
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+N = 37
+
+CASES = {  # T, dtype, K, block_n, block_g, num_warps, split, residual, num_stages (2: register double buffer)
+    "T1-bf16-g4-w1": (1, torch.bfloat16, 512, 32, 4, 1, 1, False, 1),
+    "T1-bf16-g4-w1-stages": (1, torch.bfloat16, 768, 32, 4, 1, 2, False, 2),
+    "T2-f16-g8-split-res": (2, torch.float16, 768, 16, 8, 1, 3, True, 1),
+    "T3-f32-g16-w2-stages": (3, torch.float32, 512, 64, 16, 2, 1, False, 2),
+}
+
+
+def _blocks(N: int, K: int, seed: int) -> torch.Tensor:
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    return torch.from_numpy(codecs.quantize("iq3_s", w)).to(DEV)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_iq3_s_h2_matches_reference(case):
+    """Odd N, T up to 3 (a T tile of 4), split-K with a residual, both stage modes (the double buffer's last
+    tile re-loads itself); activations spanning 2**32 where the dtype allows."""
+    T, dtype, K, bn, bg, nw, split, has_res, stages = CASES[case]
+    blocks = _blocks(N, K, seed=T)
+    packed = repack_iq3_s(blocks, K)
+    x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(DEV)
+    res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
+    cfg = GemvConfig(bn, bg, num_warps=nw, num_stages=stages, split=split, h2=True)
+    y = gemv_iq3_s(x, packed, torch.full((T, N), float("nan"), dtype=dtype, device=DEV), res, config=cfg)
+    assert torch.isfinite(y).all()
+    assert rel_l2(y, reference.ref_iq3_s(x, blocks, residual=res)) < (RTOL_H2 if dtype == torch.float32
+                                                                       else RTOL_HALF)
+    if split > 1:   # deterministic, counters back at zero
+        assert torch.equal(gemv_iq3_s(x, packed, None, res, config=cfg), y)
+        assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
+
+
+def test_iq3_s_h2_every_grid_point_and_sign():
+    """All 512 grid indices (qs byte + qh bit) at every 4-weight position, every sign pattern, every sub-block
+    scale nibble; one row's activations all zero, another's near the fp32 top."""
+    rows, K = 8, 256
+    raw = np.zeros((rows, 110), np.uint8)
+    idx = np.arange(rows * 64) % 512                                # one 4-weight group each
+    raw[:, 0:2] = np.frombuffer(np.float16(0.37).tobytes(), np.uint8)
+    raw[:, 2:66] = (idx & 0xFF).reshape(rows, 64)
+    hbits = (idx >> 8).reshape(rows, 8, 8)                           # qh byte b, bit j: group 8b + j
+    raw[:, 66:74] = (hbits << np.arange(8)).sum(-1)
+    raw[:, 74:106] = np.random.default_rng(0).integers(0, 256, (rows, 32))
+    raw[:, 106:110] = (np.arange(rows * 4).reshape(rows, 4) * 0x53) & 0xFF
+    blocks = torch.from_numpy(raw).to(DEV)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(0))
+    x[1] = 0.0
+    x[2] *= 1e30
+    x = x.to(DEV)
+    y = gemv_iq3_s(x, repack_iq3_s(blocks, K), config=GemvConfig(16, 16, num_warps=1, h2=True))
+    ref = reference.ref_iq3_s(x, blocks)
+    assert torch.isfinite(y).all() and torch.equal(y[1], torch.zeros_like(y[1]))
+    assert rel_l2(y[0::2], ref[0::2]) < RTOL_H2
+
+
+def test_sign_permutation():
+    """Bit i of a GGML sign word lands at SIGN_BITS[i // 4][i % 4] (one bit at a time, and all at once)."""
+    for i in range(16):
+        k, j = divmod(i, 4)
+        got = int(permute_signs(torch.tensor([1 << i], dtype=torch.int32).to(torch.int16))[0]) & 0xFFFF
+        assert got == 1 << SIGN_BITS[k][j]
+    assert int(permute_signs(torch.tensor([-1], dtype=torch.int16))[0]) == -1
+    assert sorted(b for row in SIGN_BITS for b in row) == list(range(16))
+
+
+def test_iq3_s_h2_tiles_and_candidates():
+    """The variant registers its own tiles (none past T = 4), each a whole number of rows per thread."""
+    assert gl.has_h2(iq3_s_gemv_kernel) and gl.h2_tiles(iq3_s_gemv_kernel) is H2_TILES
+    assert H2_TILES[8] == () and H2_TILES[16] == ()
+    for tiles in H2_TILES.values():
+        for bn, bg, nw, _ in tiles:
+            assert (bn * bg) % (64 * nw) == 0 and 16 % bg == 0
