@@ -145,10 +145,11 @@ def _attn_case(dtype, seq_lens, kv_lens, seed=0, page=16, hq=6, hk=2, d=32):
     return q, k_cache, v_cache, meta
 
 
-def _paged_attention(q, kc, vc, meta, splits):
-    from ninfer_kernels.attention_decode import paged_attention
+def _paged_attention(q, kc, vc, meta, splits, min_split=None, max_kv=None):
+    from ninfer_kernels.attention_decode import MIN_SPLIT_KEYS, paged_attention
     return paged_attention(q, kc, vc, meta.cu_seqlens, meta.kv_lens_t, meta.block_tables, meta.page_size,
-                           q.shape[-1] ** -0.5, meta.max_q_len, meta.max_kv_len, num_splits=splits)
+                           q.shape[-1] ** -0.5, meta.max_q_len, max_kv or meta.max_kv_len, num_splits=splits,
+                           min_split=min_split or MIN_SPLIT_KEYS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2])
@@ -161,6 +162,17 @@ def test_paged_attention(dtype, seq_lens, kv_lens, splits):
     with poisoned():
         got = _paged_attention(q, kc, vc, meta, splits)
     check(got, want, dtype)
+
+
+@pytest.mark.parametrize("min_split", [32, 96], ids=["min32", "min96"])
+def test_paged_attention_splits_sized_on_device(min_split):
+    """Splits fixed on the host for a larger context (a graph's KV bucket), each sequence cutting its own keys
+    into at most that many pieces of >= min_split keys: ragged lengths, some splits past every key."""
+    q, kc, vc, meta = _attn_case(torch.float32, (1, 4, 2), (200, 75, 33), seed=3)
+    want = REF.attention(q, torch.nan_to_num(kc), torch.nan_to_num(vc), meta, q.shape[-1] ** -0.5)
+    with poisoned():
+        got = _paged_attention(q, kc, vc, meta, 7, min_split=min_split, max_kv=4096)
+    check(got, want, torch.float32)
 
 
 def test_attention_prefill_chunk_through_backend():
