@@ -133,6 +133,10 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     b = next_pow2(T)
     out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
            for bn, bg, w, st in _DECODE_TILES[b]]
+    if N <= 8 * 64 and b <= 8:
+        # a few rows (the GDN b/a projections: 48-96): one or two row blocks leave the split-K cap of 16 as the
+        # only parallelism, and each CTA then streams several tiles in a row; offer a split of up to 64
+        out.append(GemvConfig(64, 16, 4, 1, max(1, min(64, triton.cdiv(G, 16)))))
     if h2 and not H2_STATE["off"] and x_dtype != torch.float32:   # fp32 activations keep fp32 products
         # T <= 2: with 1-3 resident CTAs per SM the default's ~4 CTAs per SM can leave a partial last wave
         for i, (bn, bg, w, st) in enumerate((h2_tiles or _DECODE_H2_TILES)[b]):

@@ -97,3 +97,15 @@ def test_iq3_s_h2_tiles_and_candidates():
     for tiles in H2_TILES.values():
         for bn, bg, nw, _ in tiles:
             assert (bn * bg) % (64 * nw) == 0 and 16 % bg == 0
+
+
+def test_iq3_s_h2_candidates_use_its_tiles(monkeypatch):
+    """On an sm_90 device the tuner offers exactly the variant's own h2 tiles (bf16 activations; not fp32)."""
+    monkeypatch.setattr(gl, "interpreting", lambda: False)
+    monkeypatch.setattr(gl.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gl, "sm_count", lambda device: 132)
+    dev = torch.device("cuda")
+    for T, b in ((1, 1), (2, 2), (3, 4), (8, 8)):
+        c = gl.candidates(T, 14336, 320, 16, torch.bfloat16, dev, h2=True, h2_tiles=H2_TILES)
+        assert {(x.block_n, x.block_g, x.num_warps, x.num_stages) for x in c if x.h2} == set(H2_TILES[b])
+    assert not any(x.h2 for x in gl.candidates(1, 14336, 320, 16, torch.float32, dev, h2=True, h2_tiles=H2_TILES))

@@ -259,3 +259,20 @@ def test_time_ms_graph_and_eager_agree_on_order():
     assert torch.cuda.current_device() not in gemv_timing._GRAPH_FAILED
     assert 0 < t["small"] < t["big"] and 0 < e["small"] < e["big"]
     assert t["big"] < 2 * e["big"]   # the subtraction leaves the copy, not the flush
+
+
+def _as_h200(monkeypatch):
+    """candidates() as on an H200 (sm_90, 132 SMs), without one."""
+    monkeypatch.setattr(gl, "interpreting", lambda: False)
+    monkeypatch.setattr(gl.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gl, "sm_count", lambda device: 132)
+    return torch.device("cuda")
+
+
+def test_candidates_few_rows_get_a_wide_split(monkeypatch):
+    """The GDN b/a projections (96 rows of bf16): one extra candidate splits K up to 64 ways; wide shapes keep
+    the cap of 16."""
+    dev = _as_h200(monkeypatch)
+    assert max(c.split for c in gl.candidates(1, 96, 1280, 4, torch.bfloat16, dev)) == 64
+    assert max(c.split for c in gl.candidates(1, 96, 40, 4, torch.bfloat16, dev)) == 3   # only 3 K tiles
+    assert max(c.split for c in gl.candidates(1, 5120, 1280, 4, torch.bfloat16, dev)) <= 16
