@@ -109,3 +109,23 @@ def test_iq3_s_h2_candidates_use_its_tiles(monkeypatch):
         c = gl.candidates(T, 14336, 320, 16, torch.bfloat16, dev, h2=True, h2_tiles=H2_TILES)
         assert {(x.block_n, x.block_g, x.num_warps, x.num_stages) for x in c if x.h2} == set(H2_TILES[b])
     assert not any(x.h2 for x in gl.candidates(1, 14336, 320, 16, torch.float32, dev, h2=True, h2_tiles=H2_TILES))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="the compiled path (inline PTX, shared-memory gather) needs CUDA")
+@pytest.mark.parametrize("T", (1, 2, 4))
+@pytest.mark.parametrize("shape", ((5120, 6144), (8192, 5120)), ids=("attn_o", "gdn_qkvz_tp2"))
+def test_gpu_iq3_s_h2_real_shapes(shape, T):
+    """Every tile the tuner may pick, at 27B shapes, with the split-K the tuner would give it."""
+    N, K = shape
+    rng = np.random.default_rng(1)     # random block bytes (quantizing 27B-sized rows with the codec is slow)
+    raw = rng.integers(0, 256, (N, K // 256, 110), dtype=np.uint8)
+    raw[..., 0:2] = rng.uniform(1e-3, 1e-2, (N, K // 256)).astype(np.float16).view(np.uint8).reshape(N, -1, 2)
+    blocks = torch.from_numpy(raw.reshape(N, -1)).to(DEV)
+    packed = repack_iq3_s(blocks, K)
+    x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+    ref = reference.ref_iq3_s(x, blocks)
+    for bn, bg, nw, st in sorted({tile for tiles in H2_TILES.values() for tile in tiles}):
+        cfg = GemvConfig(bn, bg, nw, st, split=gl.auto_split(-(-N // bn), K // 16 // bg, gl.sm_count(x.device)),
+                         h2=True)
+        assert rel_l2(gemv_iq3_s(x, packed, config=cfg), ref) < RTOL_HALF, cfg
