@@ -34,7 +34,7 @@ _GS = tl.constexpr(GS)
 _ONE = tl.constexpr(1.0)
 _MAGIC = tl.constexpr(0x4B000000)          # float bits of 2**23
 _OFFSET = tl.constexpr(8388608.0 + 128.0)
-SIGNED_WORDS = 512 * 16                     # the signed table of this kernel
+SIGNED_WORDS = 512 * 16                    # the signed table of this kernel
 H2_WORDS = 512                             # the unsigned table of gemv_iq3_s_h2, after it
 TABLE_SIZE = SIGNED_WORDS + H2_WORDS
 SIGN_BITS = tuple((7 - k, 3 - k, 15 - k, 11 - k) for k in range(4))   # [k][j]: bit of weight 4k + j
@@ -192,7 +192,19 @@ def gemv_iq3_s(x, packed: dict, out=None, residual=None, *, config=None, plans=N
     x = check_x(x, None, "gemv_iq3_s")
     K = x.shape[1]
     n, w = _weights(packed, K, x.device, "gemv_iq3_s")
+    if config is not None and config.h2:
+        _check_h2_tile(config)
     return gemv(iq3_s_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_iq3_s", plans=plans)
+
+
+def _check_h2_tile(cfg) -> None:
+    """The per-thread h2 kernel holds one 32-weight sub-block column per thread: block_g in 2..16 and a whole,
+    power-of-two number of rows per thread (block_n * block_g / (64 * num_warps))."""
+    rows, rem = divmod(cfg.block_n * cfg.block_g, 64 * cfg.num_warps)
+    if not 2 <= cfg.block_g <= 16 or rem or rows < 1 or rows & (rows - 1):
+        raise KernelInputError(f"gemv_iq3_s: the h2 variant needs block_g in 2..16 and block_n * block_g a "
+                               f"power-of-two multiple of 64 * num_warps, got block_n={cfg.block_n}, "
+                               f"block_g={cfg.block_g}, num_warps={cfg.num_warps}")
 
 
 def dequant_iq3_s(packed: dict, K: int, dtype=torch.float16):

@@ -397,7 +397,7 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
     if config is not None and config.use_dot and config.block_g * GS < 16:
         raise KernelInputError(f"{what}: tl.dot needs block_g * {GS} >= 16, got block_g={config.block_g}")
     if config is not None and config.h2 and (T > 8 or not has_h2(kernel)):
-        raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4 or Q6_K weight and T <= 8, got T={T}")
+        raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4, Q6_K or IQ3_S weight and T <= 8, got T={T}")
     if config is not None and config.mma and (T > 16 or not has_variant(kernel, "mma") or G % config.block_g):
         raise KernelInputError(f"{what}: GemvConfig.mma needs an NVFP4 weight, T <= 16 and K a multiple of "
                                f"{config.block_g * GS}, got T={T}, K={G * GS}")

@@ -18,7 +18,7 @@ from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_iq3_s import (H2_TILES, SIGN_BITS, gemv_iq3_s, iq3_s_gemv_kernel, permute_signs,  # noqa: E402
                                        repack_iq3_s)
-from ninfer_kernels.gemv_launch import GemvConfig, interpreting, workspace  # noqa: E402
+from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
 
 RTOL_H2 = 2e-3       # fp32 output: f16 sums over 32-weight sub-blocks (as test_kernels_gemv_h2)
 RTOL_HALF = 1e-2     # bf16/f16 output: the output rounding dominates
@@ -88,6 +88,16 @@ def test_sign_permutation():
         assert got == 1 << SIGN_BITS[k][j]
     assert int(permute_signs(torch.tensor([-1], dtype=torch.int16))[0]) == -1
     assert sorted(b for row in SIGN_BITS for b in row) == list(range(16))
+
+
+def test_iq3_s_h2_bad_tile_is_a_clear_error():
+    blocks = _blocks(4, 256, seed=0)
+    packed, x = repack_iq3_s(blocks, 256), torch.randn(1, 256).to(DEV)
+    for cfg in (GemvConfig(16, 8, 4, h2=True), GemvConfig(16, 16, 8, h2=True), GemvConfig(64, 1, 1, h2=True)):
+        with pytest.raises(KernelInputError, match="h2 variant needs"):
+            gemv_iq3_s(x, packed, config=cfg)
+    with pytest.raises(KernelInputError, match="T <= 8"):
+        gemv_iq3_s(torch.randn(9, 256).to(DEV), packed, config=GemvConfig(32, 16, 2, h2=True))
 
 
 def test_iq3_s_h2_tiles_and_candidates():
