@@ -122,7 +122,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                 continue
             bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
             # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop. The
-            # per-thread IQ3_S h2 kernel: its winning tile, and its register double buffer (stages >= 2)
+            # per-thread IQ3_S h2 kernel: its winning tile, and its L2-prefetch mode (stages >= 2)
             st, bn1 = (1, 64) if f == "iq3_s_h2" else (3, 128)
             out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=st), cc))
             if f in NO_DOT:
