@@ -127,6 +127,8 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
             out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=st), cc))
             if f in NO_DOT:
                 out.append((Variant(f, xd, 1, bn1, bg, stages=3), cc))
+                if f != "iq3_s_h2":   # the L2-prefetch mode of the shared h2 loop
+                    out.append((Variant(f, xd, 1, 128, bg, stages=2), cc))
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
                 continue

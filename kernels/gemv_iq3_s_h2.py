@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import finish_at
-from .gemv_h2_common import _EMULATE, compile_consts, factory, hfma2, lanes_f32, pack2, row_scale
+from .gemv_h2_common import compile_consts, factory, hfma2, lanes_f32, pack2, prefetch_l2, row_scale
 from .gemv_iq3_s import SIGNED_WORDS
 from .gemv_mma_common import join_tree, split_tree, stack_all
 
@@ -88,17 +88,10 @@ def _prefetch_tile(qs, signs, rows, h, G, R: tl.constexpr, H2_MODE: tl.constexpr
     """`prefetch.global.L2` of sub-block h's grid bytes and sign words in every row: the next tile's DRAM
     latency overlaps this tile's work without holding registers (the small qh / sc / d fields share cache lines
     with the current tile's). Nothing in the interpreter."""
-    if H2_MODE != _EMULATE:
-        for j in tl.static_range(R):
-            o = rows[j] * (G // 2) + h
-            _prefetch(qs.to(tl.pointer_type(tl.int64), bitcast=True) + o)
-            _prefetch(signs.to(tl.pointer_type(tl.int32), bitcast=True) + o)
-
-
-@triton.jit
-def _prefetch(p):
-    tl.inline_asm_elementwise("{ prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l", [p], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    for j in tl.static_range(R):
+        o = rows[j] * (G // 2) + h
+        prefetch_l2(qs.to(tl.pointer_type(tl.int64), bitcast=True) + o, H2_MODE)
+        prefetch_l2(signs.to(tl.pointer_type(tl.int32), bitcast=True) + o, H2_MODE)
 
 
 @triton.jit

@@ -31,9 +31,11 @@ def weights(N: int, K: int, seed: int):
     return nvfp4_weights(N, K, seed, DEV)
 
 
-CASES = {  # format, T, dtype, K, block_n, block_g, split, residual, num_stages (> 1: pipelined weight loads)
+CASES = {  # format, T, dtype, K, block_n, block_g, split, residual, num_stages (2: L2 prefetch, 3: pipelined loads)
     "nvfp4-T1-bf16": ("nvfp4", 1, torch.bfloat16, 160, 32, 4, 1, False, 1),
     "nvfp4-T1-bf16-stages-ragged": ("nvfp4", 1, torch.bfloat16, 176, 32, 4, 1, False, 3),
+    "nvfp4-T1-f16-prefetch-ragged-split": ("nvfp4", 1, torch.float16, 176, 32, 4, 3, True, 2),
+    "q6_k-T1-bf16-prefetch": ("q6_k", 1, torch.bfloat16, 512, 32, 4, 1, False, 2),
     "nvfp4-T2-f16-ragged-split": ("nvfp4", 2, torch.float16, 176, 16, 4, 3, True, 1),
     "nvfp4-T3-f32-stages": ("nvfp4", 3, torch.float32, 96, 64, 2, 1, False, 2),
     "nvfp4-T5-bf16-split-stages": ("nvfp4", 5, torch.bfloat16, 144, 32, 2, 2, True, 3),

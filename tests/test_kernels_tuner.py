@@ -276,3 +276,11 @@ def test_candidates_few_rows_get_a_wide_split(monkeypatch):
     assert max(c.split for c in gl.candidates(1, 96, 1280, 4, torch.bfloat16, dev)) == 64
     assert max(c.split for c in gl.candidates(1, 96, 40, 4, torch.bfloat16, dev)) == 3   # only 3 K tiles
     assert max(c.split for c in gl.candidates(1, 5120, 1280, 4, torch.bfloat16, dev)) <= 16
+
+
+def test_candidates_h2_prefetch_mode_at_t1_only(monkeypatch):
+    """The L2-prefetch mode of the shared h2 loop (num_stages 2) is offered at T = 1, not beyond."""
+    dev = _as_h200(monkeypatch)
+    at = {T: {c.num_stages for c in gl.candidates(T, 14336, 320, 16, torch.bfloat16, dev, h2=True) if c.h2}
+          for T in (1, 2, 4)}
+    assert 2 in at[1] and 2 not in at[2] and 2 not in at[4]
