@@ -129,9 +129,8 @@ def prefetch_l2(ptr, H2_MODE: tl.constexpr):
 def prefetch_tile(w0, rows, g, G, H2_MODE: tl.constexpr):
     """L2 prefetch of a tile's bytes in w0, the [N, G] int64 array that holds most of a format's bytes (NVFP4
     codes: 8 of 9 bytes per group; Q6_K low bits), one address per thread and group pair (16 bytes); past the
-    row's end (the last tile) the last pair again. The smaller arrays are left to the ordinary loads: each
-    prefetch address is a 64-bit register per row, and on sm_90 prefetching both arrays took the NVFP4 T=1 tile
-    from 128 to 165 registers."""
+    row's end (the last tile) the last pair again. The smaller arrays are left to the ordinary loads: their
+    prefetches would cost as many instructions and 64-bit address registers for an eighth of the bytes."""
     prefetch_l2(w0 + rows[:, None] * G + tl.minimum(even_groups(g), G - 2)[None, :], H2_MODE)
 
 
