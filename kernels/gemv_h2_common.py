@@ -209,17 +209,13 @@ class H2Kernel:
 
     def __init__(self, jit, name: str, mode: int, per_thread: bool = False):
         self.__name__, self.jit, self.mode, self.extra_consts = name, jit, mode, {"H2_MODE": mode}
-        self.per_thread = per_thread
-
-    def _consts(self, kw: dict) -> dict:
-        # per-thread kernels ([32 * NW] tensors) take the warp count as a constexpr too
-        return {"H2_MODE": self.mode, **({"NW": kw["num_warps"]} if self.per_thread else {})}
+        self.per_thread = per_thread   # [32 * NW] tensors: the launcher passes NW = num_warps
 
     def __getitem__(self, grid):
-        return lambda *a, **kw: self.jit[grid](*a, **self._consts(kw), **kw)
+        return lambda *a, **kw: self.jit[grid](*a, H2_MODE=self.mode, **kw)
 
     def warmup(self, *a, grid, **kw):
-        return self.jit.warmup(*a, grid=grid, **self._consts(kw), **kw)
+        return self.jit.warmup(*a, grid=grid, H2_MODE=self.mode, **kw)
 
 
 def factory(jit, name: str, per_thread: bool = False):

@@ -289,8 +289,8 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
               "EVEN_G": G % cfg.block_g == 0, "FOLD": bool(fold and cfg.use_dot),
               "STAGES": 1 if cfg.use_dot else cfg.num_stages, "num_warps": cfg.num_warps,
               "num_stages": cfg.num_stages}
-    if cfg.mma:
-        consts["NW"] = cfg.num_warps   # the per-thread tensors are [32 * num_warps]
+    if getattr(kernel, "per_thread", False):
+        consts["NW"] = cfg.num_warps   # per-thread variants (warp-MMA, IQ3_S h2): tensors are [32 * num_warps]
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,
                    x.stride(0), out.stride(0), res.stride(0), **consts)

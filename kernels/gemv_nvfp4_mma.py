@@ -213,7 +213,8 @@ def _epilogue(accs, offs, t0, q, scale, N, T, split, out_ptr, stride_ot, res_ptr
               res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT)
 
 
-mma_kernel = factory(nvfp4_mma_gemv_kernel, "nvfp4_gemv_kernel")   # gemv_nvfp4 registers it (lazily)
+# gemv_nvfp4 registers it (lazily)
+mma_kernel = factory(nvfp4_mma_gemv_kernel, "nvfp4_gemv_kernel", per_thread=True)
 
 
 def kernel_for(fmt: str = "nvfp4_mma", dequant: bool = False, cc: int = 90):
