@@ -81,10 +81,13 @@ def sm_count(device: torch.device) -> int:
 
 def auto_split(n_ctas: int, g_tiles: int, sms: int, waves: int = 4) -> int:
     """K splits so that about `waves` CTAs per SM exist: row blocks alone rarely fill an H200 at N ~ 5k,
-    and a streaming kernel needs several resident CTAs per SM to keep enough loads in flight."""
+    and a streaming kernel needs several resident CTAs per SM to keep enough loads in flight. At most 16,
+    except for a handful of row blocks (the GDN b/a projections, 48-96 rows), where split-K is the only
+    parallelism and 16 splits leave each CTA streaming several tiles in a row: up to 64 (6.2 -> 5.7 us on
+    the H200, bench/NOTES.md §8)."""
     if n_ctas >= waves * sms:
         return 1
-    return max(1, min(16, g_tiles, triton.cdiv(waves * sms, n_ctas)))
+    return max(1, min(64 if n_ctas <= 8 else 16, g_tiles, triton.cdiv(waves * sms, n_ctas)))
 
 
 # decode candidates per T bucket, trimmed to what won on the H200 (bench/NOTES.md): (block_n, block_g, num_warps,
@@ -136,10 +139,6 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     b = next_pow2(T)
     out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
            for bn, bg, w, st in _DECODE_TILES[b]]
-    if N <= 8 * 64 and b <= 8:
-        # a few rows (the GDN b/a projections: 48-96): one or two row blocks leave the split-K cap of 16 as the
-        # only parallelism, and each CTA then streams several tiles in a row; offer a split of up to 64
-        out.append(GemvConfig(64, 16, 4, 1, max(1, min(64, triton.cdiv(G, 16)))))
     if h2 and not H2_STATE["off"] and x_dtype != torch.float32:   # fp32 activations keep fp32 products
         # T <= 2: with 1-3 resident CTAs per SM the default's ~4 CTAs per SM can leave a partial last wave
         for i, (bn, bg, w, st) in enumerate((h2_tiles or _DECODE_H2_TILES)[b]):
