@@ -3,10 +3,8 @@
 #   tuner     GPU pytest of the GEMV tuner's timer
 #   h2test    GPU pytest of the packed-half2 GEMVs (compiled PTX path against the codec references)
 #   mmatest   GPU pytest of the warp-MMA NVFP4 GEMV (PTX path vs the codec references); a failure ends the call
-#   gemvtest  GPU pytest of tests/test_kernels_gemv_iq3_s_h2.py and tests/test_kernels_gemv.py -k "$GEMV_K"
-#             (default "iq3 or q6_k"), full output kept
-#   opstest   GPU pytest of tests/test_kernels_ops.py -k "$OPS_K" (default "attention")
-#   pytests   GPU pytest of $PYTEST_ARGS (files and -k), output kept
+#   pytests   GPU pytest of $PYTEST_FILES -k "$PYTEST_K" (default: the IQ3_S h2 file and every IQ3_S / Q6_K
+#             case of test_kernels_gemv.py), full output kept
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them)
@@ -30,15 +28,10 @@ for step in "$@"; do
     mmatest)
       timeout 200 python3 -m pytest -q -x tests/test_kernels_gemv_mma.py > "$OUT/mmatest.txt" 2>&1
       rc=$?; tail -25 "$OUT/mmatest.txt"; [ $rc -eq 0 ] || { echo "mmatest failed (rc=$rc): stopping"; break; } ;;
-    gemvtest)
-      timeout 240 python3 -m pytest -q -rf tests/test_kernels_gemv_iq3_s_h2.py tests/test_kernels_gemv.py \
-        -k "${GEMV_K:-iq3 or q6_k}" > "$OUT/gemvtest.txt" 2>&1
-      echo "gemvtest rc=$?"; grep -E "passed|failed|^FAILED|assert " "$OUT/gemvtest.txt" | tail -20 ;;
-    opstest)
-      timeout 150 python3 -m pytest -q -rf tests/test_kernels_ops.py -k "${OPS_K:-attention}" > "$OUT/opstest.txt" 2>&1
-      echo "opstest rc=$?"; grep -E "passed|failed|^FAILED" "$OUT/opstest.txt" | tail -10 ;;
     pytests)
-      timeout ${PYTEST_S:-200} python3 -m pytest -q -rf $PYTEST_ARGS > "$OUT/pytests.txt" 2>&1
+      timeout ${PYTEST_S:-240} python3 -m pytest -q -rf \
+        ${PYTEST_FILES:-tests/test_kernels_gemv_iq3_s_h2.py tests/test_kernels_gemv.py} \
+        -k "${PYTEST_K:-iq3 or q6_k}" > "$OUT/pytests.txt" 2>&1
       echo "pytests rc=$?"; grep -E "passed|failed|^FAILED" "$OUT/pytests.txt" | tail -10 ;;
     anatomy)
       timeout ${ANATOMY_S:-150} python3 bench/gemv_anatomy.py --out "$OUT/gemv_anatomy.json" \

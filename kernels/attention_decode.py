@@ -136,8 +136,8 @@ def _warps(block_m: int, block_d: int) -> int:
 
 
 def plan(batch: int, hk: int, g: int, max_q: int, max_kv: int, device, num_splits: int | None = None):
-    """-> (BLOCK_M, m-blocks per (sequence, KV head), splits, keys per split at max_kv) for contexts up to max_kv
-    (the kernel sizes each sequence's splits from its own length)."""
+    """-> (BLOCK_M, m-blocks per (sequence, KV head), splits) for contexts up to max_kv: no more splits than
+    whole BLOCK_N-aligned pieces of max_kv (the kernel sizes each sequence's pieces from its own length)."""
     block_m = min(MAX_BLOCK_M, pow2(g * max_q, 16))
     n_mblocks = triton.cdiv(g * max_q, block_m)
     programs = batch * hk * n_mblocks
@@ -148,7 +148,7 @@ def plan(batch: int, hk: int, g: int, max_q: int, max_kv: int, device, num_split
         num_splits = max(1, min(want, max_kv // MIN_SPLIT_KEYS))
     num_splits = max(1, min(num_splits, triton.cdiv(max(max_kv, 1), BLOCK_N)))
     split_len = triton.cdiv(triton.cdiv(max(max_kv, 1), num_splits), BLOCK_N) * BLOCK_N
-    return block_m, n_mblocks, triton.cdiv(max(max_kv, 1), split_len), split_len
+    return block_m, n_mblocks, triton.cdiv(max(max_kv, 1), split_len)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -170,7 +170,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if total == 0 or batch == 0:
         return out
     g = hq // hk
-    block_m, n_mblocks, splits, _ = plan(batch, hk, g, max_q_len, max_kv_len, q.device, num_splits)
+    block_m, n_mblocks, splits = plan(batch, hk, g, max_q_len, max_kv_len, q.device, num_splits)
     if splits > 1:
         po = torch.empty(splits, total, hq, d, dtype=torch.float32, device=q.device)
         plse = torch.empty(splits, total, hq, dtype=torch.float32, device=q.device)
