@@ -1,4 +1,5 @@
-"""Inputs shared by the f16-variant GEMV tests (packed-half2, warp-MMA): NVFP4 weights and wide-range activations."""
+"""Inputs shared by the f16-variant GEMV tests (packed-half2, warp-MMA): NVFP4 weights and wide-range activations;
+and `as_h200`, the launcher seen as on an H200 for candidate-list tests without a GPU."""
 import numpy as np
 import torch
 
@@ -39,3 +40,12 @@ def extreme_x(K: int, span: int, dev) -> torch.Tensor:
     x[0, 2 * span:3 * span] *= 1e-40
     x[1, 3 * span:4 * span] = 65504.0 * 4
     return x.to(dev)
+
+
+def as_h200(monkeypatch) -> torch.device:
+    """`gemv_launch.candidates` as on an H200 (sm_90, 132 SMs), without one: returns the cuda device to pass."""
+    from ninfer_kernels import gemv_launch as gl
+    monkeypatch.setattr(gl, "interpreting", lambda: False)
+    monkeypatch.setattr(gl.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gl, "sm_count", lambda device: 132)
+    return torch.device("cuda")

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ninfer_formats import codecs  # noqa: E402
-from gemv_inputs import rel_l2, wide_range_x  # noqa: E402
+from gemv_inputs import as_h200, rel_l2, wide_range_x  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_iq3_s import (H2_TILES, SIGN_BITS, gemv_iq3_s, iq3_s_gemv_kernel, permute_signs,  # noqa: E402
@@ -111,10 +111,7 @@ def test_iq3_s_h2_tiles_and_candidates():
 
 def test_iq3_s_h2_candidates_use_its_tiles(monkeypatch):
     """On an sm_90 device the tuner offers exactly the variant's own h2 tiles (bf16 activations; not fp32)."""
-    monkeypatch.setattr(gl, "interpreting", lambda: False)
-    monkeypatch.setattr(gl.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(gl, "sm_count", lambda device: 132)
-    dev = torch.device("cuda")
+    dev = as_h200(monkeypatch)
     for T, b in ((1, 1), (2, 2), (3, 4), (8, 8)):
         c = gl.candidates(T, 14336, 320, 16, torch.bfloat16, dev, h2=True, h2_tiles=H2_TILES)
         assert {(x.block_n, x.block_g, x.num_warps, x.num_stages) for x in c if x.h2} == set(H2_TILES[b])

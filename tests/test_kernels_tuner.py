@@ -10,6 +10,7 @@ import torch
 from ninfer_kernels import gemv_launch as gl
 from ninfer_kernels import gemv_tune_cache as tc
 from ninfer_kernels.gemv_launch import GemvConfig
+from gemv_inputs import as_h200
 
 CUDA = torch.device("cuda", 0)   # only an object: nothing here touches a GPU
 CANDS = [GemvConfig(128, 16, 8, 2, split=5), GemvConfig(64, 16, 4, 1, split=3), GemvConfig(64, 16, 2, 1, split=3)]
@@ -261,18 +262,10 @@ def test_time_ms_graph_and_eager_agree_on_order():
     assert t["big"] < 2 * e["big"]   # the subtraction leaves the copy, not the flush
 
 
-def _as_h200(monkeypatch):
-    """candidates() as on an H200 (sm_90, 132 SMs), without one."""
-    monkeypatch.setattr(gl, "interpreting", lambda: False)
-    monkeypatch.setattr(gl.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(gl, "sm_count", lambda device: 132)
-    return torch.device("cuda")
-
-
 def test_candidates_few_rows_get_a_wide_split(monkeypatch):
     """The GDN b/a projections (96 rows of bf16): a handful of row blocks may split K up to 64 ways; wide shapes
     keep the cap of 16."""
-    dev = _as_h200(monkeypatch)
+    dev = as_h200(monkeypatch)
     assert max(c.split for c in gl.candidates(1, 96, 1280, 4, torch.bfloat16, dev)) == 64
     assert max(c.split for c in gl.candidates(1, 96, 40, 4, torch.bfloat16, dev)) == 3   # only 3 K tiles
     assert max(c.split for c in gl.candidates(1, 5120, 1280, 4, torch.bfloat16, dev)) <= 16
@@ -280,7 +273,7 @@ def test_candidates_few_rows_get_a_wide_split(monkeypatch):
 
 def test_candidates_h2_prefetch_mode_at_t1_only(monkeypatch):
     """The L2-prefetch mode of the shared h2 loop (num_stages 2) is offered at T = 1, not beyond."""
-    dev = _as_h200(monkeypatch)
+    dev = as_h200(monkeypatch)
     at = {T: {c.num_stages for c in gl.candidates(T, 14336, 320, 16, torch.bfloat16, dev, h2=True) if c.h2}
           for T in (1, 2, 4)}
     assert 2 in at[1] and 2 not in at[2] and 2 not in at[4]
