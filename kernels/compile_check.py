@@ -99,6 +99,9 @@ FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "iq3_s", "iq3_s_
 CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma")   # kernel_for(..., cc=) picks target-specific PTX
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
 LANE_EXACT = ("nvfp4_mma",)            # per-thread kernels: their inline PTX must see element e in thread e
+# (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the pipelined and the L2-prefetch loops
+# of the shared h2 skeleton; the per-thread IQ3_S h2 kernel's winning tile in both of its modes (stages 1 and 2)
+_NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 2),)), None: (3, ((128, 3), (128, 2)))}
 _GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "iq3_s_h2": 16, "f8": 8,
        "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
 
@@ -121,14 +124,11 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue
             bg, bg_dot = 16, max(8, 64 // _GS[f])  # the tuner's tiles (gemv_launch.candidates)
-            # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop. The
-            # per-thread IQ3_S h2 kernel: its winning tile, and its L2-prefetch mode (stages >= 2)
-            st, bn1 = (1, 64) if f == "iq3_s_h2" else (3, 128)
+            # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop
+            st, t1_tiles = _NO_DOT_TILES.get(f, _NO_DOT_TILES[None])
             out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=st), cc))
             if f in NO_DOT:
-                out.append((Variant(f, xd, 1, bn1, bg, stages=3), cc))
-                if f != "iq3_s_h2":   # the L2-prefetch mode of the shared h2 loop
-                    out.append((Variant(f, xd, 1, 128, bg, stages=2), cc))
+                out += [(Variant(f, xd, 1, bn, bg, stages=s), cc) for bn, s in t1_tiles]
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
                 continue
