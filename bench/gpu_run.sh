@@ -11,7 +11,8 @@
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 # Env: ANATOMY_S, KERNELS_S, SERVE_S, TOTAL_S (whole call, default 580), RECIPES and PARTS (comma lists), SERVE_C,
-# ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values).
+# ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values), KCHECK=0
+# (kernels without --check: its probes compile T = 8/16/64 variants in-process, ~30 s per format).
 #     bash bench/gpu_run.sh anatomy kernels decode
 set -u
 source bench/device_env.sh
@@ -39,7 +40,7 @@ for step in "$@"; do
         --configs ${ANATOMY_CONFIGS:-128:3,64:3} > "$OUT/anatomy.txt" 2>&1
       echo "anatomy rc=$?"; tail -70 "$OUT/anatomy.txt" ;;
     kernels)
-      timeout ${KERNELS_S:-300} python3 bench/kernels.py --check --formats ${KFORMATS:-nvfp4 q6_k} --tp 1 2 \
+      timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp 1 2 \
         --T ${KTS:-1 2 4 8} --merge \
         --out bench/results/kernels.json > "$OUT/kernels_table.txt" 2> "$OUT/kernels_log.txt"
       echo "kernels rc=$?"; tail -2 "$OUT/kernels_log.txt"

@@ -302,7 +302,9 @@ def _one(fmt, name, tp, N, K, ts, args, copy_bw, torch_us, checks) -> list[dict]
     return recs
 
 
-def run(args) -> tuple[list[dict], list[dict]]:
+def run(args, flush=lambda records, checks: None) -> tuple[list[dict], list[dict]]:
+    """Every shape's records are handed to `flush` as soon as they exist, so a call that runs out of time
+    keeps what it measured."""
     gpu = "cpu (smoke: Triton interpreter)" if SMOKE else torch.cuda.get_device_name()
     copy_bw = copy_bandwidth(args.quick)
     log(f"{gpu}: device copy bandwidth {copy_bw:.0f} GB/s (read + write)")
@@ -337,6 +339,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
                     torch.cuda.empty_cache()
                 log(f"{name} tp{tp} {N}x{K} {fmt}: {time.time() - t0:.1f} s")
             records += [{**r, "name": name, "tp": tp, "shape": [N, K], "gpu": gpu} for r in done[(N, K, fmt)]]
+            flush(records, checks)
     return records, checks
 
 
@@ -345,8 +348,8 @@ def _rec_key(r: dict) -> tuple:
             "prefill_us" in r)
 
 
-def merge_base(path: str, records: list) -> list:
-    """The records of `path` that `records` does not replace (same format, shape, tp, T, kind)."""
+def read_base(path: str) -> list:
+    """The records already in `path` (--merge keeps those this run does not measure)."""
     try:
         with open(path) as f:
             old = json.load(f)
@@ -354,8 +357,21 @@ def merge_base(path: str, records: list) -> list:
         return []
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {path}: cannot merge into it: {e}")
+    return [r for r in old if isinstance(r, dict)]
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path + ".partial", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".partial", path)
+
+
+def save(out: str, base: list, records: list, checks: list) -> None:
+    """`out` = the records measured so far plus `base`'s records they do not replace (--merge)."""
     new = {_rec_key(r) for r in records}
-    return [r for r in old if isinstance(r, dict) and _rec_key(r) not in new]
+    _write_json(out, [r for r in base if _rec_key(r) not in new] + records)
+    if checks:
+        _write_json(os.path.splitext(out)[0] + "_check.json", checks)
 
 
 def main(argv=None) -> int:
@@ -383,15 +399,9 @@ def main(argv=None) -> int:
         print("error: unset TRITON_INTERPRET for the benchmark", file=sys.stderr)
         return 2
     t0 = time.time()
-    records, checks = run(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    kept = merge_base(args.out, records) if args.merge else []
-    with open(args.out + ".partial", "w") as f:
-        json.dump(kept + records, f, indent=1)
-    os.replace(args.out + ".partial", args.out)
-    if checks:
-        with open(os.path.splitext(args.out)[0] + "_check.json", "w") as f:
-            json.dump(checks, f, indent=1)
+    base = read_base(args.out) if args.merge else []
+    records, checks = run(args, lambda recs, chks: save(args.out, base, recs, chks))
     print(json.dumps(records) if args.json else table([r for r in records if "prefill_us" not in r]))
     for r in records:
         if "prefill_us" in r:

@@ -25,7 +25,7 @@ RTOL_HALF = 1e-2     # bf16/f16 output: the output rounding dominates
 DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 N = 37
 
-CASES = {  # T, dtype, K, block_n, block_g, num_warps, split, residual, num_stages (2: register double buffer)
+CASES = {  # T, dtype, K, block_n, block_g, num_warps, split, residual, num_stages (2: L2 prefetch of the next tile)
     "T1-bf16-g4-w1": (1, torch.bfloat16, 512, 32, 4, 1, 1, False, 1),
     "T1-bf16-g4-w1-stages": (1, torch.bfloat16, 768, 32, 4, 1, 2, False, 2),
     "T2-f16-g8-split-res": (2, torch.float16, 768, 16, 8, 1, 3, True, 1),
