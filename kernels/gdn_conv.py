@@ -84,10 +84,13 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_se
     y = torch.empty(total, c, dtype=x.dtype, device=x.device)
     batch = cu_seqlens.numel() - 1
     if total and batch:
-        n_tb = triton.cdiv(max_t, BLOCK_T)
+        # decode (max_t 1) needs no 16-token tile; the tile never drops below ck-1 tokens, so programs past
+        # token block 0 never read the pool rows that block 0 rewrites
+        block_t = min(BLOCK_T, max(triton.next_power_of_2(max(max_t, 1)), triton.next_power_of_2(ck - 1)))
+        n_tb = triton.cdiv(max_t, block_t)
         causal_conv_kernel[(batch * n_tb, triton.cdiv(c, BLOCK_C))](
             x, w, y, conv_pool, conv_pool if snapshots is None else snapshots, cu_seqlens, slots, snap_index,
-            c, x.stride(0), n_tb, CK=ck, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
+            c, x.stride(0), n_tb, CK=ck, BLOCK_T=block_t, BLOCK_C=BLOCK_C, num_warps=4)
     return y
 
 
@@ -95,4 +98,4 @@ def compile_specs(act: str):
     sig = {"x_ptr": f"*{act}", "w_ptr": "*fp32", "y_ptr": f"*{act}", "pool_ptr": "*fp32", "snap_ptr": "*fp32",
            "cu_ptr": "*i32", "slot_ptr": "*i64", "snapidx_ptr": "*i64", "C": "i32", "sx_t": "i64",
            "n_tblocks": "i32"}
-    return [(causal_conv_kernel, sig, {"CK": 4, "BLOCK_T": BLOCK_T, "BLOCK_C": BLOCK_C})]
+    return [(causal_conv_kernel, sig, {"CK": 4, "BLOCK_T": bt, "BLOCK_C": BLOCK_C}) for bt in (4, BLOCK_T)]

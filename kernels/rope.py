@@ -8,6 +8,9 @@ full-range versions, so long positions keep their accuracy.
 Positions are [T] (text) or [3, T] (interleaved MRoPE): frequency j reads row 1 if j % 3 == 1 and
 j < 3 * section[1], row 2 if j % 3 == 2 and j < 3 * section[2], else row 0. Text positions are the same
 code path with a zero row stride.
+
+With `norm` the heads are RMS-normalised ((1 + w) gains, the attention's q/k norms) before the rotation, in
+the same program: one launch instead of three for the attention layer's q/k preparation.
 """
 from __future__ import annotations
 
@@ -17,15 +20,15 @@ import triton.language as tl
 
 from .ops_common import KernelInputError, pow2
 
-HEADS_PER_PROGRAM = 8
+HEADS_PER_PROGRAM = 4
 _INV_FREQ: dict = {}
 
 
 @triton.jit
-def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, Hq, Hk, sq_t, sq_h, sk_t, sk_h,
-                pos_row, sec1, sec2, D,
+def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, Hq, Hk, sq_t, sq_h, sk_t, sk_h,
+                pos_row, sec1, sec2, D, eps,
                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                BLOCK_H: tl.constexpr):
+                BLOCK_H: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_HALF)
@@ -45,14 +48,29 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, Hq, Hk, sq_t, sq
     mk = ((~is_q) & ok)[:, None]
     m2 = jm[None, :]
     jj = j[None, :]
-    x1 = _ld(q_ptr, k_ptr, src + jj, mq & m2, mk & m2)
-    x2 = _ld(q_ptr, k_ptr, src + jj + HALF, mq & m2, mk & m2)
-    _st(qo_ptr, ko_ptr, dst + jj, x1 * cos - x2 * sin, mq & m2, mk & m2)
-    _st(qo_ptr, ko_ptr, dst + jj + HALF, x2 * cos + x1 * sin, mq & m2, mk & m2)
     p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
     pm = p < D
+    x1 = _ld(q_ptr, k_ptr, src + jj, mq & m2, mk & m2)
+    x2 = _ld(q_ptr, k_ptr, src + jj + HALF, mq & m2, mk & m2)
     xp = _ld(q_ptr, k_ptr, src + p, mq & pm, mk & pm)
+    if NORM:
+        # the heads' (1 + w) RMSNorm, rounded to the activation dtype as the unfused norm's output is
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
+        inv = tl.rsqrt(ss / D + eps)[:, None]
+        isq = is_q[:, None]
+        x1 = _norm(x1, inv, qw_ptr, kw_ptr, jj, isq, m2, qo_ptr)
+        x2 = _norm(x2, inv, qw_ptr, kw_ptr, jj + HALF, isq, m2, qo_ptr)
+        xp = _norm(xp, inv, qw_ptr, kw_ptr, p, isq, pm, qo_ptr)
+    _st(qo_ptr, ko_ptr, dst + jj, x1 * cos - x2 * sin, mq & m2, mk & m2)
+    _st(qo_ptr, ko_ptr, dst + jj + HALF, x2 * cos + x1 * sin, mq & m2, mk & m2)
     _st(qo_ptr, ko_ptr, dst + p, xp, mq & pm, mk & pm)
+
+
+@triton.jit
+def _norm(x, inv, qw_ptr, kw_ptr, off, isq, m, out_ptr):
+    wq = tl.load(qw_ptr + off, mask=m, other=0.0)
+    wk = tl.load(kw_ptr + off, mask=m, other=0.0)
+    return (x * inv * (1.0 + tl.where(isq, wq, wk))).to(out_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -77,12 +95,17 @@ def inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float,
-         mrope_section: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hk, D] -> rotated copies (contiguous, same dtypes)."""
+         mrope_section: tuple[int, ...] | None = None, norm: tuple | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D] -> rotated copies (contiguous, same dtypes). norm = (q_w, k_w, eps): each
+    head is first RMS-normalised with the (1 + w) gains q_w / k_w [D] (fp32) -- the q/k norms in one launch."""
     t, hq, d = q.shape
     hk = k.shape[1]
     if rotary_dim % 2 or not 0 < rotary_dim <= d or k.shape[0] != t or k.shape[2] != d:
         raise KernelInputError(f"rope: rotary_dim {rotary_dim} / q {tuple(q.shape)} / k {tuple(k.shape)} mismatch")
+    if norm is not None and (norm[0].shape != (d,) or norm[1].shape != (d,) or q.dtype != k.dtype):
+        raise KernelInputError(f"rope: norm gains {tuple(norm[0].shape)} / {tuple(norm[1].shape)} do not match "
+                               f"head dim {d} (or q {q.dtype} vs k {k.dtype})")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -101,15 +124,19 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: 
     if t:
         block_h = min(HEADS_PER_PROGRAM, pow2(hq + hk))
         grid = (t, triton.cdiv(hq + hk, block_h))
-        rope_kernel[grid](q, k, qo, ko, pos, inv_freq(rotary_dim, theta, q.device), hq, hk,
-                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), row, sec[0], sec[1], d,
+        inv = inv_freq(rotary_dim, theta, q.device)
+        qw, kw, eps = norm if norm is not None else (inv, inv, 0.0)    # gains unread without NORM
+        rope_kernel[grid](q, k, qo, ko, pos, inv, qw, kw, hq, hk,
+                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), row, sec[0], sec[1], d, float(eps),
                           HALF=half, BLOCK_HALF=pow2(half), BLOCK_PASS=pow2(d - rotary_dim),
-                          BLOCK_H=block_h, num_warps=4)
+                          BLOCK_H=block_h, NORM=norm is not None, num_warps=4)
     return qo, ko
 
 
 def compile_specs(act: str):
     sig = {"q_ptr": f"*{act}", "k_ptr": f"*{act}", "qo_ptr": f"*{act}", "ko_ptr": f"*{act}", "pos_ptr": "*i64",
-           "inv_ptr": "*fp32", "Hq": "i32", "Hk": "i32", "sq_t": "i64", "sq_h": "i64", "sk_t": "i64",
-           "sk_h": "i64", "pos_row": "i64", "sec1": "i32", "sec2": "i32", "D": "i32"}
-    return [(rope_kernel, sig, {"HALF": 32, "BLOCK_HALF": 32, "BLOCK_PASS": 256, "BLOCK_H": HEADS_PER_PROGRAM})]
+           "inv_ptr": "*fp32", "qw_ptr": "*fp32", "kw_ptr": "*fp32", "Hq": "i32", "Hk": "i32", "sq_t": "i64",
+           "sq_h": "i64", "sk_t": "i64", "sk_h": "i64", "pos_row": "i64", "sec1": "i32", "sec2": "i32", "D": "i32",
+           "eps": "fp32"}
+    return [(rope_kernel, sig, {"HALF": 32, "BLOCK_HALF": 32, "BLOCK_PASS": 256, "BLOCK_H": HEADS_PER_PROGRAM,
+                                "NORM": n}) for n in (False, True)]

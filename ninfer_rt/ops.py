@@ -104,6 +104,14 @@ class Ops(ABC):
         Angles in fp32; returns new tensors.
         """
 
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+                     positions: torch.Tensor, rotary_dim: int, theta: float,
+                     mrope_section: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's per-head q/k RMSNorms ((1 + w) gains q_w, k_w [D]) followed by `rope`. Composed of
+        `rmsnorm` and `rope` here; a backend may fuse it."""
+        q, k = self.rmsnorm(q, q_w, eps, True), self.rmsnorm(k, k_w, eps, True)
+        return self.rope(q, k, positions, rotary_dim, theta, mrope_section)
+
     @abstractmethod
     def kv_write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -133,6 +141,13 @@ class Ops(ABC):
     def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """a, b [T, Hv] -> (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), both fp32."""
+
+    def gdn_ba_gates(self, x: torch.Tensor, w_ba: QWeight, A_log: torch.Tensor, dt_bias: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GDN b/a projection and its gates: w_ba [2 Hv, K] holds the b rows, then the a rows ->
+        gdn_gates(a, b) of x @ w_ba^T. Composed of `linear` and `gdn_gates` here; a backend may fuse it."""
+        b, a = self.linear(x, w_ba).chunk(2, dim=-1)
+        return self.gdn_gates(a, b, A_log, dt_bias)
 
     @abstractmethod
     def gdn_recurrent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

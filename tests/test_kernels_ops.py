@@ -18,7 +18,7 @@ import contextlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-from ninfer_kernels import sampling  # noqa: E402
+from ninfer_kernels import gdn_ba_gates, sampling  # noqa: E402
 from ninfer_rt.backends.torch_ops import TorchOps  # noqa: E402
 from ninfer_rt.backends.triton_ops import TritonOps  # noqa: E402
 from ninfer_rt.batch import attn_meta, gdn_routing  # noqa: E402
@@ -112,6 +112,24 @@ def test_rope(dtype, kind):
         check(a, b, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["text", "mrope"])
+def test_qk_norm_rope(dtype, kind):
+    """q/k (1 + w) norms fused into the rotation, q a strided head slice of [q | gate] as the model passes it;
+    head dim 40 (a pass-through part that is no power of two)."""
+    t, hq, hk, d = 3, 3, 2, 40
+    q = rnd(t, hq, 2 * d, dtype=dtype, scale=3.0)[..., :d]
+    k = rnd(t, hk, d, dtype=dtype, seed=1)
+    qw, kw = rnd(d, seed=2, scale=0.3), rnd(d, seed=3, scale=0.3)
+    pos = torch.tensor([0, 77, 262_143], device=DEV)
+    if kind == "mrope":
+        pos = torch.tensor([[5, 6, 9], [5, 7, 8], [5, 3, 9]], device=DEV)
+    with poisoned():
+        got = TRI.qk_norm_rope(q, k, qw, kw, 1e-6, pos, 16, 1e7, (4, 2, 2))
+    for a, b in zip(got, REF.qk_norm_rope(q, k, qw, kw, 1e-6, pos, 16, 1e7, (4, 2, 2))):
+        check(a, b, dtype)
+
+
 def test_kv_write_exact_with_strided_v():
     cache_k, cache_v = rnd(5, 16, 2, 32), rnd(5, 16, 2, 32, seed=1)
     k, vfull = rnd(3, 2, 32, seed=2), rnd(3, 2 * 32 + 32 + 3, seed=3)
@@ -193,8 +211,9 @@ def _gdn_meta(lens, snapshot, slots):
     return full, n_snap
 
 
-SNAP_CASES = [((3, 1), (False, False)), ((3, 1), (True, False)), ((1, 2), (True, True)), ((20, 2), (False, True))]
-SNAP_IDS = ["T3+1-inplace", "T3snap+1", "T1snap+2snap", "T20+2snap"]
+SNAP_CASES = [((3, 1), (False, False)), ((3, 1), (True, False)), ((1, 2), (True, True)), ((20, 2), (False, True)),
+              ((1, 1), (False, False)), ((6, 1), (True, False))]
+SNAP_IDS = ["T3+1-inplace", "T3snap+1", "T1snap+2snap", "T20+2snap", "T1+1-inplace", "T6snap+1"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -225,6 +244,24 @@ def test_gdn_gates(dtype):
     want_g, want_beta = REF.gdn_gates(a, b, A_log, dt)
     check(g, want_g, torch.float32)
     check(beta, want_beta, torch.float32)
+
+
+@pytest.mark.parametrize("wdtype", [pytest.param(d, id=f"w-{n}") for d, n in
+                                    ((torch.bfloat16, "bf16"), (torch.float16, "f16"), (torch.float32, "f32"))])
+@pytest.mark.parametrize("t", [pytest.param(t, id=f"T{t}") for t in (1, 3, 16, 17)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_ba_gates(dtype, t, wdtype):
+    """The fused b/a projection + gates (T <= 16; T = 17 takes the composed path) against linear + gates;
+    K = 203 is no multiple of the kernel's K block."""
+    from ninfer_rt.weights import QWeight
+    x = rnd(t, 203, dtype=dtype, scale=2.0)
+    w = QWeight.plain(rnd(2 * HV, 203, dtype=wdtype, seed=3, scale=0.5), "in_ba")
+    A_log, dt = rnd(HV, seed=1), rnd(HV, seed=2)
+    with poisoned():
+        g, beta = TRI.gdn_ba_gates(x, w, A_log, dt)
+    want_g, want_beta = REF.gdn_ba_gates(x, w, A_log, dt)
+    check(g, want_g, dtype)
+    check(beta, want_beta, dtype)
 
 
 def _gdn_inputs(t, dtype, seed=0):
@@ -301,7 +338,8 @@ def test_bad_shapes_raise_clear_errors():
              (lambda: TRI.rope(rnd(2, 1, 8), rnd(2, 1, 8), torch.arange(3, device=DEV), 4, 1e4), "rope"),
              (lambda: TRI.kv_write(rnd(2, 4, 1, 8), rnd(2, 4, 1, 8), rnd(2, 2, 8), rnd(2, 2, 8),
                                    torch.arange(2, device=DEV)), "kv_write"),
-             (lambda: TRI.gdn_gates(x, x, rnd(3), rnd(8)), "gdn_gates")]
+             (lambda: TRI.gdn_gates(x, x, rnd(3), rnd(8)), "gdn_gates"),
+             (lambda: gdn_ba_gates.gdn_ba_gates(x, rnd(5, 8), rnd(2), rnd(2)), "gdn_ba_gates")]
     for fn, op in cases:
         with pytest.raises(NinferError, match=op) as e:
             fn()

@@ -20,8 +20,8 @@ import importlib
 import torch
 
 from ninfer_formats.errors import LoadError
-from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_conv, gdn_gates, gdn_recurrent, kv_write,
-                            rmsnorm, rope, sampling, silu_mul)
+from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_gates, gdn_recurrent,
+                            kv_write, rmsnorm, rope, sampling, silu_mul)
 from ninfer_kernels.ops_common import interpreting
 
 from ..ops import AttnMeta, GdnMeta, Ops
@@ -92,6 +92,9 @@ class TritonOps(Ops):
     def rope(self, q, k, positions, rotary_dim, theta, mrope_section=None):
         return rope.rope(q, k, positions, rotary_dim, theta, mrope_section)
 
+    def qk_norm_rope(self, q, k, q_w, k_w, eps, positions, rotary_dim, theta, mrope_section=None):
+        return rope.rope(q, k, positions, rotary_dim, theta, mrope_section, norm=(q_w, k_w, eps))
+
     def kv_write(self, k_cache, v_cache, k, v, slot_mapping):
         kv_write.kv_write(k_cache, v_cache, k, v, slot_mapping)
 
@@ -111,6 +114,12 @@ class TritonOps(Ops):
 
     def gdn_gates(self, a, b, A_log, dt_bias):
         return gdn_gates.gdn_gates(a, b, A_log, dt_bias)
+
+    def gdn_ba_gates(self, x, w_ba, A_log, dt_bias):
+        w = None if w_ba.quantized else w_ba.data["w"]
+        if w is not None and gdn_ba_gates.supported(x, w):       # decode / verify with a plain b/a weight
+            return gdn_ba_gates.gdn_ba_gates(x, w, A_log, dt_bias)
+        return super().gdn_ba_gates(x, w_ba, A_log, dt_bias)
 
     def gdn_recurrent(self, q, k, v, g, beta, state_pool, meta: GdnMeta, snapshots=None):
         return gdn_recurrent.gdn_recurrent(q, k, v, g, beta, state_pool, meta.cu_seqlens, meta.slots,
