@@ -28,8 +28,9 @@ from numerics import rel
 
 # rel L2 of logits between the two backends running the same model
 MODEL_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-# greedy tokens must agree wherever the reference's top-2 logit gap exceeds this (bf16: rounding-order noise)
-ARGMAX_MARGIN = {torch.float32: 0.0, torch.bfloat16: 0.1}
+# greedy tokens must agree wherever the reference's top-2 logit gap exceeds this fraction of the row's RMS
+# logit (bf16: rounding-order noise; the random models' logits are ~0.3 RMS, so an absolute margin misfits)
+ARGMAX_MARGIN = {torch.float32: 0.0, torch.bfloat16: 0.15}
 # kernels vs the torch backend at the real sizes on the GPU; fla's chunked form rounds through 16-bit matmuls
 GPU_KERNEL_TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 GPU_CHUNK_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -47,11 +48,13 @@ def _models(dtype, device, **size):
             for ops in (TorchOps(), TritonOps())]
 
 
-def same_tokens(got, want, dtype):
-    top2 = want.float().topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > ARGMAX_MARGIN[dtype]
-    assert clear.float().mean() >= 0.5            # the check must bite on most rows
+def same_tokens(got, want, dtype) -> tuple[int, int]:
+    """Asserts equal argmax on the rows with a clear winner; -> (rows checked, rows)."""
+    w = want.float()
+    top2 = w.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > ARGMAX_MARGIN[dtype] * w.pow(2).mean(-1).sqrt()
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    return int(clear.sum()), clear.numel()
 
 
 def _script(models, dtype, prompt_lens=(11, 5)):
@@ -61,11 +64,12 @@ def _script(models, dtype, prompt_lens=(11, 5)):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 240, (n,), generator=g).to(dev) for n in prompt_lens]
     states = [[m.new_state() for _ in prompts] for m in models]
+    checked = []
 
     def step(make):
         outs = [m.forward(make(st)) for m, st in zip(models, states)]
         assert rel(outs[1].logits, outs[0].logits) <= tol
-        same_tokens(outs[1].logits, outs[0].logits, dtype)
+        checked.append(same_tokens(outs[1].logits, outs[0].logits, dtype))
         return outs
 
     # mixed batch: a prefill chunk (chunked GDN path) + a short one (recurrent path)
@@ -84,7 +88,9 @@ def _script(models, dtype, prompt_lens=(11, 5)):
     hid = outs[0].hidden[:1]
     d = [m.mtp_forward([MtpInput(verify[3:4], hid, st[0].mtp)]) for m, st in zip(models, states)]
     assert rel(d[1].logits, d[0].logits) <= tol
-    same_tokens(d[1].logits, d[0].logits, dtype)
+    checked.append(same_tokens(d[1].logits, d[0].logits, dtype))
+    n_clear, n_rows = map(sum, zip(*checked))
+    assert n_clear >= 0.5 * n_rows, (n_clear, n_rows)     # the token check must bite on most rows
 
 
 def test_model_triton_equals_torch_interpreter():
