@@ -99,9 +99,9 @@ FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "iq3_s", "iq3_s_
 CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma")   # kernel_for(..., cc=) picks target-specific PTX
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
 LANE_EXACT = ("nvfp4_mma",)            # per-thread kernels: their inline PTX must see element e in thread e
-# (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the pipelined and the L2-prefetch loops
-# of the shared h2 skeleton; the per-thread IQ3_S h2 kernel's winning tile in both of its modes (stages 1 and 2)
-_NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 2),)), None: (3, ((128, 3), (128, 2)))}
+# (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
+# and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
+_NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 1),)), None: (3, ((128, 3), (128, 1)))}
 _GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "iq3_s_h2": 16, "f8": 8,
        "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
 

@@ -117,24 +117,6 @@ def x_pairs(x_ptr, row, g, xm, up, H2_MODE: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptr, H2_MODE: tl.constexpr):
-    """`prefetch.global.L2` of every address in `ptr` (a hint: no register holds the data, nothing waits for
-    it); nothing in the interpreter."""
-    if H2_MODE != _EMULATE:
-        tl.inline_asm_elementwise("{ prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l", [ptr], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_tile(w0, rows, g, G, H2_MODE: tl.constexpr):
-    """L2 prefetch of a tile's bytes in w0, the [N, G] int64 array that holds most of a format's bytes (NVFP4
-    codes: 8 of 9 bytes per group; Q6_K low bits), one address per thread and group pair (16 bytes); past the
-    row's end (the last tile) the last pair again. The smaller arrays are left to the ordinary loads: their
-    prefetches would cost as many instructions and 64-bit address registers for an eighth of the bytes."""
-    prefetch_l2(w0 + rows[:, None] * G + tl.minimum(even_groups(g), G - 2)[None, :], H2_MODE)
-
-
-@triton.jit
 def _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE: tl.constexpr, T_TILE: tl.constexpr,
           BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, H2_MODE: tl.constexpr):
     g = _tile_g(g0, BLOCK_G, 2)
@@ -153,8 +135,8 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     loads over the decode to save registers and the memory latency is exposed several times per tile. On the
     H200 that made T=1 2-12 % faster and T=2 5-25 % slower (more live registers), hence T=1 only
     (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned).
-    STAGES: 1 load then decode; 2 the same plus `prefetch_tile` of the next tile's main array into L2 (no
-    registers hold the data; not measured yet, bench/NOTES.md §8); >= 3 Triton's cp.async pipeline that deep."""
+    STAGES: 1 load then decode; >= 3 Triton's cp.async pipeline that deep. (2, an L2 prefetch of the next
+    tile, lost 0-10 % on the H200 and was removed: bench/NOTES.md §9.)"""
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
         up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512,
@@ -164,10 +146,8 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     PIPE: tl.constexpr = STAGES if STAGES >= 3 else 1
     for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=PIPE):   # as gemv_common._fma_loop
         st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
-        if STAGES <= 2 and T_TILE == 1:
+        if PIPE == 1 and T_TILE == 1:
             tl.debug_barrier()
-        if STAGES == 2:
-            prefetch_tile(w0, rows, _tile_g(g0 + BLOCK_G, BLOCK_G, 2), G, H2_MODE)
         accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE)
     cols = tl.arange(0, T_TILE)
     acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)

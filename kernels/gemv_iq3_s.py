@@ -142,10 +142,10 @@ def _h2_kernel(device):
 
 # the h2 variant's tiles (block_n, block_g, num_warps, num_stages; per-thread kernel: a thread holds one 32-weight
 # sub-block column of R = block_n * block_g / (64 * num_warps) rows), trimmed to what won on the H200 (bench/NOTES.md
-# §8: R = 2..4; R = 8, block_g 8 and a register double buffer lost 5-30 %), plus num_stages 2 at T = 1: the next
-# tile's L2 prefetch, written after the last device call (not measured yet). T >= 8: its activation work per
-# weight (converted per thread, shared by its rows only) exceeds the fp32 kernel's (sm_90: 15 per weight)
-H2_TILES = {1: ((64, 16, 4, 1), (32, 16, 2, 1), (32, 16, 4, 1), (64, 16, 4, 2)), 2: ((64, 16, 4, 1), (128, 16, 4, 1)),
+# §8: R = 2..4; R = 8, block_g 8, a register double buffer and (§9) an L2 prefetch of the next tile lost 0-30 %).
+# T >= 8: its activation work per weight (converted per thread, shared by its rows only) exceeds the fp32
+# kernel's (sm_90: 15 per weight)
+H2_TILES = {1: ((64, 16, 4, 1), (32, 16, 2, 1), (32, 16, 4, 1)), 2: ((64, 16, 4, 1), (128, 16, 4, 1)),
             4: ((64, 16, 4, 1),), 8: (), 16: ()}
 register_h2(iq3_s_gemv_kernel.__name__, _h2_kernel, H2_TILES)   # T <= 8 candidates include the h2 variant
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import finish_at
-from .gemv_h2_common import compile_consts, factory, hfma2, lanes_f32, pack2, prefetch_l2, row_scale
+from .gemv_h2_common import compile_consts, factory, hfma2, lanes_f32, pack2, row_scale
 from .gemv_iq3_s import SIGNED_WORDS
 from .gemv_mma_common import join_tree, split_tree, stack_all
 
@@ -84,17 +84,6 @@ def _load_tile(qs, signs, qh, sc, d, rows, h, G, R: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_tile(qs, signs, rows, h, G, R: tl.constexpr, H2_MODE: tl.constexpr):
-    """`prefetch.global.L2` of sub-block h's grid bytes and sign words in every row: the next tile's DRAM
-    latency overlaps this tile's work without holding registers (the small qh / sc / d fields share cache lines
-    with the current tile's). Nothing in the interpreter."""
-    for j in tl.static_range(R):
-        o = rows[j] * (G // 2) + h
-        prefetch_l2(qs.to(tl.pointer_type(tl.int64), bitcast=True) + o, H2_MODE)
-        prefetch_l2(signs.to(tl.pointer_type(tl.int32), bitcast=True) + o, H2_MODE)
-
-
-@triton.jit
 def _w_pairs(v, spread, m: tl.constexpr):
     """f16x2 bits of weights (4m, 4m+2) and (4m+1, 4m+3) of the sub-block from grid word v."""
     u = v.to(tl.uint32, bitcast=True) ^ ((spread[m // 4] << (m % 4)) & _SIGNS)
@@ -141,10 +130,10 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr):
-    # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here; every K range is whole
-    # tiles (K % 256 == 0, BLOCK_G divides 16), so EVEN_G is too. STAGES 1: load then decode; >= 2: the same,
-    # with the next tile's grid bytes and signs prefetched into L2 before this tile's gather and decode (a
-    # register double buffer, 191 registers, lost 25-30 % on the H200: bench/NOTES.md §8)
+    # USE_DOT / DOT_KIND / FOLD / STAGES are accepted for the shared launcher and unused here; every K range is
+    # whole tiles (K % 256 == 0, BLOCK_G divides 16), so EVEN_G is too. One mode, load then decode: a register
+    # double buffer (191 registers) lost 25-30 % on the H200 and an L2 prefetch of the next tile 0-10 %
+    # (bench/NOTES.md §8, §9)
     GC: tl.constexpr = BLOCK_G // 2       # threads per row: one sub-block (2 groups) each
     RB: tl.constexpr = 32 * NW // GC      # rows per pass of the CTA's threads
     R: tl.constexpr = BLOCK_N // RB       # rows per thread
@@ -172,8 +161,6 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
     for g0 in range(g_lo, g_hi, BLOCK_G):
         h = g0 // 2 + gc                  # the thread's sub-block
         lds = _load_tile(qs, signs, qh, sc, d, rows, h, G, R)
-        if STAGES >= 2:                   # (the last tile prefetches itself)
-            _prefetch_tile(qs, signs, rows, tl.minimum(g0 + BLOCK_G, g_hi - BLOCK_G) // 2 + gc, G, R, H2_MODE)
         xp = ()
         for tt in tl.static_range(T_TILE):
             xp = xp + (_x_pairs(x_ptr, xrows[tt], h * 32, ups[tt], H2_MODE),)

@@ -105,10 +105,8 @@ _DECODE_DOT_TILES = {1: (), 2: (), 4: ((64, 256, 4), (128, 256, 8)),
                      16: ((64, 256, 4), (128, 128, 4), (128, 256, 8))}
 # packed-half2 tiles (block_n, block_g, num_warps, num_stages): more rows per thread amortize the per-group
 # activation scaling and packing (gemv_nvfp4_h2); for T <= 2 the first two also get fewer / more K splits.
-# num_stages 2: load then decode plus an L2 prefetch of the next tile (gemv_h2_common._loop; not measured yet:
-# sm_90 registers 128 -> 168 at 128 rows, 64 -> 72 at 64)
-_DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 16, 4, 1), (128, 16, 4, 3),
-                        (128, 16, 4, 2), (64, 16, 4, 2)),
+# num_stages 1 = load then decode, 3 = cp.async pipeline (gemv_h2_common._loop)
+_DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 16, 4, 1), (128, 16, 4, 3)),
                     2: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (128, 16, 4, 3)),
                     4: ((64, 16, 4, 1), (128, 16, 4, 1)),
                     8: ((64, 16, 4, 1),),

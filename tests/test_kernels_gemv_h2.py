@@ -31,18 +31,18 @@ def weights(N: int, K: int, seed: int):
     return nvfp4_weights(N, K, seed, DEV)
 
 
-CASES = {  # format, T, dtype, K, block_n, block_g, split, residual, num_stages (2: L2 prefetch, 3: pipelined loads)
+CASES = {  # format, T, dtype, K, block_n, block_g, split, residual, num_stages (3: pipelined loads)
     "nvfp4-T1-bf16": ("nvfp4", 1, torch.bfloat16, 160, 32, 4, 1, False, 1),
     "nvfp4-T1-bf16-stages-ragged": ("nvfp4", 1, torch.bfloat16, 176, 32, 4, 1, False, 3),
-    "nvfp4-T1-f16-prefetch-ragged-split": ("nvfp4", 1, torch.float16, 176, 32, 4, 3, True, 2),
-    "q6_k-T1-bf16-prefetch": ("q6_k", 1, torch.bfloat16, 512, 32, 4, 1, False, 2),
+    "nvfp4-T1-f16-ragged-split-res": ("nvfp4", 1, torch.float16, 176, 32, 4, 3, True, 1),
+    "q6_k-T1-bf16-stages": ("q6_k", 1, torch.bfloat16, 512, 32, 4, 1, False, 3),
     "nvfp4-T2-f16-ragged-split": ("nvfp4", 2, torch.float16, 176, 16, 4, 3, True, 1),
-    "nvfp4-T3-f32-stages": ("nvfp4", 3, torch.float32, 96, 64, 2, 1, False, 2),
+    "nvfp4-T3-f32-stages": ("nvfp4", 3, torch.float32, 96, 64, 2, 1, False, 3),
     "nvfp4-T5-bf16-split-stages": ("nvfp4", 5, torch.bfloat16, 144, 32, 2, 2, True, 3),
     "nvfp4-T8-f16": ("nvfp4", 8, torch.float16, 48, 16, 2, 1, False, 1),
     "q6_k-T1-bf16": ("q6_k", 1, torch.bfloat16, 512, 32, 4, 1, False, 1),
     "q6_k-T2-f16-ragged-split": ("q6_k", 2, torch.float16, 768, 16, 4, 3, True, 1),
-    "q6_k-T3-f32-stages": ("q6_k", 3, torch.float32, 512, 64, 2, 1, False, 2),
+    "q6_k-T3-f32-stages": ("q6_k", 3, torch.float32, 512, 64, 2, 1, False, 3),
     "q6_k-T3-bf16-split-stages": ("q6_k", 3, torch.bfloat16, 768, 32, 2, 2, True, 3),
 }
 
