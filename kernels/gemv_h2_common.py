@@ -135,8 +135,8 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     loads over the decode to save registers and the memory latency is exposed several times per tile. On the
     H200 that made T=1 2-12 % faster and T=2 5-25 % slower (more live registers), hence T=1 only
     (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned).
-    STAGES: 1 load then decode; >= 3 Triton's cp.async pipeline that deep. (2, an L2 prefetch of the next
-    tile, lost 0-10 % on the H200 and was removed: bench/NOTES.md §9.)"""
+    STAGES: 1 load then decode; >= 3 Triton's cp.async pipeline that deep. (2 was an L2 prefetch of the next
+    tile: never the tuner's pick on the H200, removed; bench/NOTES.md §9.)"""
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
         up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512,

@@ -142,7 +142,7 @@ def _h2_kernel(device):
 
 # the h2 variant's tiles (block_n, block_g, num_warps, num_stages; per-thread kernel: a thread holds one 32-weight
 # sub-block column of R = block_n * block_g / (64 * num_warps) rows), trimmed to what won on the H200 (bench/NOTES.md
-# §8: R = 2..4; R = 8, block_g 8, a register double buffer and (§9) an L2 prefetch of the next tile lost 0-30 %).
+# §8: R = 2..4; R = 8, block_g 8 and a register double buffer lost 5-30 %; §9: an L2 prefetch never won).
 # T >= 8: its activation work per weight (converted per thread, shared by its rows only) exceeds the fp32
 # kernel's (sm_90: 15 per weight)
 H2_TILES = {1: ((64, 16, 4, 1), (32, 16, 2, 1), (32, 16, 4, 1)), 2: ((64, 16, 4, 1), (128, 16, 4, 1)),

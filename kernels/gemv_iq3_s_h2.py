@@ -132,8 +132,8 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr):
     # USE_DOT / DOT_KIND / FOLD / STAGES are accepted for the shared launcher and unused here; every K range is
     # whole tiles (K % 256 == 0, BLOCK_G divides 16), so EVEN_G is too. One mode, load then decode: a register
-    # double buffer (191 registers) lost 25-30 % on the H200 and an L2 prefetch of the next tile 0-10 %
-    # (bench/NOTES.md §8, §9)
+    # double buffer (191 registers) lost 25-30 % on the H200; an L2 prefetch of the next tile was never the
+    # tuner's pick (bench/NOTES.md §8, §9)
     GC: tl.constexpr = BLOCK_G // 2       # threads per row: one sub-block (2 groups) each
     RB: tl.constexpr = 32 * NW // GC      # rows per pass of the CTA's threads
     R: tl.constexpr = BLOCK_N // RB       # rows per thread
