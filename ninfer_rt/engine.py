@@ -35,7 +35,7 @@ from .engine_layout import (DEFAULT_CONTEXT, DEFAULT_PAGE, GRAPH_MAX_BATCH, GRAP
                             EngineError, Layout, cache_config, engine_layout, graph_config)
 from .graphs import GraphConfig
 from .sampling import SamplingParams, make_generator, sample
-from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify_on_device
+from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify_rows
 from .tp_group import LocalGroup
 
 if TYPE_CHECKING:
@@ -297,7 +297,7 @@ class Engine(Core):
                 for i, ((s, _), d) in enumerate(zip(dec, drafts))]
         final = [(i, s) for i, (s, _, b) in enumerate(pre, start=len(dec)) if b == len(s.prompt)]
         rows += [RoundInput(s.params, out.seq_logits(i), [], [], s.counts, s.generator) for i, s in final]
-        decided = torch.stack([verify_on_device(r) for r in rows]).tolist() if rows else []
+        decided = verify_rows(rows)
         verdicts = []
         for (s, k), d, (n_acc, tok) in zip(dec, drafts, decided):
             if self.stats.spec is not None:

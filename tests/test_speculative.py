@@ -250,3 +250,24 @@ def test_accept_counts_every_emitted_token_once(loaded, tokens, stop_at, emitted
     assert eng._accept(s, tokens) == emitted and s.out == tokens[:emitted]
     want = torch.bincount(torch.tensor(tokens[:emitted]), minlength=loaded.config.vocab_size).float()
     assert torch.equal(s.counts, want)
+
+
+def test_verify_rows_batches_plain_greedy_rows():
+    """verify_rows == verify_on_device row by row: one argmax for plain greedy rows (ties: the first maximum),
+    the per-row path once any row has drafts, penalties or sampling."""
+    from ninfer_rt.speculative import RoundInput, verify_on_device, verify_rows
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1, 50, generator=g)
+    logits[2, 0, [7, 30]] = 9.0                           # a tie
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    rows = [RoundInput(greedy, lg, [], [], None, None) for lg in logits]
+    assert verify_rows(rows) == [verify_on_device(r).tolist() for r in rows]
+    assert verify_rows(rows)[2] == [0, 7]
+    pen = SamplingParams(temperature=0.0, max_tokens=4, frequency_penalty=1.0)
+    counts = torch.zeros(50)
+    counts[int(logits[0].argmax())] = 20.0
+    mixed = [RoundInput(pen, logits[0], [], [], counts, None),
+             RoundInput(greedy, torch.cat([logits[1], logits[3]]), [int(logits[1].argmax())], [], None, None)] + rows
+    assert verify_rows(mixed) == [verify_on_device(r).tolist() for r in mixed]
+    assert verify_rows(mixed)[0][1] != int(logits[0].argmax())    # the penalty moved the winner
+    assert verify_rows([]) == []
