@@ -22,12 +22,12 @@ def silu_mul_kernel(x_ptr, y_ptr, I, sx_t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def sigmoid_mul_kernel(o_ptr, g_ptr, y_ptr, W, so_t, sg_t, BLOCK: tl.constexpr):
+def sigmoid_mul_kernel(o_ptr, g_ptr, y_ptr, W, D, so_t, sg_t, sg_h, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < W
     o = tl.load(o_ptr + t * so_t + c, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + t * sg_t + c, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * sg_t + (c // D) * sg_h + c % D, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * W + c, (o * tl.sigmoid(g)).to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -49,15 +49,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def sigmoid_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """o, gate [T, W] -> o * sigmoid(gate) in o's dtype."""
-    if o.shape != gate.shape or o.dim() != 2:
+    """o, gate [T, W] or [T, H, D] -> o * sigmoid(gate), a new contiguous tensor of o's shape and dtype. The gate
+    may be a strided head slice (the gate half of the per-head [q | gate] projection): read in place, no copy."""
+    if o.shape != gate.shape or o.dim() not in (2, 3):
         raise KernelInputError(f"sigmoid_gate: o {tuple(o.shape)} vs gate {tuple(gate.shape)}")
-    o, gate = _rows(o), _rows(gate)
-    t, w = o.shape
-    y = torch.empty(t, w, dtype=o.dtype, device=o.device)
+    g3 = _rows(gate if gate.dim() == 3 else gate[:, None, :])
+    o2 = _rows(o.reshape(o.shape[0], -1))
+    t, w = o2.shape
+    y = torch.empty(o.shape, dtype=o.dtype, device=o.device)
     if y.numel():
-        sigmoid_mul_kernel[(t, triton.cdiv(w, BLOCK))](o, gate, y, w, o.stride(0), gate.stride(0), BLOCK=BLOCK,
-                                                       num_warps=4)
+        sigmoid_mul_kernel[(t, triton.cdiv(w, BLOCK))](o2, g3, y, w, g3.shape[-1], o2.stride(0), g3.stride(0),
+                                                       g3.stride(1), BLOCK=BLOCK, num_warps=4)
     return y
 
 
@@ -65,4 +67,4 @@ def compile_specs(act: str):
     return [(silu_mul_kernel, {"x_ptr": f"*{act}", "y_ptr": f"*{act}", "I": "i32", "sx_t": "i64"},
              {"BLOCK": BLOCK}),
             (sigmoid_mul_kernel, {"o_ptr": f"*{act}", "g_ptr": f"*{act}", "y_ptr": f"*{act}", "W": "i32",
-                                  "so_t": "i64", "sg_t": "i64"}, {"BLOCK": BLOCK})]
+                                  "D": "i32", "so_t": "i64", "sg_t": "i64", "sg_h": "i64"}, {"BLOCK": BLOCK})]

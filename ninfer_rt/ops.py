@@ -91,7 +91,8 @@ class Ops(ABC):
 
     @abstractmethod
     def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """Attention output gate: o * sigmoid(gate), both [T, W]."""
+        """Attention output gate: o * sigmoid(gate), both [T, W] or [T, H, D] (gate may be a strided view);
+        returns o's shape."""
 
     # ---- attention ----
     @abstractmethod

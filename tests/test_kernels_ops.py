@@ -89,9 +89,12 @@ def test_gated_rmsnorm_silu_mul_sigmoid_gate(dtype):
     zfull = rnd(3, 4 * 24 + 5, dtype=dtype)
     o, z, w = rnd(3, 4, 24, dtype=dtype, seed=1), zfull[:, 5:].view(3, 4, 24), rnd(24, seed=2)
     gu, g = rnd(3, 2 * 37, dtype=dtype, seed=4), rnd(3, 37, dtype=dtype, seed=5)
+    qg = rnd(3, 4, 2 * 24, dtype=dtype, seed=6)         # per-head [q | gate]: the gate a strided head slice
     with poisoned():
-        got = (TRI.gated_rmsnorm(o, z, w, 1e-6), TRI.silu_mul(gu), TRI.sigmoid_gate(gu[:, :37], g))
-    want = (REF.gated_rmsnorm(o, z, w, 1e-6), REF.silu_mul(gu), REF.sigmoid_gate(gu[:, :37], g))
+        got = (TRI.gated_rmsnorm(o, z, w, 1e-6), TRI.silu_mul(gu), TRI.sigmoid_gate(gu[:, :37], g),
+               TRI.sigmoid_gate(o, qg[..., 24:]))
+    want = (REF.gated_rmsnorm(o, z, w, 1e-6), REF.silu_mul(gu), REF.sigmoid_gate(gu[:, :37], g),
+            REF.sigmoid_gate(o, qg[..., 24:]))
     for a, b in zip(got, want):
         check(a, b, dtype)
 

@@ -25,5 +25,5 @@ class FullAttention:
         k_cache, v_cache = kv.k[self.kv_layer], kv.v[self.kv_layer]
         ops.kv_write(k_cache, v_cache, k, v.reshape(t, self.hk, d), ctx.attn.slot_mapping)
         o = ops.attention(q, k_cache, v_cache, ctx.attn, d ** -0.5)
-        o = ops.sigmoid_gate(o.reshape(t, self.hq * d), qg[..., d:].reshape(t, self.hq * d))
+        o = ops.sigmoid_gate(o.reshape(t, self.hq, d), qg[..., d:]).reshape(t, self.hq * d)
         return self.tp.all_reduce(ops.linear(o, self.o))
