@@ -7,8 +7,9 @@ own. Here one program owns one row and all T tokens (the row's 10 KB read once, 
 applies that row's gate. The dot products are rounded to the activation dtype before the gate, as the unfused
 projection's output is, so both paths give the same numbers up to summation order.
 
-Weights are read as 16-bit integers and widened with bit operations (bf16: a shift), so bf16 weights need no
-bf16 arithmetic on sm_70; f32 weights load as they are.
+Plain weights come in the activation dtype (the loader converts them: bf16 on the H200, fp16 on sm_70). 16-bit
+weights are read as integers and widened with bit operations (bf16: a shift, so no bf16 arithmetic is needed
+anywhere); f32 weights load as they are.
 """
 from __future__ import annotations
 
@@ -84,8 +85,10 @@ def gdn_ba_gates(x: torch.Tensor, w: torch.Tensor, A_log: torch.Tensor, dt_bias:
 
 
 def compile_specs(act: str):
-    """(kernel, signature, constexprs, warps) at TP1 sizes (K 5120): bf16 weights, T = 1 and 16."""
-    sig = {"x_ptr": f"*{act}", "w_ptr": "*i16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "g_ptr": "*fp32",
-           "beta_ptr": "*fp32", "T": "i32", "K": "i32", "H": "i32", "sx_t": "i64"}
-    return [(gdn_ba_gates_kernel, sig, {"W_KIND": 0, "T_TILE": tt, "BLOCK_K": _ELEMS // tt}, 8)
+    """(kernel, signature, constexprs, warps) at TP1 sizes (K 5120), weights in the activation dtype as the
+    loader gives them: T = 1 and 16."""
+    kind = {"bf16": 0, "fp16": 1, "fp32": 2}[act]
+    sig = {"x_ptr": f"*{act}", "w_ptr": "*fp32" if kind == 2 else "*i16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32",
+           "g_ptr": "*fp32", "beta_ptr": "*fp32", "T": "i32", "K": "i32", "H": "i32", "sx_t": "i64"}
+    return [(gdn_ba_gates_kernel, sig, {"W_KIND": kind, "T_TILE": tt, "BLOCK_K": _ELEMS // tt}, 8)
             for tt in (1, 16)]

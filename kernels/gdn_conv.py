@@ -98,4 +98,4 @@ def compile_specs(act: str):
     sig = {"x_ptr": f"*{act}", "w_ptr": "*fp32", "y_ptr": f"*{act}", "pool_ptr": "*fp32", "snap_ptr": "*fp32",
            "cu_ptr": "*i32", "slot_ptr": "*i64", "snapidx_ptr": "*i64", "C": "i32", "sx_t": "i64",
            "n_tblocks": "i32"}
-    return [(causal_conv_kernel, sig, {"CK": 4, "BLOCK_T": bt, "BLOCK_C": BLOCK_C}) for bt in (4, BLOCK_T)]
+    return [(causal_conv_kernel, sig, {"CK": 4, "BLOCK_T": bt, "BLOCK_C": BLOCK_C}) for bt in (4, 8, BLOCK_T)]

@@ -68,8 +68,8 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
 
 @triton.jit
 def _norm(x, inv, qw_ptr, kw_ptr, off, isq, m, out_ptr):
-    wq = tl.load(qw_ptr + off, mask=m, other=0.0)
-    wk = tl.load(kw_ptr + off, mask=m, other=0.0)
+    wq = tl.load(qw_ptr + off, mask=m, other=0.0).to(tl.float32)
+    wk = tl.load(kw_ptr + off, mask=m, other=0.0).to(tl.float32)
     return (x * inv * (1.0 + tl.where(isq, wq, wk))).to(out_ptr.dtype.element_ty).to(tl.float32)
 
 

@@ -54,7 +54,7 @@ def sigmoid_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if o.shape != gate.shape or o.dim() not in (2, 3):
         raise KernelInputError(f"sigmoid_gate: o {tuple(o.shape)} vs gate {tuple(gate.shape)}")
     g3 = _rows(gate if gate.dim() == 3 else gate[:, None, :])
-    o2 = _rows(o.reshape(o.shape[0], -1))
+    o2 = _rows(o.flatten(1))
     t, w = o2.shape
     y = torch.empty(o.shape, dtype=o.dtype, device=o.device)
     if y.numel():

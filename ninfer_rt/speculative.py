@@ -143,6 +143,8 @@ def verify_rows(rows: list[RoundInput]) -> list[list[int]]:
     if all(r.params.greedy and not r.drafts and not (r.counts is not None and r.params.has_penalties)
            for r in rows):
         toks = torch.cat([r.logits for r in rows]).argmax(-1)
+        if toks.numel() != len(rows):       # a plain decode row has exactly one logits row
+            raise ValueError(f"verify_rows: {toks.numel()} logits rows for {len(rows)} sequences")
         return torch.stack([torch.zeros_like(toks), toks], 1).tolist()
     return torch.stack([verify_on_device(r) for r in rows]).tolist()
 

@@ -271,9 +271,10 @@ def test_candidates_few_rows_get_a_wide_split(monkeypatch):
     assert max(c.split for c in gl.candidates(1, 5120, 1280, 4, torch.bfloat16, dev)) <= 16
 
 
-def test_candidates_h2_prefetch_mode_at_t1_only(monkeypatch):
-    """The L2-prefetch mode of the shared h2 loop (num_stages 2) is offered at T = 1, not beyond."""
+def test_candidates_h2_stage_modes(monkeypatch):
+    """The shared h2 loop has two modes, load-then-decode (1) and cp.async-pipelined (3): no candidate asks for 2
+    (the L2-prefetch mode, removed after it never won; the loop would run it as 1, a duplicate)."""
     dev = as_h200(monkeypatch)
     at = {T: {c.num_stages for c in gl.candidates(T, 14336, 320, 16, torch.bfloat16, dev, h2=True) if c.h2}
           for T in (1, 2, 4)}
-    assert 2 in at[1] and 2 not in at[2] and 2 not in at[4]
+    assert at[1] == {1, 3} and 2 not in at[2] | at[4]
