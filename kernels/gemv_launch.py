@@ -90,6 +90,13 @@ def auto_split(n_ctas: int, g_tiles: int, sms: int, waves: int = 4) -> int:
     return max(1, min(64 if n_ctas <= 8 else 16, g_tiles, triton.cdiv(waves * sms, n_ctas)))
 
 
+def fill_splits(n_ctas: int, g_tiles: int, sms: int) -> set[int]:
+    """K splits that leave every CTA resident in one wave at 4 or 8 CTAs per SM (the h2 tiles' occupancy at
+    128 / 64 rows): `auto_split` rounds up, which can spill a few CTAs into a second, mostly idle wave (attn_qkv
+    at 128 rows: 5 splits = 560 CTAs for 528 slots, 15 % slower on the H200 than 3 splits = 336)."""
+    return {max(1, min(16, g_tiles, (per * sms) // n_ctas)) for per in (4, 8)}
+
+
 # decode candidates per T bucket, trimmed to what won on the H200 (bench/NOTES.md): (block_n, block_g, num_warps,
 # num_stages) elementwise tiles (block_g = 16 groups is 144..208 bytes of a row per step, 2 groups = one 16-byte
 # load per thread; num_stages 1 = load then decode, >= 2 = the weight loads cp.async-pipelined that deep, which
@@ -140,9 +147,11 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     if h2 and not H2_STATE["off"] and x_dtype != torch.float32:   # fp32 activations keep fp32 products
         # T <= 2: with 1-3 resident CTAs per SM the default's ~4 CTAs per SM can leave a partial last wave
         for i, (bn, bg, w, st) in enumerate((h2_tiles or _DECODE_H2_TILES)[b]):
-            for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,)):
-                out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, wv),
-                                      h2=True))
+            n, g = triton.cdiv(N, bn), triton.cdiv(G, bg)
+            splits = [auto_split(n, g, sms, wv) for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,))]
+            if b <= 2 and i < 2:
+                splits += sorted(fill_splits(n, g, sms) - set(splits))
+            out += [GemvConfig(bn, bg, w, st, sp, h2=True) for sp in splits]
     if mma and not H2_STATE["mma_off"] and cc >= (8, 0) and x_dtype != torch.float32:
         for bn, bg, w, st in _DECODE_MMA_TILES[b]:
             if G % bg == 0:

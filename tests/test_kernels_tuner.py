@@ -271,6 +271,18 @@ def test_candidates_few_rows_get_a_wide_split(monkeypatch):
     assert max(c.split for c in gl.candidates(1, 5120, 1280, 4, torch.bfloat16, dev)) <= 16
 
 
+def test_candidates_h2_include_one_wave_splits(monkeypatch):
+    """T <= 2: the first h2 tiles also get the largest splits whose CTAs all fit one wave at 4 or 8 per SM
+    (attn_qkv: 112 row blocks of 128 rows -> 4 and 9 splits, besides auto_split's 5, 3 and 10)."""
+    dev = as_h200(monkeypatch)
+    n128 = {c.split for c in gl.candidates(1, 14336, 320, 16, torch.bfloat16, dev, h2=True)
+            if c.h2 and c.block_n == 128 and c.num_stages == 1}
+    assert n128 == {3, 4, 5, 9, 10}
+    assert gl.fill_splits(112, 320, 132) == {4, 9} and gl.fill_splits(2000, 320, 132) == {1}
+    t4 = [c for c in gl.candidates(4, 14336, 320, 16, torch.bfloat16, dev, h2=True) if c.h2]
+    assert t4 and all(c.split == gl.auto_split(-(-14336 // c.block_n), 320 // c.block_g, 132) for c in t4)
+
+
 def test_candidates_h2_stage_modes(monkeypatch):
     """The shared h2 loop has two modes, load-then-decode (1) and cp.async-pipelined (3): no candidate asks for 2
     (the L2-prefetch mode, removed after it never won; the loop would run it as 1, a duplicate)."""
