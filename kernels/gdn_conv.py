@@ -2,7 +2,8 @@
 
 Per sequence b with T_b new inputs, the window is [pool rows (the last CK-1 inputs, oldest first) | x rows];
 output t = silu(sum_j w[:, j] * window[t + j]). One program per (sequence, block of BLOCK_T tokens, block of
-channels), so decode (T = 1), verify (T <= 16) and prefill chunks all run fully parallel.
+channels), so verify (T <= 16) and prefill chunks run fully parallel; a step of at most one token per
+sequence (decode) takes `conv_step_kernel`, one program per (sequence, block of channels).
 
 State: snap_index[b] < 0 -> the pool slot gets the window after the last token (written by the program of
 token block 0 after a CTA barrier: it may overwrite pool rows it has just read when T_b < CK-1);
@@ -18,6 +19,7 @@ from .ops_common import KernelInputError
 
 BLOCK_T = 16
 BLOCK_C = 128
+STEP_BLOCK_C = 128        # decode kernel: 4 channels per thread of one warp
 
 
 @triton.jit
@@ -66,6 +68,35 @@ def causal_conv_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr
                 tl.store(pool_ptr + pool_base + i * C + c, row, mask=c_ok)
 
 
+@triton.jit
+def conv_step_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr, C, sx_t,
+                     CK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """At most one new token per sequence (decode): each thread owns its channels in every window row, so the
+    window moves up in registers -- no tile of masked token rows, no barrier before the rewrite."""
+    b = tl.program_id(0)
+    s0 = tl.load(cu_ptr + b)
+    if tl.load(cu_ptr + b + 1) > s0:
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = c < C
+        base = tl.load(slot_ptr + b).to(tl.int64) * ((CK - 1) * C)
+        snap = tl.load(snapidx_ptr + b)
+        xv = tl.load(x_ptr + s0.to(tl.int64) * sx_t + c, mask=m, other=0.0).to(tl.float32)
+        acc = xv * tl.load(w_ptr + c * CK + (CK - 1), mask=m, other=0.0).to(tl.float32)
+        rows = ()
+        for j in tl.static_range(CK - 1):
+            p = tl.load(pool_ptr + base + j * C + c, mask=m, other=0.0)
+            acc += p * tl.load(w_ptr + c * CK + j, mask=m, other=0.0).to(tl.float32)
+            rows = rows + (p,)
+        tl.store(y_ptr + s0.to(tl.int64) * C + c, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=m)
+        if snap >= 0:
+            dst = snap_ptr + snap.to(tl.int64) * ((CK - 1) * C)
+        else:
+            dst = pool_ptr + base
+        for j in tl.static_range(CK - 2):
+            tl.store(dst + j * C + c, rows[j + 1], mask=m)
+        tl.store(dst + (CK - 2) * C + c, xv, mask=m)
+
+
 def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_seqlens: torch.Tensor,
                 slots: torch.Tensor, snap_index: torch.Tensor, max_t: int,
                 snapshots: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +114,11 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_se
     w = w.contiguous()
     y = torch.empty(total, c, dtype=x.dtype, device=x.device)
     batch = cu_seqlens.numel() - 1
-    if total and batch:
+    if total and batch and max_t == 1 and ck >= 2:
+        conv_step_kernel[(batch, triton.cdiv(c, STEP_BLOCK_C))](
+            x, w, y, conv_pool, conv_pool if snapshots is None else snapshots, cu_seqlens, slots, snap_index, c,
+            x.stride(0), CK=ck, BLOCK_C=STEP_BLOCK_C, num_warps=1)
+    elif total and batch:
         # decode (max_t 1) needs no 16-token tile; the tile never drops below ck-1 tokens, so programs past
         # token block 0 never read the pool rows that block 0 rewrites
         block_t = min(BLOCK_T, max(triton.next_power_of_2(max(max_t, 1)), triton.next_power_of_2(ck - 1)))
@@ -98,4 +133,6 @@ def compile_specs(act: str):
     sig = {"x_ptr": f"*{act}", "w_ptr": "*fp32", "y_ptr": f"*{act}", "pool_ptr": "*fp32", "snap_ptr": "*fp32",
            "cu_ptr": "*i32", "slot_ptr": "*i64", "snapidx_ptr": "*i64", "C": "i32", "sx_t": "i64",
            "n_tblocks": "i32"}
-    return [(causal_conv_kernel, sig, {"CK": 4, "BLOCK_T": bt, "BLOCK_C": BLOCK_C}) for bt in (4, 8, BLOCK_T)]
+    step = {k: v for k, v in sig.items() if k != "n_tblocks"}
+    return [(causal_conv_kernel, sig, {"CK": 4, "BLOCK_T": bt, "BLOCK_C": BLOCK_C}) for bt in (4, 8, BLOCK_T)] + \
+        [(conv_step_kernel, step, {"CK": 4, "BLOCK_C": STEP_BLOCK_C}, 1)]
