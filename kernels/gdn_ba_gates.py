@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gdn_gates import log_decay
 from .ops_common import KernelInputError, pow2
 
 MAX_T = 16                        # verify's widest step; longer chunks (prefill) take the unfused path
@@ -53,9 +54,7 @@ def gdn_ba_gates_kernel(x_ptr, w_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, K, 
         tl.store(beta_ptr + ts * H + r, tl.sigmoid(y), mask=tm)
     else:
         h = r - H
-        z = y + tl.load(dtb_ptr + h)
-        sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-        tl.store(g_ptr + ts * H + h, -tl.exp(tl.load(alog_ptr + h)) * sp, mask=tm)
+        tl.store(g_ptr + ts * H + h, log_decay(y + tl.load(dtb_ptr + h), tl.load(alog_ptr + h)), mask=tm)
 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -119,7 +119,7 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_se
             x, w, y, conv_pool, conv_pool if snapshots is None else snapshots, cu_seqlens, slots, snap_index, c,
             x.stride(0), CK=ck, BLOCK_C=STEP_BLOCK_C, num_warps=1)
     elif total and batch:
-        # decode (max_t 1) needs no 16-token tile; the tile never drops below ck-1 tokens, so programs past
+        # short verify steps need no 16-token tile; the tile never drops below ck-1 tokens, so programs past
         # token block 0 never read the pool rows that block 0 rewrites
         block_t = min(BLOCK_T, max(triton.next_power_of_2(max(max_t, 1)), triton.next_power_of_2(ck - 1)))
         n_tb = triton.cdiv(max_t, block_t)

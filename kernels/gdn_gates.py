@@ -13,14 +13,20 @@ from .ops_common import KernelInputError, pow2
 
 
 @triton.jit
+def log_decay(z, a_log):
+    """g = -exp(A_log) * softplus(z) for z = a + dt_bias, fp32 (also used by `gdn_ba_gates`)."""
+    sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+    return -tl.exp(a_log) * sp
+
+
+@triton.jit
 def gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, H, sa_t, sb_t, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     m = h < H
     x = tl.load(a_ptr + t * sa_t + h, mask=m, other=0.0).to(tl.float32) + \
         tl.load(dtb_ptr + h, mask=m, other=0.0).to(tl.float32)
-    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32)) * sp
+    g = log_decay(x, tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32))
     beta = tl.sigmoid(tl.load(b_ptr + t * sb_t + h, mask=m, other=0.0).to(tl.float32))
     tl.store(g_ptr + t * H + h, g, mask=m)
     tl.store(beta_ptr + t * H + h, beta, mask=m)

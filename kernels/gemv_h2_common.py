@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import _finish, _load_tile, _tile_g, _zeros, even_groups, ld
+from .gemv_common import _finish, _load_tile, _tile_g, _zeros, ld
 
 EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
 MAX_T_TILE = 8                             # f16x2 accumulators and x pairs per column: beyond 8 tl.dot wins
@@ -135,18 +135,17 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     loads over the decode to save registers and the memory latency is exposed several times per tile. On the
     H200 that made T=1 2-12 % faster and T=2 5-25 % slower (more live registers), hence T=1 only
     (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned).
-    STAGES: 1 load then decode; >= 3 Triton's cp.async pipeline that deep. (2 was an L2 prefetch of the next
-    tile: never the tuner's pick on the H200, removed; bench/NOTES.md §9.)"""
+    STAGES: 1 load then decode; > 1 Triton's cp.async pipeline that deep (an L2 prefetch of the next tile
+    instead was never the tuner's pick on the H200: bench/NOTES.md §9)."""
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
         up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512,
                              UP_BIAS, BACK_BIAS)
         ups, backs = ups + (up,), backs + (back,)
     accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
-    PIPE: tl.constexpr = STAGES if STAGES >= 3 else 1
-    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=PIPE):   # as gemv_common._fma_loop
+    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
         st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
-        if PIPE == 1 and T_TILE == 1:
+        if STAGES == 1 and T_TILE == 1:
             tl.debug_barrier()
         accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE)
     cols = tl.arange(0, T_TILE)

@@ -284,8 +284,8 @@ def test_candidates_h2_include_one_wave_splits(monkeypatch):
 
 
 def test_candidates_h2_stage_modes(monkeypatch):
-    """The shared h2 loop has two modes, load-then-decode (1) and cp.async-pipelined (3): no candidate asks for 2
-    (the L2-prefetch mode, removed after it never won; the loop would run it as 1, a duplicate)."""
+    """The h2 candidates load then decode (1) or cp.async-pipeline 3 deep; the L2-prefetch mode that num_stages 2
+    meant in session 7 is gone, and no candidate asks for 2."""
     dev = as_h200(monkeypatch)
     at = {T: {c.num_stages for c in gl.candidates(T, 14336, 320, 16, torch.bfloat16, dev, h2=True) if c.h2}
           for T in (1, 2, 4)}
