@@ -82,16 +82,35 @@ def _timed(step, steps: int, warm: int, device) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
-def decode_ms(runner, state, steps: int, warm: int, *, host_tokens: bool) -> float:
-    """Greedy decode of one sequence. host_tokens: read each token back to the host (what an engine does,
-    one sync per step); else feed the device argmax straight back (GPU time per step, steps pipelined)."""
-    tok = [torch.tensor([1])]
+DECODE_MODES = ("ahead", "sync", "gpu")
+
+
+def decode_ms(runner, state, steps: int, warm: int, *, mode: str) -> float:
+    """Greedy decode of one sequence, its token fed back one of three ways: "ahead" launches step n+1 from step
+    n's device token, then reads step n's back (the engine's run-ahead decode, ninfer_rt/engine_ahead.py);
+    "sync" reads each token back before the next step (the engine without it: one host sync per step); "gpu"
+    never reads back (GPU time per step, steps pipelined)."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode_ms: mode {mode!r} is not one of {DECODE_MODES}")
+    cuda = runner.model.device.type == "cuda"
+    tok, prev = [torch.tensor([1])], [None]       # next step's ids; step n's (host copy, event)
     base = state.length
 
     def step():
         out = runner.forward([SeqInput(tok[0], state)])
         t = out.logits[-1:].argmax(-1)
-        tok[0] = t.cpu() if host_tokens else t
+        tok[0] = t.cpu() if mode == "sync" else t
+        if mode == "ahead":
+            host = torch.empty(1, dtype=torch.long, pin_memory=cuda)
+            host.copy_(t, non_blocking=cuda)
+            ev = torch.cuda.Event() if cuda else None
+            if ev is not None:
+                ev.record()
+            if prev[0] is not None:
+                if prev[0][1] is not None:
+                    prev[0][1].synchronize()
+                prev[0][0].tolist()
+            prev[0] = (host, ev)
     ms = _timed(step, steps, warm, runner.model.device)
     rewind(state, base)
     return ms

@@ -207,14 +207,18 @@ def _profile(model, runner, st, ctx, opts, base, emit) -> None:
 
 
 def _decode_record(runner, st, ctx, opts, ceil, base, wb) -> dict:
-    """Greedy decode at context `ctx`: ms/step with the token read back every step and GPU-pipelined."""
-    ms = M.decode_ms(runner, st, opts.steps, opts.warm, host_tokens=True)
-    ms_gpu = M.decode_ms(runner, st, opts.steps, opts.warm, host_tokens=False)
+    """Greedy decode at context `ctx`: ms/step as the engine runs it (tok_s, ms_step: run ahead at TP1, where
+    the engine does, ninfer_rt/engine_ahead.py), with the token read back before each next step (`_sync`: the
+    engine at TP > 1 or with --no-async-scheduling, and the headline of every record before run s9), and
+    GPU-pipelined (`_gpu`)."""
+    ms = {m: M.decode_ms(runner, st, opts.steps, opts.warm, mode=m) for m in M.DECODE_MODES}
+    head = ms["ahead"] if runner.model.tp.size == 1 else ms["sync"]
     nbytes = wb["target"] + M.state_bytes(runner.model, ctx)
     roof = nbytes / (ceil["copy_tbps"] * 1e12) * 1e3
-    return {**base, "kind": "decode", "context": ctx, "draft_tokens": 0, "tok_s": 1e3 / ms, "ms_step": ms,
-            "ms_step_gpu": ms_gpu, "tok_s_gpu": 1e3 / ms_gpu, "bytes_step": nbytes, "weight_bytes": wb["target"],
-            "pct_roofline": 100 * roof / ms, "pct_roofline_gpu": 100 * roof / ms_gpu}
+    return {**base, "kind": "decode", "context": ctx, "draft_tokens": 0, "tok_s": 1e3 / head, "ms_step": head,
+            "ms_step_ahead": ms["ahead"], "ms_step_sync": ms["sync"], "tok_s_sync": 1e3 / ms["sync"],
+            "ms_step_gpu": ms["gpu"], "tok_s_gpu": 1e3 / ms["gpu"], "bytes_step": nbytes, "weight_bytes": wb["target"],
+            "pct_roofline": 100 * roof / head, "pct_roofline_gpu": 100 * roof / ms["gpu"]}
 
 
 def _with_allreduce(rec: dict, ar: dict | None, impl: str | None = None, forced: bool = False) -> dict:

@@ -41,9 +41,10 @@ def row(r: dict) -> str | None:
     k = r["kind"]
     head = f"{r.get('recipe', ''):<7}{r.get('tp', ''):>3}  {k:<8}"
     if k == "decode":
+        alt = f"sync {r['ms_step_sync']:.3f}, " if "ms_step_sync" in r else ""
         return (f"{head}{r['context']:>7}  K=0 {r['tok_s']:9.1f} tok/s {r['ms_step']:8.3f} ms "
-                f"(gpu {r['ms_step_gpu']:.3f}) {r['bytes_step'] / 1e9:7.2f} GB/step {r['pct_roofline']:6.1f}% roofline "
-                f"(gpu {r['pct_roofline_gpu']:.1f}%)" + _tp_note(r))
+                f"({alt}gpu {r['ms_step_gpu']:.3f}) {r['bytes_step'] / 1e9:7.2f} GB/step {r['pct_roofline']:6.1f}% "
+                f"roofline (gpu {r['pct_roofline_gpu']:.1f}%)" + _tp_note(r))
     if k == "allreduce":
         msgs = ", ".join(f"{m['count']} x {m['bytes']} B" for m in r["allreduce_messages"])
         per = ", ".join(f"{i} {r['allreduce_us_per_call'][i]:.1f} us/call = {us / 1e3:.3f} ms/step"

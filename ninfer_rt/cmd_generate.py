@@ -58,6 +58,7 @@ class GenerateOptions:
     stats_json: str | None = None
     vision: VisionOptions | None = None  # None: images are refused and the tower is not loaded
     eager: bool = False                  # no CUDA-graph capture
+    async_scheduling: bool | None = None  # run-ahead decode steps; None = on CUDA
 
     def __post_init__(self):
         given = [n for n in ("prompt", "messages", "raw") if getattr(self, n) is not None]
@@ -190,7 +191,8 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
     t0 = time.perf_counter()
     rt = open_runtime(RuntimeOptions(artifact=opts.artifact, tp=opts.tp, device=opts.device, dtype=opts.dtype,
                                      backend=opts.backend, draft_tokens=opts.draft_tokens, max_concurrency=1,
-                                     max_context=opts.max_context, verify=opts.verify, eager=opts.eager))
+                                     max_context=opts.max_context, verify=opts.verify, eager=opts.eager,
+                                     async_scheduling=opts.async_scheduling))
     try:
         tok, eng = rt.tokenizer, rt.engine
         vis = _attach_vision(opts, rt)
@@ -289,13 +291,15 @@ def _default_device() -> str:
 @click.option("--no-verify", is_flag=True, help="Skip checksum verification at load.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write load/throughput/MTP stats here.")
 @click.option("--eager", is_flag=True, help="Do not capture CUDA graphs (decode/verify/draft steps run eagerly).")
+@click.option("--no-async-scheduling", is_flag=True,
+              help="Read each decode step's tokens back before launching the next (default on CUDA: launch ahead).")
 @click.option("--vision", is_flag=True,
               help="Accept image_url parts in --messages (data URIs or local paths); loads the vision tower.")
 @image_limit_options("prompt")
 @user_errors
 def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_tokens, tp, device, dtype, backend,
                  temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, seed, no_think,
-                 max_context, no_verify, stats_json, eager, vision, max_images, max_image_bytes,
+                 max_context, no_verify, stats_json, eager, no_async_scheduling, vision, max_images, max_image_bytes,
                  max_image_pixels, vision_max_pixels):
     """Generate text for one prompt from ARTIFACT_DIR."""
     from .speculative import MAX_DRAFT_TOKENS
@@ -310,7 +314,8 @@ def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_token
         dtype=dtype or ("bfloat16" if device == "cuda" else "float32"), backend=backend, verify=not no_verify,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, thinking=not no_think, max_context=max_context,
-        stats_json=stats_json, vision=vis, eager=eager)
+        stats_json=stats_json, vision=vis, eager=eager,
+        async_scheduling=False if no_async_scheduling else None)
     run_generate(opts)
 
 

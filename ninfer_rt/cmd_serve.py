@@ -79,6 +79,8 @@ def _kv_capacity(ctx, param, value):
                    f"{VISION_BODY_MIB:g} with --vision]")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum verification at load.")
 @click.option("--eager", is_flag=True, help="Do not capture CUDA graphs (decode/verify/draft steps run eagerly).")
+@click.option("--no-async-scheduling", is_flag=True,
+              help="Read each decode step's tokens back before launching the next (default on CUDA: launch ahead).")
 @click.option("--vision", is_flag=True,
               help="Accept image_url parts (data:image/...;base64 URIs) in chat messages; loads the vision tower. "
                    "Without it the tower stays in the file and image requests get a 400.")
@@ -88,7 +90,7 @@ def _kv_capacity(ctx, param, value):
 @user_errors
 def serve(artifact, host, port, model_id, tp, spec, draft_tokens, max_concurrency, kv_capacity, max_context,
           max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
-          drain_timeout, max_body_mib, no_verify, eager, vision, vision_max_tokens, max_images, max_image_bytes,
+          drain_timeout, max_body_mib, no_verify, eager, no_async_scheduling, vision, vision_max_tokens, max_images, max_image_bytes,
           max_image_pixels, vision_max_pixels):
     """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
     from .server.runtime import RuntimeOptions
@@ -106,7 +108,8 @@ def serve(artifact, host, port, model_id, tp, spec, draft_tokens, max_concurrenc
     rt = RuntimeOptions(artifact=artifact, tp=tp, device=device, dtype=dtype, backend=backend,
                         draft_tokens=draft_tokens if spec == "mtp" else 0, max_concurrency=max_concurrency,
                         kv_capacity=kv_capacity, max_context=max_context, verify=not no_verify,
-                        prefill_chunk=prefill_chunk, vision=vis, vision_max_tokens=vision_tokens, eager=eager)
+                        prefill_chunk=prefill_chunk, vision=vis, vision_max_tokens=vision_tokens, eager=eager,
+                        async_scheduling=False if no_async_scheduling else None)
     opts = ServeOptions(runtime=rt, host=host, port=port, model_id=model_id, max_pending=max_pending,
                         api_key=api_key, log_requests=log_requests, drain_timeout_s=drain_timeout,
                         max_body_bytes=int(max_body_mib * (1 << 20)), default_max_tokens=default_max_tokens)

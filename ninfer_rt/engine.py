@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .engine_ahead import RunAhead
 from .engine_core import Core, Plan, Seq, Verdict
 from .engine_layout import (DEFAULT_CONTEXT, DEFAULT_PAGE, GRAPH_MAX_BATCH, GRAPH_MODES,  # noqa: F401 (re-exported)
                             EngineError, Layout, cache_config, engine_layout, graph_config)
@@ -87,13 +88,15 @@ class EngineStats:
         return d
 
 
-class Engine(Core):
+class Engine(RunAhead, Core):
     def __init__(self, loaded, ops, tp=None, spec: SpecConfig | None = None, *, max_batch: int = 8,
                  kv_pages: int | None = None, page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
                  prefill_chunk: int = 512, tokenizer=None, vision: VisionRuntime | None = None,
-                 graphs: str | GraphConfig = "auto"):
+                 graphs: str | GraphConfig = "auto", async_scheduling: bool | None = None):
         """graphs: "auto" | "eager" | "off" | a GraphConfig (see `graph_config`); followers get the same
-        `engine_layout` so every rank captures the same graphs in the same order."""
+        `engine_layout` so every rank captures the same graphs in the same order.
+        async_scheduling: launch each decode step before reading the previous one back where that is exact
+        (engine_ahead.py); None = on CUDA devices (off CPU there is nothing to overlap)."""
         tp = tp or LocalGroup()
         if tp.rank != 0:
             raise ValueError("Engine runs on rank 0; other ranks run engine_core.Follower")
@@ -111,6 +114,9 @@ class Engine(Core):
         self.stats = EngineStats(spec=SpecStats() if spec else None,
                                  graphs=self.graphs.stats if self.graphs is not None else None)
         self.device = self.model.device
+        if async_scheduling is not None and not isinstance(async_scheduling, bool):
+            raise EngineError(f"async_scheduling: expected True, False or None, got {async_scheduling!r}")
+        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self.vision = None
         if vision is not None:
             self.attach_vision(vision)
@@ -183,7 +189,7 @@ class Engine(Core):
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ahead is not None)
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
@@ -194,7 +200,19 @@ class Engine(Core):
             raise EngineError(self._unusable)
         if not self.has_work():
             return []
-        plan = self._schedule()
+        if self._ahead is None:
+            plan = self._schedule()
+            if not self._ahead_plan_ok(plan):
+                return self._step_sync(plan)
+        try:
+            if self._ahead is None:
+                self._ahead = self._launch([self.seqs[rid] for rid, _ in plan.decode], None)
+            return self._step_ahead()
+        except BaseException:
+            self._ahead = None         # its sequences are out of step with the host: the caller aborts them
+            raise
+
+    def _step_sync(self, plan: Plan) -> list[StepOutput]:
         t0 = time.perf_counter()
         try:
             if self.tp.size > 1:
@@ -211,14 +229,17 @@ class Engine(Core):
         drafts = dict(plan.decode)
         outs = []
         for s, v, emitted in results:
-            text = None
-            if s.stream is not None:
-                text, s.text_delta = s.text_delta, ""
             k = drafts.get(s.req_id, 0) if self.spec is not None else None
-            outs.append(StepOutput(s.req_id, emitted, s.finished, s.reason, text, drafted=k,
-                                   accepted=None if k is None else v.n_acc))
+            outs.append(self._step_output(s, emitted, k, None if k is None else v.n_acc))
         self.running = [s for s in self.running if not s.finished]
         return outs
+
+    @staticmethod
+    def _step_output(s: Seq, emitted: list[int], drafted: int | None, accepted: int | None) -> StepOutput:
+        text = None
+        if s.stream is not None:
+            text, s.text_delta = s.text_delta, ""
+        return StepOutput(s.req_id, emitted, s.finished, s.reason, text, drafted=drafted, accepted=accepted)
 
     def _send_plan(self, plan: Plan) -> None:
         self.tp.broadcast_object({"op": "step", **plan.message()})
@@ -231,6 +252,7 @@ class Engine(Core):
         if self.tp.size > 1 and self._unusable is None:
             self.tp.broadcast_object({"op": "stop"})
         self._unusable = self._unusable or "the engine was shut down"
+        self._drain()
         for s in list(self.running):
             self._drop(s)
         self.running, self.waiting = [], deque()
@@ -243,15 +265,10 @@ class Engine(Core):
     def _schedule(self) -> Plan:
         plan = Plan(free=self._free_msg)
         self._free_msg = []
-        pool = self.model.kv_pool
-        outstanding = sum(max(0, self._reserve_pages(s) - len(s.state.pages)) for s in self.running)
-        while self.waiting and len(self.running) < self.max_batch and self.model.gdn_pool.free_slots():
-            s = self.waiting[0]
-            need = self._reserve_pages(s)
-            if pool.free_pages() - outstanding < need:
-                break
-            self.waiting.popleft()
-            outstanding += need
+        outstanding = self._outstanding()
+        while self._head_fits(outstanding):
+            s = self.waiting.popleft()
+            outstanding += self._reserve_pages(s)
             s.state, s.generator = self.model.new_state(), make_generator(s.params, self.device)
             self.seqs[s.req_id] = s
             self.running.append(s)
@@ -266,6 +283,18 @@ class Engine(Core):
             else:
                 plan.decode.append((s.req_id, self._k_eff(s)))
         return plan
+
+    def _outstanding(self) -> int:
+        """Pages the running sequences have reserved but not taken yet."""
+        return sum(max(0, self._reserve_pages(s) - len(s.state.pages)) for s in self.running)
+
+    def _head_fits(self, outstanding: int) -> bool:
+        """Whether the head of the queue can be admitted now: a batch slot, a GDN slot and its reservation."""
+        return bool(self.waiting) and len(self.running) < self.max_batch and bool(self.model.gdn_pool.free_slots()) \
+            and self.model.kv_pool.free_pages() - outstanding >= self._reserve_pages(self.waiting[0])
+
+    def _admissible(self) -> bool:
+        return self._head_fits(self._outstanding()) if self.waiting else False
 
     def _k_eff(self, s: Seq) -> int:
         """Drafts this round: K, fewer near the context or max_tokens end (0 = a plain 1-token step)."""

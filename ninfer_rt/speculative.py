@@ -135,18 +135,23 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
 
 
 def verify_rows(rows: list[RoundInput]) -> list[list[int]]:
-    """[accepted drafts, target token] for every row, read back in one transfer. A step of plain greedy rows
+    """[accepted drafts, target token] for every row, read back in one transfer."""
+    return decide_on_device(rows).tolist() if rows else []
+
+
+def decide_on_device(rows: list[RoundInput]) -> torch.Tensor:
+    """`verify_rows` without the read-back: int64 [R, 2] on the logits' device. A step of plain greedy rows
     (no drafts, no penalties: greedy decode at any batch size) is one argmax over the stacked logits instead
     of `verify_on_device`'s handful of launches per row, which sit on the host's critical path."""
     if not rows:
-        return []
+        raise ValueError("decide_on_device: no rows")
     if all(r.params.greedy and not r.drafts and not (r.counts is not None and r.params.has_penalties)
            for r in rows):
         toks = torch.cat([r.logits for r in rows]).argmax(-1)
         if toks.numel() != len(rows):       # a plain decode row has exactly one logits row
-            raise ValueError(f"verify_rows: {toks.numel()} logits rows for {len(rows)} sequences")
-        return torch.stack([torch.zeros_like(toks), toks], 1).tolist()
-    return torch.stack([verify_on_device(r) for r in rows]).tolist()
+            raise ValueError(f"decide_on_device: {toks.numel()} logits rows for {len(rows)} sequences")
+        return torch.stack([torch.zeros_like(toks), toks], 1)
+    return torch.stack([verify_on_device(r) for r in rows])
 
 
 def _split(counts: torch.Tensor | None, n: int) -> list:

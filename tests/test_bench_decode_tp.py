@@ -73,6 +73,8 @@ def test_both_tp_sizes_in_one_run(dry_run):
     tp1, tp2 = _main_decode(records, 1), _main_decode(records, 2)
     assert tp2["weight_bytes"] < tp1["weight_bytes"]            # bytes/step are per GPU: rank 0's shard
     assert "allreduce" not in tp1 and "speedup_vs_tp1" not in tp1
+    assert tp1["ms_step"] == tp1["ms_step_ahead"] and tp2["ms_step"] == tp2["ms_step_sync"]   # as the engine runs
+    assert all(r[k] > 0 for r in (tp1, tp2) for k in ("ms_step_ahead", "ms_step_sync", "ms_step_gpu"))
     assert tp2["tok_s_tp1"] == tp1["tok_s"]
     assert math.isclose(tp2["speedup_vs_tp1"], tp2["tok_s"] / tp1["tok_s"], rel_tol=REL_TOL)
     k3 = _one(records, kind="verify", tp=2, draft_tokens=3)

@@ -623,6 +623,40 @@ def test_concurrent_requests_match_solo(real):
         assert text == expected_text(real.tok, solo_ids(real.ref, real.tok.encode(p), n))[1], p
 
 
+def test_async_scheduling_server_matches_solo(real, tmp_path_factory):
+    """Run-ahead decode steps (forced on, as on CUDA; no MTP) behind the server: concurrent greedy text equals
+    each request served alone, a stop string still cuts, a disconnect mid-stream frees everything."""
+    from concurrent.futures import ThreadPoolExecutor
+    srv, rt = real_server(tiny_artifact(tmp_path_factory), draft_tokens=0, async_scheduling=True)
+    try:
+        assert rt.engine.async_scheduling
+        c = srv.client()
+        jobs = [(p, n) for p, n in zip(PROMPTS, (9, 17, 5, 12, 20, 7))]
+
+        def one(job):
+            s = c.completions.create(model=MODEL_ID, prompt=job[0], max_tokens=job[1], temperature=0, stream=True)
+            return "".join(ch.choices[0].text for ch in s)
+        with ThreadPoolExecutor(len(jobs)) as ex:
+            got = list(ex.map(one, jobs))
+        for (p, n), text in zip(jobs, got):
+            assert text == expected_text(real.tok, solo_ids(real.ref, real.tok.encode(p), n))[1], p
+        assert rt.engine._ahead_done > 0                  # steps were read back from the run-ahead path
+        kw = dict(model=MODEL_ID, prompt=PROMPTS[2], max_tokens=24, temperature=0)
+        full = c.completions.create(**kw).choices[0].text
+        stop = next(ch for ch in full[3:] if ch != "\ufffd" and not ch.isspace())
+        r = c.completions.create(stop=[stop], **kw).choices[0]
+        assert (r.text, r.finish_reason) == (full[:full.index(stop)], "stop")
+        body = {"model": MODEL_ID, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=srv.url, timeout=30) as h:
+            with h.stream("POST", "/v1/completions", json=body) as resp:
+                assert [line for _, line in zip(range(6), resp.iter_lines()) if line.startswith("data:")]
+        wait_idle(srv)
+        assert _pool_is_whole(rt)
+    finally:
+        srv.close()
+        rt.close()
+
+
 def _pool_is_whole(rt) -> bool:
     m = rt.engine.model
     return m.kv_pool.free_pages() == m.kv_pool.num_pages and m.gdn_pool.free_slots() == m.gdn_pool.max_seqs

@@ -54,6 +54,7 @@ class RuntimeOptions:
     vision: VisionOptions | None = None # None: text only, the tower stays in the file
     vision_max_tokens: int = DEFAULT_VISION_TOKENS   # image tokens per request (with vision)
     eager: bool = False                 # no CUDA-graph capture (the runner's steps run eagerly; --eager)
+    async_scheduling: bool | None = None   # run-ahead decode steps; None = on CUDA (--no-async-scheduling)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -225,7 +226,8 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
         vis = _vision(loaded, ops, opts)
         engine = Engine(loaded, ops, group, _spec(opts), max_batch=opts.max_concurrency, kv_pages=pages,
                         page_size=PAGE_SIZE, max_model_len=model_context(loaded.config, opts),
-                        prefill_chunk=opts.prefill_chunk, vision=vis, graphs=_graphs(opts))
+                        prefill_chunk=opts.prefill_chunk, vision=vis, graphs=_graphs(opts),
+                        async_scheduling=opts.async_scheduling)
         return engine, Tokenizer.from_resources(loaded.resources, eos_token_ids=loaded.config.eos_token_ids), vis
     try:
         loaded, pages, (engine, tok, vis) = _build(opts, group, rank_device(opts.device, 0), make)
