@@ -6,11 +6,12 @@
 #   pytests   GPU pytest of $PYTEST_FILES -k "$PYTEST_K" (default: the IQ3_S h2 file and every IQ3_S / Q6_K
 #             case of test_kernels_gemv.py), full output kept
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
+#   xpre      bench/xpre.py: the NVFP4 h2 / MMA GEMVs on prepared activations vs the production ones
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them)
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
-# Env: ANATOMY_S, KERNELS_S, SERVE_S, TOTAL_S (whole call, default 580), RECIPES and PARTS (comma lists), SERVE_C,
+# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, TOTAL_S (whole call, default 580), RECIPES and PARTS (comma lists), SERVE_C,
 # ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values), KCHECK=0
 # (kernels without --check: its probes compile T = 8/16/64 variants in-process, ~30 s per format).
 #     bash bench/gpu_run.sh anatomy kernels decode
@@ -39,6 +40,10 @@ for step in "$@"; do
         --shapes ${ANATOMY_SHAPES:-attn_qkv mlp_gate_up mlp_down attn_qkv_tp2} \
         --configs ${ANATOMY_CONFIGS:-128:3,64:3} > "$OUT/anatomy.txt" 2>&1
       echo "anatomy rc=$?"; tail -70 "$OUT/anatomy.txt" ;;
+    xpre)
+      timeout ${XPRE_S:-240} python3 bench/xpre.py --out "$OUT/xpre.json" ${XPRE_SHAPES:+--shapes $XPRE_SHAPES} \
+        > "$OUT/xpre_table.txt" 2> "$OUT/xpre_log.txt"
+      echo "xpre rc=$?"; cat "$OUT/xpre_table.txt"; tail -3 "$OUT/xpre_log.txt" ;;
     kernels)
       timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp 1 2 \
         --T ${KTS:-1 2 4 8} --merge \

@@ -57,13 +57,15 @@ class Variant:
     num_warps: int = 4
     dequant: bool = False
     stages: int = 1           # elementwise weight-load pipeline depth (STAGES)
+    xpre: bool = False        # prepared activations (ninfer_kernels.x16): x_ptr is int32 words
 
     @property
     def name(self) -> str:
         if self.dequant:
             return f"{self.fmt}-dequant-{self.x_dtype}-n{self.block_n}-g{self.block_g}"
         return (f"{self.fmt}-{self.x_dtype}-T{self.t_tile}-n{self.block_n}-g{self.block_g}-w{self.num_warps}"
-                f"{f'-s{self.stages}' if self.stages > 1 else ''}{'-split' if self.use_split else ''}{'-dot' if self.use_dot else ''}{'-res' if self.has_res else ''}")
+                f"{f'-s{self.stages}' if self.stages > 1 else ''}{'-split' if self.use_split else ''}{'-dot' if self.use_dot else ''}{'-res' if self.has_res else ''}"
+                f"{'-xpre' if self.xpre else ''}")
 
 
 def _module(fmt: str):
@@ -83,11 +85,11 @@ def compile_variant(v: Variant, cc: int):
                "BLOCK_N": "constexpr", "BLOCK_G": "constexpr"}
         return compile_kernel(kernel, sig, {"BLOCK_N": v.block_n, "BLOCK_G": v.block_g}, cc,
                               divisible=("out_ptr", "G") + tuple(wsig), num_warps=v.num_warps)
-    sig = {"x_ptr": f"*{xt}", **wsig, **{k: (val or f"*{xt}") for k, val in _BASE_SIG.items()}}
+    sig = {"x_ptr": "*i32" if v.xpre else f"*{xt}", **wsig, **{k: (val or f"*{xt}") for k, val in _BASE_SIG.items()}}
     dot_kind = {"float16": 0, "bfloat16": 1}.get(v.x_dtype, 2)
     const = {"T_TILE": v.t_tile, "BLOCK_N": v.block_n, "BLOCK_G": v.block_g, "USE_SPLIT": v.use_split,
              "USE_DOT": v.use_dot, "DOT_KIND": dot_kind, "HAS_RES": v.has_res, "EVEN_G": True,
-             "FOLD": v.use_dot, "STAGES": 1 if v.use_dot else v.stages, **extra}
+             "FOLD": v.use_dot, "STAGES": 1 if v.use_dot else v.stages, **extra, **({"XPRE": True} if v.xpre else {})}
     for k in const:
         sig[k] = "constexpr"
     return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps,
@@ -98,7 +100,8 @@ FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "iq3_s", "iq3_s_
            "plain:f16", "plain:f32")
 CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma")   # kernel_for(..., cc=) picks target-specific PTX
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
-LANE_EXACT = ("nvfp4_mma",)            # per-thread kernels: their inline PTX must see element e in thread e
+LANE_EXACT = ("nvfp4_mma",)
+XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma")   # variants that also read prepared activations (XPRE)            # per-thread kernels: their inline PTX must see element e in thread e
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
 _NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 1),)), None: (3, ((128, 3), (128, 1)))}
@@ -119,7 +122,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                     out.append((Variant(f, xd, 8, 64, 8, use_split=True, has_res=True), cc))
                     continue
                 out += [(Variant(f, xd, 8, 128, 8, use_split=True, has_res=True, stages=2), cc),
-                        (Variant(f, xd, 16, 256, 8), cc)]
+                        (Variant(f, xd, 16, 256, 8), cc), (Variant(f, xd, 8, 128, 8, stages=2, xpre=True), cc)]
                 if full:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue
@@ -129,6 +132,9 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
             out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=st), cc))
             if f in NO_DOT:
                 out += [(Variant(f, xd, 1, bn, bg, stages=s), cc) for bn, s in t1_tiles]
+                if f in XPRE_FORMATS:      # on prepared activations (bench/xpre.py), T = 1 and 2
+                    out += [(Variant(f, xd, 1, 128, bg, xpre=True), cc),
+                            (Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, xpre=True), cc)]
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
                 continue

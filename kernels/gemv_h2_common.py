@@ -2,11 +2,14 @@
 
 A format supplies
   LOAD(w0..w5, rows, g, wm, G) -> state    its fp32 kernel's tile load (`gemv_common` convention)
-  TILE(accs, ups, state, g, xm, t0, T, x_ptr, stride_xt, T_TILE, H2_MODE) -> accs
+  TILE(accs, ups, state, g, xm, t0, T, x_ptr, stride_xt, T_TILE, H2_MODE, XPRE, G) -> accs
       per T column: f16x2 weight pairs (j, j+4) of every 16-weight group times `x_pairs` with HFMA2, the
       f16 block sum to fp32 (`lanes_f32`) times the group's scale, added to accs[tt] [BN, BG] fp32
 and UP_BIAS / BACK_BIAS for `row_scale`: activations are scaled by a power of two per (CTA, T column) so
 that the f16 block sums cannot overflow, and the fp32 result is multiplied back at the end.
+XPRE: x_ptr holds prepared activations (`ninfer_kernels.x16`: f16 pairs already scaled per 128-chunk, |x'| <
+2**14, and each chunk's back factor): the tile loads its pairs (`x16_pairs`) and folds the chunk's back into the
+block scale (`x16_back`); only formats whose f16 path takes |x'| < 2**14 (UP_BIAS 267: NVFP4) accept it.
 
 The f16x2 FMA, the f32 -> f16x2 pack and the f16 lane sum are inline PTX (sm_53+, so the V100 path too;
 `cvt.rn.f16x2.f32` is sm_80+, two `cvt.rn.f16.f32` below). The interpreter cannot run PTX: H2_MODE = EMULATE
@@ -117,19 +120,36 @@ def x_pairs(x_ptr, row, g, xm, up, H2_MODE: tl.constexpr):
 
 
 @triton.jit
+def x16_pairs(x_ptr, row, g, xm):
+    """`x_pairs` from a prepared activation row (int32 words, `ninfer_kernels.x16`): its 8 words of group g."""
+    base = x_ptr + row + g * 8
+    p = ()
+    for i in tl.static_range(8):
+        p = p + (ld(base + i, xm),)
+    return p
+
+
+@triton.jit
+def x16_back(x_ptr, row, g, xm, G):
+    """fp32 back factor of group g's 128-activation chunk in a prepared row (K = 16 G)."""
+    return ld(x_ptr + row + G * 8 + g // 8, xm).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE: tl.constexpr, T_TILE: tl.constexpr,
-          BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, H2_MODE: tl.constexpr):
+          BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, H2_MODE: tl.constexpr, XPRE: tl.constexpr, G):
     g = _tile_g(g0, BLOCK_G, 2)
     if EVEN_G:
-        return TILE(accs, ups, st, g, None, t0, T, x_ptr, stride_xt, T_TILE, H2_MODE)
+        return TILE(accs, ups, st, g, None, t0, T, x_ptr, stride_xt, T_TILE, H2_MODE, XPRE, G)
     else:
-        return TILE(accs, ups, st, g, g < g_hi, t0, T, x_ptr, stride_xt, T_TILE, H2_MODE)
+        return TILE(accs, ups, st, g, g < g_hi, t0, T, x_ptr, stride_xt, T_TILE, H2_MODE, XPRE, G)
 
 
 @triton.jit
 def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl.constexpr, TILE: tl.constexpr,
           UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr):
+          BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr,
+          XPRE: tl.constexpr):
     """acc [BLOCK_N, T_TILE] fp32 in true units (before the per-tensor scale). At T_TILE = 1 (one stage) a
     barrier after each tile's loads keeps them issued together: without it ptxas spreads a tile's 16-byte
     loads over the decode to save registers and the memory latency is exposed several times per tile. On the
@@ -139,15 +159,21 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     instead was never the tuner's pick on the H200: bench/NOTES.md §9)."""
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
-        up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512,
-                             UP_BIAS, BACK_BIAS)
-        ups, backs = ups + (up,), backs + (back,)
+        if XPRE:   # the chunks' backs are in the block scales; what is left is the weights' power of two
+            tl.static_assert(UP_BIAS == 267)
+            w = tl.full([], (UP_BIAS + BACK_BIAS - 127) << 23, tl.int32).to(tl.float32, bitcast=True)
+            ups, backs = ups + (w,), backs + (w,)
+        else:
+            up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512,
+                                 UP_BIAS, BACK_BIAS)
+            ups, backs = ups + (up,), backs + (back,)
     accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
     for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
         st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
         if STAGES == 1 and T_TILE == 1:
             tl.debug_barrier()
-        accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE)
+        accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE,
+                     XPRE, G)
     cols = tl.arange(0, T_TILE)
     acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
     for tt in tl.static_range(T_TILE):
@@ -160,7 +186,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
             USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
-            H2_MODE: tl.constexpr):
+            H2_MODE: tl.constexpr, XPRE: tl.constexpr = False):
     """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue)."""
     tl.static_assert(T_TILE <= _MAX_T)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,7 +196,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
     g_lo = tl.program_id(1) * g_per
     g_hi = tl.minimum(G, g_lo + g_per)
     acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
-                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE)
+                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
     _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
             ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT)
 

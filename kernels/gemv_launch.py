@@ -271,8 +271,8 @@ def variant(kernel, kind: str, device):
 
 
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
-            warmup: bool = False, fold: bool = True):
-    """Launch one config; returns (compiled kernel or None, grid, ws or None, cnt or None, scalars, consts,
+            warmup: bool = False, fold: bool = True, extra: dict | None = None):
+    """Launch one config (extra: more constexprs for the variant, e.g. XPRE); returns (compiled kernel or None, grid, ws or None, cnt or None, scalars, consts,
     the kernel launched: the format's own or its h2 / mma variant)."""
     T = x.shape[0]
     kind = "h2" if cfg.h2 else "mma" if cfg.mma else None
@@ -297,6 +297,7 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
               "num_stages": cfg.num_stages}
     if getattr(kernel, "per_thread", False):
         consts["NW"] = cfg.num_warps   # per-thread variants (warp-MMA, IQ3_S h2): tensors are [32 * num_warps]
+    consts.update(extra or {})
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,
                    x.stride(0), out.stride(0), res.stride(0), **consts)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _tset, e4m3_magnitude
-from .gemv_h2_common import _EMULATE, compile_consts, factory, h2_body, hfma2, lanes_f32, x_pairs
+from .gemv_h2_common import _EMULATE, compile_consts, factory, h2_body, hfma2, lanes_f32, x16_back, x16_pairs, x_pairs
 from .gemv_nvfp4 import _load
 
 _PAIR = tl.constexpr(0x8E008E00)           # f16 bits 15 and 11..9 of both lanes
@@ -65,19 +65,26 @@ def _wpair(even, odd, j: tl.constexpr):
 
 
 @triton.jit
-def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H2_MODE: tl.constexpr):
+def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H2_MODE: tl.constexpr,
+          XPRE: tl.constexpr, G):
     lo, hi, sb = st                       # gemv_nvfp4's tile load: code words split in halves, scale bytes
     sc = e4m3_magnitude(sb)
     le, lo_odd = _split_signs(lo, H2_MODE)
     he, hi_odd = _split_signs(hi, H2_MODE)
     for tt in tl.static_range(T_TILE):
-        p = x_pairs(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g, xm, ups[tt], H2_MODE)
+        row = tl.minimum(t0 + tt, T - 1) * stride_xt
+        if XPRE:
+            p = x16_pairs(x_ptr, row, g, xm)
+            s = sc * x16_back(x_ptr, row, g, xm, G)[None, :]
+        else:
+            p = x_pairs(x_ptr, row, g, xm, ups[tt], H2_MODE)
+            s = sc
         acc = hfma2(_wpair(le, lo_odd, 0), p[0][None, :], tl.zeros_like(lo), H2_MODE)
         for j in tl.static_range(1, 4):
             acc = hfma2(_wpair(le, lo_odd, j), p[j][None, :], acc, H2_MODE)
         for j in tl.static_range(4):
             acc = hfma2(_wpair(he, hi_odd, j), p[4 + j][None, :], acc, H2_MODE)
-        accs = _tset(accs, tt, accs[tt] + lanes_f32(acc, H2_MODE) * sc)
+        accs = _tset(accs, tt, accs[tt] + lanes_f32(acc, H2_MODE) * s)
     return accs
 
 
@@ -86,11 +93,13 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
                          stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-                         FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr):
-    # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here
+                         FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr,
+                         XPRE: tl.constexpr = False):
+    # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here. XPRE: x_ptr holds prepared
+    # activations (ninfer_kernels.x16, int32 words), stride_xt in words
     h2_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
             stride_xt, stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G,
-            USE_SPLIT, HAS_RES, EVEN_G, STAGES, H2_MODE)
+            USE_SPLIT, HAS_RES, EVEN_G, STAGES, H2_MODE, XPRE)
 
 
 h2_kernel = factory(nvfp4_h2_gemv_kernel, "nvfp4_gemv_kernel")   # gemv_nvfp4 registers it (lazily)

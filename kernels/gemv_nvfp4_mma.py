@@ -15,6 +15,9 @@ Requires G % BLOCK_G == 0 with BLOCK_G in {8, 16} (K a multiple of 128 or 256; e
 activation dtype works (all are rounded to f16 after the power-of-two scaling); the tuner offers this variant
 for fp16/bf16 only. Weights as in `gemv_nvfp4` (codes int64 [N, K/16], E4M3 scales u8 [N, K/16], 16-byte
 aligned). Output as the other GEMVs (split-K workspace, residual).
+
+XPRE: x_ptr holds prepared activations (`ninfer_kernels.x16`: int32 words, stride_xt in words): each lane loads
+its 16 pairs of a chunk and the chunk's back factor instead of converting, bounding and scaling 32 activations.
 """
 from __future__ import annotations
 
@@ -31,15 +34,23 @@ _W_EXP = tl.constexpr(128.0)                # the f16 weights carry 2**-7
 
 
 @triton.jit
-def _load_chunk(x_ptr, codes, scales, rows, cols, gk, q, G, stride_xt, M_REP: tl.constexpr, NB: tl.constexpr):
+def _load_chunk(x_ptr, codes, scales, rows, cols, gk, q, G, stride_xt, M_REP: tl.constexpr, NB: tl.constexpr,
+                XPRE: tl.constexpr):
     """The raw bytes of chunk gk for this thread: per column block four 16-byte activation loads
-    (x[col, 16 gk + 32q + 0..31]; a [NT, 32] load would be spread over 4 lanes by Triton), per row one 16-byte
-    code load (groups gk + 2q, gk + 2q + 1) and one u16 of their two scale bytes."""
+    (x[col, 16 gk + 32q + 0..31]; a [NT, 32] load would be spread over 4 lanes by Triton; XPRE: the 16 prepared
+    words of those activations and, fifth, the chunk's back factor), per row one 16-byte code load (groups
+    gk + 2q, gk + 2q + 1) and one u16 of their two scale bytes."""
     ks = tl.multiple_of(gk * 16 + 32 * q, 32)
     xr = ()
     for nb in tl.static_range(NB):
-        for h in tl.static_range(4):
-            xr = xr + (tl.load(x_ptr + (cols[nb] * stride_xt + ks + 8 * h)[:, None] + tl.arange(0, 8)[None, :]),)
+        if XPRE:
+            for h in tl.static_range(4):
+                xr = xr + (tl.load(x_ptr + (cols[nb] * stride_xt + ks // 2 + 4 * h)[:, None]
+                                   + tl.arange(0, 4)[None, :]),)
+            xr = xr + (tl.load(x_ptr + cols[nb] * stride_xt + G * 8 + gk // 8),)
+        else:
+            for h in tl.static_range(4):
+                xr = xr + (tl.load(x_ptr + (cols[nb] * stride_xt + ks + 8 * h)[:, None] + tl.arange(0, 8)[None, :]),)
     wr = ()
     for r in tl.static_range(2 * M_REP):
         off = tl.multiple_of(rows[r] * G + gk + 2 * q, 2)
@@ -49,9 +60,25 @@ def _load_chunk(x_ptr, codes, scales, rows, cols, gk, q, G, stride_xt, M_REP: tl
 
 
 @triton.jit
-def _x_pairs(xr, nb: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr):
+def _x_pairs(xr, nb: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr, XPRE: tl.constexpr):
     """(16 f16x2 B pairs, back) from column block nb's 32 activations: pair 4w + j holds elements
     (8w + j, 8w + j + 4), as the weight pairs; back undoes the quad's power-of-two scale."""
+    if XPRE:                             # already in that order, with the chunk's back
+        return _x16_pairs(xr, nb)
+    else:
+        return _bf16_pairs(xr, nb, NW, MODE)
+
+
+@triton.jit
+def _x16_pairs(xr, nb: tl.constexpr):
+    p = ()
+    for w in tl.static_range(4):
+        p = p + split_all(xr[5 * nb + w], 2)
+    return p, xr[5 * nb + 4].to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_pairs(xr, nb: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr):
     f = ()
     amax = tl.zeros(xr[0].shape[:1], tl.int32)
     for h in tl.static_range(4):
@@ -88,12 +115,13 @@ def _w_pairs(words, s16, MODE: tl.constexpr):
 
 
 @triton.jit
-def _chunk(accs, loaded, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr):
+def _chunk(accs, loaded, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr,
+           XPRE: tl.constexpr):
     """accs[(m * NB + nb) * 4 + i] += a loaded chunk's D fragment i of m-tile m and column block nb, times back."""
     xr, wr = loaded
     xps, backs = (), ()
     for nb in tl.static_range(NB):
-        xp, back = _x_pairs(xr, nb, NW, MODE)
+        xp, back = _x_pairs(xr, nb, NW, MODE, XPRE)
         xps, backs = xps + (xp,), backs + (col_back(back, NW, MODE),)
     for m in tl.static_range(M_REP):
         top = _w_pairs(wr[4 * m], wr[4 * m + 1], MODE)
@@ -110,41 +138,42 @@ def _chunk(accs, loaded, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr
 
 @triton.jit
 def _load_step(x_ptr, codes, scales, rows, cols, g0, q, G, stride_xt, BLOCK_G: tl.constexpr,
-               M_REP: tl.constexpr, NB: tl.constexpr):
+               M_REP: tl.constexpr, NB: tl.constexpr, XPRE: tl.constexpr):
     """Every chunk of one K step (BLOCK_G / 8 of them)."""
     ld = ()
     for kc in tl.static_range(BLOCK_G // 8):
-        ld = ld + (_load_chunk(x_ptr, codes, scales, rows, cols, g0 + kc * 8, q, G, stride_xt, M_REP, NB),)
+        ld = ld + (_load_chunk(x_ptr, codes, scales, rows, cols, g0 + kc * 8, q, G, stride_xt, M_REP, NB, XPRE),)
     return ld
 
 
 @triton.jit
 def _step(accs, ld, BLOCK_G: tl.constexpr, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr,
-          MODE: tl.constexpr):
+          MODE: tl.constexpr, XPRE: tl.constexpr):
     for kc in tl.static_range(BLOCK_G // 8):
-        accs = _chunk(accs, ld[kc], M_REP, NB, NW, MODE)
+        accs = _chunk(accs, ld[kc], M_REP, NB, NW, MODE, XPRE)
     return accs
 
 
 @triton.jit
 def _k_loop(accs, x_ptr, codes, scales, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G: tl.constexpr,
-            M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr):
+            M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
+            XPRE: tl.constexpr):
     """STAGES 1: load a step, then decode it (ptxas interleaves the loads with the previous m-tiles' work, so
     their latency is exposed once per m-tile); 2: the next step's loads are issued before this step's decode
     (a register double buffer; the last step re-reads itself, from L2). (A barrier after a step's loads, which
     keeps the T = 1 h2 loop's loads together, did not: ptxas still interleaved them, Triton 3.6 sm_90 SASS.)"""
     if STAGES == 2:
-        ld = _load_step(x_ptr, codes, scales, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB)
+        ld = _load_step(x_ptr, codes, scales, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE)
         for g0 in range(g_lo, g_hi, BLOCK_G):
             nxt = _load_step(x_ptr, codes, scales, rows, cols, tl.minimum(g0 + BLOCK_G, g_hi - BLOCK_G), q, G,
-                             stride_xt, BLOCK_G, M_REP, NB)
+                             stride_xt, BLOCK_G, M_REP, NB, XPRE)
             tl.debug_barrier()
-            accs = _step(accs, ld, BLOCK_G, M_REP, NB, NW, MODE)
+            accs = _step(accs, ld, BLOCK_G, M_REP, NB, NW, MODE, XPRE)
             ld = nxt
     else:
         for g0 in range(g_lo, g_hi, BLOCK_G):
-            accs = _step(accs, _load_step(x_ptr, codes, scales, rows, cols, g0, q, G, stride_xt, BLOCK_G, M_REP, NB),
-                         BLOCK_G, M_REP, NB, NW, MODE)
+            accs = _step(accs, _load_step(x_ptr, codes, scales, rows, cols, g0, q, G, stride_xt, BLOCK_G, M_REP, NB,
+                                          XPRE), BLOCK_G, M_REP, NB, NW, MODE, XPRE)
     return accs
 
 
@@ -162,7 +191,8 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
                           stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                           DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr):
+                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
+                          XPRE: tl.constexpr = False):
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
     tl.static_assert(BLOCK_N % (16 * NW) == 0 and (BLOCK_G == 8 or BLOCK_G == 16))
     tl.static_assert((T_TILE == 8 or T_TILE == 16) and 1 <= STAGES and STAGES <= 2)
@@ -186,7 +216,7 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
     for _ in tl.static_range(M_REP * NB * 4):
         accs = accs + (tl.zeros(e.shape, tl.float32),)
     accs = _k_loop(accs, x_ptr, codes, scales, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G, M_REP, NB, NW,
-                   STAGES, H2_MODE)
+                   STAGES, H2_MODE, XPRE)
     _epilogue(accs, offs, t0, q, fscale * _W_EXP, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr,
               cnt_ptr, M_REP, NB, HAS_RES, USE_SPLIT)
 

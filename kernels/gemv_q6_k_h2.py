@@ -35,7 +35,9 @@ def _pairs(w, H2_MODE: tl.constexpr):
 
 
 @triton.jit
-def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H2_MODE: tl.constexpr):
+def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H2_MODE: tl.constexpr,
+          XPRE: tl.constexpr, G):
+    tl.static_assert(not XPRE)            # prepared activations are scaled for NVFP4's |x'| < 2**14, not 2**6
     qe_a, qo_a, qe_b, qo_b, s = st       # gemv_q6_k's tile load: complete codes, fp32 scale sc * d
     e0, e2 = _pairs(qe_a, H2_MODE)       # weights (0,4), (2,6)
     o1, o3 = _pairs(qo_a, H2_MODE)       # (1,5), (3,7)

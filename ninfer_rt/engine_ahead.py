@@ -69,13 +69,12 @@ class RunAhead:
         the host's last tokens (first step) or the device tokens of `prev`."""
         if prev is None:
             ids = torch.tensor([s.last for s in seqs], dtype=torch.long)
-        else:
-            pos = {id(s): i for i, s in enumerate(prev.seqs)}
+            idx = list(range(len(seqs)))
+        else:       # views of the device tokens (an index tensor would be a synchronous host->device copy)
+            ids, pos = prev.toks, {id(s): i for i, s in enumerate(prev.seqs)}
             idx = [pos[id(s)] for s in seqs]
-            ids = prev.toks if idx == list(range(len(prev.seqs))) else \
-                prev.toks[torch.tensor(idx, dtype=torch.long, device=prev.toks.device)]
         t0 = time.perf_counter()
-        inputs = [SeqInput(ids[i:i + 1], s.state) for i, s in enumerate(seqs)]
+        inputs = [SeqInput(ids[j:j + 1], s.state) for j, s in zip(idx, seqs)]
         out = self._forward(inputs, len(inputs))
         rows = [RoundInput(s.params, out.seq_logits(i), [], [], None, s.generator) for i, s in enumerate(seqs)]
         toks = decide_on_device(rows)[:, 1]

@@ -104,6 +104,16 @@ def make_generator(params: SamplingParams, device) -> torch.Generator:
     return g
 
 
+def small_tensor(values, dtype, device) -> torch.Tensor:
+    """A short host list as a tensor on `device` without a host sync: torch copies pageable memory to a GPU
+    synchronously (after all queued work), which would stall a run-ahead engine (engine_ahead.py) behind the
+    step it just launched; a pinned staging copy goes in stream order instead."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def token_counts(token_ids, vocab: int, device) -> torch.Tensor:
     """Occurrence counts [V] (float32) of generated tokens, the input of the penalties."""
     ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device)
@@ -128,7 +138,7 @@ def process(logits: torch.Tensor, params: list[SamplingParams],
     if not greedy:
         return _truncate(x, params)
     out = torch.empty_like(x)
-    g, r = torch.tensor(greedy, device=x.device), torch.tensor(rand, device=x.device)
+    g, r = small_tensor(greedy, torch.long, x.device), small_tensor(rand, torch.long, x.device)
     out[g] = _one_hot(x[g])
     out[r] = _truncate(x[r], [params[i] for i in rand])
     return out
@@ -141,21 +151,21 @@ def _one_hot(x: torch.Tensor) -> torch.Tensor:
 def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p on the sorted distribution; renormalised."""
     dev = x.device
-    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    temp = small_tensor([float(p.temperature) for p in params], torch.float32, dev)[:, None]
     probs = torch.softmax(x / temp, dim=-1)
     if all(p.top_k == 0 and p.top_p == 1 and p.min_p == 0 for p in params):
         return probs
     sp, order = probs.sort(dim=-1, descending=True)
     V = x.shape[1]
-    k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev)[:, None]
+    k = small_tensor([p.top_k if 0 < p.top_k < V else V for p in params], torch.long, dev)[:, None]
     ranks = torch.arange(V, device=dev)[None, :]
     keep = ranks < k
     sp = sp * keep
-    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    top_p = small_tensor([float(p.top_p) for p in params], torch.float32, dev)[:, None]
     # keep a token while the mass strictly before it (within top-k) is below top_p: the first always stays
     before = (sp.cumsum(-1) - sp) / sp.sum(-1, keepdim=True)
     keep &= before < top_p
-    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+    min_p = small_tensor([float(p.min_p) for p in params], torch.float32, dev)[:, None]
     keep &= sp >= min_p * sp[:, :1]
     sp = sp * keep
     sp = sp / sp.sum(-1, keepdim=True)

@@ -18,7 +18,7 @@ import torch
 
 from ninfer_formats.errors import NinferError
 
-from .sampling import SamplingParams, process
+from .sampling import SamplingParams, process, small_tensor
 from .spec_verify import greedy_verify, rejection_verify
 
 MAX_DRAFT_TOKENS = 7
@@ -123,7 +123,7 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
     a batch of sequences reads all its verdicts back in one transfer."""
     k, vocab = len(r.drafts), r.logits.shape[-1]
     p = process(r.logits, [r.params] * (k + 1), _split(column_counts(r.counts, r.drafts, vocab), k + 1))
-    drafts = torch.tensor([r.drafts], dtype=torch.long, device=p.device)
+    drafts = small_tensor([r.drafts], torch.long, p.device).reshape(1, k)
     if r.params.greedy:
         n, tok = greedy_verify(p.argmax(-1)[None], drafts)
     else:

@@ -1,0 +1,90 @@
+"""Prepared activations for the f16 GEMV variants: x [T, K] once converted to scaled f16 pairs, so a GEMV's every
+CTA loads ready operands instead of converting, scaling and packing the same activations again.
+
+Why: in the packed-half2 T=1 NVFP4 loop ~16 % of the SASS instructions per tile (and ~24 % in the warp-MMA loop
+for T = 2..16) load bf16 activations one by one, widen, scale and pack them (Triton 3.6, sm_90; bench/NOTES.md
+§10); every CTA of a GEMV repeats that for the same K slice.
+
+Layout (int32 [T, K/2 + K/128] per activation row, K a multiple of 128):
+  words 0 .. K/2-1     f16x2 pairs, word 4o + j (o = 0 .. K/8-1, j = 0..3) = (x'[8o + j] low, x'[8o + j + 4]
+                       high): the (j, j+4) pair order of `gemv_h2_common.x_pairs` and `gemv_nvfp4_mma._x_pairs`
+  words K/2 + c        fp32 bits of back_c = 1 / up_c for chunk c (activations 128c .. 128c + 127)
+with x' = x * up_c rounded to nearest-even f16, up_c = 2**(140 - E) from E, the fp32 exponent field of the
+chunk's largest |x| clamped to [14, 253]: |x'| < 2**14 (the packed-half2 NVFP4 block sums stay below 96) and
+both factors are finite normals (an all-zero chunk gets up = 2**126, x' = 0).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 128                          # activations per back factor (the MMA variant's K chunk)
+_CHUNK = tl.constexpr(CHUNK)
+_UP_FIELD = 267                      # exponent field of up = 267 - E: up = 2**(140 - E)
+_E_MIN, _E_MAX = 14, 253
+
+
+def words_per_row(K: int) -> int:
+    return K // 2 + K // CHUNK
+
+
+@triton.jit
+def x16_kernel(x_ptr, out_ptr, K, stride_xt, stride_ot, CHUNKS: tl.constexpr):
+    """One program per (row, CHUNKS chunks)."""
+    t = tl.program_id(0)
+    for i in tl.static_range(CHUNKS):
+        c = tl.program_id(1) * CHUNKS + i
+        if c * _CHUNK < K:
+            v = tl.load(x_ptr + t * stride_xt + c * _CHUNK + tl.arange(0, _CHUNK)).to(tl.float32)
+            e = (tl.max(tl.abs(v), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+            e = tl.minimum(tl.maximum(e, 14), 253)
+            up = ((267 - e) << 23).to(tl.float32, bitcast=True)
+            h = (v * up).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            lo, hi = tl.split(tl.permute(tl.reshape(h, [_CHUNK // 8, 2, 4]), (0, 2, 1)))
+            words = tl.reshape(lo | (hi << 16), [_CHUNK // 2])
+            row = out_ptr + t * stride_ot
+            tl.store(row + c * (_CHUNK // 2) + tl.arange(0, _CHUNK // 2), words)
+            tl.store(row + K // 2 + c, (e - 13) << 23)
+
+
+def x16_ref(x: torch.Tensor) -> torch.Tensor:
+    """The layout above in torch (fp32 math, the same roundings): int32 [T, K/2 + K/128]."""
+    T, K = x.shape
+    v = x.float().reshape(T, K // CHUNK, CHUNK)
+    amax = v.abs().amax(-1)
+    e = ((amax.view(torch.int32) >> 23) & 0xFF).clamp(_E_MIN, _E_MAX)
+    up = ((_UP_FIELD - e) << 23).view(torch.float32)
+    h = (v * up[..., None]).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    h = h.reshape(T, K // 8, 2, 4)
+    words = (h[:, :, 0] | (h[:, :, 1] << 16)).reshape(T, K // 2)
+    return torch.cat([words, (e - 13) << 23], dim=1)
+
+
+def x16_decode(p: torch.Tensor, K: int) -> torch.Tensor:
+    """fp32 [T, K] that the prepared rows stand for (x' * back): for tests."""
+    T = p.shape[0]
+    w = p[:, :K // 2].reshape(T, K // 8, 4)
+    lo = (w & 0xFFFF).to(torch.int16).view(torch.float16).float()
+    hi = ((w >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).float()
+    vals = torch.stack([lo, hi], dim=2).reshape(T, K)
+    back = p[:, K // 2:].contiguous().view(torch.float32)
+    return vals * back.repeat_interleave(CHUNK, dim=1)
+
+
+def x16_prep(x: torch.Tensor, out: torch.Tensor | None = None, chunks_per_program: int = 4) -> torch.Tensor:
+    """x [T, K] fp16/bf16/fp32 (K a multiple of 128, unit column stride) -> int32 [T, K/2 + K/128]."""
+    if x.dim() != 2 or x.shape[1] % CHUNK or x.stride(1) != 1:
+        raise ValueError(f"x16_prep: x must be [T, K] with K a multiple of {CHUNK} and unit column stride, "
+                         f"got {tuple(x.shape)} strides {x.stride()}")
+    T, K = x.shape
+    if out is None:
+        out = torch.empty((T, words_per_row(K)), dtype=torch.int32, device=x.device)
+    grid = (T, triton.cdiv(K // CHUNK, chunks_per_program))
+    x16_kernel[grid](x, out, K, x.stride(0), out.stride(0), CHUNKS=chunks_per_program)
+    return out
+
+
+def compile_specs(act: str):
+    return [(x16_kernel, {"x_ptr": f"*{act}", "out_ptr": "*i32", "K": "i32", "stride_xt": "i32",
+                          "stride_ot": "i32"}, {"CHUNKS": 4})]

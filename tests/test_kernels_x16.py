@@ -1,0 +1,111 @@
+"""Prepared activations (kernels/x16.py) and the NVFP4 f16 GEMV variants that read them (XPRE).
+
+The prep kernel is bit-exact against its torch reference (the same fp32 math and f16 roundings) and stands for x
+within half an f16 ulp of each 128-activation chunk's largest value, zero, huge and tiny chunks included. The
+packed-half2 (T <= 8) and warp-MMA (T <= 16) NVFP4 GEMVs on prepared activations match the codec reference
+like their plain forms (interpreter on CPU; the PTX paths on a GPU).
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gemv_inputs import extreme_x, nvfp4_weights, rel_l2, wide_range_x  # noqa: E402
+from ninfer_kernels import reference  # noqa: E402
+from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting  # noqa: E402
+from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4_prepared  # noqa: E402
+from ninfer_kernels.x16 import CHUNK, words_per_row, x16_decode, x16_prep, x16_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+GPU_MMA = DEV != "cuda" or torch.cuda.get_device_capability() >= (8, 0)
+RTOL_F32 = 2e-3      # fp32 output: activations rounded to f16 (2**-11 relative), f16 block sums (h2)
+RTOL_HALF = 1e-2     # bf16/f16 output rounding dominates
+HALF_ULP = 2.0 ** -11
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("T,K,cpp", [(1, 128, 4), (3, 640, 2), (2, 1024, 3)], ids=["one-chunk", "odd-T", "ragged-grid"])
+def test_prep_matches_reference_and_stands_for_x(dtype, T, K, cpp):
+    x = wide_range_x(T, K, seed=K)
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    x = x.to(dtype).to(DEV)
+    out = torch.full((T, words_per_row(K)), -1, dtype=torch.int32, device=DEV)    # poisoned
+    p = x16_prep(x, out, chunks_per_program=cpp)
+    assert torch.equal(p.cpu(), x16_ref(x.cpu()))
+    err = (x16_decode(p.cpu(), K) - x.float().cpu()).abs()
+    amax = x.float().cpu().abs().reshape(T, K // CHUNK, CHUNK).amax(-1).repeat_interleave(CHUNK, 1)
+    assert bool((err <= HALF_ULP * amax).all())
+
+
+def test_prep_extreme_chunks():
+    """All-zero, near-fp32-top, fp32-subnormal and beyond-f16 chunks: finite, and back * x' is x to f16 precision."""
+    x = extreme_x(512, CHUNK, DEV)
+    p = x16_prep(x)
+    assert torch.equal(p.cpu(), x16_ref(x.cpu()))
+    d = x16_decode(p.cpu(), 512)
+    assert torch.isfinite(d).all() and bool((d[0, :CHUNK] == 0).all())
+    amax = x.cpu().abs().reshape(2, 4, CHUNK).amax(-1).repeat_interleave(CHUNK, 1)
+    assert bool(((d - x.cpu()).abs() <= HALF_ULP * amax).all())
+
+
+def test_prep_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        x16_prep(torch.zeros(2, 200, device=DEV))
+
+
+CASES = {  # T, dtype, N, K, config (h2: block_n, block_g, num_warps, stages, split; mma likewise), residual
+    "h2-T1-f32": (1, torch.float32, 37, 384, GemvConfig(32, 16, 2, 1, split=1, h2=True), False),
+    "h2-T1-bf16-split2-res": (1, torch.bfloat16, 29, 640, GemvConfig(64, 8, 2, 1, split=2, h2=True), True),
+    "h2-T3-f16-ragged-g": (3, torch.float16, 21, 384, GemvConfig(32, 16, 2, 1, split=1, h2=True), False),
+    "mma-T1-bf16": (1, torch.bfloat16, 37, 256, GemvConfig(32, 8, 2, 1, split=1, mma=True), False),
+    "mma-T5-f32-split3-prefetch-res": (5, torch.float32, 37, 384, GemvConfig(64, 8, 2, 2, split=3, mma=True), True),
+    "mma-T11-bf16-g16": (11, torch.bfloat16, 33, 512, GemvConfig(32, 16, 2, 1, split=1, mma=True), False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prepared_gemv_matches_reference(case):
+    T, dtype, N, K, cfg, has_res = CASES[case]
+    if cfg.mma and not GPU_MMA:
+        pytest.skip("the warp-MMA variant needs sm_80+")
+    codes, scales, gs = nvfp4_weights(N, K, T + K, DEV)
+    x = wide_range_x(T, K, seed=T)
+    x = (x.clamp(-6e4, 6e4) if dtype == torch.float16 else x).to(dtype).to(DEV)
+    res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
+    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
+    y = gemv_nvfp4_prepared(x16_prep(x), codes, scales, gs, out, res, config=cfg)
+    assert y is out and torch.isfinite(y).all()
+    ref = reference.ref_nvfp4(x, codes, scales, gs, residual=res)
+    assert rel_l2(y, ref) < (RTOL_F32 if dtype == torch.float32 else RTOL_HALF)
+
+
+def test_prepared_gemv_input_errors():
+    codes, scales, gs = nvfp4_weights(32, 256, 0, DEV)
+    xp = x16_prep(torch.randn(1, 256, device=DEV))
+    out = torch.empty(1, 32, device=DEV)
+    with pytest.raises(KernelInputError, match="prepared"):
+        gemv_nvfp4_prepared(xp[:, :-1], codes, scales, gs, out, config=GemvConfig(32, 16, 2, h2=True))
+    with pytest.raises(KernelInputError, match="h2 config"):
+        gemv_nvfp4_prepared(xp, codes, scales, gs, out, config=GemvConfig(32, 16, 2))
+
+
+def test_bench_xpre_smoke(tmp_path):
+    """bench/xpre.py end to end on the interpreter (one tiny shape, T=1): records with the named fields."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "xpre.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "xpre.py"
+    p = subprocess.run([sys.executable, str(script), "--smoke", "--T", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())
+    for k in ("format", "shape", "T", "config", "us", "us_xpre", "us_xpre_best", "us_prep", "pct_copy_bw",
+              "pct_copy_bw_xpre", "copy_tbps", "gpu"):
+        assert k in rec, k
+    assert rec["T"] == 1 and rec["us_xpre_best"] <= rec["us_xpre"] and "tiny" in p.stdout
