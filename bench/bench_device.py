@@ -49,6 +49,24 @@ def matmul_tflops(device, n: int, dtype, reps: int = 10) -> float:
     return 2 * n ** 3 / t / 1e12
 
 
+def graph_us(fns, bench_ms) -> float:
+    """us per call of `fns` (called in turn, max(20, len(fns)) calls) captured in one CUDA graph and replayed
+    (bench_ms(fn) -> ms times the replay): what a decode step sees, no host launch cost between kernels."""
+    k = max(20, len(fns))
+    for f in fns:          # warm: tuning, plans, allocator pools all settle before capture
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(k):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    us = bench_ms(g.replay) * 1e3 / k
+    del g
+    return us
+
+
 def device_name(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":

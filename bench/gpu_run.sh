@@ -11,8 +11,8 @@
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them)
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
-# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, TOTAL_S (whole call, default 580), RECIPES and PARTS (comma lists), SERVE_C,
-# ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values), KCHECK=0
+# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
+# (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values), KCHECK=0
 # (kernels without --check: its probes compile T = 8/16/64 variants in-process, ~30 s per format).
 #     bash bench/gpu_run.sh anatomy kernels decode
 set -u

@@ -202,19 +202,8 @@ def graph_us(fns, quick: bool) -> float | None:
     what a decode step sees (no host launch cost between kernels). None without CUDA graphs (smoke)."""
     if SMOKE:
         return None
-    k = max(20, len(fns))
-    for f in fns:          # warm: tuning, plans, allocator pools all settle before capture
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(k):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    us = bench_ms(g.replay, quick) * 1e3 / k
-    del g
-    return us
+    import bench_device as D
+    return D.graph_us(fns, lambda f: bench_ms(f, quick))
 
 
 def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us) -> list[dict]:

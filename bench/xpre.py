@@ -55,17 +55,8 @@ def graph_us(fns) -> float:
     """us per call of `fns` (called in turn, max(20, len) calls) captured in one CUDA graph (eager in smoke)."""
     if SMOKE:
         return ms_of(fns[0]) * 1e3
-    k = max(20, len(fns))
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(k):
-            fns[i % len(fns)]()
-    us = ms_of(g.replay) * 1e3 / k
-    del g
-    return us
+    import bench_device as D
+    return D.graph_us(fns, ms_of)
 
 
 def copy_tbps() -> float:
@@ -89,7 +80,8 @@ def shipped_config(N: int, K: int, T: int):
 
 
 def neighbours(cfg) -> list:
-    """A few tiles near `cfg` for the prepared variant: split -1/+1, the other row count."""
+    """A few tiles near `cfg` for the prepared variant: split -1/+1, the other row count; for the MMA loop also
+    the other load depth (not block_g 16: 40-65 s of ptxas per variant, gemv_launch._DECODE_MMA_TILES)."""
     from dataclasses import replace
     out = [cfg]
     for s in (cfg.split - 1, cfg.split + 1):
@@ -98,6 +90,8 @@ def neighbours(cfg) -> list:
     bn = {64: 128, 128: 256 if cfg.mma else 64, 256: 128}.get(cfg.block_n)
     if bn:
         out.append(replace(cfg, block_n=bn))
+    if cfg.mma:
+        out.append(replace(cfg, num_stages=3 - cfg.num_stages))
     return out
 
 

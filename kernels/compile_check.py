@@ -85,23 +85,28 @@ def compile_variant(v: Variant, cc: int):
                "BLOCK_N": "constexpr", "BLOCK_G": "constexpr"}
         return compile_kernel(kernel, sig, {"BLOCK_N": v.block_n, "BLOCK_G": v.block_g}, cc,
                               divisible=("out_ptr", "G") + tuple(wsig), num_warps=v.num_warps)
-    sig = {"x_ptr": "*i32" if v.xpre else f"*{xt}", **wsig, **{k: (val or f"*{xt}") for k, val in _BASE_SIG.items()}}
+    sig = {"x_ptr": "*i32" if v.xpre else f"*{xt}", **wsig,
+           **{k: (val or f"*{xt}") for k, val in _BASE_SIG.items()}}
+    if v.xpre and "XPRE" not in kernel.arg_names:
+        raise ValueError(f"{v.name}: {kernel.__name__} cannot read prepared activations")
     dot_kind = {"float16": 0, "bfloat16": 1}.get(v.x_dtype, 2)
     const = {"T_TILE": v.t_tile, "BLOCK_N": v.block_n, "BLOCK_G": v.block_g, "USE_SPLIT": v.use_split,
              "USE_DOT": v.use_dot, "DOT_KIND": dot_kind, "HAS_RES": v.has_res, "EVEN_G": True,
-             "FOLD": v.use_dot, "STAGES": 1 if v.use_dot else v.stages, **extra, **({"XPRE": True} if v.xpre else {})}
+             "FOLD": v.use_dot, "STAGES": 1 if v.use_dot else v.stages, **extra}
+    if "XPRE" in kernel.arg_names:
+        const["XPRE"] = v.xpre
     for k in const:
         sig[k] = "constexpr"
     return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps,
                           num_stages=3 if v.use_dot else v.stages)
 
 
-FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "iq3_s", "iq3_s_h2", "f8", "plain:bf16",
-           "plain:f16", "plain:f32")
-CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma")   # kernel_for(..., cc=) picks target-specific PTX
+FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "q6_k_mma", "iq3_s", "iq3_s_h2", "f8",
+           "plain:bf16", "plain:f16", "plain:f32")
+CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma")   # kernel_for(..., cc=) picks target PTX
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
-LANE_EXACT = ("nvfp4_mma",)
-XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma")   # variants that also read prepared activations (XPRE)            # per-thread kernels: their inline PTX must see element e in thread e
+LANE_EXACT = ("nvfp4_mma", "q6_k_mma")   # per-thread kernels: their inline PTX must see element e in thread e
+XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma", "q6_k_mma")   # variants that also read prepared activations (XPRE)
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
 _NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 1),)), None: (3, ((128, 3), (128, 1)))}
@@ -122,7 +127,9 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                     out.append((Variant(f, xd, 8, 64, 8, use_split=True, has_res=True), cc))
                     continue
                 out += [(Variant(f, xd, 8, 128, 8, use_split=True, has_res=True, stages=2), cc),
-                        (Variant(f, xd, 16, 256, 8), cc), (Variant(f, xd, 8, 128, 8, stages=2, xpre=True), cc)]
+                        (Variant(f, xd, 16, 256, 8), cc)]
+                if f in XPRE_FORMATS:
+                    out.append((Variant(f, xd, 8, 128, 8, stages=2, xpre=True), cc))
                 if full:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue

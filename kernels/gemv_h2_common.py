@@ -186,7 +186,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
             USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
-            H2_MODE: tl.constexpr, XPRE: tl.constexpr = False):
+            H2_MODE: tl.constexpr, XPRE: tl.constexpr):
     """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue)."""
     tl.static_assert(T_TILE <= _MAX_T)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -50,7 +50,7 @@ class GemvConfig:
     use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
     t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
     h2: bool = False        # the format's packed-half2 variant (NVFP4, Q6_K; T <= 8: gemv_*_h2)
-    mma: bool = False       # the format's warp-MMA variant (NVFP4, sm_80+, T <= 16: gemv_nvfp4_mma); block_g is
+    mma: bool = False       # the format's warp-MMA variant (NVFP4, Q6_K; sm_80+, T <= 16: gemv_*_mma); block_g is
                             # 8 or 16 groups per step and block_n a multiple of 16 rows per warp
 
     def __post_init__(self):
@@ -120,7 +120,7 @@ _DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 
                     16: ()}
 # warp-MMA tiles (block_n, block_g, num_warps, num_stages) per T bucket, trimmed to what won on the H200 (bench/
 # NOTES.md §7): 16 rows per warp and m-tile, 8 groups (128 weights) per chunk; num_stages 1 = load then decode,
-# 2 = the next step's loads issued before this step's decode (gemv_nvfp4_mma._k_loop). T = 1 never won (h2 does);
+# 2 = the next step's loads issued before this step's decode (gemv_mma_body._k_loop). T = 1 never won (h2 does);
 # block_g 16 never won and its double buffer needs 196-255 registers and 40-65 s of ptxas per variant.
 _MMA_T2_8 = ((128, 8, 4, 2), (256, 8, 4, 2))
 _DECODE_MMA_TILES = {1: (), 2: _MMA_T2_8, 4: _MMA_T2_8, 8: _MMA_T2_8, 16: ((256, 8, 4, 1), (128, 8, 4, 1))}
@@ -266,14 +266,15 @@ def has_h2(kernel) -> bool:
 def variant(kernel, kind: str, device):
     if not has_variant(kernel, kind):
         raise KernelInputError(f"{kernel.__name__} has no {kind} variant (GemvConfig.h2: NVFP4, Q6_K and IQ3_S; "
-                               f"GemvConfig.mma: NVFP4)")
+                               f"GemvConfig.mma: NVFP4, Q6_K)")
     return _VARIANTS[kind][kernel.__name__](device)
 
 
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
             warmup: bool = False, fold: bool = True, extra: dict | None = None):
-    """Launch one config (extra: more constexprs for the variant, e.g. XPRE); returns (compiled kernel or None, grid, ws or None, cnt or None, scalars, consts,
-    the kernel launched: the format's own or its h2 / mma variant)."""
+    """Launch one config (extra: more constexprs for the variant, e.g. XPRE); returns (compiled kernel or None,
+    grid, ws or None, cnt or None, scalars, consts, the kernel launched: the format's own or its h2 / mma
+    variant)."""
     T = x.shape[0]
     kind = "h2" if cfg.h2 else "mma" if cfg.mma else None
     kernel = variant(kernel, kind, x.device) if kind else kernel
@@ -297,6 +298,8 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
               "num_stages": cfg.num_stages}
     if getattr(kernel, "per_thread", False):
         consts["NW"] = cfg.num_warps   # per-thread variants (warp-MMA, IQ3_S h2): tensors are [32 * num_warps]
+    if "XPRE" in getattr(getattr(kernel, "jit", kernel), "arg_names", ()):
+        consts["XPRE"] = False       # the f16 variants that can read prepared activations (ninfer_kernels.x16)
     consts.update(extra or {})
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,
@@ -409,7 +412,7 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
     if config is not None and config.h2 and (T > 8 or not has_h2(kernel)):
         raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4, Q6_K or IQ3_S weight and T <= 8, got T={T}")
     if config is not None and config.mma and (T > 16 or not has_variant(kernel, "mma") or G % config.block_g):
-        raise KernelInputError(f"{what}: GemvConfig.mma needs an NVFP4 weight, T <= 16 and K a multiple of "
+        raise KernelInputError(f"{what}: GemvConfig.mma needs an NVFP4 or Q6_K weight, T <= 16 and K a multiple of "
                                f"{config.block_g * GS}, got T={T}, K={G * GS}")
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)

@@ -130,23 +130,11 @@ def gemv_nvfp4_prepared(xp, codes, scales, gscale, out, residual=None, *, config
     """The packed-half2 / warp-MMA variants on prepared activations (`ninfer_kernels.x16`): xp int32
     [T, K/2 + K/128] -> out [T, N] (given: its dtype is the output's). `config` must be an h2 (T <= 8) or mma
     (T <= 16) config; no tuning. Not on the runtime's path yet: bench/xpre.py times it against `gemv_nvfp4`."""
-    from .gemv_launch import _launch
-    from .x16 import CHUNK, words_per_row
-    K = 2 * codes.shape[-1] if isinstance(codes, torch.Tensor) and codes.dim() == 2 else -1
-    if not isinstance(xp, torch.Tensor) or xp.dtype != torch.int32 or xp.dim() != 2 or K % CHUNK \
-            or xp.shape[1] != words_per_row(K) or xp.stride(1) != 1:
-        got = (tuple(xp.shape), xp.dtype) if isinstance(xp, torch.Tensor) else type(xp).__name__
-        raise KernelInputError(f"gemv_nvfp4_prepared: xp must be int32 [T, {words_per_row(max(K, 0))}] prepared "
-                               f"from K={K} activations (a multiple of {CHUNK}), got {got}")
-    T = xp.shape[0]
-    n, w = _weights(codes, scales, K, xp.device, "gemv_nvfp4_prepared")
-    if not (config.h2 and T <= 8) and not (config.mma and T <= 16 and (K // GS) % config.block_g == 0):
-        raise KernelInputError(f"gemv_nvfp4_prepared: needs an h2 config (T <= 8) or an mma config (T <= 16, "
-                               f"K a multiple of block_g * {GS}), got {config} at T={T}, K={K}")
-    if tuple(out.shape) != (T, n) or out.stride(1) != 1 or out.device != xp.device:
-        raise KernelInputError(f"gemv_nvfp4_prepared: out must be [{T}, {n}] with unit column stride")
-    _launch(nvfp4_gemv_kernel, w, xp, n, K // GS, float(gscale), out, residual, config, extra={"XPRE": True})
-    return out
+    from .x16 import launch_prepared
+    K = 2 * codes.shape[-1] if isinstance(codes, torch.Tensor) and codes.dim() == 2 else 0
+    n, w = _weights(codes, scales, K, xp.device if isinstance(xp, torch.Tensor) else None, "gemv_nvfp4_prepared")
+    return launch_prepared(nvfp4_gemv_kernel, w, xp, n, K, GS, float(gscale), out, residual, config,
+                           "gemv_nvfp4_prepared")
 
 
 def dequant_nvfp4(codes, scales, gscale, dtype=torch.float16):

@@ -94,7 +94,7 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr,
-                         XPRE: tl.constexpr = False):
+                         XPRE: tl.constexpr):
     # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here. XPRE: x_ptr holds prepared
     # activations (ninfer_kernels.x16, int32 words), stride_xt in words
     h2_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,

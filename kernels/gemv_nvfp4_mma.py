@@ -24,9 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv_common import _tset, finish_at
-from .gemv_h2_common import compile_consts, factory, hmul2, pack2
-from .gemv_mma_common import col_back, mma, quad_max, split_all, stack_all, x_scale
+from .gemv_h2_common import compile_consts, factory, hmul2
+from .gemv_mma_body import mma_body
 from .gemv_nvfp4_h2 import _split_signs, _wpair
 
 _F16_2_15 = tl.constexpr(0x78007800)        # 2**15 in both f16 lanes
@@ -34,65 +33,21 @@ _W_EXP = tl.constexpr(128.0)                # the f16 weights carry 2**-7
 
 
 @triton.jit
-def _load_chunk(x_ptr, codes, scales, rows, cols, gk, q, G, stride_xt, M_REP: tl.constexpr, NB: tl.constexpr,
-                XPRE: tl.constexpr):
-    """The raw bytes of chunk gk for this thread: per column block four 16-byte activation loads
-    (x[col, 16 gk + 32q + 0..31]; a [NT, 32] load would be spread over 4 lanes by Triton; XPRE: the 16 prepared
-    words of those activations and, fifth, the chunk's back factor), per row one 16-byte code load (groups
-    gk + 2q, gk + 2q + 1) and one u16 of their two scale bytes."""
-    ks = tl.multiple_of(gk * 16 + 32 * q, 32)
-    xr = ()
-    for nb in tl.static_range(NB):
-        if XPRE:
-            for h in tl.static_range(4):
-                xr = xr + (tl.load(x_ptr + (cols[nb] * stride_xt + ks // 2 + 4 * h)[:, None]
-                                   + tl.arange(0, 4)[None, :]),)
-            xr = xr + (tl.load(x_ptr + cols[nb] * stride_xt + G * 8 + gk // 8),)
-        else:
-            for h in tl.static_range(4):
-                xr = xr + (tl.load(x_ptr + (cols[nb] * stride_xt + ks + 8 * h)[:, None] + tl.arange(0, 8)[None, :]),)
-    wr = ()
-    for r in tl.static_range(2 * M_REP):
-        off = tl.multiple_of(rows[r] * G + gk + 2 * q, 2)
-        wr = wr + (tl.load(codes + off[:, None] + tl.arange(0, 2)[None, :]),
-                   tl.load(scales.to(tl.pointer_type(tl.int16)) + off // 2))
-    return xr, wr
+def _load_row(codes, scales, w2, w3, row, gk, q, G):
+    """(16 code bytes of groups gk + 2q, gk + 2q + 1 as [NT, 2] int64, their two scale bytes as one u16)."""
+    off = tl.multiple_of(row * G + gk + 2 * q, 2)
+    return (tl.load(codes + off[:, None] + tl.arange(0, 2)[None, :]),
+            tl.load(scales.to(tl.pointer_type(tl.int16)) + off // 2))
 
 
 @triton.jit
-def _x_pairs(xr, nb: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr, XPRE: tl.constexpr):
-    """(16 f16x2 B pairs, back) from column block nb's 32 activations: pair 4w + j holds elements
-    (8w + j, 8w + j + 4), as the weight pairs; back undoes the quad's power-of-two scale."""
-    if XPRE:                             # already in that order, with the chunk's back
-        return _x16_pairs(xr, nb)
-    else:
-        return _bf16_pairs(xr, nb, NW, MODE)
+def _row_pairs(wr, base: tl.constexpr, MODE: tl.constexpr):
+    return _w_pairs(wr[base], wr[base + 1], MODE)
 
 
 @triton.jit
-def _x16_pairs(xr, nb: tl.constexpr):
-    p = ()
-    for w in tl.static_range(4):
-        p = p + split_all(xr[5 * nb + w], 2)
-    return p, xr[5 * nb + 4].to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_pairs(xr, nb: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr):
-    f = ()
-    amax = tl.zeros(xr[0].shape[:1], tl.int32)
-    for h in tl.static_range(4):
-        xs = split_all(xr[4 * nb + h], 3)
-        for i in tl.static_range(8):
-            fi = xs[i].to(tl.float32)
-            f = f + (fi,)
-            amax = tl.maximum(amax, fi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    up, back = x_scale(quad_max(amax, NW, MODE))
-    p = ()
-    for w in tl.static_range(4):
-        for j in tl.static_range(4):
-            p = p + (pack2(f[8 * w + j] * up, f[8 * w + j + 4] * up, MODE),)
-    return p, back
+def _no_factor(wr, base: tl.constexpr):
+    return None
 
 
 @triton.jit
@@ -115,132 +70,16 @@ def _w_pairs(words, s16, MODE: tl.constexpr):
 
 
 @triton.jit
-def _chunk(accs, loaded, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr,
-           XPRE: tl.constexpr):
-    """accs[(m * NB + nb) * 4 + i] += a loaded chunk's D fragment i of m-tile m and column block nb, times back."""
-    xr, wr = loaded
-    xps, backs = (), ()
-    for nb in tl.static_range(NB):
-        xp, back = _x_pairs(xr, nb, NW, MODE, XPRE)
-        xps, backs = xps + (xp,), backs + (col_back(back, NW, MODE),)
-    for m in tl.static_range(M_REP):
-        top = _w_pairs(wr[4 * m], wr[4 * m + 1], MODE)
-        bot = _w_pairs(wr[4 * m + 2], wr[4 * m + 3], MODE)
-        for nb in tl.static_range(NB):
-            z = tl.zeros(top[0].shape, tl.float32)
-            d0, d1, d2, d3 = z, z, z, z
-            for s in tl.static_range(8):
-                d0, d1, d2, d3 = mma(top[2 * s], bot[2 * s], top[2 * s + 1], bot[2 * s + 1], xps[nb][2 * s],
-                                     xps[nb][2 * s + 1], d0, d1, d2, d3, NW, MODE)
-            accs = _add4(accs, (m * NB + nb) * 4, d0, d1, d2, d3, backs[nb])
-    return accs
-
-
-@triton.jit
-def _load_step(x_ptr, codes, scales, rows, cols, g0, q, G, stride_xt, BLOCK_G: tl.constexpr,
-               M_REP: tl.constexpr, NB: tl.constexpr, XPRE: tl.constexpr):
-    """Every chunk of one K step (BLOCK_G / 8 of them)."""
-    ld = ()
-    for kc in tl.static_range(BLOCK_G // 8):
-        ld = ld + (_load_chunk(x_ptr, codes, scales, rows, cols, g0 + kc * 8, q, G, stride_xt, M_REP, NB, XPRE),)
-    return ld
-
-
-@triton.jit
-def _step(accs, ld, BLOCK_G: tl.constexpr, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr,
-          MODE: tl.constexpr, XPRE: tl.constexpr):
-    for kc in tl.static_range(BLOCK_G // 8):
-        accs = _chunk(accs, ld[kc], M_REP, NB, NW, MODE, XPRE)
-    return accs
-
-
-@triton.jit
-def _k_loop(accs, x_ptr, codes, scales, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G: tl.constexpr,
-            M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
-            XPRE: tl.constexpr):
-    """STAGES 1: load a step, then decode it (ptxas interleaves the loads with the previous m-tiles' work, so
-    their latency is exposed once per m-tile); 2: the next step's loads are issued before this step's decode
-    (a register double buffer; the last step re-reads itself, from L2). (A barrier after a step's loads, which
-    keeps the T = 1 h2 loop's loads together, did not: ptxas still interleaved them, Triton 3.6 sm_90 SASS.)"""
-    if STAGES == 2:
-        ld = _load_step(x_ptr, codes, scales, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE)
-        for g0 in range(g_lo, g_hi, BLOCK_G):
-            nxt = _load_step(x_ptr, codes, scales, rows, cols, tl.minimum(g0 + BLOCK_G, g_hi - BLOCK_G), q, G,
-                             stride_xt, BLOCK_G, M_REP, NB, XPRE)
-            tl.debug_barrier()
-            accs = _step(accs, ld, BLOCK_G, M_REP, NB, NW, MODE, XPRE)
-            ld = nxt
-    else:
-        for g0 in range(g_lo, g_hi, BLOCK_G):
-            accs = _step(accs, _load_step(x_ptr, codes, scales, rows, cols, g0, q, G, stride_xt, BLOCK_G, M_REP, NB,
-                                          XPRE), BLOCK_G, M_REP, NB, NW, MODE, XPRE)
-    return accs
-
-
-@triton.jit
-def _add4(accs, i: tl.constexpr, d0, d1, d2, d3, back):
-    be, bo = back                     # D's columns 2q and 2q + 1
-    accs = _tset(accs, i, accs[i] + d0 * be)
-    accs = _tset(accs, i + 1, accs[i + 1] + d1 * bo)
-    accs = _tset(accs, i + 2, accs[i + 2] + d2 * be)
-    return _tset(accs, i + 3, accs[i + 3] + d3 * bo)
-
-
-@triton.jit
 def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
                           stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                           DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
-                          XPRE: tl.constexpr = False):
+                          XPRE: tl.constexpr):
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
-    tl.static_assert(BLOCK_N % (16 * NW) == 0 and (BLOCK_G == 8 or BLOCK_G == 16))
-    tl.static_assert((T_TILE == 8 or T_TILE == 16) and 1 <= STAGES and STAGES <= 2)
-    M_REP: tl.constexpr = BLOCK_N // (16 * NW)
-    NB: tl.constexpr = T_TILE // 8
-    e = tl.arange(0, NW * 32)
-    g, q = (e % 32) // 4, e % 4
-    base = tl.program_id(0) * BLOCK_N + (e // 32) * (16 * M_REP) + g
-    rows, offs = (), ()
-    for r in tl.static_range(2 * M_REP):      # m-tile r // 2, its row g (r even) or g + 8 (r odd)
-        o = base + (r // 2) * 16 + (r % 2) * 8
-        offs, rows = offs + (o,), rows + (tl.minimum(o, N - 1),)   # tail rows re-read the last row, never stored
-    t0 = tl.program_id(2) * T_TILE
-    cols = ()
-    for nb in tl.static_range(NB):            # columns past T re-read column T - 1, never stored
-        cols = cols + (tl.minimum(t0 + nb * 8 + g, T - 1),)
-    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
-    g_lo = tl.program_id(1) * g_per
-    g_hi = tl.minimum(G, g_lo + g_per)
-    accs = ()
-    for _ in tl.static_range(M_REP * NB * 4):
-        accs = accs + (tl.zeros(e.shape, tl.float32),)
-    accs = _k_loop(accs, x_ptr, codes, scales, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G, M_REP, NB, NW,
-                   STAGES, H2_MODE, XPRE)
-    _epilogue(accs, offs, t0, q, fscale * _W_EXP, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr,
-              cnt_ptr, M_REP, NB, HAS_RES, USE_SPLIT)
-
-
-@triton.jit
-def _coords(offs, t0, q, k: tl.constexpr, NB: tl.constexpr):
-    """(row, column) of accumulator k = (m * NB + nb) * 4 + i: D fragment i is (row g | g + 8, column 2q | 2q + 1)."""
-    r: tl.constexpr = 2 * (k // (4 * NB)) + (k % 4) // 2
-    c: tl.constexpr = ((k // 4) % NB) * 8 + k % 2
-    return offs[r], t0 + c + 2 * q
-
-
-@triton.jit
-def _epilogue(accs, offs, t0, q, scale, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-              M_REP: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr):
-    """All of a thread's accumulators as one [NT, V] tile, so the split-K reduction reads every value of a split
-    in one step (a loop per value would chain V x split L2 round trips)."""
-    vals, rows, cols = (), (), ()
-    for k in tl.static_range(M_REP * NB * 4):
-        r, c = _coords(offs, t0, q, k, NB)
-        vals, rows, cols = vals + (accs[k] * scale,), rows + (r,), cols + (c,)
-    LOG: tl.constexpr = (M_REP * NB * 4).bit_length() - 1
-    finish_at(stack_all(vals, LOG), stack_all(cols, LOG), stack_all(rows, LOG), N, T, split, out_ptr, stride_ot,
-              res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT)
+    mma_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _W_EXP, T, N, G, split,
+             stride_xt, stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW,
+             XPRE, _load_row, 2, _row_pairs, _no_factor, False)
 
 
 # gemv_nvfp4 registers it (lazily)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import dequant_body, even_groups, gemv_body, ld, ld_pair, pairwise
-from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv, register_h2
+from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv, register_h2, register_variant
 
 GS = 16
 QK = 256
@@ -91,7 +91,13 @@ def _h2_kernel(device):
     return h2_kernel(device)
 
 
+def _mma_kernel(device):
+    from .gemv_q6_k_mma import mma_kernel
+    return mma_kernel(device)
+
+
 register_h2(q6_k_gemv_kernel.__name__, _h2_kernel)   # T <= 8 candidates include the packed-half2 variant
+register_variant("mma", q6_k_gemv_kernel.__name__, _mma_kernel)   # sm_80+, T <= 16: the warp-MMA variant
 
 
 def _repack_rows(b: torch.Tensor) -> tuple:

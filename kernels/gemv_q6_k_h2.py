@@ -66,7 +66,7 @@ def q6_k_h2_gemv_kernel(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr,
     # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here
     h2_body(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
             stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT,
-            HAS_RES, EVEN_G, STAGES, H2_MODE)
+            HAS_RES, EVEN_G, STAGES, H2_MODE, False)
 
 
 h2_kernel = factory(q6_k_h2_gemv_kernel, "q6_k_gemv_kernel")   # gemv_q6_k registers it (lazily)

@@ -7,7 +7,7 @@ for T = 2..16) load bf16 activations one by one, widen, scale and pack them (Tri
 
 Layout (int32 [T, K/2 + K/128] per activation row, K a multiple of 128):
   words 0 .. K/2-1     f16x2 pairs, word 4o + j (o = 0 .. K/8-1, j = 0..3) = (x'[8o + j] low, x'[8o + j + 4]
-                       high): the (j, j+4) pair order of `gemv_h2_common.x_pairs` and `gemv_nvfp4_mma._x_pairs`
+                       high): the (j, j+4) pair order of `gemv_h2_common.x_pairs` and `gemv_mma_body._x_pairs`
   words K/2 + c        fp32 bits of back_c = 1 / up_c for chunk c (activations 128c .. 128c + 127)
 with x' = x * up_c rounded to nearest-even f16, up_c = 2**(140 - E) from E, the fp32 exponent field of the
 chunk's largest |x| clamped to [14, 253]: |x'| < 2**14 (the packed-half2 NVFP4 block sums stay below 96) and
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .gemv_launch import GemvConfig, KernelInputError, _launch, has_variant
 
 CHUNK = 128                          # activations per back factor (the MMA variant's K chunk)
 _CHUNK = tl.constexpr(CHUNK)
@@ -88,3 +90,24 @@ def x16_prep(x: torch.Tensor, out: torch.Tensor | None = None, chunks_per_progra
 def compile_specs(act: str):
     return [(x16_kernel, {"x_ptr": f"*{act}", "out_ptr": "*i32", "K": "i32", "stride_xt": "i32",
                           "stride_ot": "i32"}, {"CHUNKS": 4})]
+
+
+def launch_prepared(kernel, weights: tuple, xp, N: int, K: int, GS: int, fscale: float, out, residual,
+                    cfg: GemvConfig, what: str):
+    """One config of the h2 (T <= 8) or mma (T <= 16) variant of `kernel` on prepared activations
+    (`ninfer_kernels.x16`: int32 [T, K/2 + K/128]); out [T, N] given (its dtype is the output's). No tuning."""
+    if not isinstance(xp, torch.Tensor) or xp.dtype != torch.int32 or xp.dim() != 2 or K % CHUNK \
+            or xp.shape[1] != words_per_row(K) or xp.stride(1) != 1:
+        got = (tuple(xp.shape), xp.dtype) if isinstance(xp, torch.Tensor) else type(xp).__name__
+        raise KernelInputError(f"{what}: activations must be int32 [T, {words_per_row(max(K, 0))}] prepared from "
+                               f"K={K} (a multiple of {CHUNK}), got {got}")
+    T, G = xp.shape[0], K // GS
+    kind = "h2" if cfg.h2 else "mma" if cfg.mma else None
+    if kind is None or not has_variant(kernel, kind) or T > (8 if cfg.h2 else 16) or (cfg.mma and G % cfg.block_g):
+        raise KernelInputError(f"{what}: needs an h2 config (T <= 8) or an mma config (T <= 16, K a multiple of "
+                               f"block_g * {GS}) of a variant this format has, got {cfg} at T={T}, K={K}")
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, N) or out.stride(1) != 1 \
+            or out.device != xp.device:
+        raise KernelInputError(f"{what}: out must be [{T}, {N}] with unit column stride on {xp.device}")
+    _launch(kernel, weights, xp, N, G, fscale, out, residual, cfg, extra={"XPRE": True})
+    return out

@@ -334,6 +334,13 @@ def artifact_weights(tiny: TinyHF) -> dict[str, torch.Tensor]:
     return out
 
 
+def loaded_model(tiny: TinyHF, path: str = "tiny"):
+    """What the engine takes from the loader (config, TP1 weights, path) for a tiny HF model, without a file."""
+    import types
+    return types.SimpleNamespace(config=model_config_from_hf(tiny.text_config), weights=artifact_weights(tiny),
+                                 path=path)
+
+
 # ---- tiny .ninfer artifacts (written directly with the container, cut with the packer's TP table) -------
 
 _NVFP4_GROUPS = ((r"self_attn\.[qkv]_proj", "qkv"), (r"mlp\.(gate|up)_proj", "gate_up"),

@@ -6,11 +6,10 @@ every page and slot comes back. What must not run ahead (MTP, penalties) never d
 """
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
-from hf_tiny import artifact_weights, build_hf_model, model_config_from_hf
+from hf_tiny import build_hf_model, loaded_model
 
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.engine import Engine, EngineError
@@ -26,9 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def loaded():
-    tiny = build_hf_model(seed=5)
-    return types.SimpleNamespace(config=model_config_from_hf(tiny.text_config), weights=artifact_weights(tiny),
-                                 path="tiny")
+    return loaded_model(build_hf_model(seed=5))
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,12 @@ through the real loader (GPU).
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from hf_tiny import artifact_weights, build_hf_model, model_config_from_hf
+from hf_tiny import build_hf_model, loaded_model
 
 from ninfer_formats.errors import NinferError
 from ninfer_rt.backends.torch_ops import TorchOps
@@ -39,9 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def loaded():
-    tiny = build_hf_model(seed=3)
-    return types.SimpleNamespace(config=model_config_from_hf(tiny.text_config), weights=artifact_weights(tiny),
-                                 path="tiny")
+    return loaded_model(build_hf_model(seed=3))
 
 
 @pytest.fixture(scope="module")

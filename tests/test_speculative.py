@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from hf_tiny import artifact_weights, build_hf_model, model_config_from_hf
+from hf_tiny import build_hf_model, loaded_model, model_config_from_hf
 
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.engine import Engine, EngineError
@@ -30,8 +30,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def loaded(tiny):
-    return types.SimpleNamespace(config=model_config_from_hf(tiny.text_config), weights=artifact_weights(tiny),
-                                 path="tiny")
+    return loaded_model(tiny)
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 import torch
-from hf_tiny import (EOS_ID, IM_END_ID, SPECIALS, artifact_weights, build_hf_model, model_config_from_hf,
-                     tiny_resources, tokenizer_json)
+from hf_tiny import EOS_ID, IM_END_ID, SPECIALS, build_hf_model, loaded_model, tiny_resources, tokenizer_json
 
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.engine import Engine
@@ -91,8 +89,7 @@ def test_stream_stop_strings_trim_and_hold_back(tok, stop, expect):
 
 def test_engine_text_deltas_and_stop_strings(tok):
     tiny = build_hf_model(seed=3)
-    loaded = types.SimpleNamespace(config=model_config_from_hf(tiny.text_config), weights=artifact_weights(tiny),
-                                   path="tiny")
+    loaded = loaded_model(tiny)
     prompt = tok.encode(tok.render_chat([{"role": "user", "content": "hi"}]))
 
     def go(**kw):
