@@ -1,4 +1,4 @@
-"""The engine the CLI and the server drive: requests in, tokens out, one synchronous step at a time.
+"""The engine the CLI and the server drive: requests in, tokens out, one step's tokens per `step()`.
 
     eng = Engine(loaded, ops, tp, spec=SpecConfig(num_draft_tokens=3), max_batch=8)
     eng.add_request("r1", prompt_ids, SamplingParams(temperature=0, max_tokens=64))
@@ -20,6 +20,10 @@ verify, MTP). Only rank 0 holds the tower; followers receive the embeddings with
 CUDA graphs (`graphs=`, default "auto"): on CUDA with the triton backend the decode, verify and draft steps
 replay graphs captured at construction (`graph_config`); "eager" runs the same static-buffer steps without
 capture (CLI `--eager`), "off" the plain model. On CPU there are none, and a step is one forward as before.
+
+Run-ahead (`async_scheduling=`, default on CUDA; engine_ahead.py): while every running sequence is a plain
+decode row that the leader alone decides (TP1, no MTP, no penalties, no images), `step()` launches the next
+step from this one's device tokens before it reads this one back, so the host's work overlaps the GPU.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from gemv_inputs import extreme_x, nvfp4_weights, rel_l2, wide_range_x  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
+from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting  # noqa: E402
 from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4_prepared  # noqa: E402
 from ninfer_kernels.x16 import CHUNK, words_per_row, x16_decode, x16_prep, x16_ref  # noqa: E402
@@ -109,3 +110,34 @@ def test_bench_xpre_smoke(tmp_path):
               "pct_copy_bw_xpre", "copy_tbps", "gpu"):
         assert k in rec, k
     assert rec["T"] == 1 and rec["us_xpre_best"] <= rec["us_xpre"] and "tiny" in p.stdout
+
+
+@pytest.mark.parametrize("fmt,kind", [("nvfp4", "h2"), ("nvfp4", "mma"), ("q6_k", "h2"), ("q6_k", "mma"),
+                                      ("iq3_s", "h2")])
+def test_launch_passes_every_constexpr_of_the_variant(monkeypatch, fmt, kind):
+    """GemvPlan's direct launch (kernels/gemv_plan.py) needs the launcher's constexprs to be exactly the kernel's
+    constexpr parameters; a defaulted one (XPRE) left out would silently disable it."""
+    import importlib
+
+    from ninfer_kernels.gemv_plan import _FIXED
+    base = getattr(importlib.import_module(f"ninfer_kernels.gemv_{fmt}"), f"{fmt}_gemv_kernel")
+    real = gl.variant(base, kind, torch.device(DEV))
+    seen = {}
+
+    class Stub:
+        __name__, jit = real.__name__, real.jit
+        per_thread, extra_consts = real.per_thread, real.extra_consts
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.update(kw)
+    monkeypatch.setattr(gl, "variant", lambda k, kd, dev: Stub())
+    names = list(Stub.jit.arg_names)
+    n_w = names.index("out_ptr") - 1                     # the weight arguments sit between x_ptr and out_ptr
+    cfg = GemvConfig(32, 16, 2, 1, h2=True) if kind == "h2" else GemvConfig(32, 8, 2, 1, mma=True)
+    x, out = torch.zeros(2, 256, device=DEV), torch.zeros(2, 32, device=DEV)
+    gl._launch(base, (x,) * n_w, x, 32, 16, 1.0, out, None, cfg)
+    consts = names[len(_FIXED) + n_w:]
+    assert names[names.index("stride_rt") + 1:] == consts
+    assert ("XPRE" in consts) == (fmt == "nvfp4" or kind == "mma")      # the variants that read prepared x
+    given = {k for k in seen if k not in ("num_warps", "num_stages")} | set(Stub.extra_consts)
+    assert set(consts) == given and len(consts) == len(given)
