@@ -112,7 +112,8 @@ def _load(group, opts: BenchOptions, paths: list[str], device, info: dict):
     D.sync(device)
     load_s = time.perf_counter() - t
     need = max(max(opts.contexts) + opts.headroom, opts.prefill_tokens) + 2 * PAGE
-    cache = CacheConfig(num_pages=math.ceil(need / PAGE) + 8, page_size=PAGE, max_seqs=3)
+    # sequences: the measured one, the graph runner's scratch, a spare, three more for the batch-4 profile
+    cache = CacheConfig(num_pages=math.ceil(need / PAGE) + 8, page_size=PAGE, max_seqs=6)
     t = time.perf_counter()
     model = Model(loaded.config, loaded.weights, get_ops(opts.backend), group, cache=cache, dtype=dtype,
                   consume_weights=True)
@@ -192,17 +193,45 @@ def _precompile(model, opts: BenchOptions, device, timeout_s: float = 300.0) -> 
 
 
 def _profile(model, runner, st, ctx, opts, base, emit) -> None:
-    """Where the decode step's GPU time goes: the graph replays (kernels inside graphs are traced by recent
-    CUPTI), else the model's own eager forward."""
+    """Where the GPU time goes: the decode step, and the two T = 4 steps: batch-4 serving (four sequences, one
+    token each; the bench captures batch 1 only, so the model's eager forward) and a K = 3 verify (one
+    sequence, four tokens, GDN snapshots). Graph replays (kernels inside graphs are traced by recent CUPTI)."""
     from ninfer_rt.model import SeqInput
-    tok = torch.tensor([1])
+    tok, four = torch.tensor([1]), torch.ones(4, dtype=torch.long)
+
+    def verify():
+        runner.forward([SeqInput(four, st, snapshot=True)])
+        st.commit(4)
+    _profile_one(runner, st, ctx, lambda: runner.forward([SeqInput(tok, st)]), "decode", base, emit,
+                 eager=lambda: runner.model.forward([SeqInput(tok, st)]))
+    extra = []
     try:
-        prof, how = M.kernel_profile(lambda: runner.forward([SeqInput(tok, st)]), 8), "graph replay"
-        if not prof:
-            prof, how = M.kernel_profile(lambda: model.forward([SeqInput(tok, st)]), 8), "eager model.forward"
-        emit({**base, "kind": "profile", "context": ctx, "source": how, **prof})
+        for _ in range(3):
+            extra.append(model.new_state())
+            M.fill_context(model, extra[-1], ctx)
+        _profile_one(runner, st, ctx, lambda: runner.forward([SeqInput(tok, s) for s in (st, *extra)]), "batch 4",
+                     {**base, "batch": 4}, emit)
     except Exception as e:                      # noqa: BLE001 - a diagnostic; never fails the run
-        emit({**base, "kind": "profile", "context": ctx, "note": f"profiler failed: {type(e).__name__}: {e}"})
+        emit({**base, "kind": "profile", "context": ctx, "step": "batch 4", "note": f"{type(e).__name__}: {e}"})
+    finally:
+        for s in extra:
+            s.free()
+    if "verify" in opts.parts and opts.max_draft >= 3:
+        _profile_one(runner, st, ctx, verify, "verify K=3", {**base, "draft_tokens": 3}, emit)
+
+
+def _profile_one(runner, st, ctx, step, name, base, emit, eager=None) -> None:
+    """eager: what to profile instead when the graph replays trace no kernels (older CUPTI)."""
+    try:
+        before = runner.stats.fallbacks
+        prof = M.kernel_profile(step, 8)
+        how = "graph replay" if runner.stats.fallbacks == before else "eager model.forward (no graph for it)"
+        if not prof and eager is not None:
+            prof, how = M.kernel_profile(eager, 8), "eager model.forward"
+        emit({**base, "kind": "profile", "context": ctx, "step": name, "source": how, **prof})
+    except Exception as e:                      # noqa: BLE001 - a diagnostic; never fails the run
+        emit({**base, "kind": "profile", "context": ctx, "step": name,
+              "note": f"profiler failed: {type(e).__name__}: {e}"})
     M.rewind(st, ctx)
 
 

@@ -267,3 +267,36 @@ def test_cut_off_precompile_takes_its_workers(tmp_path):
     while not all(map(_gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(map(_gone, pids)), pids
+
+
+def test_profile_steps_on_cpu(monkeypatch):
+    """decode_rank._profile (GPU-only in a run) on CPU with the profiler stubbed: the decode, batch-4 and K=3
+    verify steps run, each leaves a tagged record, the extra states are freed and the state is rewound."""
+    from hf_tiny import build_hf_model, loaded_model
+
+    from ninfer_rt.backends.torch_ops import TorchOps
+    from ninfer_rt.graphs import GraphConfig, GraphRunner
+    from ninfer_rt.model import Model
+    from ninfer_rt.state import CacheConfig
+    lm = loaded_model(build_hf_model(seed=1))
+    model = Model(lm.config, lm.weights, TorchOps(), cache=CacheConfig(num_pages=64, page_size=16, max_seqs=6))
+    runner = GraphRunner(model, GraphConfig(batch_sizes=(1,), tokens=(1, 2, 3, 4), mtp_tokens=(), kv_buckets=(256,),
+                                            eager=True))
+    calls = []
+
+    def fake_profile(step, steps, top=15):
+        for _ in range(2):
+            step()
+        calls.append(1)
+        return {"kernels_per_step": 1.0, "kernel_us_per_step": 1.0, "us_by_group": {"linear": 1.0}, "top": []}
+    monkeypatch.setattr(decode_measure, "kernel_profile", fake_profile)
+    st = model.new_state()
+    decode_measure.fill_context(model, st, 40)
+    free = model.kv_pool.free_pages()
+    recs = []
+    decode_rank._profile(model, runner, st, 40, decode_rank.BenchOptions(device="cpu"), {"recipe": "x"}, recs.append)
+    assert [r["step"] for r in recs] == ["decode", "batch 4", "verify K=3"] and len(calls) == 3
+    assert recs[0]["source"] == "graph replay" and recs[1]["source"].startswith("eager")    # batch 4: no graph
+    assert recs[1]["batch"] == 4 and recs[2]["draft_tokens"] == 3 and all("note" not in r for r in recs)
+    assert st.length == 40 and model.kv_pool.free_pages() == free
+    assert all(report.row({**r, "tp": 1}) for r in recs)
