@@ -373,7 +373,8 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "matmul_tflops": D.matmul_tflops(device, opts.matmul_n, getattr(torch, opts.dtype))}
     base = {"recipe": recipe, "tp": opts.tp, "gpu": D.device_name(device), "copy_tbps": ceil["copy_tbps"],
             "backend": backend, "graphs": not opts.eager, "dtype": opts.dtype,
-            "gemv_tune": os.environ.get("NINFER_GEMV_TUNE", "1") != "0"}
+            "gemv_tune": os.environ.get("NINFER_GEMV_TUNE", "1") != "0",
+            "xpre": os.environ.get("NINFER_XPRE", "0") == "1"}       # prepared activations (kernels/x16.py)
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()

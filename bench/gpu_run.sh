@@ -10,8 +10,9 @@
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them)
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
+#   decodex   the same with NINFER_XPRE=1 (linear layers on prepared activations), decode.json as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
-# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
+# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
 # (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values), KCHECK=0
 # (kernels without --check: its probes compile T = 8/16/64 variants in-process, ~30 s per format).
 #     bash bench/gpu_run.sh anatomy kernels decode
@@ -53,10 +54,20 @@ for step in "$@"; do
       python3 -m ninfer_kernels.gemv_tune_cache bench/results/kernels.json && cp kernels/gemv_tuned.json "$OUT/" ;;
     decode)
       l=$(left); [ "$l" -gt 120 ] || { echo "no time for decode ($l s)"; continue; }
-      keep=""; case " $* " in *" serve "*) keep="--keep --dir /dev/shm/ninfer-run"; l=$(( l - ${SERVE_S:-150} ));; esac
+      keep=""; case " $* " in *" serve "*|*" decodex "*) keep="--keep --dir /dev/shm/ninfer-run";; esac
+      case " $* " in *" serve "*) l=$(( l - ${SERVE_S:-150} ));; esac
+      case " $* " in *" decodex "*) l=$(( l - ${DECODEX_S:-150} ));; esac
       timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} --steps 64 $keep \
         --budget-s $(( l - 10 )) --out "$OUT/decode.json" > "$OUT/decode_table.txt" 2> "$OUT/decode_log.txt"
       echo "decode rc=$?"; tail -30 "$OUT/decode_table.txt"; tail -3 "$OUT/decode_log.txt" ;;
+    decodex)
+      l=$(left); [ "$l" -gt 120 ] || { echo "no time for decodex ($l s)"; continue; }
+      case " $* " in *" serve "*) l=$(( l - ${SERVE_S:-150} ));; esac
+      NINFER_XPRE=1 timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
+        --steps 64 --keep --dir /dev/shm/ninfer-run --budget-s $(( l - 10 )) --out "$OUT/decode_xpre.json" \
+        > "$OUT/decodex_table.txt" \
+        2> "$OUT/decodex_log.txt"
+      echo "decodex rc=$?"; tail -30 "$OUT/decodex_table.txt"; tail -3 "$OUT/decodex_log.txt" ;;
     serve)
       l=$(left); [ "$l" -gt 90 ] || { echo "no time for serve ($l s)"; continue; }
       art=$(ls -d /dev/shm/ninfer-run/nvfp4-tp1 2>/dev/null) || { echo "serve: no artifact (run decode first)"; continue; }

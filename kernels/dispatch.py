@@ -32,6 +32,7 @@ from .gemv_timing import time_ms
 from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4
 from .gemv_plain import _WIDTH, gemv_plain
 from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k
+from .x16 import prepared_linear, prepared_ok
 
 DECODE_MAX_T = 16
 _REPACK = {"q6_k": repack_q6_k, "iq3_s": repack_iq3_s}
@@ -160,8 +161,9 @@ def prefill_choices() -> dict:
     return dict(_PREFILL)
 
 
-def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None) -> torch.Tensor:
-    """y[..., N] = x[..., K] @ W^T (+ residual), W = `qw` in any supported format."""
+def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None, xp=None) -> torch.Tensor:
+    """y[..., N] = x[..., K] @ W^T (+ residual), W = `qw` in any supported format. xp: x's prepared form
+    (`x16.x16_prep` of x as [T, K]; only where `x16.prepared_ok`), read by the h2 / MMA variants instead of x."""
     N, K = qw.shape
     if not isinstance(x, torch.Tensor) or x.shape[-1] != K:
         raise KernelInputError(f"linear {qw.name or qw.fmt}: x must end in K={K}, got "
@@ -183,6 +185,11 @@ def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None) -
             y = _torch_linear(x2, w, o2, r2)
         else:
             y = _gemv(x2, qw, o2, r2)
+    elif xp is not None:
+        if not prepared_ok(qw, T, x.device) or xp.shape[0] != T:
+            raise KernelInputError(f"linear {qw.name or qw.fmt}: prepared activations for {xp.shape[0]} rows do "
+                                   f"not serve a {qw.fmt} weight at T={T}")
+        y = prepared_linear(xp, qw, o2, r2, x.dtype)
     elif T > DECODE_MAX_T:
         y = _prefill(x2, qw, o2, r2, prefill_path)
     else:

@@ -15,6 +15,8 @@ both factors are finite normals (an all-zero chunk gets up = 2**126, x' = 0).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -111,3 +113,65 @@ def launch_prepared(kernel, weights: tuple, xp, N: int, K: int, GS: int, fscale:
         raise KernelInputError(f"{what}: out must be [{T}, {N}] with unit column stride on {xp.device}")
     _launch(kernel, weights, xp, N, G, fscale, out, residual, cfg, extra={"XPRE": True})
     return out
+
+
+# ---- the tuned linear on prepared activations (opt-in: NINFER_XPRE=1, `ninfer_rt.backends.triton_ops`) ----
+_TUNE_PREFIX = "xpre"      # tuner keys of prepared launches (tuned in-process, not kept in the tune cache)
+
+
+def xpre_env() -> bool:
+    """NINFER_XPRE: '0' (the default) or '1' (linear layers read prepared activations where a variant can)."""
+    v = os.environ.get("NINFER_XPRE", "0")
+    if v not in ("0", "1"):
+        raise KernelInputError(f"NINFER_XPRE={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def _mma_ok(device: torch.device) -> bool:
+    from .gemv_launch import interpreting
+    return interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def prepared_ok(qw, T: int, device) -> bool:
+    """Whether a prepared launch serves weight `qw` at T rows: NVFP4 (h2 up to T = 8, MMA up to 16 on sm_80+),
+    Q6_K (MMA, T = 2..16, sm_80+); K a multiple of 128."""
+    if qw.shape[1] % CHUNK or not 1 <= T <= 16:
+        return False
+    if qw.fmt == "nvfp4":
+        return T <= 8 or _mma_ok(torch.device(device))
+    return qw.fmt == "q6_k" and T >= 2 and _mma_ok(torch.device(device))
+
+
+def _kernel_and_weights(qw, device):
+    """(kernel, weight arguments, fscale) of `qw` for a prepared launch."""
+    K = qw.shape[1]
+    if qw.fmt == "nvfp4":
+        from .gemv_nvfp4 import _weights, nvfp4_gemv_kernel
+        d = qw.data
+        return nvfp4_gemv_kernel, _weights(d["codes"], d["scales"], K, device, "linear (prepared)")[1], d["gscale"]
+    from . import dispatch
+    from .gemv_q6_k import _weights, q6_k_gemv_kernel
+    return q6_k_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], 1.0
+
+
+def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
+    """y [T, N] `dtype` = x @ W^T (+ residual) from x's prepared form xp; the h2 / MMA config tuned per
+    (weight shape, T bucket, dtype, residual) in this process (`gemv_launch.pick_config`)."""
+    from .gemv_launch import candidates, h2_tiles, interpreting, next_pow2, pick_config
+    T, (N, K), dev = xp.shape[0], qw.shape, xp.device
+    kernel, w, fscale = _kernel_and_weights(qw, dev)
+    h2 = qw.fmt == "nvfp4" and T <= 8
+    cands = [c for c in candidates(T, N, K // 16, 16, dtype, dev, h2=h2, mma=True, h2_tiles=h2_tiles(kernel))
+             if (c.h2 and h2) or (c.mma and _mma_ok(dev))]
+    if not cands or interpreting():      # the interpreter: one small tile of the variant
+        cands = [GemvConfig(32, 16, 2, 1, h2=True) if h2 else GemvConfig(32, 8, 2, 1, mma=True)]
+    out = torch.empty((T, N), dtype=dtype, device=dev) if out is None else out
+    key = (_TUNE_PREFIX, kernel.__name__, N, K, next_pow2(T), str(dtype), residual is not None, str(dev))
+    scratch = []
+
+    def run(c):     # timed into scratch: out may alias the residual
+        if not scratch:
+            scratch.append(torch.empty_like(out))
+        return launch_prepared(kernel, w, xp, N, K, 16, fscale, scratch[0], residual, c, "linear (prepared)")
+    cfg = pick_config(key, cands, run, dev)
+    return launch_prepared(kernel, w, xp, N, K, 16, fscale, out, residual, cfg, "linear (prepared)")

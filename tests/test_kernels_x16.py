@@ -141,3 +141,72 @@ def test_launch_passes_every_constexpr_of_the_variant(monkeypatch, fmt, kind):
     assert ("XPRE" in consts) == (fmt == "nvfp4" or kind == "mma")      # the variants that read prepared x
     given = {k for k in seen if k not in ("num_warps", "num_stages")} | set(Stub.extra_consts)
     assert set(consts) == given and len(consts) == len(given)
+
+
+@pytest.mark.parametrize("fmt,T", [("nvfp4", 1), ("nvfp4", 3), ("nvfp4", 11), ("q6_k", 4)],
+                         ids=["nvfp4-T1-h2", "nvfp4-T3-h2", "nvfp4-T11-mma", "q6_k-T4-mma"])
+def test_linear_on_prepared_activations(fmt, T):
+    """dispatch.linear(x, qw, xp=x16_prep(x)) against the codec reference, with a residual; what it refuses."""
+    import numpy as np
+
+    from ninfer_formats import codecs
+    from ninfer_kernels import dispatch
+    from ninfer_kernels.x16 import prepared_ok
+    from ninfer_rt.weights import QWeight
+    N, K = 37, 512
+    w = np.random.default_rng(T).standard_normal((N, K)).astype(np.float32) * 0.05
+    if fmt == "nvfp4":
+        c, s, g = codecs.nvfp4.quantize(w)
+        data = {"codes": torch.from_numpy(c).to(DEV), "scales": torch.from_numpy(s).to(DEV), "gscale": float(g)}
+    else:
+        data = {"blocks": torch.from_numpy(codecs.quantize("q6_k", w)).to(DEV)}
+    qw = QWeight(fmt, (N, K), data, name=f"test.{fmt}")
+    x = wide_range_x(T, K, seed=T).to(DEV)
+    res = torch.randn(T, N).to(DEV)
+    assert prepared_ok(qw, T, x.device)
+    y = dispatch.linear(x, qw, residual=res, xp=x16_prep(x))
+    assert rel_l2(y, reference.ref_linear(x, fmt, qw.data, residual=res)) < RTOL_F32
+    with pytest.raises(KernelInputError, match="prepared activations"):
+        dispatch.linear(x, qw, xp=x16_prep(torch.cat([x, x])))             # rows do not match
+    assert not prepared_ok(qw, 17, x.device) and (fmt == "nvfp4" or not prepared_ok(qw, 1, x.device))
+
+
+def test_xpre_env_and_triton_ops_switch(monkeypatch):
+    from ninfer_kernels.x16 import xpre_env
+    monkeypatch.setenv("NINFER_XPRE", "yes")
+    with pytest.raises(KernelInputError, match="NINFER_XPRE"):
+        xpre_env()
+    monkeypatch.setenv("NINFER_XPRE", "1")
+    assert xpre_env()
+    from ninfer_rt.backends.triton_ops import TritonOps
+    assert TritonOps().xpre and not TritonOps(xpre=False).xpre
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_model_with_prepared_activations_gpu(tmp_path):
+    """bf16 tiny nvfp4 artifact (bench/synth_artifact.py) on TritonOps with and without NINFER_XPRE's path: the
+    same logits up to bf16 rounding for a decode step (h2), a 4-token verify (MMA) and a batch of 3."""
+    import sys
+    from pathlib import Path
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+    import synth_artifact as synth
+
+    from ninfer_rt.backends.triton_ops import TritonOps
+    from ninfer_rt.loader import load
+    from ninfer_rt.model import Model, SeqInput
+    from ninfer_rt.state import CacheConfig
+    paths, _ = synth.build(str(tmp_path), synth.TINY, "nvfp4", workers=1)
+    lm = load(paths[0], device="cuda", dtype=torch.bfloat16)
+    cache = CacheConfig(num_pages=64, page_size=16, max_seqs=4)
+    models = [Model(lm.config, lm.weights, TritonOps(xpre=x), cache=cache, dtype=torch.bfloat16) for x in (False, True)]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=g) for n in (9, 17, 5)]
+    states = [[m.new_state() for _ in prompts] for m in models]
+    for m, st in zip(models, states):
+        m.forward([SeqInput(p, s) for p, s in zip(prompts, st)])
+    steps = [lambda st: [SeqInput(torch.tensor([7]), st[0])],
+             lambda st: [SeqInput(torch.tensor([7, 8, 9, 10]), st[1])],
+             lambda st: [SeqInput(torch.tensor([11]), s) for s in st]]
+    for make in steps:
+        a, b = (m.forward(make(st)).logits for m, st in zip(models, states))
+        assert rel_l2(b, a) < 2e-2

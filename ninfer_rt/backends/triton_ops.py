@@ -40,6 +40,10 @@ def _dispatch():
 
 
 _DISPATCH = _dispatch()
+
+
+def _x16():
+    return importlib.import_module("ninfer_kernels.x16")
 _LINEAR = _DISPATCH.linear if _DISPATCH is not None else None
 LINEAR_BACKEND = "ninfer_kernels.dispatch" if _LINEAR is not None else "torch-reference"
 
@@ -47,7 +51,9 @@ LINEAR_BACKEND = "ninfer_kernels.dispatch" if _LINEAR is not None else "torch-re
 class TritonOps(Ops):
     name = "triton"
 
-    def __init__(self):
+    def __init__(self, xpre: bool | None = None):
+        """xpre: linear layers read activations prepared once per call (`ninfer_kernels.x16`) where a GEMV variant
+        can; None = NINFER_XPRE (default off: an experiment until bench/xpre.py says it pays)."""
         if not torch.cuda.is_available():
             from triton.runtime.interpreter import InterpretedFunction
             if not (interpreting() and isinstance(rmsnorm.rmsnorm_kernel, InterpretedFunction)):
@@ -58,12 +64,19 @@ class TritonOps(Ops):
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
+        self.xpre = bool(xpre) if xpre is not None else (_DISPATCH is not None and _x16().xpre_env())
         self._ref = TorchOps()
 
     # ---- dense ----
     def linear(self, x, w):
         if _LINEAR is None:
             return self._ref.linear(x, w)
+        if self.xpre and isinstance(w, QWeight):
+            x16 = _x16()
+            k = x.shape[-1]
+            if x16.prepared_ok(w, x.numel() // max(k, 1), x.device):
+                x2 = x.reshape(-1, k)
+                return _LINEAR(x, w, xp=x16.x16_prep(x2 if x2.stride(-1) == 1 else x2.contiguous()))
         return _LINEAR(x, w)
 
     def embedding(self, ids, table, dtype):
