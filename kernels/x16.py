@@ -24,9 +24,9 @@ import triton.language as tl
 from .gemv_launch import GemvConfig, KernelInputError, _launch, has_variant
 
 CHUNK = 128                          # activations per back factor (the MMA variant's K chunk)
-_CHUNK = tl.constexpr(CHUNK)
-_UP_FIELD = 267                      # exponent field of up = 267 - E: up = 2**(140 - E)
-_E_MIN, _E_MAX = 14, 253
+UP_FIELD = 267                       # fp32 exponent field of up = UP_FIELD - E: up = 2**(140 - E), |x'| < 2**14
+E_MIN, E_MAX = 14, 253               # E's clamp: up and back = 1 / up stay finite normals
+_CHUNK, _UP, _EMIN, _EMAX = (tl.constexpr(v) for v in (CHUNK, UP_FIELD, E_MIN, E_MAX))
 
 
 def words_per_row(K: int) -> int:
@@ -42,14 +42,14 @@ def x16_kernel(x_ptr, out_ptr, K, stride_xt, stride_ot, CHUNKS: tl.constexpr):
         if c * _CHUNK < K:
             v = tl.load(x_ptr + t * stride_xt + c * _CHUNK + tl.arange(0, _CHUNK)).to(tl.float32)
             e = (tl.max(tl.abs(v), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-            e = tl.minimum(tl.maximum(e, 14), 253)
-            up = ((267 - e) << 23).to(tl.float32, bitcast=True)
+            e = tl.minimum(tl.maximum(e, _EMIN.value), _EMAX.value)
+            up = ((_UP.value - e) << 23).to(tl.float32, bitcast=True)
             h = (v * up).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             lo, hi = tl.split(tl.permute(tl.reshape(h, [_CHUNK // 8, 2, 4]), (0, 2, 1)))
             words = tl.reshape(lo | (hi << 16), [_CHUNK // 2])
             row = out_ptr + t * stride_ot
             tl.store(row + c * (_CHUNK // 2) + tl.arange(0, _CHUNK // 2), words)
-            tl.store(row + K // 2 + c, (e - 13) << 23)
+            tl.store(row + K // 2 + c, (e + (254 - _UP.value)) << 23)      # back = 2**(E - 140): field E - 13
 
 
 def x16_ref(x: torch.Tensor) -> torch.Tensor:
@@ -57,12 +57,12 @@ def x16_ref(x: torch.Tensor) -> torch.Tensor:
     T, K = x.shape
     v = x.float().reshape(T, K // CHUNK, CHUNK)
     amax = v.abs().amax(-1)
-    e = ((amax.view(torch.int32) >> 23) & 0xFF).clamp(_E_MIN, _E_MAX)
-    up = ((_UP_FIELD - e) << 23).view(torch.float32)
+    e = ((amax.view(torch.int32) >> 23) & 0xFF).clamp(E_MIN, E_MAX)
+    up = ((UP_FIELD - e) << 23).view(torch.float32)
     h = (v * up[..., None]).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
     h = h.reshape(T, K // 8, 2, 4)
     words = (h[:, :, 0] | (h[:, :, 1] << 16)).reshape(T, K // 2)
-    return torch.cat([words, (e - 13) << 23], dim=1)
+    return torch.cat([words, (e + 254 - UP_FIELD) << 23], dim=1)
 
 
 def x16_decode(p: torch.Tensor, K: int) -> torch.Tensor:
