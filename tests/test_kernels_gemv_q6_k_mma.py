@@ -24,8 +24,8 @@ from ninfer_kernels.gemv_q6_k import gemv_q6_k, q6_k_gemv_kernel, repack_q6_k  #
 RTOL_MMA = 2e-3      # fp32 output: activations rounded to f16, (code - 32) * sc above 2048 rounded in f16
 RTOL_HALF = 1e-2     # bf16/f16 output rounding dominates
 DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
-if DEV == "cuda" and torch.cuda.get_device_capability() < (8, 0):
-    pytest.skip("the warp-MMA variant needs sm_80+", allow_module_level=True)
+pytestmark = pytest.mark.skipif(DEV == "cuda" and torch.cuda.get_device_capability() < (8, 0),
+                                reason="the warp-MMA variant needs sm_80+")
 
 
 def codec_blocks(N: int, K: int, seed: int) -> torch.Tensor:
