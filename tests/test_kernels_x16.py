@@ -93,6 +93,8 @@ def test_prepared_gemv_input_errors():
         gemv_nvfp4_prepared(xp, codes, scales, gs, out, config=GemvConfig(32, 16, 2))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU the benchmark itself runs "
+                    "(and the device image's older Triton interpreter cannot run the f16 kernels)")
 def test_bench_xpre_smoke(tmp_path):
     """bench/xpre.py end to end on the interpreter (one tiny shape, T=1): records with the named fields."""
     import json
