@@ -15,6 +15,7 @@ both factors are finite normals (an all-zero chunk gets up = 2**126, x' = 0).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -129,7 +130,13 @@ def xpre_env() -> bool:
 
 def _mma_ok(device: torch.device) -> bool:
     from .gemv_launch import interpreting
-    return interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0))
+    return interpreting() or (device.type == "cuda" and _capability(device.index) >= (8, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> tuple:
+    """Cached: `prepared_ok` runs on every linear call of a decode step."""
+    return torch.cuda.get_device_capability(index)
 
 
 def prepared_ok(qw, T: int, device) -> bool:
