@@ -88,6 +88,13 @@ def _check_backend(opts: BenchOptions, device) -> str:
     return f"triton+{triton_ops.LINEAR_BACKEND}"
 
 
+def _xpre_on(device) -> bool:
+    """Whether TritonOps' producers hand prepared activations to the linear layers here (NINFER_XPRE)."""
+    from ninfer_kernels import x16
+    mode = x16.xpre_env()
+    return mode == "1" or (mode == "auto" and x16.auto_on(device))
+
+
 def _runner(model, opts: BenchOptions):
     from ninfer_rt.graphs import GraphConfig, GraphRunner
     verify = "verify" in opts.parts
@@ -374,7 +381,7 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
     base = {"recipe": recipe, "tp": opts.tp, "gpu": D.device_name(device), "copy_tbps": ceil["copy_tbps"],
             "backend": backend, "graphs": not opts.eager, "dtype": opts.dtype,
             "gemv_tune": os.environ.get("NINFER_GEMV_TUNE", "1") != "0",
-            "xpre": os.environ.get("NINFER_XPRE", "0") == "1"}       # prepared activations (kernels/x16.py)
+            "xpre": backend.startswith("triton") and _xpre_on(device)}    # prepared activations (NINFER_XPRE)
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()

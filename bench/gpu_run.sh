@@ -8,9 +8,11 @@
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
 #   xpre      bench/xpre.py: the NVFP4 h2 / MMA GEMVs on prepared activations vs the production ones
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
-#             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them)
+#             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them);
+#             KXPRE=1 also times them on prepared activations (formats nvfp4+xpre, q6_k+xpre)
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
-#   decodex   the same with NINFER_XPRE=1 (linear layers on prepared activations), decode.json as decode_xpre.json
+#   decodex   the same with NINFER_XPRE=${DECODEX_XPRE:-0} (the comparison run: prepared activations are on by default
+#             on sm_80+), written as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 # Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
 # (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values), KCHECK=0
@@ -47,7 +49,7 @@ for step in "$@"; do
       echo "xpre rc=$?"; cat "$OUT/xpre_table.txt"; tail -3 "$OUT/xpre_log.txt" ;;
     kernels)
       timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp 1 2 \
-        --T ${KTS:-1 2 4 8} --merge \
+        --T ${KTS:-1 2 4 8} --merge $([ "${KXPRE:-0}" = 1 ] && echo --xpre) \
         --out bench/results/kernels.json > "$OUT/kernels_table.txt" 2> "$OUT/kernels_log.txt"
       echo "kernels rc=$?"; tail -2 "$OUT/kernels_log.txt"
       cp bench/results/kernels.json bench/results/kernels_check.json "$OUT/" 2>/dev/null
@@ -63,7 +65,7 @@ for step in "$@"; do
     decodex)
       l=$(left); [ "$l" -gt 120 ] || { echo "no time for decodex ($l s)"; continue; }
       case " $* " in *" serve "*) l=$(( l - ${SERVE_S:-150} ));; esac
-      NINFER_XPRE=1 timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
+      NINFER_XPRE=${DECODEX_XPRE:-0} timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
         --steps 64 --keep --dir /dev/shm/ninfer-run --budget-s $(( l - 10 )) --out "$OUT/decode_xpre.json" \
         > "$OUT/decodex_table.txt" \
         2> "$OUT/decodex_log.txt"

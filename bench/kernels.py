@@ -41,6 +41,7 @@ SHAPES = [("attn_qkv", 1, 14336, 5120), ("attn_o", 1, 5120, 6144), ("gdn_qkvz", 
           ("gdn_ab", 2, 48, 5120), ("gdn_out", 2, 5120, 3072), ("mlp_gate_up", 2, 17408, 5120),
           ("mlp_down", 2, 5120, 8704), ("lm_head", 2, 124160, 5120)]
 FORMATS = ("nvfp4", "q6_k", "iq3_s", "f8_e4m3_row", "bf16")
+XPRE_FORMATS = ("nvfp4", "q6_k")     # with GEMV variants that read prepared activations (--xpre)
 BF16_ONLY = {"gdn_ab"}
 TS = (1, 2, 4, 8, 16)
 L2_ROTATE_BYTES = 240e6   # weight copies per shape: at least 4x the 60 MB L2
@@ -206,24 +207,30 @@ def graph_us(fns, quick: bool) -> float | None:
     return D.graph_us(fns, lambda f: bench_ms(f, quick))
 
 
-def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us) -> list[dict]:
-    from ninfer_kernels import dispatch, gemv_launch as gl
+def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us, xpre: bool = False) -> list[dict]:
+    """Records per T; xpre: the same weights read through prepared activations (`ninfer_kernels.x16`, prepared
+    once outside the timing, as the producing kernels hand them over), format "<fmt>+xpre", at the T it serves."""
+    from ninfer_kernels import dispatch, gemv_launch as gl, x16
     recs, t1 = [], None
     for T in ts:
+        if xpre and not x16.prepared_ok(qws[0], T, torch.device(DEV)):
+            continue
         x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
         out = torch.empty(T, N, device=DEV, dtype=torch.bfloat16)
-        dispatch.linear(x, qws[0], out=out)               # the first call tunes; not timed
+        xp = x16.x16_prep(x) if xpre else None
+        dispatch.linear(x, qws[0], out=out, xp=xp)        # the first call tunes; not timed
         it = iter(range(1 << 62))
-        us_eager = bench_ms(lambda: dispatch.linear(x, qws[next(it) % len(qws)], out=out), True) * 1e3
-        us_g = graph_us([lambda q=q: dispatch.linear(x, q, out=out) for q in qws], quick)
+        us_eager = bench_ms(lambda: dispatch.linear(x, qws[next(it) % len(qws)], out=out, xp=xp), True) * 1e3
+        us_g = graph_us([lambda q=q: dispatch.linear(x, q, out=out, xp=xp) for q in qws], quick)
         us = us_g if us_g is not None else us_eager
         t1 = us if T == 1 else t1
-        key = gl.tune_key(_KERNEL_NAME[fmt], N, K // _kernel_spec(fmt)[2], T, x.dtype, False, x.device)
+        kname = _KERNEL_NAME[fmt] + (x16.XPRE_SUFFIX if xpre else "")
+        key = gl.tune_key(kname, N, K // _kernel_spec(fmt)[2], T, x.dtype, False, x.device)
         cfg = gl.tuned_configs().get(key)
         cands = [[str(c), None if t is None else round(t * 1e3, 2)] for c, t in gl.tuning_log().get(key, [])]
         gbps = nbytes / (us * 1e-6) / 1e9
-        recs.append({"format": fmt, "T": T, "us": round(us, 2), "us_eager": round(us_eager, 2),
-                     "gbps": round(gbps, 1), "pct_copy_bw": round(100 * gbps / copy_bw, 1),
+        recs.append({"format": fmt + (x16.XPRE_SUFFIX if xpre else ""), "T": T, "us": round(us, 2),
+                     "us_eager": round(us_eager, 2), "gbps": round(gbps, 1), "pct_copy_bw": round(100 * gbps / copy_bw, 1),
                      "torch_bf16_us": torch_us.get(T), "t_over_t1": round(us / t1, 3) if t1 else None,
                      "config": str(cfg) if cfg else "default", "candidates_us": cands})
     return recs
@@ -284,6 +291,8 @@ def _one(fmt, name, tp, N, K, ts, args, copy_bw, torch_us, checks) -> list[dict]
             if not c["ok"]:
                 log(f"CHECK FAILED {name} tp{tp} {fmt}: {c}")
     recs = time_format(fmt, qws, nbytes, N, K, ts, args.quick, copy_bw, torch_us)
+    if args.xpre and fmt in XPRE_FORMATS:
+        recs += time_format(fmt, qws, nbytes, N, K, ts, args.quick, copy_bw, torch_us, xpre=True)
     if args.prefill_T and fmt != "bf16" and name in ("attn_qkv", "mlp_down"):
         T = args.prefill_T
         recs.append({"format": fmt, "T": T, "prefill_us": prefill(fmt, qws, N, K, T, args.quick),
@@ -373,6 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", nargs="+", type=int, default=[1, 2], choices=[1, 2])
     ap.add_argument("--T", nargs="+", type=int, help=f"activation rows (default {TS})")
     ap.add_argument("--prefill-T", type=int, default=None, help="also time the prefill paths at this T")
+    ap.add_argument("--xpre", action="store_true", help="also time nvfp4 / q6_k on prepared activations "
+                    "(records with format '<fmt>+xpre'; their winners ship like the others)")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="precompile processes")
     ap.add_argument("--no-precompile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU + interpreter dry run of this script")

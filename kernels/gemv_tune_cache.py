@@ -34,7 +34,7 @@ from .gemv_launch import GemvConfig
 
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
 H2_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a packed-half2 variant (gemv_*_h2)
-MMA_FORMATS = ("nvfp4",)         # formats with a warp-MMA variant (gemv_*_mma; sm_80+)
+MMA_FORMATS = ("nvfp4", "q6_k")   # formats with a warp-MMA variant (gemv_*_mma; sm_80+)
 _TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2", "mma")   # without the split
 
 
@@ -58,9 +58,15 @@ class TuneKey:
 
 
 def kernel_format(kernel_name: str) -> str:
-    """nvfp4_gemv_kernel -> nvfp4, f8_gemv_kernel -> f8_e4m3_row, plain_gemv_kernel[1] -> plain[1]."""
+    """nvfp4_gemv_kernel -> nvfp4, f8_gemv_kernel -> f8_e4m3_row, plain_gemv_kernel[1] -> plain[1],
+    nvfp4_gemv_kernel+xpre -> nvfp4+xpre (the launch on prepared activations, `x16.py`)."""
     fmt = kernel_name.replace("_gemv_kernel", "")
     return "f8_e4m3_row" if fmt == "f8" else fmt
+
+
+def base_format(fmt: str) -> str:
+    """The weight format of a tune-cache format: nvfp4+xpre -> nvfp4."""
+    return fmt.split("+", 1)[0]
 
 
 def device_identity(device) -> tuple[str, str]:
@@ -162,6 +168,7 @@ def _shipped() -> dict:
 
 
 def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1, cc: str = "9.0", K: int = 0) -> bool:
+    fmt = base_format(fmt)
     if cfg.h2 and (fmt not in H2_FORMATS or t_bucket > 8):   # the packed-half2 variants exist for T <= 8
         return False
     if cfg.mma and (fmt not in MMA_FORMATS or t_bucket > 16 or float(cc) < 8.0 or K % (cfg.block_g * GS)):
@@ -188,9 +195,11 @@ def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
 
 
 def heuristic(fmt: str, t_bucket: int, cands: list[GemvConfig]) -> GemvConfig:
-    """The best-ranked shipped tile for (fmt, T bucket) that is among `cands`, else cands[0]."""
+    """The best-ranked shipped tile for (fmt, T bucket) that is among `cands`, else cands[0]; a format with no
+    ranking of its own (nvfp4+xpre) takes its weight format's."""
     by_tile = {tuple(getattr(c, f) for f in _TILE): c for c in reversed(cands)}   # first candidate wins ties
-    for tile in _shipped().get("heuristic", {}).get(fmt, {}).get(str(t_bucket), ()):
+    ranks = _shipped().get("heuristic", {})
+    for tile in ranks.get(fmt, ranks.get(base_format(fmt), {})).get(str(t_bucket), ()):
         if not isinstance(tile, dict):
             continue
         c = by_tile.get(tuple(tile.get(f, False if f in ("h2", "mma") else None) for f in _TILE))

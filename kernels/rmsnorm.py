@@ -4,6 +4,10 @@ residual add (`add_rmsnorm`). One program per row; statistics in fp32.
 Rows come as an [A, B, D] view with two row strides so the per-head q/k slices of a fused projection are
 normalised in place of a copy. The residual sum is rounded to the activation dtype before it is normalised,
 exactly as the unfused `r = residual + x; rmsnorm(r)` would.
+
+With `xp` (an int32 [rows, D/128 + D/2] buffer) the kernel also writes the normalised rows' prepared form
+(`ninfer_kernels.x16`), which the next linear layer's f16 GEMV reads instead of converting the activations in
+every CTA: bit-identical to `x16_prep` of the returned tensor.
 """
 from __future__ import annotations
 
@@ -12,11 +16,12 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
+from .x16 import check_prepared_out, store_prepared
 
 
 @triton.jit
-def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, n_inner, sx_a, sx_b, sr_a, sr_b, D, eps,
-                   PLUS_ONE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr):
+def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, xp_ptr, n_inner, sx_a, sx_b, sr_a, sr_b, s_xp, D, eps,
+                   PLUS_ONE: tl.constexpr, HAS_RES: tl.constexpr, XP: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)
     a = (row // n_inner).to(tl.int64)
     b = (row % n_inner).to(tl.int64)
@@ -34,14 +39,19 @@ def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, n_inner, sx_a, sx_b, sr
         tl.store(rsum_ptr + out_row + offs, s, mask=m)
         x = s.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    tl.store(y_ptr + out_row + offs, (x * inv * w).to(y_ptr.dtype.element_ty), mask=m)
+    y = (x * inv * w).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + out_row + offs, y, mask=m)
+    if XP:
+        store_prepared(y.to(tl.float32), xp_ptr + row.to(tl.int64) * s_xp, 0, D, D)
 
 
-def _launch(x, residual, w, eps, plus_one):
+def _launch(x, residual, w, eps, plus_one, xp=None):
     d = x.shape[-1]
     if w.shape != (d,):
         raise KernelInputError(f"rmsnorm: weight shape {tuple(w.shape)} does not match the last dim {d}")
     x3 = rows3(x)
+    if xp is not None:
+        check_prepared_out(xp, x3.shape[0] * x3.shape[1], d, x.device, "rmsnorm")
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rsum = torch.empty_like(y) if residual is not None else y
     r3 = rows3(residual) if residual is not None else x3
@@ -50,27 +60,31 @@ def _launch(x, residual, w, eps, plus_one):
     n_rows = x3.shape[0] * x3.shape[1]
     if n_rows:
         block = pow2(d)
-        rmsnorm_kernel[(n_rows,)](x3, r3, w, y, rsum, x3.shape[1], x3.stride(0), x3.stride(1),
-                                  r3.stride(0), r3.stride(1), d, float(eps), PLUS_ONE=bool(plus_one),
-                                  HAS_RES=residual is not None, BLOCK_D=block, num_warps=warps_for(block))
+        rmsnorm_kernel[(n_rows,)](x3, r3, w, y, rsum, y if xp is None else xp, x3.shape[1], x3.stride(0),
+                                  x3.stride(1), r3.stride(0), r3.stride(1), 0 if xp is None else xp.stride(0), d,
+                                  float(eps), PLUS_ONE=bool(plus_one), HAS_RES=residual is not None,
+                                  XP=xp is not None, BLOCK_D=block, num_warps=warps_for(block))
     return y, rsum
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
-    """x [..., D] -> x * rsqrt(mean(x^2) + eps) * (1 + w | w), new contiguous tensor in x's dtype."""
-    return _launch(x, None, w, eps, plus_one)[0]
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, plus_one: bool, xp=None) -> torch.Tensor:
+    """x [..., D] -> x * rsqrt(mean(x^2) + eps) * (1 + w | w), new contiguous tensor in x's dtype; its prepared
+    form into `xp` when given (see the module note)."""
+    return _launch(x, None, w, eps, plus_one, xp)[0]
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                plus_one: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (rmsnorm(residual + x), residual + x); both new tensors in x's dtype."""
-    return _launch(x, residual, w, eps, plus_one)
+                plus_one: bool = True, xp=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rmsnorm(residual + x), residual + x); both new tensors in x's dtype; the first one's prepared form
+    into `xp` when given."""
+    return _launch(x, residual, w, eps, plus_one, xp)
 
 
 def compile_specs(act: str):
     """(kernel, signature, constexprs) triples for the no-GPU compile check; `act` is fp16/bf16/fp32."""
     sig = {"x_ptr": f"*{act}", "r_ptr": f"*{act}", "w_ptr": "*fp32", "y_ptr": f"*{act}", "rsum_ptr": f"*{act}",
-           "n_inner": "i32", "sx_a": "i64", "sx_b": "i64", "sr_a": "i64", "sr_b": "i64", "D": "i32",
-           "eps": "fp32"}
-    return [(rmsnorm_kernel, sig, {"PLUS_ONE": p, "HAS_RES": r, "BLOCK_D": bd}, warps_for(bd))
-            for p, r, bd in ((True, True, 8192), (True, False, 256), (False, False, 128))]
+           "xp_ptr": "*i32", "n_inner": "i32", "sx_a": "i64", "sx_b": "i64", "sr_a": "i64", "sr_b": "i64",
+           "s_xp": "i64", "D": "i32", "eps": "fp32"}
+    return [(rmsnorm_kernel, sig, {"PLUS_ONE": p, "HAS_RES": r, "XP": xp, "BLOCK_D": bd}, warps_for(bd))
+            for p, r, xp, bd in ((True, True, True, 8192), (True, True, False, 8192), (True, False, True, 256),
+                                 (True, False, False, 256), (False, False, False, 128))]

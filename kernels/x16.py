@@ -35,6 +35,27 @@ def words_per_row(K: int) -> int:
 
 
 @triton.jit
+def store_prepared(v, row_ptr, e0, n_elems, K):
+    """Store activations e0, e0 + 1, .. (e0 a multiple of 128) of one prepared row (`row_ptr`: int32 pointer to
+    its word 0) from v, fp32 [a multiple of 128] holding them as the producer's output dtype rounds them; chunks
+    past the first `n_elems` activations are not written (a producer's tail block or padding). Shared by the prep kernel
+    and the producers that write the prepared copy beside their output (rmsnorm, silu_mul, sigmoid_mul,
+    gated_rmsnorm)."""
+    NCH: tl.constexpr = v.shape[0] // _CHUNK
+    v2 = tl.reshape(v, [NCH, _CHUNK])
+    e = (tl.max(tl.abs(v2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(e, _EMIN.value), _EMAX.value)
+    up = ((_UP.value - e) << 23).to(tl.float32, bitcast=True)
+    h = (v2 * up[:, None]).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    lo, hi = tl.split(tl.permute(tl.reshape(h, [NCH * (_CHUNK // 8), 2, 4]), (0, 2, 1)))
+    words = tl.reshape(lo | (hi << 16), [NCH * (_CHUNK // 2)])
+    w = tl.arange(0, NCH * (_CHUNK // 2))
+    tl.store(row_ptr + e0 // 2 + w, words, mask=w < n_elems // 2)
+    c = tl.arange(0, NCH)
+    tl.store(row_ptr + K // 2 + e0 // _CHUNK + c, (e + (254 - _UP.value)) << 23, mask=c < n_elems // _CHUNK)
+
+
+@triton.jit
 def x16_kernel(x_ptr, out_ptr, K, stride_xt, stride_ot, CHUNKS: tl.constexpr):
     """One program per (row, CHUNKS chunks)."""
     t = tl.program_id(0)
@@ -42,15 +63,17 @@ def x16_kernel(x_ptr, out_ptr, K, stride_xt, stride_ot, CHUNKS: tl.constexpr):
         c = tl.program_id(1) * CHUNKS + i
         if c * _CHUNK < K:
             v = tl.load(x_ptr + t * stride_xt + c * _CHUNK + tl.arange(0, _CHUNK)).to(tl.float32)
-            e = (tl.max(tl.abs(v), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-            e = tl.minimum(tl.maximum(e, _EMIN.value), _EMAX.value)
-            up = ((_UP.value - e) << 23).to(tl.float32, bitcast=True)
-            h = (v * up).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            lo, hi = tl.split(tl.permute(tl.reshape(h, [_CHUNK // 8, 2, 4]), (0, 2, 1)))
-            words = tl.reshape(lo | (hi << 16), [_CHUNK // 2])
-            row = out_ptr + t * stride_ot
-            tl.store(row + c * (_CHUNK // 2) + tl.arange(0, _CHUNK // 2), words)
-            tl.store(row + K // 2 + c, (e + (254 - _UP.value)) << 23)      # back = 2**(E - 140): field E - 13
+            store_prepared(v, out_ptr + t * stride_ot, c * _CHUNK, _CHUNK, K)
+
+
+def check_prepared_out(xp, rows: int, K: int, device, what: str) -> None:
+    """A producer's prepared-output buffer: int32 [rows, K/2 + K/128], unit column stride, K a multiple of 128."""
+    ok = (isinstance(xp, torch.Tensor) and xp.dtype == torch.int32 and K % CHUNK == 0 and xp.dim() == 2
+          and tuple(xp.shape) == (rows, words_per_row(K)) and xp.stride(1) == 1 and xp.device == device)
+    if not ok:
+        got = (tuple(xp.shape), xp.dtype, str(xp.device)) if isinstance(xp, torch.Tensor) else type(xp).__name__
+        raise KernelInputError(f"{what}: the prepared output must be int32 [{rows}, K/2 + K/{CHUNK}] for K={K} "
+                               f"(a multiple of {CHUNK}) on {device}, got {got}")
 
 
 def x16_ref(x: torch.Tensor) -> torch.Tensor:
@@ -116,16 +139,25 @@ def launch_prepared(kernel, weights: tuple, xp, N: int, K: int, GS: int, fscale:
     return out
 
 
-# ---- the tuned linear on prepared activations (opt-in: NINFER_XPRE=1, `ninfer_rt.backends.triton_ops`) ----
-_TUNE_PREFIX = "xpre"      # tuner keys of prepared launches (tuned in-process, not kept in the tune cache)
+# ---- the tuned linear on prepared activations (`ninfer_rt.backends.triton_ops`, NINFER_XPRE) ----
 
 
-def xpre_env() -> bool:
-    """NINFER_XPRE: '0' (the default) or '1' (linear layers read prepared activations where a variant can)."""
-    v = os.environ.get("NINFER_XPRE", "0")
-    if v not in ("0", "1"):
-        raise KernelInputError(f"NINFER_XPRE={v!r}: expected 0 or 1")
-    return v == "1"
+XPRE_MODES = ("auto", "0", "1")
+
+
+def xpre_env() -> str:
+    """NINFER_XPRE: whether the producers write prepared activations for the linear layers: 'auto' (the default:
+    on CUDA devices of compute capability 8.0+, where bench/NOTES.md §11 measured it faster), '0' or '1'."""
+    v = os.environ.get("NINFER_XPRE", "auto")
+    if v not in XPRE_MODES:
+        raise KernelInputError(f"NINFER_XPRE={v!r}: expected one of {', '.join(XPRE_MODES)}")
+    return v
+
+
+def auto_on(device) -> bool:
+    """NINFER_XPRE=auto's choice for `device`."""
+    device = torch.device(device)
+    return device.type == "cuda" and _capability(device.index) >= (8, 0)
 
 
 def _mma_ok(device: torch.device) -> bool:
@@ -161,10 +193,13 @@ def _kernel_and_weights(qw, device):
     return q6_k_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], 1.0
 
 
+XPRE_SUFFIX = "+xpre"   # tuner kernel names (and so tune-cache formats, e.g. "nvfp4+xpre") of prepared launches
+
+
 def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
-    """y [T, N] `dtype` = x @ W^T (+ residual) from x's prepared form xp; the h2 / MMA config tuned per
-    (weight shape, T bucket, dtype, residual) in this process (`gemv_launch.pick_config`)."""
-    from .gemv_launch import candidates, h2_tiles, interpreting, next_pow2, pick_config
+    """y [T, N] `dtype` = x @ W^T (+ residual) from x's prepared form xp. The h2 / MMA config is the GEMV tuner's
+    (`gemv_launch.choose_config`) under the format "<fmt>+xpre": remembered across processes like the others."""
+    from .gemv_launch import candidates, choose_config, h2_tiles, interpreting, tune_key
     T, (N, K), dev = xp.shape[0], qw.shape, xp.device
     kernel, w, fscale = _kernel_and_weights(qw, dev)
     h2 = qw.fmt == "nvfp4" and T <= 8
@@ -173,12 +208,12 @@ def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
     if not cands or interpreting():      # the interpreter: one small tile of the variant
         cands = [GemvConfig(32, 16, 2, 1, h2=True) if h2 else GemvConfig(32, 8, 2, 1, mma=True)]
     out = torch.empty((T, N), dtype=dtype, device=dev) if out is None else out
-    key = (_TUNE_PREFIX, kernel.__name__, N, K, next_pow2(T), str(dtype), residual is not None, str(dev))
+    key = tune_key(kernel.__name__ + XPRE_SUFFIX, N, K // 16, T, dtype, residual is not None, dev)
     scratch = []
 
     def run(c):     # timed into scratch: out may alias the residual
         if not scratch:
             scratch.append(torch.empty_like(out))
         return launch_prepared(kernel, w, xp, N, K, 16, fscale, scratch[0], residual, c, "linear (prepared)")
-    cfg = pick_config(key, cands, run, dev)
+    cfg, _ = choose_config(key, cands, run, dev, 16)
     return launch_prepared(kernel, w, xp, N, K, 16, fscale, out, residual, cfg, "linear (prepared)")

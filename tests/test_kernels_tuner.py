@@ -33,6 +33,7 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(gl, "time_ms", fake_time)
     monkeypatch.setattr(gl, "_TUNED", {})
     monkeypatch.setattr(gl, "_TUNE_LOG", {})
+    monkeypatch.setattr(gl, "RUNOFF_ROUNDS", 0)    # one timing per candidate unless a test asks for the runoff
     tc.reset()
     yield st
     tc.reset()
@@ -290,3 +291,50 @@ def test_candidates_h2_stage_modes(monkeypatch):
     at = {T: {c.num_stages for c in gl.candidates(T, 14336, 320, 16, torch.bfloat16, dev, h2=True) if c.h2}
           for T in (1, 2, 4)}
     assert at[1] == {1, 3} and 2 not in at[2] | at[4]
+
+
+def test_variant_format_lists_match_the_registered_kernels():
+    """The cache's H2_FORMATS / MMA_FORMATS decide which remembered configs are usable: they must name exactly the
+    formats with that variant (a format missing from MMA_FORMATS silently re-tunes in every process)."""
+    import importlib
+    for fmt in ("nvfp4", "q6_k", "iq3_s"):
+        kernel = getattr(importlib.import_module(f"ninfer_kernels.gemv_{fmt}"), f"{fmt}_gemv_kernel")
+        assert gl.has_variant(kernel, "h2") == (fmt in tc.H2_FORMATS), fmt
+        assert gl.has_variant(kernel, "mma") == (fmt in tc.MMA_FORMATS), fmt
+    ship = json.loads(tc.SHIPPED_PATH.read_text())
+    e = next(e for e in ship["gpus"]["NVIDIA H200"] if e["fmt"] == "q6_k" and e["config"].get("mma"))
+    key = tc.TuneKey("NVIDIA H200", "9.0", "any", "q6_k", e["N"], e["K"], e["t_bucket"], "torch.bfloat16", False)
+    tc.reset()
+    tc._USER = {}
+    assert tc.lookup(key, 16) == GemvConfig(**e["config"])     # Q6_K GEMVs run on 16-weight groups
+    tc.reset()
+
+
+def test_prepared_launch_choices_are_remembered_under_their_own_format(gpu, monkeypatch):
+    """x16.prepared_linear tunes under "<fmt>+xpre": its own cache entries, the weight format's variant rules
+    and, with tuning off, the weight format's heuristic."""
+    h2 = [GemvConfig(32, 16, 2, 1, split=2, h2=True), GemvConfig(64, 16, 4, 1, split=2, h2=True)]
+    gpu.times = {h2[0]: 2.0, h2[1]: 1.0}
+    key = _key(kernel="nvfp4_gemv_kernel+xpre")
+    assert tc.make_key(key, 16, CUDA).fmt == "nvfp4+xpre"
+    assert gl.choose_config(key, h2, _run(gpu), CUDA, 16) == (h2[1], True)
+    monkeypatch.setattr(gl, "_TUNED", {})
+    tc.reset()
+    gpu.calls.clear()
+    assert gl.choose_config(key, h2, _run(gpu), CUDA, 16) == (h2[1], True) and gpu.calls == []
+    assert gl.choose_config(_key(), CANDS, _run(gpu), CUDA, 16)[0] in CANDS     # the plain key is separate
+    top = json.loads(tc.SHIPPED_PATH.read_text())["heuristic"]["nvfp4"]["1"][0]
+    assert tc.heuristic("nvfp4+xpre", 1, [CANDS[0], GemvConfig(**top, split=3)]) == GemvConfig(**top, split=3)
+
+
+def test_close_finishers_are_timed_again(gpu, monkeypatch):
+    """A candidate that wins the first pass by noise loses the runoff; a clear loser is not timed again."""
+    monkeypatch.setattr(gl, "RUNOFF_ROUNDS", 2)
+    seq = {CANDS[0]: [1.00, 1.10, 1.12], CANDS[1]: [1.05, 0.97, 0.99], CANDS[2]: [2.0]}
+
+    def run(c):
+        gpu.calls.append(c)
+        return seq[c][sum(1 for x in gpu.calls if x == c) - 1]
+    cfg, _ = gl.choose_config(_key(N=1000), CANDS, run, CUDA, 16)
+    assert cfg == CANDS[1] and gpu.calls.count(CANDS[2]) == 1 and gpu.calls.count(CANDS[0]) == 3
+    assert dict(gl.tuning_log()[_key(N=1000)])[CANDS[1]] == 0.97

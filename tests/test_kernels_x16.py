@@ -172,21 +172,12 @@ def test_linear_on_prepared_activations(fmt, T):
     assert not prepared_ok(qw, 17, x.device) and (fmt == "nvfp4" or not prepared_ok(qw, 1, x.device))
 
 
-def test_xpre_env_and_triton_ops_switch(monkeypatch):
-    from ninfer_kernels.x16 import xpre_env
-    monkeypatch.setenv("NINFER_XPRE", "yes")
-    with pytest.raises(KernelInputError, match="NINFER_XPRE"):
-        xpre_env()
-    monkeypatch.setenv("NINFER_XPRE", "1")
-    assert xpre_env()
-    from ninfer_rt.backends.triton_ops import TritonOps
-    assert TritonOps().xpre and not TritonOps(xpre=False).xpre
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_model_with_prepared_activations_gpu(tmp_path):
-    """bf16 tiny nvfp4 artifact (bench/synth_artifact.py) on TritonOps with and without NINFER_XPRE's path: the
-    same logits up to bf16 rounding for a decode step (h2), a 4-token verify (MMA) and a batch of 3."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter takes minutes over a model; "
+                    "tests/test_kernels_x16_producers.py covers the hand-over on CPU)")
+def test_model_with_prepared_activations_gpu(tmp_path, monkeypatch):
+    """The bf16 tiny nvfp4 artifact (bench/synth_artifact.py) on TritonOps with and without the producers'
+    prepared copy: the same logits up to bf16 rounding for a decode step (h2), a 4-token verify (MMA) and a batch
+    of 3, and the prepared path is what the linear layers took."""
     import sys
     from pathlib import Path
     sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
@@ -197,9 +188,13 @@ def test_model_with_prepared_activations_gpu(tmp_path):
     from ninfer_rt.model import Model, SeqInput
     from ninfer_rt.state import CacheConfig
     paths, _ = synth.build(str(tmp_path), synth.TINY, "nvfp4", workers=1)
-    lm = load(paths[0], device="cuda", dtype=torch.bfloat16)
+    dtype = torch.bfloat16
+    lm = load(paths[0], device="cuda", dtype=dtype)
     cache = CacheConfig(num_pages=64, page_size=16, max_seqs=4)
-    models = [Model(lm.config, lm.weights, TritonOps(xpre=x), cache=cache, dtype=torch.bfloat16) for x in (False, True)]
+    models = [Model(lm.config, lm.weights, TritonOps(xpre=x), cache=cache, dtype=dtype) for x in (False, True)]
+    from ninfer_rt.backends import triton_ops
+    prepared, real = [], triton_ops._LINEAR
+    monkeypatch.setattr(triton_ops, "_LINEAR", lambda x, w, xp=None: prepared.append(xp is not None) or real(x, w, xp=xp))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 1000, (n,), generator=g) for n in (9, 17, 5)]
     states = [[m.new_state() for _ in prompts] for m in models]
@@ -209,5 +204,8 @@ def test_model_with_prepared_activations_gpu(tmp_path):
              lambda st: [SeqInput(torch.tensor([7, 8, 9, 10]), st[1])],
              lambda st: [SeqInput(torch.tensor([11]), s) for s in st]]
     for make in steps:
+        prepared.clear()
         a, b = (m.forward(make(st)).logits for m, st in zip(models, states))
         assert rel_l2(b, a) < 2e-2
+        n = len(prepared) // 2     # the first model's calls, then the second's: qkv / in_proj, out / o, gate_up, down
+        assert not any(prepared[:n]) and sum(prepared[n:]) >= 3 * lm.config.num_hidden_layers, prepared

@@ -27,6 +27,7 @@ from ninfer_kernels.ops_common import interpreting
 from ..ops import AttnMeta, GdnMeta, Ops
 from ..weights import QWeight
 from . import fla_gdn, prefill_attn
+from .prepared import PreparedMemo
 from .torch_ops import TorchOps
 
 
@@ -44,6 +45,11 @@ _DISPATCH = _dispatch()
 
 def _x16():
     return importlib.import_module("ninfer_kernels.x16")
+
+
+def _row_len(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[0] if t.shape[0] else 0
+
 _LINEAR = _DISPATCH.linear if _DISPATCH is not None else None
 LINEAR_BACKEND = "ninfer_kernels.dispatch" if _LINEAR is not None else "torch-reference"
 
@@ -52,8 +58,9 @@ class TritonOps(Ops):
     name = "triton"
 
     def __init__(self, xpre: bool | None = None):
-        """xpre: linear layers read activations prepared once per call (`ninfer_kernels.x16`) where a GEMV variant
-        can; None = NINFER_XPRE (default off: an experiment until bench/xpre.py says it pays)."""
+        """xpre: the norms and gates in front of linear layers also write their output's prepared form
+        (`ninfer_kernels.x16`, `prepared.py`), which the f16 GEMV variants read; None = NINFER_XPRE (auto: on for
+        CUDA devices of compute capability 8.0 or later, where it was measured faster)."""
         if not torch.cuda.is_available():
             from triton.runtime.interpreter import InterpretedFunction
             if not (interpreting() and isinstance(rmsnorm.rmsnorm_kernel, InterpretedFunction)):
@@ -64,19 +71,32 @@ class TritonOps(Ops):
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
-        self.xpre = bool(xpre) if xpre is not None else (_DISPATCH is not None and _x16().xpre_env())
+        mode = ("1" if xpre else "0") if xpre is not None else _x16().xpre_env() if _DISPATCH is not None else "0"
+        self.xpre = mode
+        self._memo = PreparedMemo()
         self._ref = TorchOps()
+
+    def _prepared_out(self, rows: int, K: int, device) -> torch.Tensor | None:
+        """A buffer for a producer's prepared copy when a linear layer may read it, else None."""
+        if self.xpre == "0" or not PreparedMemo.wanted(rows, K):
+            return None
+        if self.xpre == "auto" and not _x16().auto_on(device):
+            return None
+        return PreparedMemo.buffer(rows, K, device)
+
+    def _produced(self, y, xp):
+        if xp is not None:
+            self._memo.remember(y, xp)
+        return y
 
     # ---- dense ----
     def linear(self, x, w):
         if _LINEAR is None:
             return self._ref.linear(x, w)
-        if self.xpre and isinstance(w, QWeight):
-            x16 = _x16()
-            k = x.shape[-1]
-            if x16.prepared_ok(w, x.numel() // max(k, 1), x.device):
-                x2 = x.reshape(-1, k)
-                return _LINEAR(x, w, xp=x16.x16_prep(x2 if x2.stride(-1) == 1 else x2.contiguous()))
+        if self.xpre != "0" and isinstance(w, QWeight):
+            xp = self._memo.find(x)
+            if xp is not None and _x16().prepared_ok(w, xp.shape[0], x.device):
+                return _LINEAR(x, w, xp=xp)
         return _LINEAR(x, w)
 
     def embedding(self, ids, table, dtype):
@@ -87,19 +107,27 @@ class TritonOps(Ops):
         return table.index_select(0, ids).to(dtype)
 
     def rmsnorm(self, x, w, eps, plus_one):
-        return rmsnorm.rmsnorm(x, w, eps, plus_one)
+        xp = self._prepared_out(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.device)
+        return self._produced(rmsnorm.rmsnorm(x, w, eps, plus_one, xp=xp), xp)
 
     def add_rmsnorm(self, x, residual, w, eps, plus_one=True):
-        return rmsnorm.add_rmsnorm(x, residual, w, eps, plus_one)
+        xp = self._prepared_out(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.device)
+        y, s = rmsnorm.add_rmsnorm(x, residual, w, eps, plus_one, xp=xp)
+        return self._produced(y, xp), s
 
     def gated_rmsnorm(self, o, z, w, eps):
-        return gated_rmsnorm.gated_rmsnorm(o, z, w, eps)
+        # [T, Hv, dv]: the linear reads a token's Hv * dv outputs as one row; a program owns whole chunks of it
+        ok = o.dim() == 3 and o.shape[-1] % _x16().CHUNK == 0
+        xp = self._prepared_out(o.shape[0], _row_len(o), o.device) if ok else None
+        return self._produced(gated_rmsnorm.gated_rmsnorm(o, z, w, eps, xp=xp), xp)
 
     def silu_mul(self, gate_up):
-        return silu_mul.silu_mul(gate_up)
+        xp = self._prepared_out(gate_up.shape[0], gate_up.shape[-1] // 2, gate_up.device)
+        return self._produced(silu_mul.silu_mul(gate_up, xp=xp), xp)
 
     def sigmoid_gate(self, o, gate):
-        return silu_mul.sigmoid_mul(o, gate)
+        xp = self._prepared_out(o.shape[0], _row_len(o), o.device) if o.dim() in (2, 3) else None
+        return self._produced(silu_mul.sigmoid_mul(o, gate, xp=xp), xp)
 
     # ---- attention ----
     def rope(self, q, k, positions, rotary_dim, theta, mrope_section=None):
