@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
 def test_serve_bench_records(tiny, tmp_path):
     out = tmp_path / "serve.json"
     r = subprocess.run([sys.executable, BENCH, "--artifact", tiny, "--concurrency", "1,2", "--max-tokens",
-                        str(MAX_TOKENS), "--prompt-tokens", "12", "--device", "cpu", "--out", str(out)],
+                        str(MAX_TOKENS), "--prompt-tokens", "12", "--device", "cpu", "--waves", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     recs = json.loads(out.read_text())
@@ -47,6 +47,7 @@ def test_serve_bench_records(tiny, tmp_path):
         assert rec["requests"] == rec["client_requests"] == c
         assert rec["completion_tokens"] == rec["client_completion_tokens"] == c * MAX_TOKENS
         assert math.isclose(rec["ratio_to_direct"], rec["agg_tok_s"] / rec["direct_agg_tok_s"], rel_tol=REL_TOL)
+        assert rec["waves"] == 2 and len(rec["agg_tok_s_waves"]) == 2 and rec["agg_tok_s"] in rec["agg_tok_s_waves"]
     assert "wrote" in r.stderr and "conc" in r.stdout
 
 
