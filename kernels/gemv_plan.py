@@ -33,14 +33,15 @@ class GemvPlan:
     """launch(x, out, residual) -> out, or None when the call does not fit the plan (caller takes the checked
     path, which raises the proper error or builds another plan)."""
 
-    __slots__ = ("K", "N", "T", "cnt", "consts", "device", "dtype", "grid", "has_res", "kernel", "runner", "scalars",
-                 "spec", "tail", "weights", "ws")
+    __slots__ = ("K", "N", "T", "cnt", "consts", "device", "dtype", "grid", "has_res", "kernel", "out_dtype", "runner",
+                 "scalars", "spec", "tail", "weights", "ws")
 
     def __init__(self, kernel, grid, weights, ws, cnt, scalars, consts: dict, compiled, x, out, res, has_res):
         self.kernel, self.grid, self.weights, self.ws, self.cnt = kernel, grid, tuple(weights), ws, cnt
         self.scalars, self.consts = tuple(scalars), dict(consts)   # (fscale, T, N, G, split)
         self.T, self.N, self.K = x.shape[0], out.shape[1], x.shape[1]
-        self.dtype, self.device, self.has_res = x.dtype, x.device, has_res
+        # x's and out's dtypes differ for prepared activations (int32 words in, bf16 out: kernels/x16.py)
+        self.dtype, self.out_dtype, self.device, self.has_res = x.dtype, out.dtype, x.device, has_res
         self.runner, self.spec, self.tail = None, _spec(x, out, res), ()
         jit = getattr(kernel, "jit", kernel)
         names = list(getattr(jit, "arg_names", ()))
@@ -59,11 +60,11 @@ class GemvPlan:
             return None
         T, N = self.T, self.N
         if out is None:
-            out = torch.empty((T, N), dtype=self.dtype, device=self.device)
+            out = torch.empty((T, N), dtype=self.out_dtype, device=self.device)
             os_ = (N, 1)
         else:
             os_ = out.stride()
-            if out.shape != (T, N) or out.dtype != self.dtype or os_[1] != 1 or out.device != self.device:
+            if out.shape != (T, N) or out.dtype != self.out_dtype or os_[1] != 1 or out.device != self.device:
                 return None
         if residual is None:
             res, rs = out, os_

@@ -122,6 +122,12 @@ def launch_prepared(kernel, weights: tuple, xp, N: int, K: int, GS: int, fscale:
                     cfg: GemvConfig, what: str):
     """One config of the h2 (T <= 8) or mma (T <= 16) variant of `kernel` on prepared activations
     (`ninfer_kernels.x16`: int32 [T, K/2 + K/128]); out [T, N] given (its dtype is the output's). No tuning."""
+    _launch(*_checked_args(kernel, weights, xp, N, K, GS, fscale, out, residual, cfg, what), extra={"XPRE": True})
+    return out
+
+
+def _checked_args(kernel, weights, xp, N, K, GS, fscale, out, residual, cfg, what) -> tuple:
+    """`gemv_launch._launch`'s leading arguments for a prepared launch, after checking them."""
     if not isinstance(xp, torch.Tensor) or xp.dtype != torch.int32 or xp.dim() != 2 or K % CHUNK \
             or xp.shape[1] != words_per_row(K) or xp.stride(1) != 1:
         got = (tuple(xp.shape), xp.dtype) if isinstance(xp, torch.Tensor) else type(xp).__name__
@@ -135,8 +141,7 @@ def launch_prepared(kernel, weights: tuple, xp, N: int, K: int, GS: int, fscale:
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, N) or out.stride(1) != 1 \
             or out.device != xp.device:
         raise KernelInputError(f"{what}: out must be [{T}, {N}] with unit column stride on {xp.device}")
-    _launch(kernel, weights, xp, N, G, fscale, out, residual, cfg, extra={"XPRE": True})
-    return out
+    return kernel, weights, xp, N, G, fscale, out, residual, cfg
 
 
 # ---- the tuned linear on prepared activations (`ninfer_rt.backends.triton_ops`, NINFER_XPRE) ----
@@ -194,12 +199,27 @@ def _kernel_and_weights(qw, device):
 
 
 XPRE_SUFFIX = "+xpre"   # tuner kernel names (and so tune-cache formats, e.g. "nvfp4+xpre") of prepared launches
+_PLAN_TAG = "xpre"       # first field of a prepared launch's key in the weight's plan dict
 
 
 def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
     """y [T, N] `dtype` = x @ W^T (+ residual) from x's prepared form xp. The h2 / MMA config is the GEMV tuner's
-    (`gemv_launch.choose_config`) under the format "<fmt>+xpre": remembered across processes like the others."""
+    (`gemv_launch.choose_config`) under the format "<fmt>+xpre": remembered across processes like the others.
+    Once final it becomes a `GemvPlan` in the weight's plan dict: later calls skip the checks and the tuner
+    (eager decode steps pay ~450 of these per step)."""
+    from .dispatch import _plans
+    plans, pkey = _plans(qw), (_PLAN_TAG, xp.shape[0], dtype, residual is not None)
+    plan = plans.get(pkey)
+    if plan is not None:
+        y = plan(xp, out, residual)
+        if y is not None:
+            return y
+    return _prepared_checked(xp, qw, out, residual, dtype, plans, pkey)
+
+
+def _prepared_checked(xp, qw, out, residual, dtype, plans: dict, pkey) -> torch.Tensor:
     from .gemv_launch import candidates, choose_config, h2_tiles, interpreting, tune_key
+    from .gemv_plan import GemvPlan
     T, (N, K), dev = xp.shape[0], qw.shape, xp.device
     kernel, w, fscale = _kernel_and_weights(qw, dev)
     h2 = qw.fmt == "nvfp4" and T <= 8
@@ -215,5 +235,11 @@ def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
         if not scratch:
             scratch.append(torch.empty_like(out))
         return launch_prepared(kernel, w, xp, N, K, 16, fscale, scratch[0], residual, c, "linear (prepared)")
-    cfg, _ = choose_config(key, cands, run, dev, 16)
-    return launch_prepared(kernel, w, xp, N, K, 16, fscale, out, residual, cfg, "linear (prepared)")
+    cfg, final = choose_config(key, cands, run, dev, 16)
+    args = _checked_args(kernel, w, xp, N, K, 16, fscale, out, residual, cfg, "linear (prepared)")
+    compiled, grid, ws, cnt, scalars, consts, launched = _launch(*args, extra={"XPRE": True})
+    if final:
+        res = residual if residual is not None else out
+        plans[pkey] = GemvPlan(launched, grid, w, ws, cnt, scalars, consts, compiled, xp, out, res,
+                               residual is not None)
+    return out
