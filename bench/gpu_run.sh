@@ -14,6 +14,7 @@
 #   decodex   the same with NINFER_XPRE=${DECODEX_XPRE:-0} (the comparison run: prepared activations are on by default
 #             on sm_80+), written as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
+#   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
 # (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values), KCHECK=0
 # (kernels without --check: its probes compile T = 8/16/64 variants in-process, ~30 s per format).
@@ -56,8 +57,9 @@ for step in "$@"; do
       python3 -m ninfer_kernels.gemv_tune_cache bench/results/kernels.json && cp kernels/gemv_tuned.json "$OUT/" ;;
     decode)
       l=$(left); [ "$l" -gt 120 ] || { echo "no time for decode ($l s)"; continue; }
-      keep=""; case " $* " in *" serve "*|*" decodex "*) keep="--keep --dir /dev/shm/ninfer-run";; esac
+      keep=""; case " $* " in *" serve"*|*" decodex "*) keep="--keep --dir /dev/shm/ninfer-run";; esac
       case " $* " in *" serve "*) l=$(( l - ${SERVE_S:-150} ));; esac
+      case " $* " in *" servex "*) l=$(( l - ${SERVE_S:-150} ));; esac
       case " $* " in *" decodex "*) l=$(( l - ${DECODEX_S:-150} ));; esac
       timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} --steps 64 $keep \
         --budget-s $(( l - 10 )) --out "$OUT/decode.json" > "$OUT/decode_table.txt" 2> "$OUT/decode_log.txt"
@@ -65,6 +67,7 @@ for step in "$@"; do
     decodex)
       l=$(left); [ "$l" -gt 120 ] || { echo "no time for decodex ($l s)"; continue; }
       case " $* " in *" serve "*) l=$(( l - ${SERVE_S:-150} ));; esac
+      case " $* " in *" servex "*) l=$(( l - ${SERVE_S:-150} ));; esac
       NINFER_XPRE=${DECODEX_XPRE:-0} timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
         --steps 64 --keep --dir /dev/shm/ninfer-run --budget-s $(( l - 10 )) --out "$OUT/decode_xpre.json" \
         > "$OUT/decodex_table.txt" \
@@ -73,9 +76,16 @@ for step in "$@"; do
     serve)
       l=$(left); [ "$l" -gt 90 ] || { echo "no time for serve ($l s)"; continue; }
       art=$(ls -d /dev/shm/ninfer-run/nvfp4-tp1 2>/dev/null) || { echo "serve: no artifact (run decode first)"; continue; }
+      case " $* " in *" servex "*) l=$(( l - ${SERVE_S:-150} ));; esac
       timeout $l python3 bench/serve.py --artifact "$art" --concurrency ${SERVE_C:-1,2,4,8} --max-tokens 64 \
         --out "$OUT/serve.json" > "$OUT/serve_table.txt" 2>&1
       echo "serve rc=$?"; tail -15 "$OUT/serve_table.txt" ;;
+    servex)
+      l=$(left); [ "$l" -gt 90 ] || { echo "no time for servex ($l s)"; continue; }
+      art=$(ls -d /dev/shm/ninfer-run/nvfp4-tp1 2>/dev/null) || { echo "servex: no artifact (run decode first)"; continue; }
+      NINFER_XPRE=${SERVEX_XPRE:-0} timeout $l python3 bench/serve.py --artifact "$art" --concurrency ${SERVE_C:-1,2,4,8} \
+        --max-tokens 64 --out "$OUT/serve_xpre.json" > "$OUT/servex_table.txt" 2>&1
+      echo "servex rc=$?"; tail -15 "$OUT/servex_table.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done
