@@ -32,7 +32,7 @@ from .gemv_timing import time_ms
 from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4
 from .gemv_plain import _WIDTH, gemv_plain
 from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k
-from .x16 import prepared_linear, prepared_ok
+from .x16 import prefer_prepared, prepared_linear, prepared_ok
 
 DECODE_MAX_T = 16
 _REPACK = {"q6_k": repack_q6_k, "iq3_s": repack_iq3_s}
@@ -189,7 +189,8 @@ def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None, x
         if not prepared_ok(qw, T, x.device) or xp.shape[0] != T:
             raise KernelInputError(f"linear {qw.name or qw.fmt}: prepared activations for {xp.shape[0]} rows do "
                                    f"not serve a {qw.fmt} weight at T={T}")
-        y = prepared_linear(xp, qw, o2, r2, x.dtype)
+        y = prepared_linear(xp, qw, o2, r2, x.dtype) if prefer_prepared(qw, T, x.dtype, r2 is not None, x.device) \
+            else _gemv(x2, qw, o2, r2)
     elif T > DECODE_MAX_T:
         y = _prefill(x2, qw, o2, r2, prefill_path)
     else:

@@ -194,6 +194,22 @@ def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
     return None
 
 
+def remembered_ms(key: TuneKey) -> float | None:
+    """The time remembered with `key`'s choice: the user cache's, else the shipped entry's for its GPU; None if
+    neither has one."""
+    hit = _user().get(key)
+    if hit is not None and isinstance(hit[1], (int, float)):
+        return float(hit[1])
+    ship = _shipped()
+    if ship.get("dtype") != key.dtype:
+        return None
+    for e in ship.get("gpus", {}).get(key.gpu, ()):
+        if (e.get("fmt"), e.get("N"), e.get("K"), e.get("t_bucket")) == (key.fmt, key.N, key.K, key.t_bucket):
+            us = e.get("us")
+            return float(us) / 1e3 if isinstance(us, (int, float)) else None
+    return None
+
+
 def heuristic(fmt: str, t_bucket: int, cands: list[GemvConfig]) -> GemvConfig:
     """The best-ranked shipped tile for (fmt, T bucket) that is among `cands`, else cands[0]; a format with no
     ranking of its own (nvfp4+xpre) takes its weight format's."""

@@ -186,6 +186,29 @@ def prepared_ok(qw, T: int, device) -> bool:
     return qw.fmt == "q6_k" and T >= 2 and _mma_ok(torch.device(device))
 
 
+PREFER_MARGIN = 0.02     # the plain launch must be remembered this much faster to be taken over the prepared one
+_KERNEL_NAMES = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel"}
+
+
+def prefer_prepared(qw, T: int, dtype, residual: bool, device) -> bool:
+    """Whether the prepared launch serves `qw` at T rows: yes unless both choices are remembered (user cache or
+    shipped H200 table, `gemv_tune_cache.remembered_ms`) and the plain one is faster (on the H200 the warp-MMA
+    loop at T = 4..8 gains nothing from prepared input on some shapes). Decided once per weight and T bucket."""
+    from .gemv_launch import interpreting, tune_key
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return True
+    memo = qw.cache.setdefault("xpre.prefer", {})
+    k = (T, dtype, residual)
+    if k not in memo:
+        from . import gemv_tune_cache as tc
+        name, G = _KERNEL_NAMES[qw.fmt], qw.shape[1] // 16
+        plain, prep = (tc.remembered_ms(tc.make_key(tune_key(n, qw.shape[0], G, T, dtype, residual, device), 16,
+                                                    device)) for n in (name, name + XPRE_SUFFIX))
+        memo[k] = plain is None or prep is None or prep <= plain * (1 + PREFER_MARGIN)
+    return memo[k]
+
+
 def _kernel_and_weights(qw, device):
     """(kernel, weight arguments, fscale) of `qw` for a prepared launch."""
     K = qw.shape[1]

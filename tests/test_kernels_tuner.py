@@ -338,3 +338,39 @@ def test_close_finishers_are_timed_again(gpu, monkeypatch):
     cfg, _ = gl.choose_config(_key(N=1000), CANDS, run, CUDA, 16)
     assert cfg == CANDS[1] and gpu.calls.count(CANDS[2]) == 1 and gpu.calls.count(CANDS[0]) == 3
     assert dict(gl.tuning_log()[_key(N=1000)])[CANDS[1]] == 0.97
+
+
+def test_prepared_launch_is_skipped_where_the_plain_one_is_remembered_faster(gpu):
+    from types import SimpleNamespace
+
+    from ninfer_kernels import x16
+    gpu.name = "Made-up GPU"                 # no shipped entries: only what is recorded here
+    qw = SimpleNamespace(fmt="nvfp4", shape=(4096, 5120), cache={})
+
+    def remember(T, plain_ms, prep_ms):
+        for name, ms in (("nvfp4_gemv_kernel", plain_ms), ("nvfp4_gemv_kernel+xpre", prep_ms)):
+            if ms is not None:
+                tc.record(tc.make_key(gl.tune_key(name, 4096, 320, T, torch.bfloat16, False, CUDA), 16, CUDA),
+                          CANDS[0], ms)
+    remember(4, 0.025, 0.027)                # plain remembered 8 % faster
+    remember(2, 0.025, 0.022)
+    remember(8, 0.025, 0.0253)               # within the margin: prepared
+    remember(1, None, 0.02)                  # only one side known: prepared
+    assert not x16.prefer_prepared(qw, 4, torch.bfloat16, False, CUDA)
+    assert x16.prefer_prepared(qw, 2, torch.bfloat16, False, CUDA)
+    assert x16.prefer_prepared(qw, 8, torch.bfloat16, False, CUDA)
+    assert x16.prefer_prepared(qw, 1, torch.bfloat16, False, CUDA)
+    assert x16.prefer_prepared(qw, 4, torch.bfloat16, False, torch.device("cpu"))
+    assert qw.cache["xpre.prefer"][(4, torch.bfloat16, False)] is False     # decided once per weight and T
+
+
+def test_shipped_h200_table_decides_prepared_vs_plain():
+    """The shipped table holds both formats' times for the H200 shapes; remembered_ms reads them."""
+    tc.reset()
+    tc._USER = {}
+    ship = json.loads(tc.SHIPPED_PATH.read_text())["gpus"]["NVIDIA H200"]
+    e = next(e for e in ship if e["fmt"] == "nvfp4+xpre")
+    key = tc.TuneKey("NVIDIA H200", "9.0", "any", "nvfp4+xpre", e["N"], e["K"], e["t_bucket"], "torch.bfloat16", True)
+    assert tc.remembered_ms(key) == pytest.approx(e["us"] / 1e3)
+    assert tc.remembered_ms(tc.TuneKey(**{**vars(key), "N": 7})) is None
+    tc.reset()
