@@ -230,7 +230,8 @@ def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us, xpre: bool
         cands = [[str(c), None if t is None else round(t * 1e3, 2)] for c, t in gl.tuning_log().get(key, [])]
         gbps = nbytes / (us * 1e-6) / 1e9
         recs.append({"format": fmt + (x16.XPRE_SUFFIX if xpre else ""), "T": T, "us": round(us, 2),
-                     "us_eager": round(us_eager, 2), "gbps": round(gbps, 1), "pct_copy_bw": round(100 * gbps / copy_bw, 1),
+                     "us_eager": round(us_eager, 2), "gbps": round(gbps, 1),
+                     "pct_copy_bw": round(100 * gbps / copy_bw, 1),
                      "torch_bf16_us": torch_us.get(T), "t_over_t1": round(us / t1, 3) if t1 else None,
                      "config": str(cfg) if cfg else "default", "candidates_us": cands})
     return recs

@@ -38,9 +38,9 @@ def words_per_row(K: int) -> int:
 def store_prepared(v, row_ptr, e0, n_elems, K):
     """Store activations e0, e0 + 1, .. (e0 a multiple of 128) of one prepared row (`row_ptr`: int32 pointer to
     its word 0) from v, fp32 [a multiple of 128] holding them as the producer's output dtype rounds them; chunks
-    past the first `n_elems` activations are not written (a producer's tail block or padding). Shared by the prep kernel
-    and the producers that write the prepared copy beside their output (rmsnorm, silu_mul, sigmoid_mul,
-    gated_rmsnorm)."""
+    past the first `n_elems` activations are not written (a producer's tail block or padding). Shared by the
+    prep kernel and the producers that write the prepared copy beside their output (rmsnorm, silu_mul,
+    sigmoid_mul, gated_rmsnorm). The back factor's fp32 exponent field is E - 13: back = 2**(E - 140)."""
     NCH: tl.constexpr = v.shape[0] // _CHUNK
     v2 = tl.reshape(v, [NCH, _CHUNK])
     e = (tl.max(tl.abs(v2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF

@@ -201,7 +201,8 @@ def test_model_with_prepared_activations_gpu(tmp_path, monkeypatch):
     models = [Model(lm.config, lm.weights, TritonOps(xpre=x), cache=cache, dtype=dtype) for x in (False, True)]
     from ninfer_rt.backends import triton_ops
     prepared, real = [], triton_ops._LINEAR
-    monkeypatch.setattr(triton_ops, "_LINEAR", lambda x, w, xp=None: prepared.append(xp is not None) or real(x, w, xp=xp))
+    monkeypatch.setattr(triton_ops, "_LINEAR",
+                        lambda x, w, xp=None: prepared.append(xp is not None) or real(x, w, xp=xp))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 1000, (n,), generator=g) for n in (9, 17, 5)]
     states = [[m.new_state() for _ in prompts] for m in models]

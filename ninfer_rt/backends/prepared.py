@@ -48,6 +48,3 @@ class PreparedMemo:
                     and xp.shape[0] * K == n and xp.shape[1] == words_per_row(K):
                 return xp
         return None
-
-    def clear(self) -> None:
-        self._entries.clear()

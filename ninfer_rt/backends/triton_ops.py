@@ -41,6 +41,8 @@ def _dispatch():
 
 
 _DISPATCH = _dispatch()
+_LINEAR = _DISPATCH.linear if _DISPATCH is not None else None
+LINEAR_BACKEND = "ninfer_kernels.dispatch" if _LINEAR is not None else "torch-reference"
 
 
 def _x16():
@@ -49,9 +51,6 @@ def _x16():
 
 def _row_len(t: torch.Tensor) -> int:
     return t.numel() // t.shape[0] if t.shape[0] else 0
-
-_LINEAR = _DISPATCH.linear if _DISPATCH is not None else None
-LINEAR_BACKEND = "ninfer_kernels.dispatch" if _LINEAR is not None else "torch-reference"
 
 
 class TritonOps(Ops):
@@ -71,8 +70,8 @@ class TritonOps(Ops):
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
-        mode = ("1" if xpre else "0") if xpre is not None else _x16().xpre_env() if _DISPATCH is not None else "0"
-        self.xpre = mode
+        # "auto" | "1" | "0" (NINFER_XPRE's values); the GEMVs that read prepared input come with the dispatch
+        self.xpre = ("1" if xpre else "0") if xpre is not None else _x16().xpre_env() if _DISPATCH is not None else "0"
         self._memo = PreparedMemo()
         self._ref = TorchOps()
 
