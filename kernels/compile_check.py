@@ -128,8 +128,8 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                     continue
                 out += [(Variant(f, xd, 8, 128, 8, use_split=True, has_res=True, stages=2), cc),
                         (Variant(f, xd, 16, 256, 8), cc)]
-                if f in XPRE_FORMATS:
-                    out.append((Variant(f, xd, 8, 128, 8, stages=2, xpre=True), cc))
+                if f in XPRE_FORMATS:     # prepared activations, double and triple buffered
+                    out += [(Variant(f, xd, 8, 128, 8, stages=s, xpre=True), cc) for s in (2, 3)]
                 if full:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue

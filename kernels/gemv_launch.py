@@ -64,9 +64,9 @@ class GemvConfig:
         if self.h2 + self.use_dot + self.mma > 1:
             raise ValueError("GemvConfig: h2, use_dot and mma are three different inner products; pick one")
         if self.mma and (self.block_g not in (8, 16) or self.block_n % (16 * self.num_warps)
-                         or self.t_tile not in (0, 8, 16) or self.num_stages > 2):
+                         or self.t_tile not in (0, 8, 16) or self.num_stages > 3):
             raise ValueError("GemvConfig: mma needs block_g 8 or 16, block_n a multiple of 16 * num_warps, t_tile "
-                             f"0, 8 or 16 and num_stages 1 or 2, got {self.block_g}, {self.block_n}, {self.t_tile}, "
+                             f"0, 8 or 16 and num_stages 1, 2 or 3, got {self.block_g}, {self.block_n}, {self.t_tile}, "
                              f"{self.num_stages}")
 
 
@@ -121,9 +121,10 @@ _DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 
                     16: ()}
 # warp-MMA tiles (block_n, block_g, num_warps, num_stages) per T bucket, trimmed to what won on the H200 (bench/
 # NOTES.md §7): 16 rows per warp and m-tile, 8 groups (128 weights) per chunk; num_stages 1 = load then decode,
-# 2 = the next step's loads issued before this step's decode (gemv_mma_body._k_loop). T = 1 never won (h2 does);
-# block_g 16 never won and its double buffer needs 196-255 registers and 40-65 s of ptxas per variant.
-_MMA_T2_8 = ((128, 8, 4, 2), (256, 8, 4, 2))
+# 2 = the next step's loads issued before this step's decode (gemv_mma_body._k_loop), 3 = two steps ahead (new
+# in §11, unmeasured: 135 registers on sm_90, 125 on prepared input). T = 1 never won (h2 does); block_g 16 never
+# won and its double buffer needs 196-255 registers and 40-65 s of ptxas per variant.
+_MMA_T2_8 = ((128, 8, 4, 2), (256, 8, 4, 2), (128, 8, 4, 3))
 _DECODE_MMA_TILES = {1: (), 2: _MMA_T2_8, 4: _MMA_T2_8, 8: _MMA_T2_8, 16: ((256, 8, 4, 1), (128, 8, 4, 1))}
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))

@@ -147,8 +147,20 @@ def _k_loop(accs, x_ptr, w0, w1, w2, w3, rows, cols, g_lo, g_hi, q, G, stride_xt
     """STAGES 1: load a step, then decode it (ptxas interleaves the loads with the previous m-tiles' work, so
     their latency is exposed once per m-tile); 2: the next step's loads are issued before this step's decode
     (a register double buffer; the last step re-reads itself, from L2). (A barrier after a step's loads, which
-    keeps the T = 1 h2 loop's loads together, did not: ptxas still interleaved them, Triton 3.6 sm_90 SASS.)"""
-    if STAGES == 2:
+    keeps the T = 1 h2 loop's loads together, did not: ptxas still interleaved them, Triton 3.6 sm_90 SASS.)
+    3: two steps' loads in flight ahead of the decode (a triple buffer: more bytes outstanding per warp, for the
+    T = 4..8 loops that run at ~40 % of copy bandwidth; the last two steps re-read themselves)."""
+    if STAGES == 3:
+        ld = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
+        ld1 = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g_lo + BLOCK_G, g_hi - BLOCK_G), q, G,
+                         stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
+        for g0 in range(g_lo, g_hi, BLOCK_G):
+            nxt = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g0 + 2 * BLOCK_G, g_hi - BLOCK_G), q, G,
+                             stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
+            tl.debug_barrier()
+            accs = _step(accs, ld, BLOCK_G, M_REP, NB, NW, MODE, XPRE, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
+            ld, ld1 = ld1, nxt
+    elif STAGES == 2:
         ld = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
         for g0 in range(g_lo, g_hi, BLOCK_G):
             nxt = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g0 + BLOCK_G, g_hi - BLOCK_G), q, G,
@@ -172,7 +184,7 @@ def mma_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T
              ROW_PAIRS: tl.constexpr, ROW_FACTOR: tl.constexpr, HAS_FACTOR: tl.constexpr):
     """Grid and split-K as `gemv_common.gemv_body`; fscale includes the weights' power of two."""
     tl.static_assert(BLOCK_N % (16 * NW) == 0 and (BLOCK_G == 8 or BLOCK_G == 16))
-    tl.static_assert((T_TILE == 8 or T_TILE == 16) and 1 <= STAGES and STAGES <= 2)
+    tl.static_assert((T_TILE == 8 or T_TILE == 16) and 1 <= STAGES and STAGES <= 3)
     M_REP: tl.constexpr = BLOCK_N // (16 * NW)
     NB: tl.constexpr = T_TILE // 8
     e = tl.arange(0, NW * 32)

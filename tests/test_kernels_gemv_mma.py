@@ -38,6 +38,8 @@ CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, res
     "T5-bf16-split2-res": (5, torch.bfloat16, 19, 768, 64, 8, 4, 1, 2, True),
     "T11-f32-two-col-blocks-prefetch": (11, torch.float32, 37, 384, 32, 8, 2, 2, 1, False),
     "T16-bf16-split2-g16-prefetch": (16, torch.bfloat16, 33, 768, 64, 16, 2, 2, 2, True),
+    "T6-bf16-split2-triple-buffer-res": (6, torch.bfloat16, 37, 1024, 64, 8, 2, 3, 2, True),
+    "T4-f32-split3-triple-one-step": (4, torch.float32, 37, 384, 64, 8, 2, 3, 3, False),
 }
 
 

@@ -46,6 +46,7 @@ CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, res
     "T8-f16-g16": (8, torch.float16, 70, 512, 32, 16, 2, 1, 1, False),
     "T11-f32-two-col-blocks": (11, torch.float32, 21, 512, 32, 8, 2, 1, 1, False),
     "T16-bf16-split2-g16-prefetch": (16, torch.bfloat16, 33, 1024, 64, 16, 2, 2, 2, True),
+    "T6-bf16-split2-triple-buffer-res": (6, torch.bfloat16, 37, 1024, 64, 8, 2, 3, 2, True),
 }
 
 

@@ -65,6 +65,7 @@ CASES = {  # T, dtype, N, K, config (h2: block_n, block_g, num_warps, stages, sp
     "mma-T1-bf16": (1, torch.bfloat16, 37, 256, GemvConfig(32, 8, 2, 1, split=1, mma=True), False),
     "mma-T5-f32-split3-prefetch-res": (5, torch.float32, 37, 384, GemvConfig(64, 8, 2, 2, split=3, mma=True), True),
     "mma-T11-bf16-g16": (11, torch.bfloat16, 33, 512, GemvConfig(32, 16, 2, 1, split=1, mma=True), False),
+    "mma-T6-bf16-triple-buffer-res": (6, torch.bfloat16, 37, 1024, GemvConfig(64, 8, 2, 3, split=2, mma=True), True),
 }
 
 
