@@ -8,8 +8,11 @@ run (read + write), torch's bf16 matmul on the same shape timed the same way, an
 `--check` first compares every kernel with the codec reference at the real shape (sampled output rows) so one
 device run both validates and times. Prefill (T > 16): fused tl.dot GEMM vs dequantize + cuBLAS vs torch bf16.
 
-    python bench/kernels.py [--quick] [--check] [--out bench/results/kernels.json] [--json]
+    python bench/kernels.py [--quick] [--check] [--xpre] [--out bench/results/kernels.json] [--json]
     python bench/kernels.py --smoke     # CPU + Triton interpreter, tiny shapes: exercises this script only
+
+--xpre also times NVFP4 / Q6_K on prepared activations (`ninfer_kernels.x16`, what the norms and gates hand the
+decode step's linear layers), as formats "nvfp4+xpre" / "q6_k+xpre"; their winners ship like the others.
 
 Table on stdout, progress on stderr, records to --out: a list of {"format", "name", "tp", "shape": [N, K],
 "T", "us", "us_eager", "gbps", "pct_copy_bw", "torch_bf16_us", "gpu", ...}.
