@@ -218,3 +218,29 @@ def test_model_with_prepared_activations_gpu(tmp_path, monkeypatch):
         assert rel_l2(b, a) < 2e-2
         n = len(prepared) // 2     # the first model's calls, then the second's: qkv / in_proj, out / o, gate_up, down
         assert not any(prepared[:n]) and sum(prepared[n:]) >= 3 * lm.config.num_hidden_layers, prepared
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU the benchmark itself runs")
+def test_bench_kernels_xpre_smoke(tmp_path):
+    """bench/kernels.py --xpre on the interpreter: "<fmt>+xpre" records beside the plain ones, with the named
+    fields, and the shipped-defaults builder takes both formats."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ninfer_kernels import gemv_tune_cache as tc
+    out = tmp_path / "kernels.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "kernels.py"
+    p = subprocess.run([sys.executable, str(script), "--smoke", "--formats", "nvfp4", "--T", "1", "2", "--xpre",
+                        "--tp", "1", "--no-precompile", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = json.loads(out.read_text())
+    assert {(r["format"], r["T"]) for r in recs} == {("nvfp4", 1), ("nvfp4", 2), ("nvfp4+xpre", 1), ("nvfp4+xpre", 2)}
+    for r in recs:
+        for k in ("format", "shape", "T", "us", "gbps", "pct_copy_bw", "torch_bf16_us", "gpu"):
+            assert k in r, k
+    fake = [{**r, "config": "GemvConfig(block_n=32, block_g=16, num_warps=2, num_stages=1, split=1, h2=True)"}
+            for r in recs]
+    built = tc.build_shipped(fake, "kernels.json")
+    assert {e["fmt"] for e in next(iter(built["gpus"].values()))} == {"nvfp4", "nvfp4+xpre"}
