@@ -14,6 +14,8 @@ from collections import deque
 
 import torch
 
+from ninfer_kernels.x16 import CHUNK, words_per_row
+
 MAX_ROWS = 16       # the prepared GEMVs serve T <= 16 (decode, verify, small batches); prefill rows never match
 _KEEP = 4           # outputs remembered: a linear reads what the op just before it produced
 
@@ -24,12 +26,10 @@ class PreparedMemo:
 
     @staticmethod
     def wanted(rows: int, K: int) -> bool:
-        from ninfer_kernels.x16 import CHUNK
         return 1 <= rows <= MAX_ROWS and K > 0 and K % CHUNK == 0
 
     @staticmethod
     def buffer(rows: int, K: int, device) -> torch.Tensor:
-        from ninfer_kernels.x16 import words_per_row
         return torch.empty((rows, words_per_row(K)), dtype=torch.int32, device=device)
 
     def remember(self, y: torch.Tensor, xp: torch.Tensor) -> None:
@@ -38,7 +38,6 @@ class PreparedMemo:
 
     def find(self, x: torch.Tensor) -> torch.Tensor | None:
         """The prepared form of x (read as [rows, x.shape[-1]]) if a remembered output is exactly x's memory."""
-        from ninfer_kernels.x16 import words_per_row
         ptr, n, K = x.data_ptr(), x.numel(), x.shape[-1]
         for ref, y_ptr, version, numel, dtype, xp in reversed(self._entries):
             y = ref()
