@@ -89,10 +89,8 @@ def _check_backend(opts: BenchOptions, device) -> str:
 
 
 def _xpre_on(device) -> bool:
-    """Whether TritonOps' producers hand prepared activations to the linear layers here (NINFER_XPRE)."""
     from ninfer_kernels import x16
-    mode = x16.xpre_env()
-    return mode == "1" or (mode == "auto" and x16.auto_on(device))
+    return x16.xpre_on(x16.xpre_env(), device)
 
 
 def _runner(model, opts: BenchOptions):

@@ -25,6 +25,38 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t0=$(date +%s)
 el() { echo $(( $(date +%s) - t0 )); }
 left() { echo $(( ${TOTAL_S:-580} - $(el) - 15 )); }
+# seconds kept back for the later steps named (each ${DECODEX_S:-150} / ${SERVE_S:-150}) that this call runs
+reserve() {
+  local r=0 s
+  for s in "$@"; do
+    case " $STEPS " in *" $s "*) case $s in decodex) r=$(( r + ${DECODEX_S:-150} ));; *) r=$(( r + ${SERVE_S:-150} ));; esac;; esac
+  done
+  echo $r
+}
+# run_decode NAME XPRE RESERVED: bench/decode.py on $RECIPES (the artifact kept for decodex / serve); NAME decode
+# writes decode.json, decodex (the NINFER_XPRE comparison run) decode_xpre.json
+run_decode() {
+  local name=$1 l=$(( $(left) - $3 )) keep="" json=decode.json
+  [ "$l" -gt 120 ] || { echo "no time for $name ($l s)"; return; }
+  case " $STEPS " in *" decodex "*|*" serve "*|*" servex "*) keep="--keep --dir /dev/shm/ninfer-run";; esac
+  [ "$name" = decodex ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_xpre.json; }
+  NINFER_XPRE=$2 timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
+    --steps 64 $keep --budget-s $(( l - 10 )) --out "$OUT/$json" \
+    > "$OUT/${name}_table.txt" 2> "$OUT/${name}_log.txt"
+  echo "$name rc=$?"; tail -30 "$OUT/${name}_table.txt"; tail -3 "$OUT/${name}_log.txt"
+}
+# run_serve NAME XPRE RESERVED: bench/serve.py at $SERVE_C on the nvfp4 artifact decode kept; NAME serve writes
+# serve.json, servex (the NINFER_XPRE comparison run) serve_xpre.json
+run_serve() {
+  local name=$1 l=$(( $(left) - $3 )) json=serve.json art
+  [ "$l" -gt 90 ] || { echo "no time for $name ($l s)"; return; }
+  art=$(ls -d /dev/shm/ninfer-run/nvfp4-tp1 2>/dev/null) || { echo "$name: no artifact (run decode first)"; return; }
+  [ "$name" = servex ] && json=serve_xpre.json
+  NINFER_XPRE=$2 timeout $l python3 bench/serve.py --artifact "$art" --concurrency ${SERVE_C:-1,2,4,8} \
+    --max-tokens 64 --out "$OUT/$json" > "$OUT/${name}_table.txt" 2>&1
+  echo "$name rc=$?"; tail -15 "$OUT/${name}_table.txt"
+}
+STEPS=" $* "
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 for step in "$@"; do
   echo "== $step at $(el) s"
@@ -55,37 +87,10 @@ for step in "$@"; do
       echo "kernels rc=$?"; tail -2 "$OUT/kernels_log.txt"
       cp bench/results/kernels.json bench/results/kernels_check.json "$OUT/" 2>/dev/null
       python3 -m ninfer_kernels.gemv_tune_cache bench/results/kernels.json && cp kernels/gemv_tuned.json "$OUT/" ;;
-    decode)
-      l=$(left); [ "$l" -gt 120 ] || { echo "no time for decode ($l s)"; continue; }
-      keep=""; case " $* " in *" serve"*|*" decodex "*) keep="--keep --dir /dev/shm/ninfer-run";; esac
-      case " $* " in *" serve "*) l=$(( l - ${SERVE_S:-150} ));; esac
-      case " $* " in *" servex "*) l=$(( l - ${SERVE_S:-150} ));; esac
-      case " $* " in *" decodex "*) l=$(( l - ${DECODEX_S:-150} ));; esac
-      timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} --steps 64 $keep \
-        --budget-s $(( l - 10 )) --out "$OUT/decode.json" > "$OUT/decode_table.txt" 2> "$OUT/decode_log.txt"
-      echo "decode rc=$?"; tail -30 "$OUT/decode_table.txt"; tail -3 "$OUT/decode_log.txt" ;;
-    decodex)
-      l=$(left); [ "$l" -gt 120 ] || { echo "no time for decodex ($l s)"; continue; }
-      case " $* " in *" serve "*) l=$(( l - ${SERVE_S:-150} ));; esac
-      case " $* " in *" servex "*) l=$(( l - ${SERVE_S:-150} ));; esac
-      NINFER_XPRE=${DECODEX_XPRE:-0} timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
-        --steps 64 --keep --dir /dev/shm/ninfer-run --budget-s $(( l - 10 )) --out "$OUT/decode_xpre.json" \
-        > "$OUT/decodex_table.txt" \
-        2> "$OUT/decodex_log.txt"
-      echo "decodex rc=$?"; tail -30 "$OUT/decodex_table.txt"; tail -3 "$OUT/decodex_log.txt" ;;
-    serve)
-      l=$(left); [ "$l" -gt 90 ] || { echo "no time for serve ($l s)"; continue; }
-      art=$(ls -d /dev/shm/ninfer-run/nvfp4-tp1 2>/dev/null) || { echo "serve: no artifact (run decode first)"; continue; }
-      case " $* " in *" servex "*) l=$(( l - ${SERVE_S:-150} ));; esac
-      timeout $l python3 bench/serve.py --artifact "$art" --concurrency ${SERVE_C:-1,2,4,8} --max-tokens 64 \
-        --out "$OUT/serve.json" > "$OUT/serve_table.txt" 2>&1
-      echo "serve rc=$?"; tail -15 "$OUT/serve_table.txt" ;;
-    servex)
-      l=$(left); [ "$l" -gt 90 ] || { echo "no time for servex ($l s)"; continue; }
-      art=$(ls -d /dev/shm/ninfer-run/nvfp4-tp1 2>/dev/null) || { echo "servex: no artifact (run decode first)"; continue; }
-      NINFER_XPRE=${SERVEX_XPRE:-0} timeout $l python3 bench/serve.py --artifact "$art" --concurrency ${SERVE_C:-1,2,4,8} \
-        --max-tokens 64 --out "$OUT/serve_xpre.json" > "$OUT/servex_table.txt" 2>&1
-      echo "servex rc=$?"; tail -15 "$OUT/servex_table.txt" ;;
+    decode) run_decode decode "${NINFER_XPRE:-auto}" "$(reserve decodex serve servex)" ;;
+    decodex) run_decode decodex "${DECODEX_XPRE:-0}" "$(reserve serve servex)" ;;
+    serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
+    servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;
   esac
 done

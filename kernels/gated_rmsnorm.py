@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
-from .x16 import CHUNK, check_prepared_out, store_prepared
+from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
 
 
 @triton.jit
@@ -50,10 +50,10 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
     if n_rows:
         d = o.shape[-1]
         block = pow2(d)
-        gated_rmsnorm_kernel[(n_rows,)](o3, z3, w, y, y if xp is None else xp, o3.shape[1], o3.stride(0),
-                                        o3.stride(1), z3.stride(0), z3.stride(1), 0 if xp is None else xp.stride(0),
-                                        d, float(eps), XP=xp is not None, BLOCK_D=block,
-                                        num_warps=warps_for(block))
+        xp_ptr, s_xp = prepared_out_args(xp, y)
+        gated_rmsnorm_kernel[(n_rows,)](o3, z3, w, y, xp_ptr, o3.shape[1], o3.stride(0), o3.stride(1),
+                                        z3.stride(0), z3.stride(1), s_xp, d, float(eps), XP=xp is not None,
+                                        BLOCK_D=block, num_warps=warps_for(block))
     return y
 
 

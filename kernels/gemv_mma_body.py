@@ -150,24 +150,21 @@ def _k_loop(accs, x_ptr, w0, w1, w2, w3, rows, cols, g_lo, g_hi, q, G, stride_xt
     keeps the T = 1 h2 loop's loads together, did not: ptxas still interleaved them, Triton 3.6 sm_90 SASS.)
     3: two steps' loads in flight ahead of the decode (a triple buffer: more bytes outstanding per warp, for the
     T = 4..8 loops that run at ~40 % of copy bandwidth; the last two steps re-read themselves)."""
-    if STAGES == 3:
+    if STAGES >= 2:
+        last = g_hi - BLOCK_G
         ld = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
-        ld1 = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g_lo + BLOCK_G, g_hi - BLOCK_G), q, G,
-                         stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
+        if STAGES == 3:
+            ld1 = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g_lo + BLOCK_G, last), q, G, stride_xt,
+                             BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
         for g0 in range(g_lo, g_hi, BLOCK_G):
-            nxt = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g0 + 2 * BLOCK_G, g_hi - BLOCK_G), q, G,
+            nxt = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g0 + (STAGES - 1) * BLOCK_G, last), q, G,
                              stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
             tl.debug_barrier()
             accs = _step(accs, ld, BLOCK_G, M_REP, NB, NW, MODE, XPRE, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
-            ld, ld1 = ld1, nxt
-    elif STAGES == 2:
-        ld = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
-        for g0 in range(g_lo, g_hi, BLOCK_G):
-            nxt = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g0 + BLOCK_G, g_hi - BLOCK_G), q, G,
-                             stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
-            tl.debug_barrier()
-            accs = _step(accs, ld, BLOCK_G, M_REP, NB, NW, MODE, XPRE, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
-            ld = nxt
+            if STAGES == 3:
+                ld, ld1 = ld1, nxt
+            else:
+                ld = nxt
     else:
         for g0 in range(g_lo, g_hi, BLOCK_G):
             ld = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, g0, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE,

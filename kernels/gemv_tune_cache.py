@@ -176,22 +176,29 @@ def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1, cc:
     return not (cfg.use_dot and cfg.block_g * GS < 16)   # the kernel's tl.dot needs >= 16 K per step
 
 
+def _shipped_entry(key: TuneKey) -> dict | None:
+    """The shipped entry for `key`'s GPU, format, shape and T bucket (the residual only adds an epilogue)."""
+    ship = _shipped()
+    if ship.get("dtype") != key.dtype:
+        return None
+    want = (key.fmt, key.N, key.K, key.t_bucket)
+    return next((e for e in ship.get("gpus", {}).get(key.gpu, ())
+                 if (e.get("fmt"), e.get("N"), e.get("K"), e.get("t_bucket")) == want), None)
+
+
 def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
     """The user cache's config for `key`, else the shipped one for its GPU, else None."""
     hit = _user().get(key)
     if hit is not None and _usable(hit[0], GS, key.fmt, key.t_bucket, key.cc, key.K):
         return hit[0]
-    ship = _shipped()
-    if ship.get("dtype") != key.dtype:
+    e = _shipped_entry(key)
+    if e is None:
         return None
-    for e in ship.get("gpus", {}).get(key.gpu, ()):
-        if (e.get("fmt"), e.get("N"), e.get("K"), e.get("t_bucket")) == (key.fmt, key.N, key.K, key.t_bucket):
-            try:
-                cfg = GemvConfig(**e["config"])
-            except (TypeError, KeyError, ValueError):
-                return None
-            return cfg if _usable(cfg, GS, key.fmt, key.t_bucket, key.cc, key.K) else None
-    return None
+    try:
+        cfg = GemvConfig(**e["config"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    return cfg if _usable(cfg, GS, key.fmt, key.t_bucket, key.cc, key.K) else None
 
 
 def remembered_ms(key: TuneKey) -> float | None:
@@ -200,14 +207,8 @@ def remembered_ms(key: TuneKey) -> float | None:
     hit = _user().get(key)
     if hit is not None and isinstance(hit[1], (int, float)):
         return float(hit[1])
-    ship = _shipped()
-    if ship.get("dtype") != key.dtype:
-        return None
-    for e in ship.get("gpus", {}).get(key.gpu, ()):
-        if (e.get("fmt"), e.get("N"), e.get("K"), e.get("t_bucket")) == (key.fmt, key.N, key.K, key.t_bucket):
-            us = e.get("us")
-            return float(us) / 1e3 if isinstance(us, (int, float)) else None
-    return None
+    us = (_shipped_entry(key) or {}).get("us")
+    return float(us) / 1e3 if isinstance(us, (int, float)) else None
 
 
 def heuristic(fmt: str, t_bucket: int, cands: list[GemvConfig]) -> GemvConfig:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
-from .x16 import check_prepared_out, store_prepared
+from .x16 import check_prepared_out, prepared_out_args, store_prepared
 
 
 @triton.jit
@@ -60,10 +60,11 @@ def _launch(x, residual, w, eps, plus_one, xp=None):
     n_rows = x3.shape[0] * x3.shape[1]
     if n_rows:
         block = pow2(d)
-        rmsnorm_kernel[(n_rows,)](x3, r3, w, y, rsum, y if xp is None else xp, x3.shape[1], x3.stride(0),
-                                  x3.stride(1), r3.stride(0), r3.stride(1), 0 if xp is None else xp.stride(0), d,
-                                  float(eps), PLUS_ONE=bool(plus_one), HAS_RES=residual is not None,
-                                  XP=xp is not None, BLOCK_D=block, num_warps=warps_for(block))
+        xp_ptr, s_xp = prepared_out_args(xp, y)
+        rmsnorm_kernel[(n_rows,)](x3, r3, w, y, rsum, xp_ptr, x3.shape[1], x3.stride(0), x3.stride(1),
+                                  r3.stride(0), r3.stride(1), s_xp, d, float(eps), PLUS_ONE=bool(plus_one),
+                                  HAS_RES=residual is not None, XP=xp is not None, BLOCK_D=block,
+                                  num_warps=warps_for(block))
     return y, rsum
 
 

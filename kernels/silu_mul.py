@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError
-from .x16 import CHUNK, check_prepared_out, store_prepared
+from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
 
 BLOCK = 1024          # a multiple of x16.CHUNK: each program owns whole chunks of the prepared row
 assert BLOCK % CHUNK == 0
@@ -61,9 +61,9 @@ def silu_mul(gate_up: torch.Tensor, xp=None) -> torch.Tensor:
         check_prepared_out(xp, t, two_i // 2, x.device, "silu_mul")
     y = torch.empty(t, two_i // 2, dtype=x.dtype, device=x.device)
     if y.numel():
-        silu_mul_kernel[(t, triton.cdiv(two_i // 2, BLOCK))](x, y, y if xp is None else xp, two_i // 2, x.stride(0),
-                                                              0 if xp is None else xp.stride(0), XP=xp is not None,
-                                                              BLOCK=BLOCK, num_warps=4)
+        xp_ptr, s_xp = prepared_out_args(xp, y)
+        silu_mul_kernel[(t, triton.cdiv(two_i // 2, BLOCK))](x, y, xp_ptr, two_i // 2, x.stride(0), s_xp,
+                                                              XP=xp is not None, BLOCK=BLOCK, num_warps=4)
     return y
 
 
@@ -80,9 +80,9 @@ def sigmoid_mul(o: torch.Tensor, gate: torch.Tensor, xp=None) -> torch.Tensor:
         check_prepared_out(xp, t, w, o.device, "sigmoid_gate")
     y = torch.empty(o.shape, dtype=o.dtype, device=o.device)
     if y.numel():
-        sigmoid_mul_kernel[(t, triton.cdiv(w, BLOCK))](o2, g3, y, y if xp is None else xp, w, g3.shape[-1],
-                                                       o2.stride(0), g3.stride(0), g3.stride(1),
-                                                       0 if xp is None else xp.stride(0), XP=xp is not None,
+        xp_ptr, s_xp = prepared_out_args(xp, y)
+        sigmoid_mul_kernel[(t, triton.cdiv(w, BLOCK))](o2, g3, y, xp_ptr, w, g3.shape[-1], o2.stride(0),
+                                                       g3.stride(0), g3.stride(1), s_xp, XP=xp is not None,
                                                        BLOCK=BLOCK, num_warps=4)
     return y
 

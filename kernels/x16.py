@@ -76,6 +76,12 @@ def check_prepared_out(xp, rows: int, K: int, device, what: str) -> None:
                                f"(a multiple of {CHUNK}) on {device}, got {got}")
 
 
+def prepared_out_args(xp, placeholder: torch.Tensor) -> tuple:
+    """(pointer, row stride) a producer kernel takes for its optional prepared output: xp's, or a placeholder
+    pointer and 0 when there is none (the XP constexpr is then False and nothing is stored)."""
+    return (placeholder, 0) if xp is None else (xp, xp.stride(0))
+
+
 def x16_ref(x: torch.Tensor) -> torch.Tensor:
     """The layout above in torch (fp32 math, the same roundings): int32 [T, K/2 + K/128]."""
     T, K = x.shape
@@ -165,6 +171,11 @@ def auto_on(device) -> bool:
     return device.type == "cuda" and _capability(device.index) >= (8, 0)
 
 
+def xpre_on(mode: str, device) -> bool:
+    """Whether NINFER_XPRE's `mode` ('auto', '1', '0') has the producers write prepared activations on `device`."""
+    return mode == "1" or (mode == "auto" and auto_on(device))
+
+
 def _mma_ok(device: torch.device) -> bool:
     from .gemv_launch import interpreting
     return interpreting() or (device.type == "cuda" and _capability(device.index) >= (8, 0))
@@ -187,25 +198,29 @@ def prepared_ok(qw, T: int, device) -> bool:
 
 
 PREFER_MARGIN = 0.02     # the plain launch must be remembered this much faster to be taken over the prepared one
+GS = 16                  # weights per group of both formats' GEMVs (NVFP4 blocks; Q6_K sub-blocks)
 _KERNEL_NAMES = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel"}
 
 
 def prefer_prepared(qw, T: int, dtype, residual: bool, device) -> bool:
     """Whether the prepared launch serves `qw` at T rows: yes unless both choices are remembered (user cache or
     shipped H200 table, `gemv_tune_cache.remembered_ms`) and the plain one is faster (on the H200 the warp-MMA
-    loop at T = 4..8 gains nothing from prepared input on some shapes). Decided once per weight and T bucket."""
+    loop at T = 4..8 gains nothing from prepared input on some shapes). Decided once per weight, T, dtype,
+    residual and device."""
+    k = (T, dtype, residual, device)
+    memo = qw.cache.setdefault("xpre.prefer", {})
+    hit = memo.get(k)
+    if hit is not None:                      # the decode step's path: one lookup per call
+        return hit
     from .gemv_launch import interpreting, tune_key
     device = torch.device(device)
     if device.type != "cuda" or interpreting():
         return True
-    memo = qw.cache.setdefault("xpre.prefer", {})
-    k = (T, dtype, residual)
-    if k not in memo:
-        from . import gemv_tune_cache as tc
-        name, G = _KERNEL_NAMES[qw.fmt], qw.shape[1] // 16
-        plain, prep = (tc.remembered_ms(tc.make_key(tune_key(n, qw.shape[0], G, T, dtype, residual, device), 16,
-                                                    device)) for n in (name, name + XPRE_SUFFIX))
-        memo[k] = plain is None or prep is None or prep <= plain * (1 + PREFER_MARGIN)
+    from . import gemv_tune_cache as tc
+    name = _KERNEL_NAMES[qw.fmt]
+    plain, prep = (tc.remembered_ms(tc.make_key(tune_key(n, qw.shape[0], qw.shape[1] // GS, T, dtype, residual,
+                                                         device), GS, device)) for n in (name, name + XPRE_SUFFIX))
+    memo[k] = plain is None or prep is None or prep <= plain * (1 + PREFER_MARGIN)
     return memo[k]
 
 
@@ -246,20 +261,20 @@ def _prepared_checked(xp, qw, out, residual, dtype, plans: dict, pkey) -> torch.
     T, (N, K), dev = xp.shape[0], qw.shape, xp.device
     kernel, w, fscale = _kernel_and_weights(qw, dev)
     h2 = qw.fmt == "nvfp4" and T <= 8
-    cands = [c for c in candidates(T, N, K // 16, 16, dtype, dev, h2=h2, mma=True, h2_tiles=h2_tiles(kernel))
+    cands = [c for c in candidates(T, N, K // GS, GS, dtype, dev, h2=h2, mma=True, h2_tiles=h2_tiles(kernel))
              if (c.h2 and h2) or (c.mma and _mma_ok(dev))]
     if not cands or interpreting():      # the interpreter: one small tile of the variant
         cands = [GemvConfig(32, 16, 2, 1, h2=True) if h2 else GemvConfig(32, 8, 2, 1, mma=True)]
     out = torch.empty((T, N), dtype=dtype, device=dev) if out is None else out
-    key = tune_key(kernel.__name__ + XPRE_SUFFIX, N, K // 16, T, dtype, residual is not None, dev)
+    key = tune_key(kernel.__name__ + XPRE_SUFFIX, N, K // GS, T, dtype, residual is not None, dev)
     scratch = []
 
     def run(c):     # timed into scratch: out may alias the residual
         if not scratch:
             scratch.append(torch.empty_like(out))
-        return launch_prepared(kernel, w, xp, N, K, 16, fscale, scratch[0], residual, c, "linear (prepared)")
-    cfg, final = choose_config(key, cands, run, dev, 16)
-    args = _checked_args(kernel, w, xp, N, K, 16, fscale, out, residual, cfg, "linear (prepared)")
+        return launch_prepared(kernel, w, xp, N, K, GS, fscale, scratch[0], residual, c, "linear (prepared)")
+    cfg, final = choose_config(key, cands, run, dev, GS)
+    args = _checked_args(kernel, w, xp, N, K, GS, fscale, out, residual, cfg, "linear (prepared)")
     compiled, grid, ws, cnt, scalars, consts, launched = _launch(*args, extra={"XPRE": True})
     if final:
         res = residual if residual is not None else out

@@ -361,7 +361,7 @@ def test_prepared_launch_is_skipped_where_the_plain_one_is_remembered_faster(gpu
     assert x16.prefer_prepared(qw, 8, torch.bfloat16, False, CUDA)
     assert x16.prefer_prepared(qw, 1, torch.bfloat16, False, CUDA)
     assert x16.prefer_prepared(qw, 4, torch.bfloat16, False, torch.device("cpu"))
-    assert qw.cache["xpre.prefer"][(4, torch.bfloat16, False)] is False     # decided once per weight and T
+    assert qw.cache["xpre.prefer"][(4, torch.bfloat16, False, CUDA)] is False     # decided once per weight and T
 
 
 def test_shipped_h200_table_decides_prepared_vs_plain():

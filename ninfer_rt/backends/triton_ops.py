@@ -21,7 +21,7 @@ import torch
 
 from ninfer_formats.errors import LoadError
 from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_gates, gdn_recurrent,
-                            kv_write, rmsnorm, rope, sampling, silu_mul)
+                            kv_write, rmsnorm, rope, sampling, silu_mul, x16)
 from ninfer_kernels.ops_common import interpreting
 
 from ..ops import AttnMeta, GdnMeta, Ops
@@ -43,10 +43,6 @@ def _dispatch():
 _DISPATCH = _dispatch()
 _LINEAR = _DISPATCH.linear if _DISPATCH is not None else None
 LINEAR_BACKEND = "ninfer_kernels.dispatch" if _LINEAR is not None else "torch-reference"
-
-
-def _x16():
-    return importlib.import_module("ninfer_kernels.x16")
 
 
 def _row_len(t: torch.Tensor) -> int:
@@ -71,15 +67,13 @@ class TritonOps(Ops):
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
         # "auto" | "1" | "0" (NINFER_XPRE's values); the GEMVs that read prepared input come with the dispatch
-        self.xpre = ("1" if xpre else "0") if xpre is not None else _x16().xpre_env() if _DISPATCH is not None else "0"
+        self.xpre = ("1" if xpre else "0") if xpre is not None else x16.xpre_env() if _DISPATCH is not None else "0"
         self._memo = PreparedMemo()
         self._ref = TorchOps()
 
     def _prepared_out(self, rows: int, K: int, device) -> torch.Tensor | None:
         """A buffer for a producer's prepared copy when a linear layer may read it, else None."""
-        if self.xpre == "0" or not PreparedMemo.wanted(rows, K):
-            return None
-        if self.xpre == "auto" and not _x16().auto_on(device):
+        if not PreparedMemo.wanted(rows, K) or not x16.xpre_on(self.xpre, device):
             return None
         return PreparedMemo.buffer(rows, K, device)
 
@@ -94,7 +88,7 @@ class TritonOps(Ops):
             return self._ref.linear(x, w)
         if self.xpre != "0" and isinstance(w, QWeight):
             xp = self._memo.find(x)
-            if xp is not None and _x16().prepared_ok(w, xp.shape[0], x.device):
+            if xp is not None and x16.prepared_ok(w, xp.shape[0], x.device):
                 return _LINEAR(x, w, xp=xp)
         return _LINEAR(x, w)
 
@@ -116,7 +110,7 @@ class TritonOps(Ops):
 
     def gated_rmsnorm(self, o, z, w, eps):
         # [T, Hv, dv]: the linear reads a token's Hv * dv outputs as one row; a program owns whole chunks of it
-        ok = o.dim() == 3 and o.shape[-1] % _x16().CHUNK == 0
+        ok = o.dim() == 3 and o.shape[-1] % x16.CHUNK == 0
         xp = self._prepared_out(o.shape[0], _row_len(o), o.device) if ok else None
         return self._produced(gated_rmsnorm.gated_rmsnorm(o, z, w, eps, xp=xp), xp)
 
