@@ -29,7 +29,8 @@ left() { echo $(( ${TOTAL_S:-580} - $(el) - 15 )); }
 reserve() {
   local r=0 s
   for s in "$@"; do
-    case " $STEPS " in *" $s "*) case $s in decodex) r=$(( r + ${DECODEX_S:-150} ));; *) r=$(( r + ${SERVE_S:-150} ));; esac;; esac
+    case " $STEPS " in *" $s "*) ;; *) continue ;; esac
+    if [ "$s" = decodex ]; then r=$(( r + ${DECODEX_S:-150} )); else r=$(( r + ${SERVE_S:-150} )); fi
   done
   echo $r
 }
