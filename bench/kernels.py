@@ -11,8 +11,8 @@ device run both validates and times. Prefill (T > 16): fused tl.dot GEMM vs dequ
     python bench/kernels.py [--quick] [--check] [--xpre] [--out bench/results/kernels.json] [--json]
     python bench/kernels.py --smoke     # CPU + Triton interpreter, tiny shapes: exercises this script only
 
---xpre also times NVFP4 / Q6_K on prepared activations (`ninfer_kernels.x16`, what the norms and gates hand the
-decode step's linear layers), as formats "nvfp4+xpre" / "q6_k+xpre"; their winners ship like the others.
+--xpre also times NVFP4 / Q6_K / IQ3_S on prepared activations (`ninfer_kernels.x16`, what the norms and gates hand the
+decode step's linear layers), as formats "<fmt>+xpre"; their winners ship like the others.
 
 Table on stdout, progress on stderr, records to --out: a list of {"format", "name", "tp", "shape": [N, K],
 "T", "us", "us_eager", "gbps", "pct_copy_bw", "torch_bf16_us", "gpu", ...}.
@@ -44,7 +44,7 @@ SHAPES = [("attn_qkv", 1, 14336, 5120), ("attn_o", 1, 5120, 6144), ("gdn_qkvz", 
           ("gdn_ab", 2, 48, 5120), ("gdn_out", 2, 5120, 3072), ("mlp_gate_up", 2, 17408, 5120),
           ("mlp_down", 2, 5120, 8704), ("lm_head", 2, 124160, 5120)]
 FORMATS = ("nvfp4", "q6_k", "iq3_s", "f8_e4m3_row", "bf16")
-XPRE_FORMATS = ("nvfp4", "q6_k")     # with GEMV variants that read prepared activations (--xpre)
+XPRE_FORMATS = ("nvfp4", "q6_k", "iq3_s")     # with GEMV variants that read prepared activations (--xpre)
 BF16_ONLY = {"gdn_ab"}
 TS = (1, 2, 4, 8, 16)
 L2_ROTATE_BYTES = 240e6   # weight copies per shape: at least 4x the 60 MB L2
@@ -101,8 +101,7 @@ def _precompile_job(job) -> str:
     x = torch.zeros(T, K, dtype=torch.bfloat16, device=dev)
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     done = 0
-    for c in gl.candidates(T, N, K // gs, gs, x.dtype, dev, h2=gl.has_h2(kern), mma=gl.has_variant(kern, "mma"),
-                                h2_tiles=gl.h2_tiles(kern)):
+    for c in gl.kernel_candidates(kern, T, N, K // gs, gs, x.dtype, dev):
         for res in (None, out):   # --check runs with a residual: its tuner compiles those variants too
             try:
                 gl.launch(kern, weights, x, N, K // gs, 1.0, out, res, c, warmup=True)
@@ -122,8 +121,7 @@ def precompile(jobs, workers: int) -> None:
         _, _, gs = _kernel_spec(fmt)
         G = K // gs
         kern = _kernel_spec(fmt)[0]
-        cands = gl.candidates(T, N, G, gs, torch.bfloat16, dev, h2=gl.has_h2(kern), mma=gl.has_variant(kern, "mma"),
-                              h2_tiles=gl.h2_tiles(kern))
+        cands = gl.kernel_candidates(kern, T, N, G, gs, torch.bfloat16, dev)
         sig = frozenset(((c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2, c.mma),
                          _spec(gl.effective_split(c, G))) for c in cands)
         uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))
@@ -386,7 +384,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", nargs="+", type=int, default=[1, 2], choices=[1, 2])
     ap.add_argument("--T", nargs="+", type=int, help=f"activation rows (default {TS})")
     ap.add_argument("--prefill-T", type=int, default=None, help="also time the prefill paths at this T")
-    ap.add_argument("--xpre", action="store_true", help="also time nvfp4 / q6_k on prepared activations "
+    ap.add_argument("--xpre", action="store_true", help="also time nvfp4 / q6_k / iq3_s on prepared activations "
                     "(records with format '<fmt>+xpre'; their winners ship like the others)")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="precompile processes")
     ap.add_argument("--no-precompile", action="store_true")

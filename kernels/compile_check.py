@@ -101,14 +101,15 @@ def compile_variant(v: Variant, cc: int):
                           num_stages=3 if v.use_dot else v.stages)
 
 
-FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "q6_k_mma", "iq3_s", "iq3_s_h2", "f8",
+FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "q6_k_mma", "iq3_s", "iq3_s_h2", "iq3_s_mma", "f8",
            "plain:bf16", "plain:f16", "plain:f32")
-CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma")   # kernel_for(..., cc=) picks target PTX
+CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # kernel_for(..., cc=) picks target PTX
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
-LANE_EXACT = ("nvfp4_mma", "q6_k_mma")   # per-thread kernels: their inline PTX must see element e in thread e
-XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma", "q6_k_mma")   # variants that also read prepared activations (XPRE)
+LANE_EXACT = ("nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # per-thread kernels: their inline PTX must see element e in thread e
+XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # variants that also read prepared activations (XPRE)
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
+_MMA_T16_ROWS = {"iq3_s_mma": 128}   # the T tile 16 compiled per warp-MMA variant: its largest tuner tile
 _NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 1),)), None: (3, ((128, 3), (128, 1)))}
 _GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "iq3_s_h2": 16, "f8": 8,
        "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
@@ -127,7 +128,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                     out.append((Variant(f, xd, 8, 64, 8, use_split=True, has_res=True), cc))
                     continue
                 out += [(Variant(f, xd, 8, 128, 8, use_split=True, has_res=True, stages=2), cc),
-                        (Variant(f, xd, 16, 256, 8), cc)]
+                        (Variant(f, xd, 16, _MMA_T16_ROWS.get(f, 256), 8), cc)]
                 if f in XPRE_FORMATS:     # prepared activations, double and triple buffered
                     out += [(Variant(f, xd, 8, 128, 8, stages=s, xpre=True), cc) for s in (2, 3)]
                 if full:

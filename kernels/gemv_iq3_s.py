@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import dequant_body, even_groups, gemv_body, ld, ld_pair, pairwise
-from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv, register_h2
+from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv, register_h2, register_variant
 
 GS = 16
 QK = 256
@@ -148,6 +148,20 @@ def _h2_kernel(device):
 H2_TILES = {1: ((64, 16, 4, 1), (32, 16, 2, 1), (32, 16, 4, 1)), 2: ((64, 16, 4, 1), (128, 16, 4, 1)),
             4: ((64, 16, 4, 1),), 8: (), 16: ()}
 register_h2(iq3_s_gemv_kernel.__name__, _h2_kernel, H2_TILES)   # T <= 8 candidates include the h2 variant
+
+
+def _mma_kernel(device):
+    from .gemv_iq3_s_mma import mma_kernel
+    return mma_kernel(device)
+
+
+# the warp-MMA variant's tiles (as `gemv_launch._DECODE_MMA_TILES`), T = 1 too: against the h2 variant, whose
+# gathers and 16 HFMA2 per sub-block cap it at 22-40 % of copy bandwidth (bench/NOTES.md §8). Its rows hold 11
+# values per chunk after the gather, so 64-row tiles join (sm_90, T tile 8: n128 147 registers, 214 double-buffered;
+# n64 80 / 127)
+_MMA_T1_8 = ((64, 8, 4, 2), (64, 8, 4, 1), (128, 8, 4, 1), (128, 8, 4, 2))
+MMA_TILES = {1: _MMA_T1_8[:3], 2: _MMA_T1_8, 4: _MMA_T1_8, 8: _MMA_T1_8, 16: ((128, 8, 4, 1), (64, 8, 4, 1))}
+register_variant("mma", iq3_s_gemv_kernel.__name__, _mma_kernel, MMA_TILES)   # sm_80+, T <= 16
 
 
 def _repack_rows(b: torch.Tensor) -> tuple:

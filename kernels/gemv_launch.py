@@ -131,11 +131,11 @@ _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), 
 
 
 def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
-               mma: bool = False, h2_tiles: dict | None = None) -> list[GemvConfig]:
+               mma: bool = False, h2_tiles: dict | None = None, mma_tiles: dict | None = None) -> list[GemvConfig]:
     """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2 / mma: the kernel has a
     packed-half2 / warp-MMA variant (`variant`), whose tiles are added for T <= 8 / 2 <= T <= 16 (mma: sm_80+) with
-    fp16/bf16 activations (both round activations to f16; fp32 activations ask for fp32 products); h2_tiles: that
-    variant's own tile table (`h2_tiles(kernel)`)."""
+    fp16/bf16 activations (both round activations to f16; fp32 activations ask for fp32 products); h2_tiles /
+    mma_tiles: that variant's own tile table (`h2_tiles(kernel)`, `mma_tiles(kernel)`)."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
         return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
@@ -155,7 +155,7 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
                 splits += sorted(fill_splits(n, g, sms) - set(splits))
             out += [GemvConfig(bn, bg, w, st, sp, h2=True) for sp in splits]
     if mma and not H2_STATE["mma_off"] and cc >= (8, 0) and x_dtype != torch.float32:
-        for bn, bg, w, st in _DECODE_MMA_TILES[b]:
+        for bn, bg, w, st in (mma_tiles or _DECODE_MMA_TILES)[b]:
             if G % bg == 0:
                 out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), G // bg, sms), mma=True))
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
@@ -242,7 +242,7 @@ _VARIANT_TILES: dict = {}
 def register_variant(kind: str, kernel_name: str, factory, tiles: dict | None = None) -> None:
     """`factory(device)` returns the `kind` ("h2": packed-half2, "mma": warp-MMA) variant of the kernel named
     `kernel_name` (a launcher object like the kernel itself); configs with that flag set launch it. `tiles`:
-    the variant's own decode tiles per T bucket (for h2: instead of `_DECODE_H2_TILES`)."""
+    the variant's own decode tiles per T bucket (instead of `_DECODE_H2_TILES` / `_DECODE_MMA_TILES`)."""
     _VARIANTS[kind][kernel_name] = factory
     if tiles is not None:
         _VARIANT_TILES[(kind, kernel_name)] = tiles
@@ -257,6 +257,17 @@ def h2_tiles(kernel) -> dict | None:
     return _VARIANT_TILES.get(("h2", kernel.__name__))
 
 
+def mma_tiles(kernel) -> dict | None:
+    """The mma variant's own tile table, if it registered one (None: the shared `_DECODE_MMA_TILES`)."""
+    return _VARIANT_TILES.get(("mma", kernel.__name__))
+
+
+def kernel_candidates(kernel, T: int, N: int, G: int, GS: int, x_dtype, device) -> list[GemvConfig]:
+    """`candidates` with the variants `kernel` has and their own tile tables."""
+    return candidates(T, N, G, GS, x_dtype, device, h2=has_h2(kernel), mma=has_variant(kernel, "mma"),
+                      h2_tiles=h2_tiles(kernel), mma_tiles=mma_tiles(kernel))
+
+
 def has_variant(kernel, kind: str) -> bool:
     return kernel.__name__ in _VARIANTS[kind]
 
@@ -268,7 +279,7 @@ def has_h2(kernel) -> bool:
 def variant(kernel, kind: str, device):
     if not has_variant(kernel, kind):
         raise KernelInputError(f"{kernel.__name__} has no {kind} variant (GemvConfig.h2: NVFP4, Q6_K and IQ3_S; "
-                               f"GemvConfig.mma: NVFP4, Q6_K)")
+                               f"GemvConfig.mma: NVFP4, Q6_K and IQ3_S)")
     return _VARIANTS[kind][kernel.__name__](device)
 
 
@@ -436,13 +447,12 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
     if config is not None and config.h2 and (T > 8 or not has_h2(kernel)):
         raise KernelInputError(f"{what}: GemvConfig.h2 needs an NVFP4, Q6_K or IQ3_S weight and T <= 8, got T={T}")
     if config is not None and config.mma and (T > 16 or not has_variant(kernel, "mma") or G % config.block_g):
-        raise KernelInputError(f"{what}: GemvConfig.mma needs an NVFP4 or Q6_K weight, T <= 16 and K a multiple of "
-                               f"{config.block_g * GS}, got T={T}, K={G * GS}")
+        raise KernelInputError(f"{what}: GemvConfig.mma needs an NVFP4, Q6_K or IQ3_S weight, T <= 16 and K a "
+                               f"multiple of {config.block_g * GS}, got T={T}, K={G * GS}")
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
     key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)
-    cands = candidates(T, N, G, GS, x.dtype, x.device, h2=has_h2(kernel), mma=has_variant(kernel, "mma"),
-                       h2_tiles=h2_tiles(kernel))
+    cands = kernel_candidates(kernel, T, N, G, GS, x.dtype, x.device)
     scratch = []
 
     def run(c):

@@ -4,8 +4,10 @@ A warp owns 16 * M_REP rows; per K chunk of 128 weights (8 groups of 16) the fou
 into 32-weight quarters, lane (g, q) taking groups gk + 2q and gk + 2q + 1 of rows g and g + 8 of every m-tile.
 Each lane decodes its own bytes into 16 f16x2 A pairs per row, pair 4w + j = weights (8w + j, 8w + j + 4) of its
 32, and puts the activations of the same real k into B (`gemv_mma_common`: the k order inside an MMA is free).
-A format supplies
-  LOAD_ROW(w0, w1, w2, w3, row, gk, q, G) -> R raw tensors [NT, ...]   this lane's bytes of one row of chunk gk
+A format supplies (`wts`: its weight pointers as a tuple; `aux`: a tensor its kernel made, e.g. a lookup table)
+  LOAD_ROW(wts, row, gk, q, G) -> raw tensors [NT, ...]                this lane's bytes of one row of chunk gk
+  PREP(wr, aux, NR) -> R tensors per row                              once per chunk over all NR rows' raw values
+                                                                      (IQ3_S: one table gather; else identity)
   ROW_PAIRS(wr, base, MODE) -> 16 f16x2 pairs [NT] int32              from wr[base .. base + R - 1]
   ROW_FACTOR(wr, base) -> fp32 [NT]                                   a per-row, per-chunk factor applied to
                                                                       the MMA result (HAS_FACTOR; Q6_K's d)
@@ -25,7 +27,13 @@ from .gemv_mma_common import col_back, mma, quad_max, split_all, stack_all, x_sc
 
 
 @triton.jit
-def _load_chunk(x_ptr, w0, w1, w2, w3, rows, cols, gk, q, G, stride_xt, M_REP: tl.constexpr, NB: tl.constexpr,
+def no_prep(wr, aux, NR: tl.constexpr):
+    """PREP of the formats whose ROW_PAIRS read the loaded values as they are."""
+    return wr
+
+
+@triton.jit
+def _load_chunk(x_ptr, wts, rows, cols, gk, q, G, stride_xt, M_REP: tl.constexpr, NB: tl.constexpr,
                 XPRE: tl.constexpr, LOAD_ROW: tl.constexpr):
     """The raw bytes of chunk gk for this thread: per column block four 16-byte activation loads
     (x[col, 16 gk + 32q + 0..31]; a [NT, 32] load would be spread over 4 lanes by Triton; XPRE: the 16 prepared
@@ -43,7 +51,7 @@ def _load_chunk(x_ptr, w0, w1, w2, w3, rows, cols, gk, q, G, stride_xt, M_REP: t
                 xr = xr + (tl.load(x_ptr + (cols[nb] * stride_xt + ks + 8 * h)[:, None] + tl.arange(0, 8)[None, :]),)
     wr = ()
     for r in tl.static_range(2 * M_REP):
-        wr = wr + LOAD_ROW(w0, w1, w2, w3, rows[r], gk, q, G)
+        wr = wr + LOAD_ROW(wts, rows[r], gk, q, G)
     return xr, wr
 
 
@@ -84,12 +92,13 @@ def _bf16_pairs(xr, nb: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
-def _chunk(accs, loaded, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr,
-           XPRE: tl.constexpr, R: tl.constexpr, ROW_PAIRS: tl.constexpr, ROW_FACTOR: tl.constexpr,
-           HAS_FACTOR: tl.constexpr):
+def _chunk(accs, loaded, aux, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr,
+           XPRE: tl.constexpr, PREP: tl.constexpr, R: tl.constexpr, ROW_PAIRS: tl.constexpr,
+           ROW_FACTOR: tl.constexpr, HAS_FACTOR: tl.constexpr):
     """accs[(m * NB + nb) * 4 + i] += a loaded chunk's D fragment i of m-tile m and column block nb, times back
     (and the rows' factors)."""
     xr, wr = loaded
+    wr = PREP(wr, aux, 2 * M_REP)
     xps, backs = (), ()
     for nb in tl.static_range(NB):
         xp, back = _x_pairs(xr, nb, NW, MODE, XPRE)
@@ -120,30 +129,30 @@ def _add4(accs, i: tl.constexpr, d0, d1, d2, d3, back):
 
 
 @triton.jit
-def _load_step(x_ptr, w0, w1, w2, w3, rows, cols, g0, q, G, stride_xt, BLOCK_G: tl.constexpr,
+def _load_step(x_ptr, wts, rows, cols, g0, q, G, stride_xt, BLOCK_G: tl.constexpr,
                M_REP: tl.constexpr, NB: tl.constexpr, XPRE: tl.constexpr, LOAD_ROW: tl.constexpr):
     """Every chunk of one K step (BLOCK_G / 8 of them)."""
     ld = ()
     for kc in tl.static_range(BLOCK_G // 8):
-        ld = ld + (_load_chunk(x_ptr, w0, w1, w2, w3, rows, cols, g0 + kc * 8, q, G, stride_xt, M_REP, NB, XPRE,
+        ld = ld + (_load_chunk(x_ptr, wts, rows, cols, g0 + kc * 8, q, G, stride_xt, M_REP, NB, XPRE,
                                LOAD_ROW),)
     return ld
 
 
 @triton.jit
-def _step(accs, ld, BLOCK_G: tl.constexpr, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr,
-          MODE: tl.constexpr, XPRE: tl.constexpr, R: tl.constexpr, ROW_PAIRS: tl.constexpr,
+def _step(accs, ld, aux, BLOCK_G: tl.constexpr, M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr,
+          MODE: tl.constexpr, XPRE: tl.constexpr, PREP: tl.constexpr, R: tl.constexpr, ROW_PAIRS: tl.constexpr,
           ROW_FACTOR: tl.constexpr, HAS_FACTOR: tl.constexpr):
     for kc in tl.static_range(BLOCK_G // 8):
-        accs = _chunk(accs, ld[kc], M_REP, NB, NW, MODE, XPRE, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
+        accs = _chunk(accs, ld[kc], aux, M_REP, NB, NW, MODE, XPRE, PREP, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
     return accs
 
 
 @triton.jit
-def _k_loop(accs, x_ptr, w0, w1, w2, w3, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G: tl.constexpr,
+def _k_loop(accs, x_ptr, wts, aux, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G: tl.constexpr,
             M_REP: tl.constexpr, NB: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
-            XPRE: tl.constexpr, LOAD_ROW: tl.constexpr, R: tl.constexpr, ROW_PAIRS: tl.constexpr,
-            ROW_FACTOR: tl.constexpr, HAS_FACTOR: tl.constexpr):
+            XPRE: tl.constexpr, LOAD_ROW: tl.constexpr, PREP: tl.constexpr, R: tl.constexpr,
+            ROW_PAIRS: tl.constexpr, ROW_FACTOR: tl.constexpr, HAS_FACTOR: tl.constexpr):
     """STAGES 1: load a step, then decode it (ptxas interleaves the loads with the previous m-tiles' work, so
     their latency is exposed once per m-tile); 2: the next step's loads are issued before this step's decode
     (a register double buffer; the last step re-reads itself, from L2). (A barrier after a step's loads, which
@@ -152,32 +161,34 @@ def _k_loop(accs, x_ptr, w0, w1, w2, w3, rows, cols, g_lo, g_hi, q, G, stride_xt
     T = 4..8 loops that run at ~40 % of copy bandwidth; the last two steps re-read themselves)."""
     if STAGES >= 2:
         last = g_hi - BLOCK_G
-        ld = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
+        ld = _load_step(x_ptr, wts, rows, cols, g_lo, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
         if STAGES == 3:
-            ld1 = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g_lo + BLOCK_G, last), q, G, stride_xt,
+            ld1 = _load_step(x_ptr, wts, rows, cols, tl.minimum(g_lo + BLOCK_G, last), q, G, stride_xt,
                              BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
         for g0 in range(g_lo, g_hi, BLOCK_G):
-            nxt = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, tl.minimum(g0 + (STAGES - 1) * BLOCK_G, last), q, G,
+            nxt = _load_step(x_ptr, wts, rows, cols, tl.minimum(g0 + (STAGES - 1) * BLOCK_G, last), q, G,
                              stride_xt, BLOCK_G, M_REP, NB, XPRE, LOAD_ROW)
             tl.debug_barrier()
-            accs = _step(accs, ld, BLOCK_G, M_REP, NB, NW, MODE, XPRE, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
+            accs = _step(accs, ld, aux, BLOCK_G, M_REP, NB, NW, MODE, XPRE, PREP, R, ROW_PAIRS, ROW_FACTOR,
+                          HAS_FACTOR)
             if STAGES == 3:
                 ld, ld1 = ld1, nxt
             else:
                 ld = nxt
     else:
         for g0 in range(g_lo, g_hi, BLOCK_G):
-            ld = _load_step(x_ptr, w0, w1, w2, w3, rows, cols, g0, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE,
+            ld = _load_step(x_ptr, wts, rows, cols, g0, q, G, stride_xt, BLOCK_G, M_REP, NB, XPRE,
                             LOAD_ROW)
-            accs = _step(accs, ld, BLOCK_G, M_REP, NB, NW, MODE, XPRE, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
+            accs = _step(accs, ld, aux, BLOCK_G, M_REP, NB, NW, MODE, XPRE, PREP, R, ROW_PAIRS, ROW_FACTOR,
+                          HAS_FACTOR)
     return accs
 
 
 @triton.jit
-def mma_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
+def mma_body(x_ptr, wts, aux, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
              stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
              USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
-             NW: tl.constexpr, XPRE: tl.constexpr, LOAD_ROW: tl.constexpr, R: tl.constexpr,
+             NW: tl.constexpr, XPRE: tl.constexpr, LOAD_ROW: tl.constexpr, PREP: tl.constexpr, R: tl.constexpr,
              ROW_PAIRS: tl.constexpr, ROW_FACTOR: tl.constexpr, HAS_FACTOR: tl.constexpr):
     """Grid and split-K as `gemv_common.gemv_body`; fscale includes the weights' power of two."""
     tl.static_assert(BLOCK_N % (16 * NW) == 0 and (BLOCK_G == 8 or BLOCK_G == 16))
@@ -201,8 +212,8 @@ def mma_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T
     accs = ()
     for _ in tl.static_range(M_REP * NB * 4):
         accs = accs + (tl.zeros(e.shape, tl.float32),)
-    accs = _k_loop(accs, x_ptr, w0, w1, w2, w3, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G, M_REP, NB, NW,
-                   STAGES, MODE, XPRE, LOAD_ROW, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
+    accs = _k_loop(accs, x_ptr, wts, aux, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G, M_REP, NB, NW,
+                   STAGES, MODE, XPRE, LOAD_ROW, PREP, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
     _epilogue(accs, offs, t0, q, fscale, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
               M_REP, NB, HAS_RES, USE_SPLIT)
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .gemv_h2_common import compile_consts, factory, hmul2
-from .gemv_mma_body import mma_body
+from .gemv_mma_body import mma_body, no_prep
 from .gemv_nvfp4_h2 import _split_signs, _wpair
 
 _F16_2_15 = tl.constexpr(0x78007800)        # 2**15 in both f16 lanes
@@ -33,8 +33,9 @@ _W_EXP = tl.constexpr(128.0)                # the f16 weights carry 2**-7
 
 
 @triton.jit
-def _load_row(codes, scales, w2, w3, row, gk, q, G):
+def _load_row(wts, row, gk, q, G):
     """(16 code bytes of groups gk + 2q, gk + 2q + 1 as [NT, 2] int64, their two scale bytes as one u16)."""
+    codes, scales = wts
     off = tl.multiple_of(row * G + gk + 2 * q, 2)
     return (tl.load(codes + off[:, None] + tl.arange(0, 2)[None, :]),
             tl.load(scales.to(tl.pointer_type(tl.int16)) + off // 2))
@@ -77,9 +78,9 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                           XPRE: tl.constexpr):
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
-    mma_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _W_EXP, T, N, G, split,
+    mma_body(x_ptr, (codes, scales), None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _W_EXP, T, N, G, split,
              stride_xt, stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW,
-             XPRE, _load_row, 2, _row_pairs, _no_factor, False)
+             XPRE, _load_row, no_prep, 2, _row_pairs, _no_factor, False)
 
 
 # gemv_nvfp4 registers it (lazily)

@@ -16,14 +16,15 @@ import triton
 import triton.language as tl
 
 from .gemv_h2_common import compile_consts, factory, hmul2
-from .gemv_mma_body import mma_body
+from .gemv_mma_body import mma_body, no_prep
 from .gemv_q6_k_h2 import _pairs
 
 
 @triton.jit
-def _load_row(ql, qh, sc, d, row, gk, q, G):
+def _load_row(wts, row, gk, q, G):
     """(low nibbles of groups gk + 2q, +1 [NT, 2] int64, their high bits [NT, 2] int32, their two scales as one
     int16, the row's super-block scale d (fp16) for this chunk)."""
+    ql, qh, sc, d = wts
     off = tl.multiple_of(row * G + gk + 2 * q, 2)
     return (tl.load(ql + off[:, None] + tl.arange(0, 2)[None, :]),
             tl.load(qh + off[:, None] + tl.arange(0, 2)[None, :]),
@@ -71,9 +72,9 @@ def q6_k_mma_gemv_kernel(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                          XPRE: tl.constexpr):
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
-    mma_body(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt, stride_ot,
-             stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW, XPRE, _load_row, 4,
-             _row_pairs, _row_factor, True)
+    mma_body(x_ptr, (ql, qh, sc, d), None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
+             stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW, XPRE, _load_row,
+             no_prep, 4, _row_pairs, _row_factor, True)
 
 
 # gemv_q6_k registers it (lazily)

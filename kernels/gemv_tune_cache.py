@@ -34,7 +34,7 @@ from .gemv_launch import GemvConfig
 
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
 H2_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a packed-half2 variant (gemv_*_h2)
-MMA_FORMATS = ("nvfp4", "q6_k")   # formats with a warp-MMA variant (gemv_*_mma; sm_80+)
+MMA_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a warp-MMA variant (gemv_*_mma; sm_80+)
 _TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2", "mma")   # without the split
 
 

@@ -189,17 +189,17 @@ def _capability(index) -> tuple:
 
 def prepared_ok(qw, T: int, device) -> bool:
     """Whether a prepared launch serves weight `qw` at T rows: NVFP4 (h2 up to T = 8, MMA up to 16 on sm_80+),
-    Q6_K (MMA, T = 2..16, sm_80+); K a multiple of 128."""
+    Q6_K and IQ3_S (MMA, T = 2..16, sm_80+); K a multiple of 128."""
     if qw.shape[1] % CHUNK or not 1 <= T <= 16:
         return False
     if qw.fmt == "nvfp4":
         return T <= 8 or _mma_ok(torch.device(device))
-    return qw.fmt == "q6_k" and T >= 2 and _mma_ok(torch.device(device))
+    return qw.fmt in ("q6_k", "iq3_s") and T >= 2 and _mma_ok(torch.device(device))
 
 
 PREFER_MARGIN = 0.02     # the plain launch must be remembered this much faster to be taken over the prepared one
-GS = 16                  # weights per group of both formats' GEMVs (NVFP4 blocks; Q6_K sub-blocks)
-_KERNEL_NAMES = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel"}
+GS = 16                  # weights per group of the formats' GEMVs (NVFP4 blocks; Q6_K sub-blocks; IQ3_S groups)
+_KERNEL_NAMES = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel", "iq3_s": "iq3_s_gemv_kernel"}
 
 
 def prefer_prepared(qw, T: int, dtype, residual: bool, device) -> bool:
@@ -232,6 +232,9 @@ def _kernel_and_weights(qw, device):
         d = qw.data
         return nvfp4_gemv_kernel, _weights(d["codes"], d["scales"], K, device, "linear (prepared)")[1], d["gscale"]
     from . import dispatch
+    if qw.fmt == "iq3_s":
+        from .gemv_iq3_s import _weights, iq3_s_gemv_kernel
+        return iq3_s_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], 1.0
     from .gemv_q6_k import _weights, q6_k_gemv_kernel
     return q6_k_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], 1.0
 
@@ -256,13 +259,13 @@ def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
 
 
 def _prepared_checked(xp, qw, out, residual, dtype, plans: dict, pkey) -> torch.Tensor:
-    from .gemv_launch import candidates, choose_config, h2_tiles, interpreting, tune_key
+    from .gemv_launch import candidates, choose_config, h2_tiles, interpreting, mma_tiles, tune_key
     from .gemv_plan import GemvPlan
     T, (N, K), dev = xp.shape[0], qw.shape, xp.device
     kernel, w, fscale = _kernel_and_weights(qw, dev)
     h2 = qw.fmt == "nvfp4" and T <= 8
-    cands = [c for c in candidates(T, N, K // GS, GS, dtype, dev, h2=h2, mma=True, h2_tiles=h2_tiles(kernel))
-             if (c.h2 and h2) or (c.mma and _mma_ok(dev))]
+    cands = [c for c in candidates(T, N, K // GS, GS, dtype, dev, h2=h2, mma=True, h2_tiles=h2_tiles(kernel),
+                                   mma_tiles=mma_tiles(kernel)) if (c.h2 and h2) or (c.mma and _mma_ok(dev))]
     if not cands or interpreting():      # the interpreter: one small tile of the variant
         cands = [GemvConfig(32, 16, 2, 1, h2=True) if h2 else GemvConfig(32, 8, 2, 1, mma=True)]
     out = torch.empty((T, N), dtype=dtype, device=dev) if out is None else out

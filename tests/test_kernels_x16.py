@@ -115,7 +115,7 @@ def test_bench_xpre_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("fmt,kind", [("nvfp4", "h2"), ("nvfp4", "mma"), ("q6_k", "h2"), ("q6_k", "mma"),
-                                      ("iq3_s", "h2")])
+                                      ("iq3_s", "h2"), ("iq3_s", "mma")])
 def test_launch_passes_every_constexpr_of_the_variant(monkeypatch, fmt, kind):
     """GemvPlan's direct launch (kernels/gemv_plan.py) needs the launcher's constexprs to be exactly the kernel's
     constexpr parameters; a defaulted one (XPRE) left out would silently disable it."""
@@ -145,8 +145,8 @@ def test_launch_passes_every_constexpr_of_the_variant(monkeypatch, fmt, kind):
     assert set(consts) == given and len(consts) == len(given)
 
 
-@pytest.mark.parametrize("fmt,T", [("nvfp4", 1), ("nvfp4", 3), ("nvfp4", 11), ("q6_k", 4)],
-                         ids=["nvfp4-T1-h2", "nvfp4-T3-h2", "nvfp4-T11-mma", "q6_k-T4-mma"])
+@pytest.mark.parametrize("fmt,T", [("nvfp4", 1), ("nvfp4", 3), ("nvfp4", 11), ("q6_k", 4), ("iq3_s", 3)],
+                         ids=["nvfp4-T1-h2", "nvfp4-T3-h2", "nvfp4-T11-mma", "q6_k-T4-mma", "iq3_s-T3-mma"])
 def test_linear_on_prepared_activations(fmt, T):
     """dispatch.linear(x, qw, xp=x16_prep(x)) against the codec reference, with a residual; what it refuses."""
     import numpy as np
@@ -161,7 +161,7 @@ def test_linear_on_prepared_activations(fmt, T):
         c, s, g = codecs.nvfp4.quantize(w)
         data = {"codes": torch.from_numpy(c).to(DEV), "scales": torch.from_numpy(s).to(DEV), "gscale": float(g)}
     else:
-        data = {"blocks": torch.from_numpy(codecs.quantize("q6_k", w)).to(DEV)}
+        data = {"blocks": torch.from_numpy(codecs.quantize(fmt, w)).to(DEV)}
     qw = QWeight(fmt, (N, K), data, name=f"test.{fmt}")
     x = wide_range_x(T, K, seed=T).to(DEV)
     res = torch.randn(T, N).to(DEV)
