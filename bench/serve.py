@@ -116,6 +116,25 @@ def median_wave(waves: list[dict]) -> dict:
     return {**ranked[(len(ranked) - 1) // 2], "agg_tok_s_waves": [w["agg_tok_s"] for w in waves]}
 
 
+def engine_counts(engine) -> dict:
+    """The engine's step counters (`EngineStats`, its GraphRunner's): what each wave's steps were."""
+    st, g = engine.stats, engine.stats.graphs
+    return {"steps": st.steps, "ahead_steps": st.ahead_steps, "decode_batches": dict(st.decode_batches),
+            "graph_replays": g.replays if g is not None else 0,
+            "graph_fallbacks": dict(g.reasons) if g is not None else {}}
+
+
+def counts_since(engine, before: dict) -> dict:
+    """`engine_counts` now minus `before` (per key for the dicts, zeros dropped)."""
+    now, out = engine_counts(engine), {}
+    for k, v in now.items():
+        if isinstance(v, dict):
+            out[k] = {str(b): n - before[k].get(b, 0) for b, n in sorted(v.items()) if n - before[k].get(b, 0)}
+        else:
+            out[k] = v - before[k]
+    return out
+
+
 def in_engine_thread(fn, init):
     """Run fn in a fresh thread, as the server's scheduler does (torch's per-thread state and CPU thread
     pools differ between the main thread and others, so the ceiling is measured under the same conditions)."""
@@ -271,8 +290,12 @@ def _direct_levels(rt, args, levels, prompts) -> dict:
     dev = rt.engine.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     run_direct(rt.engine, prompts(1, 99), 8, sync)                                              # warm-up
-    return {c: median_wave([run_direct(rt.engine, prompts(c, c + 1000 * w), args.max_tokens, sync)
-                            for w in range(args.waves)]) for c in levels}
+
+    def wave(c: int, w: int) -> dict:
+        before = engine_counts(rt.engine)
+        out = run_direct(rt.engine, prompts(c, c + 1000 * w), args.max_tokens, sync)
+        return {**out, "engine": counts_since(rt.engine, before)}
+    return {c: median_wave([wave(c, w) for w in range(args.waves)]) for c in levels}
 
 
 def _http_levels(rt, args, levels, prompts, log_path: str) -> dict:
@@ -284,9 +307,10 @@ def _http_levels(rt, args, levels, prompts, log_path: str) -> dict:
         for c in levels:
             waves = []
             for w in range(args.waves):
-                seen = len(done_events(log_path))
+                seen, before = len(done_events(log_path)), engine_counts(rt.engine)
                 client = run_http(url, prompts(c, c + 1000 * w), args.max_tokens, args.timeout_s)
-                waves.append({**server_side(log_path, seen, c), "client": client})
+                waves.append({**server_side(log_path, seen, c), "client": client,
+                              "engine": counts_since(rt.engine, before)})
             med = median_wave(waves)
             out[c] = {k: v for k, v in med.items() if k != "client"}, med["client"]
         return out
@@ -298,6 +322,7 @@ def _http_levels(rt, args, levels, prompts, log_path: str) -> dict:
 def _record(c: int, server: dict, client: dict, direct: dict, gpu: str, args) -> dict:
     return {"concurrency": c, **server, "gpu": gpu, "direct_agg_tok_s": direct["agg_tok_s"],
             **{f"client_{k}": v for k, v in client.items()}, "direct_itl_ms_p50": direct["itl_ms_p50"],
+            "direct_engine": direct["engine"],
             "ratio_to_direct": server["agg_tok_s"] / direct["agg_tok_s"] if direct["agg_tok_s"] else None,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
             "draft_tokens": args.draft_tokens if args.spec == "mtp" else 0, "tp": args.tp, "waves": args.waves,
@@ -332,13 +357,19 @@ def measure(args) -> list[dict]:
     return [_record(c, *http[c], direct[c], gpu, args) for c in levels]
 
 
+def _batches(counts: dict) -> str:
+    """'4x63 1x2': decode steps per batch size, and how many ran ahead of the host."""
+    return " ".join(f"{b}x{n}" for b, n in counts["decode_batches"].items()) + f" ({counts['ahead_steps']} ahead)"
+
+
 def table(records: list[dict]) -> str:
-    lines = [f"{'conc':>4} {'http tok/s':>11} {'direct tok/s':>13} {'ratio':>6} {'ttft p50 ms':>12} {'itl p50 ms':>11}"]
+    lines = [f"{'conc':>4} {'http tok/s':>11} {'direct tok/s':>13} {'ratio':>6} {'ttft p50 ms':>12} {'itl p50 ms':>11}"
+             f"  decode steps per batch size: http | direct"]
     for r in records:
         ratio = f"{r['ratio_to_direct']:.2f}" if r["ratio_to_direct"] is not None else "-"
         itl = f"{r['itl_ms_p50']:.2f}" if r["itl_ms_p50"] is not None else "-"
         lines.append(f"{r['concurrency']:>4} {r['agg_tok_s']:>11.1f} {r['direct_agg_tok_s']:>13.1f} {ratio:>6} "
-                     f"{r['ttft_ms_p50']:>12.1f} {itl:>11}")
+                     f"{r['ttft_ms_p50']:>12.1f} {itl:>11}  {_batches(r['engine'])} | {_batches(r['direct_engine'])}")
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +67,8 @@ class EngineStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     steps: int = 0
+    decode_batches: dict = field(default_factory=dict)   # decode steps per number of sequences in the step
+    ahead_steps: int = 0               # decode steps that ran ahead of the host (`engine_ahead`)
     spec: SpecStats | None = None
     graphs: object = None              # GraphStats of the engine's GraphRunner (None without graphs)
 
@@ -379,3 +381,4 @@ class Engine(RunAhead, Core):
         else:
             st.decode_tokens += sum(len(e) for _, _, e in results)
             st.decode_s += dt
+            st.decode_batches[len(results)] = st.decode_batches.get(len(results), 0) + 1

@@ -109,6 +109,8 @@ class RunAhead:
         now = time.perf_counter()
         st = self.stats
         st.steps += 1
+        st.ahead_steps += 1
+        st.decode_batches[len(cur.seqs)] = st.decode_batches.get(len(cur.seqs), 0) + 1
         st.decode_tokens += sum(n for _, n in results)
         st.decode_s += now - max(cur.t_launch, self._ahead_done)
         self._ahead_done = now

@@ -48,6 +48,9 @@ def test_serve_bench_records(tiny, tmp_path):
         assert rec["completion_tokens"] == rec["client_completion_tokens"] == c * MAX_TOKENS
         assert math.isclose(rec["ratio_to_direct"], rec["agg_tok_s"] / rec["direct_agg_tok_s"], rel_tol=REL_TOL)
         assert rec["waves"] == 2 and len(rec["agg_tok_s_waves"]) == 2 and rec["agg_tok_s"] in rec["agg_tok_s_waves"]
+        for counts in (rec["engine"], rec["direct_engine"]):   # every token after a request's first: one decode row
+            assert sum(int(b) * n for b, n in counts["decode_batches"].items()) == c * (MAX_TOKENS - 1), counts
+            assert counts["steps"] >= max(n for n in counts["decode_batches"].values())
     assert "wrote" in r.stderr and "conc" in r.stdout
 
 
