@@ -111,9 +111,10 @@ def summarize(reqs: list[dict]) -> dict:
 
 def median_wave(waves: list[dict]) -> dict:
     """The wave with the median aggregate rate (one ~1 s wave can lose a fifth to a single stall; the median of
-    several does not), with every wave's rate beside it."""
+    several does not), with every wave's rate (and engine step counters) beside it."""
     ranked = sorted(waves, key=lambda w: w["agg_tok_s"])
-    return {**ranked[(len(ranked) - 1) // 2], "agg_tok_s_waves": [w["agg_tok_s"] for w in waves]}
+    return {**ranked[(len(ranked) - 1) // 2], "agg_tok_s_waves": [w["agg_tok_s"] for w in waves],
+            "engine_waves": [w.get("engine") for w in waves]}
 
 
 def engine_counts(engine) -> dict:
