@@ -110,6 +110,7 @@ XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # variants t
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
 _MMA_T16_ROWS = {"iq3_s_mma": 128}   # the T tile 16 compiled per warp-MMA variant: its largest tuner tile
+_MMA_STAGES = {"iq3_s_mma": (2,)}      # load depths of a warp-MMA variant's tuner tiles (gemv_iq3_s.MMA_TILES)
 _NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 1),)), None: (3, ((128, 3), (128, 1)))}
 _GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "iq3_s_h2": 16, "f8": 8,
        "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
@@ -129,8 +130,8 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                     continue
                 out += [(Variant(f, xd, 8, 128, 8, use_split=True, has_res=True, stages=2), cc),
                         (Variant(f, xd, 16, _MMA_T16_ROWS.get(f, 256), 8), cc)]
-                if f in XPRE_FORMATS:     # prepared activations, double and triple buffered
-                    out += [(Variant(f, xd, 8, 128, 8, stages=s, xpre=True), cc) for s in (2, 3)]
+                if f in XPRE_FORMATS:     # prepared activations, double (and where a tile has it, triple) buffered
+                    out += [(Variant(f, xd, 8, 128, 8, stages=s, xpre=True), cc) for s in _MMA_STAGES.get(f, (2, 3))]
                 if full:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue

@@ -43,7 +43,7 @@ CASES = {  # format, T, dtype, K, block_n, block_g, split, residual, num_stages 
     "q6_k-T1-bf16": ("q6_k", 1, torch.bfloat16, 512, 32, 4, 1, False, 1),
     "q6_k-T2-f16-ragged-split": ("q6_k", 2, torch.float16, 768, 16, 4, 3, True, 1),
     "q6_k-T3-f32-stages": ("q6_k", 3, torch.float32, 512, 64, 2, 1, False, 3),
-    "q6_k-T3-bf16-split-stages": ("q6_k", 3, torch.bfloat16, 768, 32, 2, 2, True, 3),
+    "q6_k-T3-bf16-split-stages": ("q6_k", 3, torch.bfloat16, 512, 32, 2, 2, True, 3),
 }
 
 

@@ -155,7 +155,7 @@ def test_linear_on_prepared_activations(fmt, T):
     from ninfer_kernels import dispatch
     from ninfer_kernels.x16 import prepared_ok
     from ninfer_rt.weights import QWeight
-    N, K = 37, 512
+    N, K = 37, 256
     w = np.random.default_rng(T).standard_normal((N, K)).astype(np.float32) * 0.05
     if fmt == "nvfp4":
         c, s, g = codecs.nvfp4.quantize(w)
