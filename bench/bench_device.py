@@ -107,9 +107,7 @@ def tensors(root, seen: set | None = None) -> list:
     seen = set() if seen is None else seen
     out = []
     for leaf in _leaves(root):
-        for t in (leaf.data.values() if isinstance(leaf, QWeight) else (leaf,)):
-            if not isinstance(t, torch.Tensor):         # nvfp4's global scale is a float
-                continue
+        for t in (leaf.stored_tensors() if isinstance(leaf, QWeight) else (leaf,)):
             key = (t.data_ptr(), t.nbytes)
             if key not in seen:
                 seen.add(key)

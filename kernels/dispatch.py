@@ -20,22 +20,24 @@ x may have leading dimensions ([..., K] -> [..., N]); residual has the output's 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 
 from .gemv_f8 import dequant_f8, gemv_f8
-from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s
+from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s, unpack_iq3_s
 from .gemv_launch import KernelInputError, interpreting, next_pow2, tune_mode
 from .gemv_timing import time_ms
 from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4
 from .gemv_plain import _WIDTH, gemv_plain
-from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k
+from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k, unpack_q6_k
 from .x16 import prefer_prepared, prepared_linear, prepared_ok
 
 DECODE_MAX_T = 16
 _REPACK = {"q6_k": repack_q6_k, "iq3_s": repack_iq3_s}
+_UNPACK = {"q6_k": unpack_q6_k, "iq3_s": unpack_iq3_s}
 _PREFILL: dict = {}
 PREFILL_PATHS = ("fused", "dequant")
 DENSE_COPY_MAX = 1 << 30       # bytes of the dense weight copy the untimed prefill choice allows
@@ -48,10 +50,21 @@ def prepare(qw) -> None:
 
 
 def _packed(qw) -> dict:
+    """The weight's repacked planes (built once). On CUDA the GGML blocks are then released: the planes are the
+    same bytes, and keeping both doubled a q6_k / iq3_s model's device memory (`QWeight.release_blocks`; the torch
+    paths that read GGML rows get them rebuilt from the planes)."""
     key = f"triton.{qw.fmt}"
     if key not in qw.cache:
-        qw.cache[key] = _REPACK[qw.fmt](qw.data["blocks"], qw.shape[1])
+        planes = qw.cache[key] = _REPACK[qw.fmt](qw.blocks(), qw.shape[1])
+        if qw.device.type == "cuda":
+            release_blocks(qw, planes)
     return qw.cache[key]
+
+
+def release_blocks(qw, planes: dict) -> None:
+    """Hand `qw` the planes as what holds it and the inverse repack as how to get its GGML rows back."""
+    kept = [t for k, t in planes.items() if k != "grid"]     # the IQ3_S lookup table is shared, not the weight's
+    qw.release_blocks(kept, functools.partial(_UNPACK[qw.fmt], planes))
 
 
 def _plans(qw) -> dict:

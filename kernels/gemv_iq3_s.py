@@ -188,6 +188,26 @@ def repack_iq3_s(blocks: torch.Tensor, K: int, *, chunk_rows: int = 8192) -> dic
     return {"qs": qs, "signs": signs, "qh": qh, "sc": sc, "d": d, "grid": grid_table(blocks.device)}
 
 
+def unpermute_signs(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of `permute_signs`."""
+    s = words.to(torch.int32) & 0xFFFF
+    out = torch.zeros_like(s)
+    for k in range(4):
+        for j in range(4):
+            out |= ((s >> SIGN_BITS[k][j]) & 1) << (4 * k + j)
+    return torch.where(out >= 32768, out - 65536, out).to(torch.int16)
+
+
+def unpack_iq3_s(packed: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of `repack_iq3_s`: GGML blocks u8 [N, K/256*110] (or only `rows`, int64) on the planes' device."""
+    qs, signs, qh, sc, d = (packed[k] if rows is None else packed[k].index_select(0, rows)
+                            for k in ("qs", "signs", "qh", "sc", "d"))
+    n, nb = d.shape
+    parts = (d.contiguous().view(torch.uint8), qs.contiguous().view(torch.uint8), qh,
+             unpermute_signs(signs).view(torch.uint8), sc)
+    return torch.cat([p.reshape(n, nb, -1) for p in parts], dim=-1).reshape(n, nb * BLOCK_BYTES)
+
+
 def _weights(packed: dict, K: int, device, what: str):
     if K % QK:
         raise KernelInputError(f"{what}: K={K} is not a multiple of {QK}")

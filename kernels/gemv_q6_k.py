@@ -129,6 +129,20 @@ def repack_q6_k(blocks: torch.Tensor, K: int, *, chunk_rows: int = 4096) -> dict
     return {"ql": ql, "qh": qh, "sc": sc, "d": d}
 
 
+def unpack_q6_k(packed: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of `repack_q6_k`: GGML blocks u8 [N, K/256*210] (or only `rows`, int64) on the planes' device."""
+    ql, qh, sc, d = (packed[k] if rows is None else packed[k].index_select(0, rows) for k in ("ql", "qh", "sc", "d"))
+    n, nb = d.shape
+    nib = ql.contiguous().view(torch.uint8)                                  # [n, nb * 128]
+    low = torch.stack([nib & 15, nib >> 4], dim=-1).reshape(n, nb, 2, 128)   # weight order within each half
+    q_low = (low[..., :64] | (low[..., 64:] << 4)).reshape(n, nb, 128)
+    pos = torch.tensor(_QH_POS, device=d.device, dtype=torch.int32)
+    high = ((qh.to(torch.int32)[..., None] >> pos) & 3).to(torch.uint8).reshape(n, nb, 2, 4, 32)
+    q_high = (high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6))
+    return torch.cat([q_low, q_high.reshape(n, nb, 64), sc.contiguous().view(torch.uint8).reshape(n, nb, 16),
+                      d.contiguous().view(torch.uint8).reshape(n, nb, 2)], dim=-1).reshape(n, nb * BLOCK_BYTES)
+
+
 def _weights(packed: dict, K: int, device, what: str):
     if K % QK:
         raise KernelInputError(f"{what}: K={K} is not a multiple of {QK}")

@@ -6,7 +6,9 @@ Layouts (`data` keys) per format, all row-major with rows = output features:
                       `gscale` python float (the per-tensor second-level scale)
   q6_k / iq3_s        `blocks` u8 [N, K/256 * block bytes] (GGML rows of blocks)
   f8_e4m3_row         `codes` u8 E4M3 [N, K], `row_scale` f32 [N]
-Backends may attach derived forms (a dequantized copy, a swizzled layout) to `cache`, keyed by their name.
+Backends may attach derived forms (a dequantized copy, a swizzled layout) to `cache`, keyed by their name. A
+backend that keeps a q6_k / iq3_s weight's bytes re-laid out may release its `blocks` (`release_blocks`): the
+weight then costs its size once on the device, and `blocks()` rebuilds them for the paths that read GGML rows.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ninfer_formats.constants import FORMATS, QUANTIZED
 from ninfer_formats.errors import LoadError
 
 PLAIN_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+_RELEASED = "ggml.released"      # cache key: (kept tensors, rebuild(rows), device) of released blocks
 _TENSOR_KEYS = {"nvfp4": ("codes", "scales"), "q6_k": ("blocks",), "iq3_s": ("blocks",),
                 "f8_e4m3_row": ("codes", "row_scale")}
 
@@ -47,19 +50,52 @@ class QWeight:
 
     @property
     def device(self) -> torch.device:
-        return next(v for v in self.data.values() if isinstance(v, torch.Tensor)).device
+        t = next((v for v in self.data.values() if isinstance(v, torch.Tensor)), None)
+        return t.device if t is not None else self.cache[_RELEASED][2]
+
+    @property
+    def released(self) -> bool:
+        return self.data.get("blocks", 0) is None
+
+    def release_blocks(self, kept: list, rebuild) -> None:
+        """Drop the GGML blocks (q6_k / iq3_s) of a weight whose backend holds the same bytes as `kept` tensors;
+        rebuild(rows) returns the blocks (all rows for None, else the int64 `rows`) when a path needs them."""
+        if self.fmt in ("q6_k", "iq3_s") and not self.released:
+            self.cache[_RELEASED] = (list(kept), rebuild, self.data["blocks"].device)
+            self.data["blocks"] = None
+
+    def blocks(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """GGML blocks u8 [N or len(rows), bytes per row] of a q6_k / iq3_s weight, released or not."""
+        if self.released:
+            return self.cache[_RELEASED][1](rows)
+        b = self.data["blocks"]
+        return b if rows is None else b.index_select(0, rows)
+
+    def stored_tensors(self) -> list:
+        """The tensors that hold this weight now (the backend's kept form once the blocks are released)."""
+        if self.released:
+            return self.cache[_RELEASED][0]
+        return [v for v in self.data.values() if isinstance(v, torch.Tensor)]
+
+    def _full_data(self) -> dict:
+        return {**self.data, "blocks": self.blocks()} if self.released else self.data
 
     def to(self, device) -> "QWeight":
-        data = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.data.items()}
+        data = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self._full_data().items()}
         return QWeight(self.fmt, self.shape, data, self.name)
 
     def rows(self, start: int, stop: int) -> "QWeight":
-        """Rows [start, stop) as views (every layout is row-major)."""
+        """Rows [start, stop) as views (every layout is row-major; released blocks are rebuilt for them)."""
+        if self.released:
+            return QWeight(self.fmt, (stop - start, self.shape[1]), {"blocks": self.blocks(
+                torch.arange(start, stop, device=self.device))}, self.name)
         data = {k: (v[start:stop] if isinstance(v, torch.Tensor) else v) for k, v in self.data.items()}
         return QWeight(self.fmt, (stop - start, self.shape[1]), data, self.name)
 
     def select_rows(self, idx: torch.Tensor) -> "QWeight":
         """Rows `idx` (int64 [M]) gathered into a new QWeight (e.g. the embedding rows of a batch)."""
+        if self.released:
+            return QWeight(self.fmt, (int(idx.numel()), self.shape[1]), {"blocks": self.blocks(idx)}, self.name)
         data = {k: (v.index_select(0, idx) if isinstance(v, torch.Tensor) else v) for k, v in self.data.items()}
         return QWeight(self.fmt, (int(idx.numel()), self.shape[1]), data, self.name)
 
@@ -83,8 +119,8 @@ class QWeight:
             if p.fmt == "nvfp4" and p.data["gscale"] != first.data["gscale"]:
                 raise LoadError(f"{name}: nvfp4 global scales differ ({p.name} {p.data['gscale']!r} vs "
                                 f"{first.name} {first.data['gscale']!r}); the packer must share them")
-        data = {k: (torch.cat([p.data[k] for p in parts]) if isinstance(v, torch.Tensor) else v)
-                for k, v in first.data.items()}
+        full = [p._full_data() for p in parts]
+        data = {k: (torch.cat([f[k] for f in full]) if isinstance(v, torch.Tensor) else v) for k, v in full[0].items()}
         return QWeight(first.fmt, (sum(p.shape[0] for p in parts), first.shape[1]), data, name)
 
 
@@ -106,7 +142,7 @@ def dequantize(qw: QWeight) -> torch.Tensor:
     elif qw.fmt == "f8_e4m3_row":
         out = codecs.fp8.e4m3_decode(_np(qw.data["codes"])) * _np(qw.data["row_scale"]).astype(np.float32)[:, None]
     else:
-        out = codecs.dequantize(qw.fmt, _np(qw.data["blocks"]), qw.shape, name=qw.name)
+        out = codecs.dequantize(qw.fmt, _np(qw.blocks()), qw.shape, name=qw.name)
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(qw.device)
 
 
