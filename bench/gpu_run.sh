@@ -10,7 +10,8 @@
 #   chunkmajor bench/chunk_major.py: the warp-MMA NVFP4 GEMV on row-major vs chunk-major weights (same tiles)
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them);
-#             KXPRE=1 also times them on prepared activations (formats nvfp4+xpre, q6_k+xpre)
+#             KXPRE=1 also times them on prepared activations (formats <fmt>+xpre); KRUNOFF (default 3) tuner
+#             finishers re-timed over rotating copies in one graph before one ships (0: the tuner's pick)
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
 #   decodex   the same with NINFER_XPRE=${DECODEX_XPRE:-0} (the comparison run: prepared activations are on by default
 #             on sm_80+), written as decode_xpre.json
@@ -88,7 +89,7 @@ for step in "$@"; do
       echo "chunkmajor rc=$?"; cat "$OUT/chunk_major_table.txt"; tail -3 "$OUT/chunk_major_log.txt" ;;
     kernels)
       timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp 1 2 \
-        --T ${KTS:-1 2 4 8} --merge $([ "${KXPRE:-0}" = 1 ] && echo --xpre) \
+        --T ${KTS:-1 2 4 8} --merge $([ "${KXPRE:-0}" = 1 ] && echo --xpre) --runoff ${KRUNOFF:-3} \
         --out bench/results/kernels.json > "$OUT/kernels_table.txt" 2> "$OUT/kernels_log.txt"
       echo "kernels rc=$?"; tail -2 "$OUT/kernels_log.txt"
       cp bench/results/kernels.json bench/results/kernels_check.json "$OUT/" 2>/dev/null

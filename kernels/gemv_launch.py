@@ -337,6 +337,12 @@ def tuned_configs() -> dict:
     return dict(_TUNED)
 
 
+def override_config(key, cfg: GemvConfig) -> None:
+    """Make `cfg` the config of tuner key `key` in this process (bench/kernels.py's graph runoff); weights' plans
+    made with another config keep it until dropped."""
+    _TUNED[key] = cfg
+
+
 def tuning_log() -> dict:
     """{key: [(GemvConfig, median ms or None if it failed)]} for every tuned key."""
     return dict(_TUNE_LOG)

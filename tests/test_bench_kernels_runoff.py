@@ -1,0 +1,76 @@
+"""bench/kernels.py's graph runoff: the tuner's close finishers re-timed the way the records are, the fastest
+shipped; what it leaves alone (far finishers, failed candidates, a single one)."""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ninfer_kernels import gemv_launch as gl  # noqa: E402
+from ninfer_kernels.gemv_launch import GemvConfig  # noqa: E402
+
+
+def _load_bench():
+    """bench/kernels.py as module `bench_kernels` (not `kernels`: transformers probes for HF's package of that
+    name), without keeping the NINFER_GEMV_TUNE=force it sets for its own runs."""
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    if str(bench) not in sys.path:
+        sys.path.append(str(bench))           # its sibling modules (bench_device, ...)
+    before = os.environ.get("NINFER_GEMV_TUNE")
+    spec = importlib.util.spec_from_file_location("bench_kernels", bench / "kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if before is None:
+        os.environ.pop("NINFER_GEMV_TUNE", None)
+    else:
+        os.environ["NINFER_GEMV_TUNE"] = before
+    return mod
+
+
+kb = _load_bench()
+
+
+class Q:
+    def __init__(self):
+        self.cache = {"triton.plans": {"old": 1}, "triton.q6_k": "planes"}
+
+
+@pytest.fixture
+def tuned(monkeypatch):
+    """A tuner log for one key: a (1.00 ms, picked), b (1.10), c (1.20), d failed, e (2.00: too far)."""
+    a, b, c, d, e = (GemvConfig(bn, 8, 4, 1, split=s) for bn, s in ((128, 5), (128, 4), (64, 3), (256, 2), (32, 1)))
+    key = ("k", 1, 2, 4, "torch.bfloat16", False, "cuda:0")
+    monkeypatch.setitem(gl._TUNE_LOG, key, [(a, 1.0), (b, 1.1), (c, 1.2), (d, None), (e, 2.0)])
+    monkeypatch.setitem(gl._TUNED, key, a)
+    return key, (a, b, c, d, e)
+
+
+def test_runoff_ships_the_fastest_back_to_back(monkeypatch, tuned):
+    key, (a, b, c, d, e) = tuned
+    graph_us = {a: 24.8, b: 20.9, c: 22.0}
+    monkeypatch.setattr(kb, "graph_us", lambda fns, quick: [f() for f in fns] and graph_us[gl._TUNED[key]])
+    qws, calls = [Q(), Q()], []
+    out = kb.graph_runoff(key, qws, lambda q: calls.append((gl._TUNED[key], "triton.plans" in q.cache)), True, 5)
+    assert out == [(a, 24.8), (b, 20.9), (c, 22.0)]                 # e is past the margin, d failed
+    assert gl.tuned_configs()[key] == b
+    assert all(not has_plan for _, has_plan in calls)               # each finalist ran without a stale plan
+    assert all("triton.plans" not in q.cache and q.cache["triton.q6_k"] == "planes" for q in qws)
+    assert kb.graph_runoff(key, qws, lambda q: None, True, 1) == [] and gl.tuned_configs()[key] == b
+
+
+def test_runoff_needs_two_timed_finishers(monkeypatch):
+    key = ("k2", 1, 2, 1, "torch.bfloat16", False, "cuda:0")
+    monkeypatch.setitem(gl._TUNE_LOG, key, [(GemvConfig(64, 8), 1.0), (GemvConfig(32, 8), None)])
+    assert kb.graph_runoff(key, [Q()], lambda q: None, True) == []
+    assert kb.graph_runoff(("never tuned",), [Q()], lambda q: None, True) == []
+
+
+def test_negative_runoff_is_a_one_line_error(capsys):
+    assert kb.main(["--runoff", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --runoff -1") and err.count("\n") == 1
