@@ -1,13 +1,13 @@
-"""Does a chunk-major weight layout speed up the warp-MMA NVFP4 GEMV? An experiment on the GPU (bench/NOTES.md §12).
+"""Does a chunk-major weight layout speed up the NVFP4 GEMVs? An experiment on the GPU (bench/NOTES.md §12).
 
 The T = 2..8 MMA loop reads, per K step, 64 bytes (128 weights) of each of its rows: runs of 64 bytes 2.5 KB
 apart (K = 5120), 128-256 rows at a time. §5 found the contiguous bytes per row per step to be what the memory
 side of the T = 1 loop lives on (64 B per row: 18 us where 256 B took 13 us, same bytes). A load-time repack to
 chunk-major order -- codes int64 [G/8, N, 8] and scales u8 [G/8, N, 8] (chunk c of row n at (c * N + n) * 64
-bytes) -- makes one K step of a 128-row tile a single 8 KB run. This script times the production MMA kernel
-(`gemv_nvfp4_mma`, row-major) against the same skeleton reading the chunk-major copy, same tiles and splits (the
-shipped config and its neighbours), on prepared activations as the decode step feeds them, and checks that both
-give the same output.
+bytes) -- makes one K step of a 128-row tile a single 8 KB run. This script times the production kernels
+(`gemv_nvfp4_mma` for T >= 2 and, at T = 1, `gemv_nvfp4_h2` and the MMA one) against the same code reading the
+chunk-major copy, same tiles and splits (the shipped prepared-input config and its neighbours), on prepared
+activations as the decode step feeds them, and checks that both layouts give the same output.
 
     python bench/chunk_major.py [--shapes attn_qkv mlp_gate_up ...] [--T 1 4 8] [--out $OUT/chunk_major.json]
     python bench/chunk_major.py --smoke     # CPU + Triton interpreter, one tiny shape: exercises this script only
@@ -35,8 +35,9 @@ import triton.language as tl  # noqa: E402
 
 import xpre  # noqa: E402  (bench/xpre.py: shapes, timing, shipped configs)
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
-from ninfer_kernels.gemv_h2_common import factory  # noqa: E402
+from ninfer_kernels.gemv_h2_common import factory, h2_body  # noqa: E402
 from ninfer_kernels.gemv_mma_body import mma_body, no_prep  # noqa: E402
+from ninfer_kernels.gemv_nvfp4_h2 import _BACK_BIAS, _UP_BIAS, _tile  # noqa: E402
 from ninfer_kernels.gemv_nvfp4_mma import _W_EXP, _no_factor, _row_pairs  # noqa: E402
 
 DEV = xpre.DEV
@@ -64,8 +65,33 @@ def nvfp4_cm_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fsc
              XPRE, _load_row_cm, no_prep, 2, _row_pairs, _no_factor, False)
 
 
+@triton.jit
+def _load_cm(codes, scales, n, w3, w4, w5, rows, g, wm, G):
+    """`gemv_nvfp4._load` (the h2 loop's tile load) on the chunk-major copy, n = N. g is a whole tile of 8k groups
+    from a multiple of 8: runs of 8 groups (64 code bytes, 8 scale bytes) are contiguous."""
+    k = tl.arange(0, g.shape[0])
+    c0 = tl.min(g, axis=0) // 8              # the tile's first chunk (a whole tile starts on a chunk)
+    off = ((c0 + k // 8) * (n * 8))[None, :] + rows[:, None] * 8 + (k % 8)[None, :]
+    off = tl.max_contiguous(tl.multiple_of(off, [1, 2]), [1, 2])   # the production tile layout: 2 groups a thread
+    words = tl.load(codes + off) if wm is None else tl.load(codes + off, mask=wm, other=0)
+    s = (tl.load(scales + off) if wm is None else tl.load(scales + off, mask=wm, other=0)).to(tl.int32)
+    return words.to(tl.int32), (words >> 32).to(tl.int32), s
+
+
+@triton.jit
+def nvfp4_h2_cm_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
+                       stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                       USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_KIND: tl.constexpr,
+                       HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, FOLD: tl.constexpr, STAGES: tl.constexpr,
+                       H2_MODE: tl.constexpr, XPRE: tl.constexpr):
+    h2_body(x_ptr, codes, scales, N, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
+            stride_ot, stride_rt, _load_cm, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT,
+            HAS_RES, EVEN_G, STAGES, H2_MODE, XPRE)
+
+
 _BASE = SimpleNamespace(__name__=NAME)       # what the launcher looks variants up by
 gl.register_variant("mma", NAME, factory(nvfp4_cm_kernel, NAME, per_thread=True))
+gl.register_variant("h2", NAME, factory(nvfp4_h2_cm_kernel, NAME))
 
 
 def chunk_major(t: torch.Tensor, K: int) -> torch.Tensor:
@@ -75,13 +101,15 @@ def chunk_major(t: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def candidates(N: int, K: int, T: int) -> list:
-    """The shipped MMA config for this shape and T (or a default) and its neighbours (bench/xpre.py)."""
+    """The shipped prepared-input config for this shape and T and its neighbours (bench/xpre.py), and at T <= 2
+    the default MMA tile's family too (h2 and MMA both serve T = 1, 2)."""
     from ninfer_kernels.gemv_launch import GemvConfig
-    cfg = xpre.shipped_config(N, K, T) if not SMOKE else None
-    if cfg is None or not cfg.mma:
-        cfg = GemvConfig(128, 8, 4, 2, split=gl.auto_split(-(-N // 128), K // 128, 132), mma=True) if not SMOKE \
-            else GemvConfig(32, 8, 2, 1, split=1, mma=True)
-    return xpre.neighbours(cfg) if not SMOKE else [cfg]
+    if SMOKE:
+        return [GemvConfig(32, 16, 2, 1, split=1, h2=True)] * (T <= 2) + [GemvConfig(32, 8, 2, 1, split=1, mma=True)]
+    mma = GemvConfig(128, 8, 4, 2, split=gl.auto_split(-(-N // 128), K // 128, 132), mma=True)
+    cfg = xpre.shipped_config(N, K, T, "nvfp4+xpre") or mma
+    out = xpre.neighbours(cfg) + (xpre.neighbours(mma) if T <= 2 and not cfg.mma else [])
+    return list(dict.fromkeys(c for c in out if c.mma or T <= 8))
 
 
 def measure(name: str, N: int, K: int, ts, copy: float, gpu: str) -> list[dict]:

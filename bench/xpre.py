@@ -66,15 +66,16 @@ def copy_tbps() -> float:
     return 2 * n / (ms_of(lambda: dst.copy_(src)) * 1e-3) / 1e12
 
 
-def shipped_config(N: int, K: int, T: int):
-    """The shipped tuned config for this GPU (kernels/gemv_tuned.json), or None."""
+def shipped_config(N: int, K: int, T: int, fmt: str = "nvfp4"):
+    """The shipped tuned config of `fmt` (a tune-cache format, e.g. "nvfp4+xpre") for this GPU
+    (kernels/gemv_tuned.json), or None."""
     from ninfer_kernels.gemv_launch import GemvConfig, next_pow2
     if SMOKE:
         return GemvConfig(32, 16, 2, 1, split=1, h2=True) if T == 1 else GemvConfig(32, 8, 2, 1, split=1, mma=True)
     with open(os.path.join(ROOT, "kernels", "gemv_tuned.json")) as f:
         ship = json.load(f)
     for e in ship["gpus"].get(torch.cuda.get_device_name(), ()):
-        if (e["fmt"], e["N"], e["K"], e["t_bucket"]) == ("nvfp4", N, K, next_pow2(T)):
+        if (e["fmt"], e["N"], e["K"], e["t_bucket"]) == (fmt, N, K, next_pow2(T)):
             return GemvConfig(**e["config"])
     return None
 
