@@ -18,7 +18,6 @@ Records: {"name", "shape", "T", "config", "us_row", "us_chunk", "pct_copy_bw_row
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -34,6 +33,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import xpre  # noqa: E402  (bench/xpre.py: shapes, timing, shipped configs)
+from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_h2_common import factory, h2_body  # noqa: E402
 from ninfer_kernels.gemv_mma_body import mma_body, no_prep  # noqa: E402
@@ -176,9 +176,7 @@ def main(argv=None) -> int:
         _, N, K = xpre.SHAPES[s]
         recs += measure(s, N, K, args.T, copy, gpu)
         if args.out:                      # after every shape: a timeout keeps what was measured
-            with open(args.out + ".tmp", "w") as f:
-                json.dump(recs, f, indent=1)
-            os.replace(args.out + ".tmp", args.out)
+            write_json_atomic(args.out, recs)
     print(f"copy {copy:.2f} TB/s, {gpu}")
     print(table(recs))
     return 0 if recs and all(r["max_abs_diff"] == 0.0 for r in recs) else 1

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from ninfer_formats.atomic import write_json_atomic
+
 SMOKE = "--smoke" in sys.argv
 if SMOKE:  # must precede the first ninfer_kernels import
     os.environ["TRITON_INTERPRET"] = "1"
@@ -166,10 +168,7 @@ def main(argv=None) -> int:
         tp, N, K = SHAPES[s]
         recs += measure(s, tp, N, K, args.T, copy, gpu)
         if args.out:                      # after every shape: a timeout keeps what was measured
-            tmp = args.out + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(recs, f, indent=1)
-            os.replace(tmp, args.out)
+            write_json_atomic(args.out, recs)
     print(f"copy {copy:.2f} TB/s, {gpu}")
     print(table(recs))
     return 0 if recs else 1

@@ -1,5 +1,6 @@
-"""Inputs shared by the f16-variant GEMV tests (packed-half2, warp-MMA): NVFP4 weights and wide-range activations;
-and `as_h200`, the launcher seen as on an H200 for candidate-list tests without a GPU."""
+"""Inputs shared by the f16-variant GEMV tests (packed-half2, warp-MMA): NVFP4 and GGML weights, wide-range
+activations, one warp-MMA case check; and `as_h200`, the launcher seen as on an H200 for candidate-list tests
+without a GPU."""
 import numpy as np
 import torch
 
@@ -16,6 +17,51 @@ def nvfp4_weights(N: int, K: int, seed: int, dev):
     w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
     c, s, g = codecs.nvfp4.quantize(w)
     return torch.from_numpy(c).to(dev), torch.from_numpy(s).to(dev), float(g)
+
+
+def codec_blocks(fmt: str, N: int, K: int, seed: int, dev) -> torch.Tensor:
+    """GGML blocks (q6_k / iq3_s) of N(0, 0.05) weights quantized by the numpy codec, on `dev`."""
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    return torch.from_numpy(codecs.quantize(fmt, w)).to(dev)
+
+
+GGML_BLOCK = {"q6_k": (210, 208), "iq3_s": (110, 0)}   # bytes per 256 weights, offset of the fp16 scale d
+
+
+def random_ggml_blocks(fmt: str, N: int, K: int, seed: int, dev="cpu") -> torch.Tensor:
+    """Random block bytes with d in [1e-3, 1e-2] (quantizing 27B-sized rows with the codec is slow)."""
+    nbytes, at = GGML_BLOCK[fmt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (N, K // 256, nbytes), dtype=np.uint8)
+    raw[..., at:at + 2] = rng.uniform(1e-3, 1e-2, (N, K // 256)).astype(np.float16).view(np.uint8).reshape(N, -1, 2)
+    return torch.from_numpy(raw.reshape(N, -1)).to(dev)
+
+
+def iq3_s_every_index_blocks(rows: int, dev) -> torch.Tensor:
+    """One IQ3_S block per row (d = 0.37): grid index 64 r + i (mod 512) at 4-weight group i (qs byte + qh bit),
+    random signs, sub-block scale nibbles cycling through 0..15."""
+    raw = np.zeros((rows, 110), np.uint8)
+    idx = np.arange(rows * 64) % 512
+    raw[:, 0:2] = np.frombuffer(np.float16(0.37).tobytes(), np.uint8)
+    raw[:, 2:66] = (idx & 0xFF).reshape(rows, 64)
+    raw[:, 66:74] = ((idx >> 8).reshape(rows, 8, 8) << np.arange(8)).sum(-1)    # qh byte b, bit j: group 8b + j
+    raw[:, 74:106] = np.random.default_rng(0).integers(0, 256, (rows, 32))
+    raw[:, 106:110] = (np.arange(rows * 4).reshape(rows, 4) * 0x53) & 0xFF
+    return torch.from_numpy(raw).to(dev)
+
+
+def check_mma_case(case: tuple, fmt: str, gemv, repack, ref, rtol_f32: float, rtol_half: float, dev) -> None:
+    """One warp-MMA GEMV case of a GGML format -- (T, dtype, N, K, block_n, block_g, num_warps, num_stages, split,
+    residual) -- against the codec reference, into a NaN-poisoned output."""
+    from ninfer_kernels.gemv_launch import GemvConfig
+    T, dtype, N, K, bn, bg, nw, stages, split, has_res = case
+    blocks = codec_blocks(fmt, N, K, T, dev)
+    x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(dev)
+    res = torch.randn(T, N).to(dtype).to(dev) if has_res else None
+    out = torch.full((T, N), float("nan"), dtype=dtype, device=dev)
+    y = gemv(x, repack(blocks, K), out, res, config=GemvConfig(bn, bg, nw, stages, split=split, mma=True))
+    assert torch.isfinite(y).all()
+    assert rel_l2(y, ref(x, blocks, residual=res)) < (rtol_f32 if dtype == torch.float32 else rtol_half)
 
 
 def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:

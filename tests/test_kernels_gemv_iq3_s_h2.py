@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ninfer_formats import codecs  # noqa: E402
-from gemv_inputs import as_h200, rel_l2, wide_range_x  # noqa: E402
+from gemv_inputs import as_h200, iq3_s_every_index_blocks, random_ggml_blocks, rel_l2, wide_range_x  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_iq3_s import (H2_TILES, SIGN_BITS, gemv_iq3_s, iq3_s_gemv_kernel, permute_signs,  # noqa: E402
@@ -61,15 +61,7 @@ def test_iq3_s_h2_every_grid_point_and_sign():
     """All 512 grid indices (qs byte + qh bit) at every 4-weight position, every sign pattern, every sub-block
     scale nibble; one row's activations all zero, another's near the fp32 top."""
     rows, K = 8, 256
-    raw = np.zeros((rows, 110), np.uint8)
-    idx = np.arange(rows * 64) % 512                                # one 4-weight group each
-    raw[:, 0:2] = np.frombuffer(np.float16(0.37).tobytes(), np.uint8)
-    raw[:, 2:66] = (idx & 0xFF).reshape(rows, 64)
-    hbits = (idx >> 8).reshape(rows, 8, 8)                           # qh byte b, bit j: group 8b + j
-    raw[:, 66:74] = (hbits << np.arange(8)).sum(-1)
-    raw[:, 74:106] = np.random.default_rng(0).integers(0, 256, (rows, 32))
-    raw[:, 106:110] = (np.arange(rows * 4).reshape(rows, 4) * 0x53) & 0xFF
-    blocks = torch.from_numpy(raw).to(DEV)
+    blocks = iq3_s_every_index_blocks(rows, DEV)
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(0))
     x[1] = 0.0
     x[2] *= 1e30
@@ -125,10 +117,7 @@ def test_iq3_s_h2_candidates_use_its_tiles(monkeypatch):
 def test_gpu_iq3_s_h2_real_shapes(shape, T):
     """Every tile the tuner may pick, at 27B shapes, with the split-K the tuner would give it."""
     N, K = shape
-    rng = np.random.default_rng(1)     # random block bytes (quantizing 27B-sized rows with the codec is slow)
-    raw = rng.integers(0, 256, (N, K // 256, 110), dtype=np.uint8)
-    raw[..., 0:2] = rng.uniform(1e-3, 1e-2, (N, K // 256)).astype(np.float16).view(np.uint8).reshape(N, -1, 2)
-    blocks = torch.from_numpy(raw.reshape(N, -1)).to(DEV)
+    blocks = random_ggml_blocks("iq3_s", N, K, 1, DEV)
     packed = repack_iq3_s(blocks, K)
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     ref = reference.ref_iq3_s(x, blocks)

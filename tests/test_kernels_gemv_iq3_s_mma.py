@@ -7,15 +7,15 @@ span many orders of magnitude per 128-weight chunk; prepared activations (XPRE) 
 """
 import os
 
-import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gemv_inputs import as_h200, rel_l2, wide_range_x  # noqa: E402
-from ninfer_formats import codecs  # noqa: E402
+from gemv_inputs import (as_h200, check_mma_case, iq3_s_every_index_blocks, random_ggml_blocks, rel_l2,  # noqa: E402
+                         wide_range_x)
+from gemv_inputs import codec_blocks as _codec_blocks  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels.gemv_iq3_s import MMA_TILES, gemv_iq3_s, iq3_s_gemv_kernel, repack_iq3_s  # noqa: E402
@@ -29,21 +29,7 @@ pytestmark = pytest.mark.skipif(DEV == "cuda" and torch.cuda.get_device_capabili
 
 
 def codec_blocks(N: int, K: int, seed: int) -> torch.Tensor:
-    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
-    return torch.from_numpy(codecs.quantize("iq3_s", w)).to(DEV)
-
-
-def every_index_blocks(rows: int) -> torch.Tensor:
-    """One 256-weight block per row: grid index 64 r + i (mod 512) at 4-weight group i, random signs, scale
-    nibbles cycling through 0..15."""
-    raw = np.zeros((rows, 110), np.uint8)
-    idx = np.arange(rows * 64) % 512
-    raw[:, 0:2] = np.frombuffer(np.float16(0.37).tobytes(), np.uint8)
-    raw[:, 2:66] = (idx & 0xFF).reshape(rows, 64)
-    raw[:, 66:74] = ((idx >> 8).reshape(rows, 8, 8) << np.arange(8)).sum(-1)
-    raw[:, 74:106] = np.random.default_rng(0).integers(0, 256, (rows, 32))
-    raw[:, 106:110] = (np.arange(rows * 4).reshape(rows, 4) * 0x53) & 0xFF
-    return torch.from_numpy(raw).to(DEV)
+    return _codec_blocks("iq3_s", N, K, seed, DEV)
 
 
 CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, residual
@@ -57,23 +43,14 @@ CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, res
 
 @pytest.mark.parametrize("case", CASES)
 def test_iq3_s_mma_matches_reference(case):
-    T, dtype, N, K, bn, bg, nw, stages, split, has_res = CASES[case]
-    blocks = codec_blocks(N, K, seed=T)
-    x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(DEV)
-    res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
-    cfg = GemvConfig(bn, bg, nw, stages, split=split, mma=True)
-    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
-    y = gemv_iq3_s(x, repack_iq3_s(blocks, K), out, res, config=cfg)
-    assert torch.isfinite(y).all()
-    assert rel_l2(y, reference.ref_iq3_s(x, blocks, residual=res)) < (RTOL_MMA if dtype == torch.float32
-                                                                       else RTOL_HALF)
+    check_mma_case(CASES[case], "iq3_s", gemv_iq3_s, repack_iq3_s, reference.ref_iq3_s, RTOL_MMA, RTOL_HALF, DEV)
 
 
 def test_iq3_s_mma_every_grid_point_sign_and_scale():
     """All 512 grid indices at every 4-weight position of a chunk, every scale nibble; an all-zero activation
     chunk and a huge one next to ordinary ones."""
     rows, K = 16, 256
-    blocks = every_index_blocks(rows)
+    blocks = iq3_s_every_index_blocks(rows, DEV)
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(0))
     x[1] = 0.0
     x[2, 128:] *= 1e30
@@ -119,10 +96,7 @@ def test_gpu_iq3_s_mma_real_shapes(shape, T):
     activations."""
     from ninfer_kernels.x16 import launch_prepared, x16_prep
     N, K = shape
-    rng = np.random.default_rng(1)     # random block bytes (quantizing 27B-sized rows with the codec is slow)
-    raw = rng.integers(0, 256, (N, K // 256, 110), dtype=np.uint8)
-    raw[..., 0:2] = rng.uniform(1e-3, 1e-2, (N, K // 256)).astype(np.float16).view(np.uint8).reshape(N, -1, 2)
-    blocks = torch.from_numpy(raw.reshape(N, -1)).to(DEV)
+    blocks = random_ggml_blocks("iq3_s", N, K, 1, DEV)
     p = repack_iq3_s(blocks, K)
     w = (p["qs"], p["signs"], p["qh"], p["sc"], p["d"], p["grid"])
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)

@@ -14,8 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gemv_inputs import rel_l2, wide_range_x  # noqa: E402
-from ninfer_formats import codecs  # noqa: E402
+from gemv_inputs import check_mma_case, rel_l2, wide_range_x  # noqa: E402
+from gemv_inputs import codec_blocks as _codec_blocks  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting  # noqa: E402
@@ -29,8 +29,7 @@ pytestmark = pytest.mark.skipif(DEV == "cuda" and torch.cuda.get_device_capabili
 
 
 def codec_blocks(N: int, K: int, seed: int) -> torch.Tensor:
-    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
-    return torch.from_numpy(codecs.quantize("q6_k", w)).to(DEV)
+    return _codec_blocks("q6_k", N, K, seed, DEV)
 
 
 def cycled_blocks(N: int, K: int) -> torch.Tensor:
@@ -52,16 +51,7 @@ CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, res
 
 @pytest.mark.parametrize("case", CASES)
 def test_q6_k_mma_matches_reference(case):
-    T, dtype, N, K, bn, bg, nw, stages, split, has_res = CASES[case]
-    blocks = codec_blocks(N, K, seed=T)
-    x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(DEV)
-    res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
-    cfg = GemvConfig(bn, bg, nw, stages, split=split, mma=True)
-    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
-    y = gemv_q6_k(x, repack_q6_k(blocks, K), out, res, config=cfg)
-    assert torch.isfinite(y).all()
-    assert rel_l2(y, reference.ref_q6_k(x, blocks, residual=res)) < (RTOL_MMA if dtype == torch.float32
-                                                                      else RTOL_HALF)
+    check_mma_case(CASES[case], "q6_k", gemv_q6_k, repack_q6_k, reference.ref_q6_k, RTOL_MMA, RTOL_HALF, DEV)
 
 
 def test_q6_k_mma_every_code_and_scale():

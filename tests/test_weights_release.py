@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from gemv_inputs import random_ggml_blocks  # noqa: E402
 from ninfer_kernels import dispatch  # noqa: E402
 from ninfer_kernels.gemv_iq3_s import BLOCK_BYTES as IQ3_S_BYTES, repack_iq3_s, unpack_iq3_s  # noqa: E402
 from ninfer_kernels.gemv_q6_k import BLOCK_BYTES as Q6_K_BYTES, repack_q6_k, unpack_q6_k  # noqa: E402
@@ -19,14 +20,8 @@ FORMATS = {"q6_k": (Q6_K_BYTES, repack_q6_k, unpack_q6_k), "iq3_s": (IQ3_S_BYTES
 N, K = 13, 512
 
 
-def random_blocks(fmt: str, n: int = N, k: int = K, seed: int = 0) -> torch.Tensor:
-    """Random bytes with small finite fp16 scales (d sits at the end of a Q6_K block, the start of an IQ3_S one)."""
-    nbytes = FORMATS[fmt][0]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
-    d = rng.uniform(1e-3, 1e-2, (n, k // 256)).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
-    raw[..., (nbytes - 2 if fmt == "q6_k" else 0):][..., :2] = d
-    return torch.from_numpy(raw.reshape(n, -1))
+def random_blocks(fmt: str) -> torch.Tensor:
+    return random_ggml_blocks(fmt, N, K, 0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
