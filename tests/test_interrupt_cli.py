@@ -171,17 +171,31 @@ def test_parent_signals_blocked_defers_ctrl_c_and_children_inherit_the_block():
     """The helper both CLIs start their children under: a Ctrl-C inside does not interrupt the start (it is
     raised once the block ends) and the child starts with the signals blocked (no bootstrap traceback)."""
     import multiprocessing as mp
+    import threading
     from ninfer_formats.proc_signals import parent_signals_blocked
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    with pytest.raises(KeyboardInterrupt):
+    # the preconditions a CLI starts from (an earlier test in this process may have changed either): Python's
+    # Ctrl-C handler, and SIGINT / SIGTERM deliverable to the main thread
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
+    raised = started = False
+    try:
         with parent_signals_blocked():
             os.kill(os.getpid(), signal.SIGINT)
             p = ctx.Process(target=_child_mask, args=(q,))
             p.start()
             started = True
-    assert started
+    except KeyboardInterrupt:
+        raised = True
+    finally:
+        handler = signal.getsignal(signal.SIGINT)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.signal(signal.SIGINT, old_handler)
+    assert raised and started, (f"no KeyboardInterrupt after the block (started={started}; SIGINT handler now "
+                                f"{handler!r}, before the test {old_handler!r}; blocked before {sorted(old_mask)}; "
+                                f"threads {[t.name for t in threading.enumerate()]})")
     assert {signal.SIGINT, signal.SIGTERM} <= set(q.get(timeout=READY_TIMEOUT_S))
     p.join(READY_TIMEOUT_S)
     assert p.exitcode == 0
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert handler is signal.default_int_handler
