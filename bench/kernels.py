@@ -158,7 +158,7 @@ def _probe(fmt: str, qw, N: int, K: int, T: int, path: str, rows, idx, run) -> d
     res = torch.randn(T, N, device=DEV).to(torch.bfloat16)
     try:
         y = run(x, res)[:, idx]
-        ref = reference.ref_linear(x, fmt, qw.data, residual=res, rows=rows)
+        ref = reference.ref_linear(x, fmt, qw, residual=res, rows=rows)
         err = float((y.double() - ref.double()).norm() / ref.double().norm())
         return {"T": T, "path": path, "rel_l2": err, "ok": err < 1e-2}
     except Exception as e:
@@ -194,7 +194,7 @@ def _h2_runner(fmt: str, qw, K: int):
     d = qw.data
     cfg = GemvConfig(16 if SMOKE else 128, 4 if SMOKE else 16, 4, 1, 3, h2=True)
     if fmt == "q6_k":
-        packed = repack_q6_k(d["blocks"], K)
+        packed = repack_q6_k(qw.blocks(), K)
         return lambda x, res: gemv_q6_k(x, packed, residual=res, config=cfg)
     return lambda x, res: gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], residual=res, config=cfg)
 

@@ -69,8 +69,10 @@ def ref_plain(x, w, residual=None, rows=None):
     return _finish(x, dense_plain(w, rows), residual, rows)
 
 
-def ref_linear(x, fmt: str, data: dict, residual=None, rows=None):
-    """Reference for `dispatch.linear` given a QWeight's fmt and data dict."""
+def ref_linear(x, fmt: str, data, residual=None, rows=None):
+    """Reference for `dispatch.linear` given a QWeight's fmt and the QWeight (its blocks rebuilt if the triton
+    backend released them after repacking) or its data dict."""
+    data = data.full_data() if hasattr(data, "full_data") else data
     if fmt == "nvfp4":
         return ref_nvfp4(x, data["codes"], data["scales"], data["gscale"], residual, rows)
     if fmt in ("q6_k", "iq3_s"):

@@ -77,11 +77,12 @@ class QWeight:
             return self.cache[_RELEASED][0]
         return [v for v in self.data.values() if isinstance(v, torch.Tensor)]
 
-    def _full_data(self) -> dict:
+    def full_data(self) -> dict:
+        """`data`, with released blocks rebuilt (for code that reads GGML rows, e.g. the references)."""
         return {**self.data, "blocks": self.blocks()} if self.released else self.data
 
     def to(self, device) -> "QWeight":
-        data = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self._full_data().items()}
+        data = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.full_data().items()}
         return QWeight(self.fmt, self.shape, data, self.name)
 
     def rows(self, start: int, stop: int) -> "QWeight":
@@ -119,7 +120,7 @@ class QWeight:
             if p.fmt == "nvfp4" and p.data["gscale"] != first.data["gscale"]:
                 raise LoadError(f"{name}: nvfp4 global scales differ ({p.name} {p.data['gscale']!r} vs "
                                 f"{first.name} {first.data['gscale']!r}); the packer must share them")
-        full = [p._full_data() for p in parts]
+        full = [p.full_data() for p in parts]
         data = {k: (torch.cat([f[k] for f in full]) if isinstance(v, torch.Tensor) else v) for k, v in full[0].items()}
         return QWeight(first.fmt, (sum(p.shape[0] for p in parts), first.shape[1]), data, name)
 

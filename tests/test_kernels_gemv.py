@@ -65,9 +65,9 @@ def run_kernel(qw: QWeight, x, out=None, residual=None, config=None):
     if qw.fmt == "nvfp4":
         return gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], out, residual, config=config)
     if qw.fmt == "q6_k":
-        return gemv_q6_k(x, repack_q6_k(d["blocks"], qw.shape[1]), out, residual, config=config)
+        return gemv_q6_k(x, repack_q6_k(qw.blocks(), qw.shape[1]), out, residual, config=config)
     if qw.fmt == "iq3_s":
-        return gemv_iq3_s(x, repack_iq3_s(d["blocks"], qw.shape[1]), out, residual, config=config)
+        return gemv_iq3_s(x, repack_iq3_s(qw.blocks(), qw.shape[1]), out, residual, config=config)
     if qw.fmt == "f8_e4m3_row":
         return gemv_f8(x, d["codes"], d["row_scale"], out, residual, config=config)
     return gemv_plain(x, d["w"], out, residual, config=config)
@@ -87,7 +87,7 @@ def test_gemv_matches_reference(fmt, T, dtype):
     x = torch.randn(T, K, generator=g).to(dtype).to(DEV)
     res = torch.randn(T, N_SMALL, generator=g).to(dtype).to(DEV)
     y = run_kernel(qw, x, out=poisoned(T, N_SMALL, dtype), residual=res)
-    ref = reference.ref_linear(x, fmt, qw.data, residual=res)
+    ref = reference.ref_linear(x, fmt, qw, residual=res)
     assert y.dtype == dtype and y.shape == (T, N_SMALL) and torch.isfinite(y).all()
     assert rel_l2(y, ref) < rtol(dtype)
 
@@ -112,7 +112,7 @@ def test_gemv_paths(fmt, path):
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
     cfg = GemvConfig(bn, bg, **kw)
     y = run_kernel(qw, x, out=poisoned(T, N_SMALL, dtype), config=cfg)
-    assert rel_l2(y, reference.ref_linear(x, fmt, qw.data)) < rtol(dtype)
+    assert rel_l2(y, reference.ref_linear(x, fmt, qw)) < rtol(dtype)
     if cfg.split > 1:  # deterministic, and the arrival counters are back at zero for the next launch
         assert torch.equal(run_kernel(qw, x, config=cfg), y)
         assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
@@ -176,7 +176,7 @@ def test_linear_prefill_paths(fmt, path):
     x = torch.randn(2, 10, K, generator=torch.Generator().manual_seed(2)).to(DEV)   # T = 20 > 16
     res = torch.randn(2, 10, N_SMALL).to(DEV)
     y = dispatch.linear(x, qw, residual=res, prefill_path=path)
-    ref = reference.ref_linear(x.reshape(20, K), fmt, qw.data, residual=res.reshape(20, N_SMALL))
+    ref = reference.ref_linear(x.reshape(20, K), fmt, qw, residual=res.reshape(20, N_SMALL))
     assert y.shape == (2, 10, N_SMALL)
     assert rel_l2(y.reshape(20, N_SMALL), ref) < RTOL_FP32
 
@@ -188,7 +188,7 @@ def test_linear_decode_caches_repack(fmt):
     x = torch.randn(4, K_SMALL[fmt]).to(DEV)
     out = poisoned(4, N_SMALL, torch.float32)
     assert dispatch.linear(x, qw, out=out) is out
-    assert rel_l2(out, reference.ref_linear(x, fmt, qw.data)) < RTOL_FP32
+    assert rel_l2(out, reference.ref_linear(x, fmt, qw)) < RTOL_FP32
     assert (f"triton.{fmt}" in qw.cache) == (fmt in ("q6_k", "iq3_s"))
 
 
@@ -198,7 +198,7 @@ def test_in_place_residual(T):
     qw = quantized("q6_k", N_SMALL, 256, seed=9)
     x = torch.randn(T, 256).to(DEV)
     h = torch.randn(T, N_SMALL).to(DEV)
-    ref = reference.ref_linear(x, "q6_k", qw.data, residual=h.clone())
+    ref = reference.ref_linear(x, "q6_k", qw, residual=h.clone())
     assert dispatch.linear(x, qw, out=h, residual=h) is h
     assert rel_l2(h, ref) < RTOL_FP32
 
@@ -210,7 +210,7 @@ def test_linear_decode_plan_reuse_and_fallback(fmt):
     K = K_SMALL[fmt]
     qw = quantized(fmt, N_SMALL, K, seed=11)
     x = torch.randn(3, K).to(DEV)
-    ref = reference.ref_linear(x, fmt, qw.data)
+    ref = reference.ref_linear(x, fmt, qw)
     first = dispatch.linear(x, qw)
     plans = qw.cache["triton.plans"]
     assert list(plans) == [(3, torch.float32, False)]
@@ -222,7 +222,7 @@ def test_linear_decode_plan_reuse_and_fallback(fmt):
     assert torch.equal(wide, first)
     res = torch.randn(3, N_SMALL).to(DEV)
     y = dispatch.linear(x, qw, residual=res)
-    assert rel_l2(y, reference.ref_linear(x, fmt, qw.data, residual=res)) < RTOL_FP32
+    assert rel_l2(y, reference.ref_linear(x, fmt, qw, residual=res)) < RTOL_FP32
     assert (3, torch.float32, True) in plans
     with pytest.raises(KernelInputError, match="out must be"):
         dispatch.linear(x, qw, out=torch.zeros(3, N_SMALL, dtype=torch.float16, device=DEV))
@@ -264,5 +264,5 @@ def test_gpu_real_shapes(fmt, shape):
         x = torch.randn(T, K, device="cuda").to(dtype)
         res = torch.randn(T, N, device="cuda").to(dtype)
         y = dispatch.linear(x, qw, residual=res)
-        ref = reference.ref_linear(x, fmt, qw.data, residual=res, rows=rows)
+        ref = reference.ref_linear(x, fmt, qw, residual=res, rows=rows)
         assert rel_l2(y[:, torch.as_tensor(rows, device="cuda")], ref) < RTOL_HALF, (T, dtype)

@@ -168,7 +168,7 @@ def test_linear_on_prepared_activations(fmt, T):
     assert prepared_ok(qw, T, x.device)
     xp = x16_prep(x)
     y = dispatch.linear(x, qw, residual=res, xp=xp)
-    assert rel_l2(y, reference.ref_linear(x, fmt, qw.data, residual=res)) < RTOL_F32
+    assert rel_l2(y, reference.ref_linear(x, fmt, qw, residual=res)) < RTOL_F32
     # the second call takes the plan the first one left (kernels/gemv_plan.py): the same numbers
     assert ("xpre", T, x.dtype, True) in qw.cache["triton.plans"]
     assert torch.equal(dispatch.linear(x, qw, residual=res, xp=xp), y)

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gemv_inputs import random_ggml_blocks  # noqa: E402
-from ninfer_kernels import dispatch  # noqa: E402
+from ninfer_kernels import dispatch, reference  # noqa: E402
 from ninfer_kernels.gemv_iq3_s import BLOCK_BYTES as IQ3_S_BYTES, repack_iq3_s, unpack_iq3_s  # noqa: E402
 from ninfer_kernels.gemv_q6_k import BLOCK_BYTES as Q6_K_BYTES, repack_q6_k, unpack_q6_k  # noqa: E402
 from ninfer_rt.weights import QWeight, dequantize  # noqa: E402
@@ -48,6 +48,7 @@ def test_released_weight_keeps_every_path(fmt):
     assert torch.equal(qw.blocks(), blocks)
     assert torch.equal(dispatch.linear(x, qw), y)                           # the kernels read the planes
     assert torch.equal(dequantize(qw), dequantize(twin))                    # the torch reference path
+    assert torch.equal(reference.ref_linear(x, fmt, qw), reference.ref_linear(x, fmt, twin.data))
     idx = torch.tensor([4, 4, 0, 12])
     assert torch.equal(qw.select_rows(idx).data["blocks"], blocks[idx])     # embedding rows
     assert torch.equal(qw.rows(2, 9).data["blocks"], blocks[2:9])           # TP / tied-head slices
