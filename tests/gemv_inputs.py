@@ -50,6 +50,15 @@ def iq3_s_every_index_blocks(rows: int, dev) -> torch.Tensor:
     return torch.from_numpy(raw).to(dev)
 
 
+def tuner_tiles(tiles: dict, N: int, K: int, device, **variant) -> list:
+    """GemvConfig of every tile in a {T bucket: tiles} table at [N, K] (16-weight groups), with the split-K the tuner
+    would give it on `device`; variant: h2=True or mma=True."""
+    from ninfer_kernels import gemv_launch as gl
+    from ninfer_kernels.gemv_launch import GemvConfig
+    return [GemvConfig(bn, bg, nw, st, split=gl.auto_split(-(-N // bn), K // 16 // bg, gl.sm_count(device)), **variant)
+            for bn, bg, nw, st in sorted({tile for ts in tiles.values() for tile in ts})]
+
+
 def check_mma_case(case: tuple, fmt: str, gemv, repack, ref, rtol_f32: float, rtol_half: float, dev) -> None:
     """One warp-MMA GEMV case of a GGML format -- (T, dtype, N, K, block_n, block_g, num_warps, num_stages, split,
     residual) -- against the codec reference, into a NaN-poisoned output."""

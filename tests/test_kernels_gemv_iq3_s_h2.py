@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ninfer_formats import codecs  # noqa: E402
-from gemv_inputs import as_h200, iq3_s_every_index_blocks, random_ggml_blocks, rel_l2, wide_range_x  # noqa: E402
+from gemv_inputs import (as_h200, iq3_s_every_index_blocks, random_ggml_blocks, rel_l2, tuner_tiles,  # noqa: E402
+                         wide_range_x)
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_iq3_s import (H2_TILES, SIGN_BITS, gemv_iq3_s, iq3_s_gemv_kernel, permute_signs,  # noqa: E402
@@ -121,7 +122,5 @@ def test_gpu_iq3_s_h2_real_shapes(shape, T):
     packed = repack_iq3_s(blocks, K)
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     ref = reference.ref_iq3_s(x, blocks)
-    for bn, bg, nw, st in sorted({tile for tiles in H2_TILES.values() for tile in tiles}):
-        cfg = GemvConfig(bn, bg, nw, st, split=gl.auto_split(-(-N // bn), K // 16 // bg, gl.sm_count(x.device)),
-                         h2=True)
+    for cfg in tuner_tiles(H2_TILES, N, K, x.device, h2=True):
         assert rel_l2(gemv_iq3_s(x, packed, config=cfg), ref) < RTOL_HALF, cfg

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gemv_inputs import (as_h200, check_mma_case, iq3_s_every_index_blocks, random_ggml_blocks, rel_l2,  # noqa: E402
-                         wide_range_x)
+                         tuner_tiles, wide_range_x)
 from gemv_inputs import codec_blocks as _codec_blocks  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
@@ -101,9 +101,7 @@ def test_gpu_iq3_s_mma_real_shapes(shape, T):
     w = (p["qs"], p["signs"], p["qh"], p["sc"], p["d"], p["grid"])
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     ref = reference.ref_iq3_s(x, blocks)
-    for bn, bg, nw, st in sorted({tile for tiles in MMA_TILES.values() for tile in tiles}):
-        cfg = GemvConfig(bn, bg, nw, st, split=gl.auto_split(-(-N // bn), K // 16 // bg, gl.sm_count(x.device)),
-                         mma=True)
+    for cfg in tuner_tiles(MMA_TILES, N, K, x.device, mma=True):
         assert rel_l2(gemv_iq3_s(x, p, config=cfg), ref) < RTOL_HALF, cfg
         out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
         launch_prepared(iq3_s_gemv_kernel, w, x16_prep(x), N, K, 16, 1.0, out, None, cfg, "test")

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
-from gemv_inputs import every_code_nvfp4, extreme_x, nvfp4_weights, rel_l2, wide_range_x  # noqa: E402
+from gemv_inputs import every_code_nvfp4, extreme_x, nvfp4_weights, rel_l2, tuner_tiles, wide_range_x  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
 from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, nvfp4_gemv_kernel  # noqa: E402
@@ -113,7 +113,5 @@ def test_gpu_mma_real_shapes(shape, T):
     codes, scales, gs = weights(N, K, seed=1)
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     ref = reference.ref_nvfp4(x, codes, scales, gs)
-    for bn, bg, nw, st in sorted({tile for tiles in gl._DECODE_MMA_TILES.values() for tile in tiles}):
-        cfg = GemvConfig(bn, bg, nw, st, split=gl.auto_split(-(-N // bn), K // 16 // bg, gl.sm_count(x.device)),
-                         mma=True)
+    for cfg in tuner_tiles(gl._DECODE_MMA_TILES, N, K, x.device, mma=True):
         assert rel_l2(gemv_nvfp4(x, codes, scales, gs, config=cfg), ref) < RTOL_HALF, cfg
