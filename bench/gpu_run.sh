@@ -17,7 +17,7 @@
 #             on sm_80+), written as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
-# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, CM_S, CM_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
+# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, CM_S, CM_SHAPES, CM_T, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
 # (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values), KCHECK=0
 # (kernels without --check: its probes compile T = 8/16/64 variants in-process, ~30 s per format).
 #     bash bench/gpu_run.sh anatomy kernels decode
@@ -84,7 +84,7 @@ for step in "$@"; do
         > "$OUT/xpre_table.txt" 2> "$OUT/xpre_log.txt"
       echo "xpre rc=$?"; cat "$OUT/xpre_table.txt"; tail -3 "$OUT/xpre_log.txt" ;;
     chunkmajor)
-      timeout ${CM_S:-150} python3 bench/chunk_major.py --out "$OUT/chunk_major.json" ${CM_SHAPES:+--shapes $CM_SHAPES} \
+      timeout ${CM_S:-150} python3 bench/chunk_major.py --out "$OUT/chunk_major.json" ${CM_SHAPES:+--shapes $CM_SHAPES} ${CM_T:+--T $CM_T} \
         > "$OUT/chunk_major_table.txt" 2> "$OUT/chunk_major_log.txt"
       echo "chunkmajor rc=$?"; cat "$OUT/chunk_major_table.txt"; tail -3 "$OUT/chunk_major_log.txt" ;;
     kernels)
