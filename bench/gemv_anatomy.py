@@ -11,6 +11,7 @@ out, and takes differences (no hardware counters on these machines):
   stream(...)   the same loads (and pin / prefetch), no decode: XOR of the words (the grid's memory side)
   read          a plain 1-D streaming read of the same bytes (16-byte loads, 4 tiles in flight per thread)
 
+The weights are the kernels' chunk-major planes (`gemv_nvfp4.repack_nvfp4`; §5-§12 measured row-major ones).
 Each is captured ~40 times over rotating weight copies (>= 4x the L2) in one CUDA graph and replayed.
 Table on stdout; records to --out: {"shape", "variant", "block_n", "block_g", "split", "us", "pct_copy_bw",
 "gpu"}.
@@ -47,8 +48,8 @@ from ninfer_kernels.gemv_timing import replay_ms  # noqa: E402
 
 
 @triton.jit
-def _tile_load(codes, scales, rows, g0, BLOCK_G: tl.constexpr, G):
-    return _load(codes, scales, None, None, None, None, rows, _tile_g(g0, BLOCK_G, 2), None, G)
+def _tile_load(codes, scales, N, rows, g0, BLOCK_G: tl.constexpr, G):
+    return _load(codes, scales, N, None, None, None, rows, _tile_g(g0, BLOCK_G, 2), None, G)
 
 
 @triton.jit
@@ -86,16 +87,16 @@ def anatomy_kernel(x_ptr, codes, scales, out_ptr, N, G, split, MODE: tl.constexp
     bits = tl.zeros([BLOCK_N, BLOCK_G], tl.int32)
     if PF:
         last = g_lo + ((g_hi - g_lo - 1) // BLOCK_G) * BLOCK_G
-        st = _tile_load(codes, scales, rows, g_lo, BLOCK_G, G)
+        st = _tile_load(codes, scales, N, rows, g_lo, BLOCK_G, G)
         for g0 in range(g_lo, g_hi, BLOCK_G):
-            nxt = _tile_load(codes, scales, rows, tl.minimum(g0 + BLOCK_G, last), BLOCK_G, G)
+            nxt = _tile_load(codes, scales, N, rows, tl.minimum(g0 + BLOCK_G, last), BLOCK_G, G)
             if PIN:
                 tl.debug_barrier()
             acc, bits = _use(acc, bits, x_ptr, st, g0, up, MODE, BLOCK_G, H2_MODE)
             st = nxt
     else:
         for g0 in range(g_lo, g_hi, BLOCK_G):
-            st = _tile_load(codes, scales, rows, g0, BLOCK_G, G)
+            st = _tile_load(codes, scales, N, rows, g0, BLOCK_G, G)
             if PIN:
                 tl.debug_barrier()
             acc, bits = _use(acc, bits, x_ptr, st, g0, up, MODE, BLOCK_G, H2_MODE)
@@ -142,13 +143,18 @@ def measure(name: str, N: int, K: int, configs, copy: float, gpu: str) -> list[d
     from ninfer_kernels import randweights
     from ninfer_kernels.gemv_h2_common import h2_mode
     from ninfer_kernels.gemv_launch import GemvConfig, effective_split
-    from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4
+    from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, repack_nvfp4
     anatomy, read = anatomy_kernel, read_kernel
     G = K // 16
     nbytes = N * K // 2 + N * G
     n_copies = int(min(16, max(2, math.ceil(ROTATE_BYTES / nbytes))))
-    ws = [randweights.make("nvfp4", N, K, device="cuda", seed=i) for i in range(n_copies)]
-    flat = [torch.cat([w["codes"].reshape(-1), w["scales"].reshape(-1)]).view(torch.int64) for w in ws]
+    ws = []
+    for i in range(n_copies):            # the kernels' chunk-major planes
+        w = randweights.make("nvfp4", N, K, device="cuda", seed=i)
+        p = repack_nvfp4(w["codes"], w["scales"])
+        ws.append({"codes": p["codes"], "scales": p["scales"], "planes": p, "gscale": w["gscale"]})
+    flat = [torch.cat([w["codes"].view(torch.uint8).reshape(-1), w["scales"].reshape(-1)]).view(torch.int64)
+            for w in ws]
     x = (torch.randn(1, K, device="cuda") * 3).to(torch.bfloat16)
     out = torch.zeros(1, N, dtype=torch.float32, device="cuda")
     mode = h2_mode(x.device)
@@ -158,7 +164,7 @@ def measure(name: str, N: int, K: int, configs, copy: float, gpu: str) -> list[d
         sp = effective_split(cfg, G)
         for v in VARIANTS:
             if v == "full":
-                fns = [lambda w=w: gemv_nvfp4(x, w["codes"], w["scales"], w["gscale"], config=cfg) for w in ws]
+                fns = [lambda w=w: gemv_nvfp4(x, w["planes"], w["gscale"], config=cfg) for w in ws]
             elif v == "read":
                 n_vec = flat[0].numel() // 2
                 ctas = 132 * 8

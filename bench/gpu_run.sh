@@ -7,7 +7,6 @@
 #             case of test_kernels_gemv.py), full output kept
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
 #   xpre      bench/xpre.py: the NVFP4 h2 / MMA GEMVs on prepared activations vs the production ones
-#   chunkmajor bench/chunk_major.py: the warp-MMA NVFP4 GEMV on row-major vs chunk-major weights (same tiles)
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them);
 #             KXPRE=1 also times them on prepared activations (formats <fmt>+xpre); KRUNOFF (default 3) tuner
@@ -17,7 +16,7 @@
 #             on sm_80+), written as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
-# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, CM_S, CM_SHAPES, CM_T, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
+# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
 # (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS and KTS (space lists: kernels' formats and T values), KCHECK=0
 # (kernels without --check: its probes compile T = 8/16/64 variants in-process, ~30 s per format).
 #     bash bench/gpu_run.sh anatomy kernels decode
@@ -83,10 +82,6 @@ for step in "$@"; do
       timeout ${XPRE_S:-240} python3 bench/xpre.py --out "$OUT/xpre.json" ${XPRE_SHAPES:+--shapes $XPRE_SHAPES} \
         > "$OUT/xpre_table.txt" 2> "$OUT/xpre_log.txt"
       echo "xpre rc=$?"; cat "$OUT/xpre_table.txt"; tail -3 "$OUT/xpre_log.txt" ;;
-    chunkmajor)
-      timeout ${CM_S:-150} python3 bench/chunk_major.py --out "$OUT/chunk_major.json" ${CM_SHAPES:+--shapes $CM_SHAPES} ${CM_T:+--T $CM_T} \
-        > "$OUT/chunk_major_table.txt" 2> "$OUT/chunk_major_log.txt"
-      echo "chunkmajor rc=$?"; cat "$OUT/chunk_major_table.txt"; tail -3 "$OUT/chunk_major_log.txt" ;;
     kernels)
       timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp 1 2 \
         --T ${KTS:-1 2 4 8} --merge $([ "${KXPRE:-0}" = 1 ] && echo --xpre) --runoff ${KRUNOFF:-3} \

@@ -100,11 +100,13 @@ def neighbours(cfg) -> list:
 
 def measure(name: str, tp: int, N: int, K: int, ts, copy: float, gpu: str) -> list[dict]:
     from ninfer_kernels import randweights
-    from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, gemv_nvfp4_prepared
+    from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, gemv_nvfp4_prepared, repack_nvfp4
     from ninfer_kernels.x16 import x16_prep
     nbytes = N * K // 2 + N * K // 16
-    ws = [randweights.make("nvfp4", N, K, device=DEV, seed=i)
-          for i in range(1 if SMOKE else int(min(16, max(2, math.ceil(ROTATE_BYTES / nbytes)))))]
+    ws = []
+    for i in range(1 if SMOKE else int(min(16, max(2, math.ceil(ROTATE_BYTES / nbytes))))):
+        w = randweights.make("nvfp4", N, K, device=DEV, seed=i)
+        ws.append({"planes": repack_nvfp4(w["codes"], w["scales"]), "gscale": w["gscale"]})   # the kernels' layout
     recs = []
     for T in ts:
         cfg = shipped_config(N, K, T)
@@ -115,12 +117,12 @@ def measure(name: str, tp: int, N: int, K: int, ts, copy: float, gpu: str) -> li
         x = torch.randn(T, K, device=DEV).to(dt)
         out = torch.empty(T, N, device=DEV, dtype=dt)
         xp = x16_prep(x)
-        us = graph_us([lambda w=w: gemv_nvfp4(x, w["codes"], w["scales"], w["gscale"], out, config=cfg) for w in ws])
+        us = graph_us([lambda w=w: gemv_nvfp4(x, w["planes"], w["gscale"], out, config=cfg) for w in ws])
         tried = []
         for c in neighbours(cfg):
             try:
-                tried.append((graph_us([lambda w=w, c=c: gemv_nvfp4_prepared(xp, w["codes"], w["scales"], w["gscale"],
-                                                                             out, config=c) for w in ws]), c))
+                tried.append((graph_us([lambda w=w, c=c: gemv_nvfp4_prepared(xp, w["planes"], w["gscale"], out,
+                                                                             config=c) for w in ws]), c))
             except Exception as e:        # noqa: BLE001 - a tile the device cannot hold is not a candidate
                 log(f"{name} T={T} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         if not tried or tried[0][1] != cfg:

@@ -11,8 +11,9 @@
   `prefill_path=` one call.
 * plain bf16/f16/f32 weights: the plain GEMV for T <= 16, torch.matmul for prefill and for K that the
   plain kernel cannot read as 8-byte words.
-Repacked forms (Q6_K / IQ3_S planar arrays) are built once per weight and kept in `qw.cache` under
-"triton.<fmt>"; `prepare(qw)` builds them eagerly (call it at load time, before CUDA-graph capture).
+Repacked forms (NVFP4 chunk-major planes, Q6_K / IQ3_S planar arrays) are built once per weight and kept in
+`qw.cache` under "triton.<fmt>"; on CUDA the stored tensors are then released (`QWeight.release`); `prepare(qw)`
+builds them eagerly (call it at load time, before CUDA-graph capture).
 Decode calls (T <= 16) keep a resolved launch per (T, dtype, residual) in `qw.cache["triton.plans"]`
 (`gemv_plan.GemvPlan`): after the first call a call costs a few checks and the launch. `qw.data` and the
 repacked forms must not be replaced in place afterwards (clear `qw.cache` if they are).
@@ -30,41 +31,53 @@ from .gemv_f8 import dequant_f8, gemv_f8
 from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s, unpack_iq3_s
 from .gemv_launch import KernelInputError, interpreting, next_pow2, tune_mode
 from .gemv_timing import time_ms
-from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4
+from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4, repack_nvfp4, unpack_nvfp4
 from .gemv_plain import _WIDTH, gemv_plain
 from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k, unpack_q6_k
 from .x16 import prefer_prepared, prepared_linear, prepared_ok
 
 DECODE_MAX_T = 16
-_REPACK = {"q6_k": repack_q6_k, "iq3_s": repack_iq3_s}
+_REPACK = {"q6_k": repack_q6_k, "iq3_s": repack_iq3_s}     # GGML blocks -> planes
 _UNPACK = {"q6_k": unpack_q6_k, "iq3_s": unpack_iq3_s}
+REPACKED = ("nvfp4", *_REPACK)
 _PREFILL: dict = {}
 PREFILL_PATHS = ("fused", "dequant")
 DENSE_COPY_MAX = 1 << 30       # bytes of the dense weight copy the untimed prefill choice allows
 
 
 def prepare(qw) -> None:
-    """Build the kernel-side forms of `qw` now (repacked GGML planes), so the first call does not."""
-    if qw.fmt in _REPACK:
+    """Build the kernel-side form of `qw` now (repacked planes), so the first call does not."""
+    if qw.fmt in REPACKED:
         _packed(qw)
 
 
 def _packed(qw) -> dict:
-    """The weight's repacked planes (built once). On CUDA the GGML blocks are then released: the planes are the
-    same bytes, and keeping both doubled a q6_k / iq3_s model's device memory (`QWeight.release_blocks`; the torch
-    paths that read GGML rows get them rebuilt from the planes)."""
+    """The weight's repacked planes (built once). On CUDA the stored tensors are then released: the planes are
+    the same bytes, and keeping both doubled the model's device memory (`QWeight.release`; the torch paths that
+    read the stored layout get it rebuilt from the planes)."""
     key = f"triton.{qw.fmt}"
     if key not in qw.cache:
-        planes = qw.cache[key] = _REPACK[qw.fmt](qw.blocks(), qw.shape[1])
+        if qw.fmt == "nvfp4":
+            planes = repack_nvfp4(qw.data["codes"], qw.data["scales"])
+        else:
+            planes = _REPACK[qw.fmt](qw.blocks(), qw.shape[1])
+        qw.cache[key] = planes
         if qw.device.type == "cuda":
-            release_blocks(qw, planes)
+            release(qw, planes)
     return qw.cache[key]
 
 
-def release_blocks(qw, planes: dict) -> None:
-    """Hand `qw` the planes as what holds it and the inverse repack as how to get its GGML rows back."""
+def _ggml_rows(fmt: str, planes: dict, rows=None) -> dict:
+    return {"blocks": _UNPACK[fmt](planes, rows)}
+
+
+def release(qw, planes: dict) -> None:
+    """Hand `qw` the planes as what holds it and the inverse repack as how to get its stored layout back."""
     kept = [t for k, t in planes.items() if k != "grid"]     # the IQ3_S lookup table is shared, not the weight's
-    qw.release_blocks(kept, functools.partial(_UNPACK[qw.fmt], planes))
+    if qw.fmt == "nvfp4":
+        qw.release(kept, functools.partial(unpack_nvfp4, planes, qw.shape[1]))
+    else:
+        qw.release(kept, functools.partial(_ggml_rows, qw.fmt, planes))
 
 
 def _plans(qw) -> dict:
@@ -86,7 +99,7 @@ def _gemv(x, qw, out, residual):
                 return y
     d = qw.data
     if qw.fmt == "nvfp4":
-        return gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], out, residual, plans=plans)
+        return gemv_nvfp4(x, _packed(qw), d["gscale"], out, residual, plans=plans)
     if qw.fmt == "q6_k":
         return gemv_q6_k(x, _packed(qw), out, residual, plans=plans)
     if qw.fmt == "iq3_s":
@@ -100,7 +113,7 @@ def dense_weight(qw, dtype) -> torch.Tensor:
     """[N, K] `dtype` copy of the weight (the prefill "dequant" path)."""
     d = qw.data
     if qw.fmt == "nvfp4":
-        return dequant_nvfp4(d["codes"], d["scales"], d["gscale"], dtype)
+        return dequant_nvfp4(_packed(qw), qw.shape[1], d["gscale"], dtype)
     if qw.fmt == "q6_k":
         return dequant_q6_k(_packed(qw), qw.shape[1], dtype)
     if qw.fmt == "iq3_s":

@@ -17,8 +17,8 @@ Two inner products share the decode:
     stays in registers), cast to the activation dtype and fed to tl.dot (T tile >= 16); on sm_70 tl.dot
     lowers to FMAs. With FOLD (host-checked to stay finite) XS * SW * fscale ride on SCALE: one multiply
     per weight. The same path with T tiles of 32..128 is the fused prefill GEMM.
-A format may give the tl.dot route its own tile load, LOAD_DOT(w0, w1, rows, g0, g_hi, G, BLOCK_G, EVEN_G)
--> LOAD's state: every load of that loop must be one the pipeliner can issue stages ahead (cp.async moves 4,
+A format may give the tl.dot route its own tile load, LOAD_DOT(w0, w1, w2, rows, g0, g_hi, G, BLOCK_G,
+EVEN_G) -> LOAD's state: every load of that loop must be one the pipeliner can issue stages ahead (cp.async moves 4,
 8 or 16 bytes, so NVFP4 reads its scale bytes as int32 words there).
 Grid = (row blocks, K splits, T tiles). With K splits every CTA writes an fp32 partial to a workspace, the
 last CTA of a row block (an acq_rel counter, reset by that CTA so the workspace is reusable and graph-safe)
@@ -327,7 +327,7 @@ def _dot_loop(acc, x_ptr, w0, w1, w2, w3, w4, w5, rows, t, g_lo, g_hi, G, fscale
         if LOAD_DOT is None:
             st = _load_tile(w0, w1, w2, w3, w4, w5, rows, _tile_g(g0, BLOCK_G, VEC), g_hi, G, LOAD, EVEN_G)
         else:   # the format's own tile load for this route: LOAD's state from the tile's first group
-            st = LOAD_DOT(w0, w1, rows, g0, g_hi, G, BLOCK_G, EVEN_G)
+            st = LOAD_DOT(w0, w1, w2, rows, g0, g_hi, G, BLOCK_G, EVEN_G)
         sc = SCALE(st)
         k = g0 * GS + tl.arange(0, BLOCK_G * GS)
         xt = tl.load(x_ptr + t[None, :] * stride_xt + k[:, None],

@@ -16,7 +16,7 @@ the H200 T=1 went from 39-63 % to 38-79 % of copy bandwidth, bench/NOTES.md §4)
   to fp32 and one FFMA with the E4M3 block scale; blocks accumulate in fp32; 2**14 / 2**k at the end.
 Precision: a block sum carries ~1e-3 relative rounding (f16), below bf16's own 4e-3 output rounding.
 The sign split is PTX too (`shf.l.wrap` + two `lop3`: ptxas otherwise splits each select in two).
-Weights as in `gemv_nvfp4` (codes int64 [N, K/16], E4M3 scales u8 [N, K/16]); skeleton in `gemv_h2_common`.
+Weights as in `gemv_nvfp4` (its chunk-major planes, read by its tile load); skeleton in `gemv_h2_common`.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
                          XPRE: tl.constexpr):
     # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here. XPRE: x_ptr holds prepared
     # activations (ninfer_kernels.x16, int32 words), stride_xt in words
-    h2_body(x_ptr, codes, scales, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
+    h2_body(x_ptr, codes, scales, N, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
             stride_xt, stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G,
             USE_SPLIT, HAS_RES, EVEN_G, STAGES, H2_MODE, XPRE)
 

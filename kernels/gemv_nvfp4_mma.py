@@ -13,8 +13,8 @@ once -- no weight tile goes through shared memory.
 
 Requires G % BLOCK_G == 0 with BLOCK_G in {8, 16} (K a multiple of 128 or 256; every Qwen3.8 shape). Any
 activation dtype works (all are rounded to f16 after the power-of-two scaling); the tuner offers this variant
-for fp16/bf16 only. Weights as in `gemv_nvfp4` (codes int64 [N, K/16], E4M3 scales u8 [N, K/16], 16-byte
-aligned). Output as the other GEMVs (split-K workspace, residual).
+for fp16/bf16 only. Weights as in `gemv_nvfp4` (its chunk-major planes: a lane's 16 bytes of a row's chunk
+are one load, and a 128-row tile's chunk is one 8 KB run). Output as the other GEMVs (split-K workspace, residual).
 
 XPRE: x_ptr holds prepared activations (`ninfer_kernels.x16`: int32 words, stride_xt in words): each lane loads
 its 16 pairs of a chunk and the chunk's back factor instead of converting, bounding and scaling 32 activations.
@@ -34,9 +34,10 @@ _W_EXP = tl.constexpr(128.0)                # the f16 weights carry 2**-7
 
 @triton.jit
 def _load_row(wts, row, gk, q, G):
-    """(16 code bytes of groups gk + 2q, gk + 2q + 1 as [NT, 2] int64, their two scale bytes as one u16)."""
-    codes, scales = wts
-    off = tl.multiple_of(row * G + gk + 2 * q, 2)
+    """(16 code bytes of groups gk + 2q, gk + 2q + 1 as [NT, 2] int64, their two scale bytes as one u16): chunk
+    gk // 8 of the row, in `gemv_nvfp4`'s chunk-major planes, starts at word (gk // 8 * N + row) * 8."""
+    codes, scales, n = wts
+    off = tl.multiple_of((gk // 8 * n + row) * 8 + 2 * q, 2)
     return (tl.load(codes + off[:, None] + tl.arange(0, 2)[None, :]),
             tl.load(scales.to(tl.pointer_type(tl.int16)) + off // 2))
 
@@ -78,7 +79,7 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                           XPRE: tl.constexpr):
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
-    mma_body(x_ptr, (codes, scales), None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _W_EXP, T, N, G, split,
+    mma_body(x_ptr, (codes, scales, N), None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _W_EXP, T, N, G, split,
              stride_xt, stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW,
              XPRE, _load_row, no_prep, 2, _row_pairs, _no_factor, False)
 

@@ -227,11 +227,10 @@ def prefer_prepared(qw, T: int, dtype, residual: bool, device) -> bool:
 def _kernel_and_weights(qw, device):
     """(kernel, weight arguments, fscale) of `qw` for a prepared launch."""
     K = qw.shape[1]
+    from . import dispatch
     if qw.fmt == "nvfp4":
         from .gemv_nvfp4 import _weights, nvfp4_gemv_kernel
-        d = qw.data
-        return nvfp4_gemv_kernel, _weights(d["codes"], d["scales"], K, device, "linear (prepared)")[1], d["gscale"]
-    from . import dispatch
+        return nvfp4_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], qw.data["gscale"]
     if qw.fmt == "iq3_s":
         from .gemv_iq3_s import _weights, iq3_s_gemv_kernel
         return iq3_s_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], 1.0

@@ -7,8 +7,9 @@ Layouts (`data` keys) per format, all row-major with rows = output features:
   q6_k / iq3_s        `blocks` u8 [N, K/256 * block bytes] (GGML rows of blocks)
   f8_e4m3_row         `codes` u8 E4M3 [N, K], `row_scale` f32 [N]
 Backends may attach derived forms (a dequantized copy, a swizzled layout) to `cache`, keyed by their name. A
-backend that keeps a q6_k / iq3_s weight's bytes re-laid out may release its `blocks` (`release_blocks`): the
-weight then costs its size once on the device, and `blocks()` rebuilds them for the paths that read GGML rows.
+backend that keeps an nvfp4 / q6_k / iq3_s weight's bytes re-laid out may release the stored tensors (`release`):
+the weight then costs its size once on the device, and `tensors()` / `blocks()` / `full_data()` rebuild them for
+the paths that read the stored layout.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from ninfer_formats.constants import FORMATS, QUANTIZED
 from ninfer_formats.errors import LoadError
 
 PLAIN_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-_RELEASED = "ggml.released"      # cache key: (kept tensors, rebuild(rows), device) of released blocks
+_RELEASED = "backend.released"   # cache key: (kept tensors, rebuild(rows), device) of a released weight
+_RELEASABLE = ("nvfp4", "q6_k", "iq3_s")
 _TENSOR_KEYS = {"nvfp4": ("codes", "scales"), "q6_k": ("blocks",), "iq3_s": ("blocks",),
                 "f8_e4m3_row": ("codes", "row_scale")}
 
@@ -55,40 +57,50 @@ class QWeight:
 
     @property
     def released(self) -> bool:
-        return self.data.get("blocks", 0) is None
+        return self.data.get(_TENSOR_KEYS.get(self.fmt, ("w",))[0], 0) is None
 
-    def release_blocks(self, kept: list, rebuild) -> None:
-        """Drop the GGML blocks (q6_k / iq3_s) of a weight whose backend holds the same bytes as `kept` tensors;
-        rebuild(rows) returns the blocks (all rows for None, else the int64 `rows`) when a path needs them."""
-        if self.fmt in ("q6_k", "iq3_s") and not self.released:
-            self.cache[_RELEASED] = (list(kept), rebuild, self.data["blocks"].device)
-            self.data["blocks"] = None
+    def release(self, kept: list, rebuild) -> None:
+        """Drop the stored tensors (nvfp4 codes and scales, q6_k / iq3_s blocks) of a weight whose backend holds
+        the same bytes as `kept` tensors; rebuild(rows) returns them, {key: tensor}, for all rows (None) or the
+        int64 `rows`, when a path needs the stored layout."""
+        if self.fmt in _RELEASABLE and not self.released:
+            keys = _TENSOR_KEYS[self.fmt]
+            self.cache[_RELEASED] = (list(kept), rebuild, self.data[keys[0]].device)
+            for k in keys:
+                self.data[k] = None
+
+    def tensors(self, rows: torch.Tensor | None = None) -> dict:
+        """{key: tensor} of the stored layout (all rows, or `rows`), rebuilt if released."""
+        if self.released:
+            return self.cache[_RELEASED][1](rows)
+        keys = _TENSOR_KEYS.get(self.fmt, ("w",))
+        return {k: (self.data[k] if rows is None else self.data[k].index_select(0, rows)) for k in keys}
 
     def blocks(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """GGML blocks u8 [N or len(rows), bytes per row] of a q6_k / iq3_s weight, released or not."""
-        if self.released:
-            return self.cache[_RELEASED][1](rows)
-        b = self.data["blocks"]
-        return b if rows is None else b.index_select(0, rows)
+        return self.tensors(rows)["blocks"]
 
     def stored_tensors(self) -> list:
-        """The tensors that hold this weight now (the backend's kept form once the blocks are released)."""
+        """The tensors that hold this weight now (the backend's kept form once released)."""
         if self.released:
             return self.cache[_RELEASED][0]
         return [v for v in self.data.values() if isinstance(v, torch.Tensor)]
 
     def full_data(self) -> dict:
-        """`data`, with released blocks rebuilt (for code that reads GGML rows, e.g. the references)."""
-        return {**self.data, "blocks": self.blocks()} if self.released else self.data
+        """`data`, with released tensors rebuilt (for code that reads the stored layout, e.g. the references)."""
+        return {**self.data, **self.tensors()} if self.released else self.data
+
+    def _meta(self) -> dict:
+        return {k: v for k, v in self.data.items() if k not in _TENSOR_KEYS.get(self.fmt, ("w",))}
 
     def to(self, device) -> "QWeight":
         data = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.full_data().items()}
         return QWeight(self.fmt, self.shape, data, self.name)
 
     def rows(self, start: int, stop: int) -> "QWeight":
-        """Rows [start, stop) as views (every layout is row-major; released blocks are rebuilt for them)."""
+        """Rows [start, stop) as views (every stored layout is row-major; a released weight's are rebuilt)."""
         if self.released:
-            return QWeight(self.fmt, (stop - start, self.shape[1]), {"blocks": self.blocks(
+            return QWeight(self.fmt, (stop - start, self.shape[1]), {**self._meta(), **self.tensors(
                 torch.arange(start, stop, device=self.device))}, self.name)
         data = {k: (v[start:stop] if isinstance(v, torch.Tensor) else v) for k, v in self.data.items()}
         return QWeight(self.fmt, (stop - start, self.shape[1]), data, self.name)
@@ -96,7 +108,8 @@ class QWeight:
     def select_rows(self, idx: torch.Tensor) -> "QWeight":
         """Rows `idx` (int64 [M]) gathered into a new QWeight (e.g. the embedding rows of a batch)."""
         if self.released:
-            return QWeight(self.fmt, (int(idx.numel()), self.shape[1]), {"blocks": self.blocks(idx)}, self.name)
+            return QWeight(self.fmt, (int(idx.numel()), self.shape[1]), {**self._meta(), **self.tensors(idx)},
+                           self.name)
         data = {k: (v.index_select(0, idx) if isinstance(v, torch.Tensor) else v) for k, v in self.data.items()}
         return QWeight(self.fmt, (int(idx.numel()), self.shape[1]), data, self.name)
 
@@ -139,7 +152,8 @@ def dequantize(qw: QWeight) -> torch.Tensor:
     if not qw.quantized:
         return qw.data["w"].float()
     if qw.fmt == "nvfp4":
-        out = codecs.nvfp4.dequantize(_np(qw.data["codes"]), _np(qw.data["scales"]), qw.data["gscale"])
+        d = qw.full_data()
+        out = codecs.nvfp4.dequantize(_np(d["codes"]), _np(d["scales"]), d["gscale"])
     elif qw.fmt == "f8_e4m3_row":
         out = codecs.fp8.e4m3_decode(_np(qw.data["codes"])) * _np(qw.data["row_scale"]).astype(np.float32)[:, None]
     else:

@@ -18,7 +18,7 @@ from ninfer_kernels import dispatch, randweights, reference  # noqa: E402
 from ninfer_kernels.gemv_f8 import dequant_f8, gemv_f8  # noqa: E402
 from ninfer_kernels.gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
-from ninfer_kernels.gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4  # noqa: E402
+from ninfer_kernels.gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4, repack_nvfp4  # noqa: E402
 from ninfer_kernels.gemv_plain import gemv_plain  # noqa: E402
 from ninfer_kernels.gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k  # noqa: E402
 from ninfer_rt.weights import QWeight  # noqa: E402
@@ -63,7 +63,7 @@ def run_kernel(qw: QWeight, x, out=None, residual=None, config=None):
     """The format's kernel entry point called directly (dispatch.linear is tested separately)."""
     d = qw.data
     if qw.fmt == "nvfp4":
-        return gemv_nvfp4(x, d["codes"], d["scales"], d["gscale"], out, residual, config=config)
+        return gemv_nvfp4(x, repack_nvfp4(d["codes"], d["scales"]), d["gscale"], out, residual, config=config)
     if qw.fmt == "q6_k":
         return gemv_q6_k(x, repack_q6_k(qw.blocks(), qw.shape[1]), out, residual, config=config)
     if qw.fmt == "iq3_s":
@@ -123,7 +123,7 @@ def test_nvfp4_large_global_scale_dot_path():
     qw = quantized("nvfp4", N_SMALL, 64, seed=3)
     x = torch.randn(4, 64).to(torch.float16).to(DEV)
     d = qw.data
-    y = gemv_nvfp4(x, d["codes"], d["scales"], 0.75, config=GemvConfig(16, 4, use_dot=True))
+    y = gemv_nvfp4(x, repack_nvfp4(d["codes"], d["scales"]), 0.75, config=GemvConfig(16, 4, use_dot=True))
     ref = reference.ref_nvfp4(x, d["codes"], d["scales"], 0.75)
     assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_HALF
 
@@ -131,17 +131,18 @@ def test_nvfp4_large_global_scale_dot_path():
 @pytest.mark.parametrize("bg,split", [(4, 1), (8, 3), (16, 2)], ids=["g4", "g8-split3", "g16-split2"])
 def test_nvfp4_dot_word_scales(bg, split):
     """The tl.dot route on whole tiles reads the E4M3 scale bytes as int32 words (4 groups each): every byte
-    value at every position of a word, several tiles and splits, and a scales tensor starting at an odd byte
+    value at every position of a word, several tiles and splits, and a scales plane starting at an odd byte
     (re-aligned by a copy) give the reference."""
     K, n = 512, 24
     qw = quantized("nvfp4", n, K, seed=5)
     codes = qw.data["codes"]
     sc = (torch.arange(n * K // 16) * 7 % 127).to(torch.uint8).reshape(n, K // 16).to(DEV)   # 0x00..0x7E
-    odd = torch.empty(n * K // 16 + 1, dtype=torch.uint8, device=DEV)[1:].view(n, K // 16)
-    odd.copy_(sc)
+    planes = repack_nvfp4(codes, sc)
+    odd = torch.empty(planes["scales"].numel() + 1, dtype=torch.uint8, device=DEV)[1:].view(planes["scales"].shape)
+    odd.copy_(planes["scales"])
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(2)).to(DEV)
-    for scales in (sc, odd):
-        y = gemv_nvfp4(x, codes, scales, 0.5, out=poisoned(5, n, torch.float32),
+    for scales in (planes["scales"], odd):
+        y = gemv_nvfp4(x, {"codes": planes["codes"], "scales": scales}, 0.5, out=poisoned(5, n, torch.float32),
                        config=GemvConfig(16, bg, split=split, use_dot=True))
         assert torch.isfinite(y).all() and rel_l2(y, reference.ref_nvfp4(x, codes, sc, 0.5)) < RTOL_FP32
 
@@ -153,7 +154,8 @@ def test_decode_every_code_pattern():
     codes = (np.arange(12 * 128) % 256).astype(np.uint8).reshape(12, 128)       # [12, K/2]: every byte
     scales = np.array([0x01, 0x07, 0x08, 0x38, 0x7E, 0x30] * 32, dtype=np.uint8).reshape(12, 16)
     ref = codecs.nvfp4.dequantize(codes, scales, np.float32(0.37))
-    got = dequant_nvfp4(torch.from_numpy(codes).to(DEV), torch.from_numpy(scales).to(DEV), 0.37, torch.float32)
+    got = dequant_nvfp4(repack_nvfp4(torch.from_numpy(codes).to(DEV), torch.from_numpy(scales).to(DEV)), 256, 0.37,
+                        torch.float32)
     assert rel_l2(got, torch.from_numpy(ref)) < RTOL_DEQUANT
     f8 = np.concatenate([np.arange(256, dtype=np.uint8)[(np.arange(256) & 0x7F) != 0x7F],
                          np.zeros(2, np.uint8)]).reshape(2, 128)
@@ -231,14 +233,21 @@ def test_linear_decode_plan_reuse_and_fallback(fmt):
 def test_bad_inputs_are_named():
     qw = quantized("nvfp4", 8, 32)
     d = qw.data
+    p = repack_nvfp4(d["codes"], d["scales"])
     with pytest.raises(KernelInputError, match="activations must be"):
-        gemv_nvfp4(torch.zeros(3, dtype=torch.float32, device=DEV), d["codes"], d["scales"], 1.0)
+        gemv_nvfp4(torch.zeros(3, dtype=torch.float32, device=DEV), p, 1.0)
     with pytest.raises(KernelInputError, match="K=40 is not a multiple of 16"):
-        gemv_nvfp4(torch.zeros(1, 40, device=DEV), d["codes"], d["scales"], 1.0)
+        gemv_nvfp4(torch.zeros(1, 40, device=DEV), p, 1.0)
     with pytest.raises(KernelInputError, match="scales must be"):
-        gemv_nvfp4(torch.zeros(1, 32, device=DEV), d["codes"], d["scales"][:, :1], 1.0)
+        gemv_nvfp4(torch.zeros(1, 32, device=DEV), {"codes": p["codes"], "scales": p["scales"][:, :1]}, 1.0)
+    with pytest.raises(KernelInputError, match="codes must be"):
+        gemv_nvfp4(torch.zeros(1, 160, device=DEV), p, 1.0)              # planes of K=32 for K=160 activations
+    with pytest.raises(KernelInputError, match="repack_nvfp4's planes"):
+        gemv_nvfp4(torch.zeros(1, 32, device=DEV), d["codes"], 1.0)
+    with pytest.raises(KernelInputError, match="codes must be u8"):
+        repack_nvfp4(d["codes"], d["scales"][:, :1])
     with pytest.raises(KernelInputError, match="out must be"):
-        gemv_nvfp4(torch.zeros(2, 32, device=DEV), d["codes"], d["scales"], 1.0, out=torch.zeros(2, 9, device=DEV))
+        gemv_nvfp4(torch.zeros(2, 32, device=DEV), p, 1.0, out=torch.zeros(2, 9, device=DEV))
     with pytest.raises(KernelInputError, match="blocks must be u8"):
         repack_q6_k(torch.zeros(4, 100, dtype=torch.uint8), 256)
     with pytest.raises(KernelInputError, match="x must end in K=32"):

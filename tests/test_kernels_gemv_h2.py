@@ -18,7 +18,7 @@ from gemv_inputs import every_code_nvfp4, extreme_x, nvfp4_weights, rel_l2, wide
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
-from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, nvfp4_gemv_kernel  # noqa: E402
+from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, nvfp4_gemv_kernel, repack_nvfp4  # noqa: E402
 from ninfer_kernels.gemv_q6_k import gemv_q6_k, q6_k_gemv_kernel, repack_q6_k  # noqa: E402
 
 RTOL_H2 = 2e-3       # fp32 output: f16 block sums (~2**-11 per FMA over 16 terms), measured ~4e-4
@@ -51,7 +51,7 @@ def h2_linear(fmt: str, N: int, K: int, seed: int):
     """(y = f(x, out, residual, config), ref = r(x, residual)) for a random weight of `fmt`."""
     if fmt == "nvfp4":
         codes, scales, gs = weights(N, K, seed)
-        return (lambda x, out, res, cfg: gemv_nvfp4(x, codes, scales, gs, out, res, config=cfg),
+        return (lambda x, out, res, cfg: gemv_nvfp4(x, repack_nvfp4(codes, scales), gs, out, res, config=cfg),
                 lambda x, res: reference.ref_nvfp4(x, codes, scales, gs, residual=res))
     w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
     blocks = torch.from_numpy(codecs.quantize("q6_k", w)).to(DEV)
@@ -83,7 +83,7 @@ def test_h2_every_code_and_extreme_groups():
     K = 256
     codes, scales = every_code_nvfp4(8, K, DEV)
     x = extreme_x(K, 16, DEV)       # one 16-weight group each
-    y = gemv_nvfp4(x, codes, scales, 0.5, config=GemvConfig(8, 4, num_stages=1, h2=True))
+    y = gemv_nvfp4(x, repack_nvfp4(codes, scales), 0.5, config=GemvConfig(8, 4, num_stages=1, h2=True))
     ref = reference.ref_nvfp4(x, codes, scales, 0.5)
     assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2
 
@@ -107,7 +107,7 @@ def test_h2_config_rules():
     assert gl.has_h2(q6_k_gemv_kernel) and gl.has_h2(nvfp4_gemv_kernel)
     codes, scales, gs = weights(N, 64, seed=1)
     with pytest.raises(KernelInputError, match="T <= 8"):
-        gemv_nvfp4(torch.randn(9, 64).to(DEV), codes, scales, gs, config=GemvConfig(16, 4, h2=True))
+        gemv_nvfp4(torch.randn(9, 64).to(DEV), repack_nvfp4(codes, scales), gs, config=GemvConfig(16, 4, h2=True))
     with pytest.raises(ValueError, match="h2"):
         GemvConfig(16, 4, use_dot=True, h2=True)
 

@@ -19,7 +19,7 @@ from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from gemv_inputs import every_code_nvfp4, extreme_x, nvfp4_weights, rel_l2, tuner_tiles, wide_range_x  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
-from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, nvfp4_gemv_kernel  # noqa: E402
+from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, nvfp4_gemv_kernel, repack_nvfp4  # noqa: E402
 
 RTOL_MMA = 2e-3      # fp32 output: activations rounded to f16 (2**-11 relative), products exact, fp32 sums
 RTOL_HALF = 1e-2     # bf16/f16 output: the output rounding dominates (as in test_kernels_gemv)
@@ -50,12 +50,13 @@ def test_mma_matches_reference(case):
     x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(DEV)
     res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
     cfg = GemvConfig(bn, bg, nw, stages, split=split, mma=True)
-    y = gemv_nvfp4(x, codes, scales, gs, torch.full((T, N), float("nan"), dtype=dtype, device=DEV), res, config=cfg)
+    y = gemv_nvfp4(x, repack_nvfp4(codes, scales), gs, torch.full((T, N), float("nan"), dtype=dtype, device=DEV), res,
+                   config=cfg)
     assert torch.isfinite(y).all()
     assert rel_l2(y, reference.ref_nvfp4(x, codes, scales, gs, residual=res)) < (
         RTOL_MMA if dtype == torch.float32 else RTOL_HALF)
     if split > 1:   # deterministic, counters back at zero
-        assert torch.equal(gemv_nvfp4(x, codes, scales, gs, None, res, config=cfg), y)
+        assert torch.equal(gemv_nvfp4(x, repack_nvfp4(codes, scales), gs, None, res, config=cfg), y)
         assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
 
 
@@ -66,7 +67,7 @@ def test_mma_every_code_scale_and_extreme_chunks():
     K, N = 512, 32
     codes, scales = every_code_nvfp4(N, K, DEV)
     x = extreme_x(K, 128, DEV)      # one 128-weight chunk each
-    y = gemv_nvfp4(x, codes, scales, 0.5, config=GemvConfig(32, 8, 2, 1, mma=True))
+    y = gemv_nvfp4(x, repack_nvfp4(codes, scales), 0.5, config=GemvConfig(32, 8, 2, 1, mma=True))
     ref = reference.ref_nvfp4(x, codes, scales, 0.5)
     assert torch.isfinite(y).all()
     for t in range(2):   # per row: the rows' magnitudes differ by 1e30
@@ -84,10 +85,12 @@ def test_mma_config_and_input_errors():
         GemvConfig(64, 8, 2, mma=True, h2=True)
     codes, scales, gs = weights(5, 144, seed=0)   # K = 144: 9 groups, not whole chunks
     with pytest.raises(KernelInputError, match="multiple of 128"):
-        gemv_nvfp4(torch.randn(1, 144).to(DEV), codes, scales, gs, config=GemvConfig(32, 8, 2, mma=True))
+        gemv_nvfp4(torch.randn(1, 144).to(DEV), repack_nvfp4(codes, scales), gs,
+                   config=GemvConfig(32, 8, 2, mma=True))
     codes, scales, gs = weights(5, 128, seed=0)
     with pytest.raises(KernelInputError, match="T <= 16"):
-        gemv_nvfp4(torch.randn(17, 128).to(DEV), codes, scales, gs, config=GemvConfig(32, 8, 2, mma=True))
+        gemv_nvfp4(torch.randn(17, 128).to(DEV), repack_nvfp4(codes, scales), gs,
+                   config=GemvConfig(32, 8, 2, mma=True))
 
 
 def test_mma_candidates_only_where_they_run():
@@ -114,4 +117,4 @@ def test_gpu_mma_real_shapes(shape, T):
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     ref = reference.ref_nvfp4(x, codes, scales, gs)
     for cfg in tuner_tiles(gl._DECODE_MMA_TILES, N, K, x.device, mma=True):
-        assert rel_l2(gemv_nvfp4(x, codes, scales, gs, config=cfg), ref) < RTOL_HALF, cfg
+        assert rel_l2(gemv_nvfp4(x, repack_nvfp4(codes, scales), gs, config=cfg), ref) < RTOL_HALF, cfg

@@ -17,7 +17,7 @@ from gemv_inputs import extreme_x, nvfp4_weights, rel_l2, wide_range_x  # noqa: 
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting  # noqa: E402
-from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4_prepared  # noqa: E402
+from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4_prepared, repack_nvfp4  # noqa: E402
 from ninfer_kernels.x16 import CHUNK, words_per_row, x16_decode, x16_prep, x16_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
@@ -78,7 +78,7 @@ def test_prepared_gemv_matches_reference(case):
     x = (x.clamp(-6e4, 6e4) if dtype == torch.float16 else x).to(dtype).to(DEV)
     res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
     out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
-    y = gemv_nvfp4_prepared(x16_prep(x), codes, scales, gs, out, res, config=cfg)
+    y = gemv_nvfp4_prepared(x16_prep(x), repack_nvfp4(codes, scales), gs, out, res, config=cfg)
     assert y is out and torch.isfinite(y).all()
     ref = reference.ref_nvfp4(x, codes, scales, gs, residual=res)
     assert rel_l2(y, ref) < (RTOL_F32 if dtype == torch.float32 else RTOL_HALF)
@@ -89,9 +89,9 @@ def test_prepared_gemv_input_errors():
     xp = x16_prep(torch.randn(1, 256, device=DEV))
     out = torch.empty(1, 32, device=DEV)
     with pytest.raises(KernelInputError, match="prepared"):
-        gemv_nvfp4_prepared(xp[:, :-1], codes, scales, gs, out, config=GemvConfig(32, 16, 2, h2=True))
+        gemv_nvfp4_prepared(xp[:, :-1], repack_nvfp4(codes, scales), gs, out, config=GemvConfig(32, 16, 2, h2=True))
     with pytest.raises(KernelInputError, match="h2 config"):
-        gemv_nvfp4_prepared(xp, codes, scales, gs, out, config=GemvConfig(32, 16, 2))
+        gemv_nvfp4_prepared(xp, repack_nvfp4(codes, scales), gs, out, config=GemvConfig(32, 16, 2))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU the benchmark itself runs "
