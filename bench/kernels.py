@@ -147,6 +147,8 @@ def make_copies(fmt: str, N: int, K: int):
     for i in range(n):
         qw = QWeight(fmt, (N, K), randweights.make(fmt, N, K, device=DEV, seed=i), name=f"bench.{fmt}")
         dispatch.prepare(qw)
+        if SMOKE and fmt in dispatch.REPACKED and not qw.released:
+            dispatch.release(qw, dispatch._packed(qw))    # as on CUDA: the smoke runs the paths the device runs
         qws.append(qw)
     return qws, nbytes
 
@@ -188,16 +190,15 @@ def check(fmt: str, qw, N: int, K: int) -> list[dict]:
 
 
 def _h2_runner(fmt: str, qw, K: int):
+    from ninfer_kernels import dispatch
     from ninfer_kernels.gemv_launch import GemvConfig
-    from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, repack_nvfp4
-    from ninfer_kernels.gemv_q6_k import gemv_q6_k, repack_q6_k
-    d = qw.data
+    from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4
+    from ninfer_kernels.gemv_q6_k import gemv_q6_k
     cfg = GemvConfig(16 if SMOKE else 128, 4 if SMOKE else 16, 4, 1, 3, h2=True)
+    planes = dispatch._packed(qw)       # the kernels' form (the stored tensors are released on CUDA)
     if fmt == "q6_k":
-        packed = repack_q6_k(qw.blocks(), K)
-        return lambda x, res: gemv_q6_k(x, packed, residual=res, config=cfg)
-    planes = repack_nvfp4(d["codes"], d["scales"])
-    return lambda x, res: gemv_nvfp4(x, planes, d["gscale"], residual=res, config=cfg)
+        return lambda x, res: gemv_q6_k(x, planes, residual=res, config=cfg)
+    return lambda x, res: gemv_nvfp4(x, planes, qw.data["gscale"], residual=res, config=cfg)
 
 
 _KERNEL_NAME = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel", "iq3_s": "iq3_s_gemv_kernel",

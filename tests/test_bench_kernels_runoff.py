@@ -74,3 +74,19 @@ def test_negative_runoff_is_a_one_line_error(capsys):
     assert kb.main(["--runoff", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --runoff -1") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "q6_k"])
+def test_check_runs_on_released_weights(fmt, monkeypatch):
+    """`--check`'s explicit packed-half2 probe reads the kernels' planes: on CUDA the stored tensors are released
+    after the repack (it once read the released codes and failed every NVFP4 shape on the device)."""
+    from ninfer_kernels import dispatch, randweights, reference
+    from ninfer_rt.weights import QWeight
+    monkeypatch.setattr(kb, "SMOKE", True)
+    N, K = 24, 256
+    qw = QWeight(fmt, (N, K), randweights.make(fmt, N, K, seed=1), name="w")
+    dispatch.release(qw, dispatch._packed(qw))
+    x, res = torch.randn(3, K), torch.randn(3, N)
+    y = kb._h2_runner(fmt, qw, K)(x, res)
+    ref = reference.ref_linear(x, fmt, qw, residual=res)
+    assert float((y - ref).norm() / ref.norm()) < 2e-3          # f16 block sums (gemv_nvfp4_h2)
