@@ -90,3 +90,23 @@ def test_check_runs_on_released_weights(fmt, monkeypatch):
     y = kb._h2_runner(fmt, qw, K)(x, res)
     ref = reference.ref_linear(x, fmt, qw, residual=res)
     assert float((y - ref).norm() / ref.norm()) < 2e-3          # f16 block sums (gemv_nvfp4_h2)
+
+
+def test_xpre_records_time_the_prepared_launch(monkeypatch):
+    """A "<fmt>+xpre" record times the prepared launch even where dispatch.linear would take the plain one
+    (remembered faster): on the H200 run of s12 nine such records timed the plain launch under the xpre name."""
+    from ninfer_kernels import dispatch, randweights, x16
+    from ninfer_rt.weights import QWeight
+    monkeypatch.setattr(kb, "SMOKE", True)
+    monkeypatch.setattr(kb, "DEV", "cpu")
+    monkeypatch.setattr(x16, "prefer_prepared", lambda *a, **k: False)
+    calls = []
+    real = x16.prepared_linear
+    monkeypatch.setattr(x16, "prepared_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    N, K = 32, 256
+    qws = [QWeight("nvfp4", (N, K), randweights.make("nvfp4", N, K, seed=i), name="w") for i in range(2)]
+    for q in qws:
+        dispatch.prepare(q)
+    recs = kb.time_format("nvfp4", qws, randweights.packed_bytes("nvfp4", N, K), N, K, [2], True, 1.0, {},
+                          xpre=True, runoff=0)
+    assert [r["format"] for r in recs] == ["nvfp4+xpre"] and len(calls) >= 3
