@@ -22,6 +22,18 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tok, live, kh, h, dk, dv, k_ok, v_ok, sq_t, sq_h, sk_t,
+                  sk_h, sv_t, sv_h, Hv):
+    """Token `tok`'s q, k (key head kh), v (value head h, this program's columns), g and beta, as fp32. Not
+    `live` (past a sequence's tokens): token 0's, which every launch has (the caller never uses them)."""
+    tok = tl.where(live, tok, 0)
+    q = tl.load(q_ptr + tok * sq_t + kh * sq_h + dk, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + tok * sk_t + kh * sk_h + dk, mask=k_ok, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + tok * sv_t + h * sv_h + dv, mask=v_ok, other=0.0).to(tl.float32)
+    return q, k, v, tl.load(g_ptr + tok * Hv + h), tl.load(beta_ptr + tok * Hv + h)
+
+
+@triton.jit
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, snap_ptr,
                          cu_ptr, slot_ptr, snapidx_ptr,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv, REP, DK, DV, q_scale,
@@ -40,15 +52,17 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, 
     tmask = k_ok[:, None] & v_ok[None, :]
     head_base = h.to(tl.int64) * DK * DV
     pool_off = tl.load(slot_ptr + b).to(tl.int64) * Hv * DK * DV + head_base
+    # every input of a token is loaded one token ahead: with T > 1 (MTP verify) the next token's memory round
+    # trip overlaps this token's reductions instead of following them
+    nxt = _token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0.to(tl.int64), T > 0, kh, h, dk, dv, k_ok, v_ok,
+                        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv)
     S = tl.load(pool_ptr + pool_off + tile, mask=tmask, other=0.0)
     for i in range(0, T):
         tok = (s0 + i).to(tl.int64)
-        # every load of the token first: one memory round trip, not one before and one after the norms
-        q = tl.load(q_ptr + tok * sq_t + kh * sq_h + dk, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + tok * sk_t + kh * sk_h + dk, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + tok * sv_t + h * sv_h + dv, mask=v_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + tok * Hv + h)
-        beta = tl.load(beta_ptr + tok * Hv + h)
+        q, k, v, g, beta = nxt
+        ahead = (s0 + i + 1).to(tl.int64)                        # not live past the last token
+        nxt = _token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ahead, i + 1 < T, kh, h, dk, dv, k_ok, v_ok,
+                            sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv)
         q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale)
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         S = S * tl.exp(g)
