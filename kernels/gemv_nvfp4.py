@@ -6,8 +6,9 @@ made once per weight (`repack_nvfp4`, the triton backend's form of an NVFP4 weig
 bit-exact): chunk c of row n -- blocks 8c .. 8c + 7, 128 weights -- is 8 int64 code words at word (c * N + n) * 8
 of codes [C, N, 8] and its 8 scale bytes at byte (c * N + n) * 8 of scales [C, N, 8], C = ceil(K / 128), the last
 chunk zero-padded. Why: the decode loops read 64 code bytes per row and K step; row-major, those are runs 2.5 KB
-apart (K = 5120), chunk-major one K step of a 128-row tile is one 8 KB run. The warp-MMA loop (T = 2..16) ran
-4-27 % faster on it and the T = 1 packed-half2 loop the same (bench/NOTES.md §12-13), outputs bit-identical.
+apart (K = 5120), chunk-major one K step of a 128-row tile is one 8 KB run. Re-tuned on the H200 the T = 2..8
+GEMVs ran 6-16 % faster on it, T = 1 equal to 5 % faster (an lm_head-sized N = 248320: 17 % slower; bench/NOTES.md
+§12-13), outputs bit-identical.
 
 Decode, without a table or a conversion instruction: shifting nibble i to the top of an int32 and back down
 arithmetically by 6 lands its sign on bit 31 and its magnitude bits e1 e0 m on bits 24..22; masked, that is
