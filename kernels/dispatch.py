@@ -37,9 +37,14 @@ from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k, unpack_q6_k
 from .x16 import prefer_prepared, prepared_linear, prepared_ok
 
 DECODE_MAX_T = 16
-_REPACK = {"q6_k": repack_q6_k, "iq3_s": repack_iq3_s}     # GGML blocks -> planes
-_UNPACK = {"q6_k": unpack_q6_k, "iq3_s": unpack_iq3_s}
-REPACKED = ("nvfp4", *_REPACK)
+# per repacked format: the stored tensors -> the kernels' planes, and back ({key: tensor} of `rows` or all rows)
+_REPACK = {"nvfp4": lambda qw: repack_nvfp4(qw.data["codes"], qw.data["scales"]),
+           "q6_k": lambda qw: repack_q6_k(qw.blocks(), qw.shape[1]),
+           "iq3_s": lambda qw: repack_iq3_s(qw.blocks(), qw.shape[1])}
+_UNPACK = {"nvfp4": lambda planes, K, rows=None: unpack_nvfp4(planes, K, rows),
+           "q6_k": lambda planes, K, rows=None: {"blocks": unpack_q6_k(planes, rows)},
+           "iq3_s": lambda planes, K, rows=None: {"blocks": unpack_iq3_s(planes, rows)}}
+REPACKED = tuple(_REPACK)
 _PREFILL: dict = {}
 PREFILL_PATHS = ("fused", "dequant")
 DENSE_COPY_MAX = 1 << 30       # bytes of the dense weight copy the untimed prefill choice allows
@@ -57,27 +62,16 @@ def _packed(qw) -> dict:
     read the stored layout get it rebuilt from the planes)."""
     key = f"triton.{qw.fmt}"
     if key not in qw.cache:
-        if qw.fmt == "nvfp4":
-            planes = repack_nvfp4(qw.data["codes"], qw.data["scales"])
-        else:
-            planes = _REPACK[qw.fmt](qw.blocks(), qw.shape[1])
-        qw.cache[key] = planes
+        planes = qw.cache[key] = _REPACK[qw.fmt](qw)
         if qw.device.type == "cuda":
             release(qw, planes)
     return qw.cache[key]
 
 
-def _ggml_rows(fmt: str, planes: dict, rows=None) -> dict:
-    return {"blocks": _UNPACK[fmt](planes, rows)}
-
-
 def release(qw, planes: dict) -> None:
     """Hand `qw` the planes as what holds it and the inverse repack as how to get its stored layout back."""
     kept = [t for k, t in planes.items() if k != "grid"]     # the IQ3_S lookup table is shared, not the weight's
-    if qw.fmt == "nvfp4":
-        qw.release(kept, functools.partial(unpack_nvfp4, planes, qw.shape[1]))
-    else:
-        qw.release(kept, functools.partial(_ggml_rows, qw.fmt, planes))
+    qw.release(kept, functools.partial(_UNPACK[qw.fmt], planes, qw.shape[1]))
 
 
 def _plans(qw) -> dict:
