@@ -16,9 +16,10 @@
 #             on sm_80+), written as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
-# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES and PARTS
-# (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS, KTS and KTP (space lists: kernels' formats, T values and TP degrees), KCHECK=0
-# (kernels without --check: its probes compile T = 8/16/64 variants in-process, ~30 s per format).
+# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
+# and PARTS (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS, KTS and KTP (space lists: kernels'
+# formats, T values and TP degrees), KCHECK=0 (kernels without --check: its probes compile T = 8/16/64 variants
+# in-process, ~30 s per format).
 #     bash bench/gpu_run.sh anatomy kernels decode
 set -u
 source bench/device_env.sh
