@@ -59,18 +59,46 @@ def tuner_tiles(tiles: dict, N: int, K: int, device, **variant) -> list:
             for bn, bg, nw, st in sorted({tile for ts in tiles.values() for tile in ts})]
 
 
-def check_mma_case(case: tuple, fmt: str, gemv, repack, ref, rtol_f32: float, rtol_half: float, dev) -> None:
-    """One warp-MMA GEMV case of a GGML format -- (T, dtype, N, K, block_n, block_g, num_warps, num_stages, split,
-    residual) -- against the codec reference, into a NaN-poisoned output."""
-    from ninfer_kernels.gemv_launch import GemvConfig
+def ggml_mma(fmt: str, gemv, repack, ref, dev):
+    """`check_mma_case`'s weight maker for a GGML format: codec blocks, repacked for `gemv`, checked by `ref`."""
+    def make(N: int, K: int, seed: int):
+        blocks = codec_blocks(fmt, N, K, seed, dev)
+        planes = repack(blocks, K)
+        return (lambda x, out, res, cfg: gemv(x, planes, out, res, config=cfg),
+                lambda x, res: ref(x, blocks, residual=res))
+    return make
+
+
+def nvfp4_mma(dev):
+    """`check_mma_case`'s weight maker for NVFP4 (codec-quantized weights in the kernels' chunk-major planes)."""
+    from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, repack_nvfp4
+    from ninfer_kernels.reference import ref_nvfp4
+
+    def make(N: int, K: int, seed: int):
+        codes, scales, gs = nvfp4_weights(N, K, seed, dev)
+        planes = repack_nvfp4(codes, scales)
+        return (lambda x, out, res, cfg: gemv_nvfp4(x, planes, gs, out, res, config=cfg),
+                lambda x, res: ref_nvfp4(x, codes, scales, gs, residual=res))
+    return make
+
+
+def check_mma_case(case: tuple, make, rtol_f32: float, rtol_half: float, dev) -> None:
+    """One warp-MMA GEMV case -- (T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, residual) --
+    against the codec reference, into a NaN-poisoned output; with K splits the result is deterministic and the
+    split counters are back at zero. make(N, K, seed) -> (gemv(x, out, res, cfg), ref(x, res)): `ggml_mma`,
+    `nvfp4_mma`."""
+    from ninfer_kernels.gemv_launch import GemvConfig, workspace
     T, dtype, N, K, bn, bg, nw, stages, split, has_res = case
-    blocks = codec_blocks(fmt, N, K, T, dev)
+    gemv, ref = make(N, K, T)
     x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(dev)
     res = torch.randn(T, N).to(dtype).to(dev) if has_res else None
-    out = torch.full((T, N), float("nan"), dtype=dtype, device=dev)
-    y = gemv(x, repack(blocks, K), out, res, config=GemvConfig(bn, bg, nw, stages, split=split, mma=True))
+    cfg = GemvConfig(bn, bg, nw, stages, split=split, mma=True)
+    y = gemv(x, torch.full((T, N), float("nan"), dtype=dtype, device=dev), res, cfg)
     assert torch.isfinite(y).all()
-    assert rel_l2(y, ref(x, blocks, residual=res)) < (rtol_f32 if dtype == torch.float32 else rtol_half)
+    assert rel_l2(y, ref(x, res)) < (rtol_f32 if dtype == torch.float32 else rtol_half)
+    if split > 1:
+        assert torch.equal(gemv(x, None, res, cfg), y)
+        assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
 
 
 def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gemv_inputs import (as_h200, check_mma_case, iq3_s_every_index_blocks, random_ggml_blocks, rel_l2,  # noqa: E402
-                         tuner_tiles, wide_range_x)
+from gemv_inputs import (as_h200, check_mma_case, ggml_mma, iq3_s_every_index_blocks, random_ggml_blocks,  # noqa: E402
+                         rel_l2, tuner_tiles, wide_range_x)
 from gemv_inputs import codec_blocks as _codec_blocks  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
@@ -43,7 +43,8 @@ CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, res
 
 @pytest.mark.parametrize("case", CASES)
 def test_iq3_s_mma_matches_reference(case):
-    check_mma_case(CASES[case], "iq3_s", gemv_iq3_s, repack_iq3_s, reference.ref_iq3_s, RTOL_MMA, RTOL_HALF, DEV)
+    check_mma_case(CASES[case], ggml_mma("iq3_s", gemv_iq3_s, repack_iq3_s, reference.ref_iq3_s, DEV), RTOL_MMA,
+                   RTOL_HALF, DEV)
 
 
 def test_iq3_s_mma_every_grid_point_sign_and_scale():

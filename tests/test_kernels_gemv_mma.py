@@ -16,9 +16,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
-from gemv_inputs import every_code_nvfp4, extreme_x, nvfp4_weights, rel_l2, tuner_tiles, wide_range_x  # noqa: E402
+from gemv_inputs import (check_mma_case, every_code_nvfp4, extreme_x, nvfp4_mma, nvfp4_weights, rel_l2,  # noqa: E402
+                         tuner_tiles)
 from ninfer_kernels import reference  # noqa: E402
-from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
+from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting  # noqa: E402
 from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, nvfp4_gemv_kernel, repack_nvfp4  # noqa: E402
 
 RTOL_MMA = 2e-3      # fp32 output: activations rounded to f16 (2**-11 relative), products exact, fp32 sums
@@ -45,19 +46,7 @@ CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, res
 
 @pytest.mark.parametrize("case", CASES)
 def test_mma_matches_reference(case):
-    T, dtype, N, K, bn, bg, nw, stages, split, has_res = CASES[case]
-    codes, scales, gs = weights(N, K, seed=T)
-    x = (wide_range_x(T, K, seed=T) if dtype != torch.float16 else torch.randn(T, K) * 30).to(dtype).to(DEV)
-    res = torch.randn(T, N).to(dtype).to(DEV) if has_res else None
-    cfg = GemvConfig(bn, bg, nw, stages, split=split, mma=True)
-    y = gemv_nvfp4(x, repack_nvfp4(codes, scales), gs, torch.full((T, N), float("nan"), dtype=dtype, device=DEV), res,
-                   config=cfg)
-    assert torch.isfinite(y).all()
-    assert rel_l2(y, reference.ref_nvfp4(x, codes, scales, gs, residual=res)) < (
-        RTOL_MMA if dtype == torch.float32 else RTOL_HALF)
-    if split > 1:   # deterministic, counters back at zero
-        assert torch.equal(gemv_nvfp4(x, repack_nvfp4(codes, scales), gs, None, res, config=cfg), y)
-        assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
+    check_mma_case(CASES[case], nvfp4_mma(DEV), RTOL_MMA, RTOL_HALF, DEV)
 
 
 def test_mma_every_code_scale_and_extreme_chunks():

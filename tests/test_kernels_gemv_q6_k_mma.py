@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gemv_inputs import check_mma_case, rel_l2, wide_range_x  # noqa: E402
+from gemv_inputs import check_mma_case, ggml_mma, rel_l2, wide_range_x  # noqa: E402
 from gemv_inputs import codec_blocks as _codec_blocks  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels import reference  # noqa: E402
@@ -51,7 +51,8 @@ CASES = {  # T, dtype, N, K, block_n, block_g, num_warps, num_stages, split, res
 
 @pytest.mark.parametrize("case", CASES)
 def test_q6_k_mma_matches_reference(case):
-    check_mma_case(CASES[case], "q6_k", gemv_q6_k, repack_q6_k, reference.ref_q6_k, RTOL_MMA, RTOL_HALF, DEV)
+    check_mma_case(CASES[case], ggml_mma("q6_k", gemv_q6_k, repack_q6_k, reference.ref_q6_k, DEV), RTOL_MMA, RTOL_HALF,
+                   DEV)
 
 
 def test_q6_k_mma_every_code_and_scale():
