@@ -122,9 +122,9 @@ _DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 
 # warp-MMA tiles (block_n, block_g, num_warps, num_stages) per T bucket, trimmed to what won on the H200 (bench/
 # NOTES.md §7): 16 rows per warp and m-tile, 8 groups (128 weights) per chunk; num_stages 1 = load then decode,
 # 2 = the next step's loads issued before this step's decode (gemv_mma_body._k_loop), 3 = two steps ahead (new
-# in §11, unmeasured: 135 registers on sm_90, 125 on prepared input). T = 1 never won (h2 does); block_g 16 never
-# won and its double buffer needs 196-255 registers and 40-65 s of ptxas per variant.
-_MMA_T2_8 = ((128, 8, 4, 2), (256, 8, 4, 2), (128, 8, 4, 3))
+# in §11: within noise of 2 in §12). T = 1 never won (h2 does); block_g 16 never won and its double buffer needs
+# 196-255 registers and 40-65 s of ptxas per variant. (128, 8, 8, 2): one m-tile per warp, 8 warps (new in §14).
+_MMA_T2_8 = ((128, 8, 4, 2), (256, 8, 4, 2), (128, 8, 4, 3), (128, 8, 8, 2))
 _DECODE_MMA_TILES = {1: (), 2: _MMA_T2_8, 4: _MMA_T2_8, 8: _MMA_T2_8, 16: ((256, 8, 4, 1), (128, 8, 4, 1))}
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
@@ -157,7 +157,11 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     if mma and not H2_STATE["mma_off"] and cc >= (8, 0) and x_dtype != torch.float32:
         for bn, bg, w, st in (mma_tiles or _DECODE_MMA_TILES)[b]:
             if G % bg == 0:
-                out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), G // bg, sms), mma=True))
+                n = triton.cdiv(N, bn)
+                # the double-buffered tiles hold ~72 registers: 7 CTAs per SM fit where 4 waves leave ~4
+                waves = (4, 7) if 2 <= b <= 8 else (4,)
+                out += [GemvConfig(bn, bg, w, st, sp, mma=True)
+                        for sp in dict.fromkeys(auto_split(n, G // bg, sms, wv) for wv in waves)]
     if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in _DECODE_DOT_TILES[b]:
