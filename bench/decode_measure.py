@@ -30,14 +30,14 @@ def layer_params(model) -> int:
 
 def state_bytes(model, kv_len: int, tokens: int = 1, snapshot: bool = False) -> int:
     """KV read (+ the new tokens' writes) over the main attention layers, GDN states read + written (and the
-    per-token snapshot writes plus the commit copy of a verify step)."""
+    per-token snapshot writes of a verify step; the graph runner's commit copies nothing)."""
     kv = model.kv_pool
     n_main = kv.k.shape[0] - (model.mtp is not None)
     per_tok = 2 * kv.k[0, 0, 0].numel() * kv.k.element_size()           # K and V of one token, one layer
     kv_bytes = n_main * per_tok * (kv_len + tokens)
     rec, conv = model.gdn_pool.rec[0, 0], model.gdn_pool.conv[0, 0]
     slot = rec.numel() * rec.element_size() + conv.numel() * conv.element_size()
-    gdn = model.n_gdn * slot * (2 + (tokens + 2 if snapshot else 0))
+    gdn = model.n_gdn * slot * (2 + (tokens if snapshot else 0))
     return kv_bytes + gdn
 
 

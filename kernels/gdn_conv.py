@@ -7,7 +7,9 @@ sequence (decode) takes `conv_step_kernel`, one program per (sequence, block of 
 
 State: snap_index[b] < 0 -> the pool slot gets the window after the last token (written by the program of
 token block 0 after a CTA barrier: it may overwrite pool rows it has just read when T_b < CK-1);
-snap_index[b] >= 0 -> the pool is only read and the window after token t goes to snapshot row snap + t.
+snap_index[b] >= 0 -> the window after token t goes to snapshot row snap + t; the slot row is read first, all
+of it before a CTA barrier, since it may be one of those snapshot rows (the graph runner's rows are pool rows
+and a sequence's committed state can be one of its own, `ninfer_rt.graphs`).
 """
 from __future__ import annotations
 
@@ -56,10 +58,14 @@ def causal_conv_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr
         tl.store(y_ptr + (s0 + t).to(tl.int64)[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
         if snap >= 0:
             srow = (snap + t).to(tl.int64)[:, None] * ((CK - 1) * C)
+            wins = ()
             for i in tl.static_range(CK - 1):
-                win = _window(x_ptr, pool_ptr, s0, sx_t, pool_base, t[:, None] + (i + 2 - CK), c[None, :], C,
-                              m2, CK)
-                tl.store(snap_ptr + srow + i * C + c[None, :], win, mask=m2)
+                wins = wins + (_window(x_ptr, pool_ptr, s0, sx_t, pool_base, t[:, None] + (i + 2 - CK), c[None, :],
+                                       C, m2, CK),)
+            # the graph runner's snapshot rows are pool rows: the window read may be one of the rows written here
+            tl.debug_barrier()
+            for i in tl.static_range(CK - 1):
+                tl.store(snap_ptr + srow + i * C + c[None, :], wins[i], mask=m2)
         elif tb == 0:
             tl.debug_barrier()      # every read of the old window is done before it is overwritten
             for i in tl.static_range(CK - 1):

@@ -13,9 +13,12 @@ model's own eager forward, with identical results up to rounding. `GraphConfig(e
 runs the very same static-buffer step bodies without capturing, for debugging and for CPU tests.
 
 Resources: one GDN slot and enough KV pages for the padding rows (size the cache with one spare sequence),
-snapshot buffers for max_batch x max(tokens) rows (fp32 GDN states: ~144 MiB per row at 27B), and one
-private memory pool shared by all graphs (they never run concurrently). Outputs are copied out of the
-graph's static buffers unless `copy_outputs=False` (then they are overwritten by the next replay).
+max_batch x max(tokens) snapshot rows appended to the GDN pool (fp32 GDN states: ~144 MiB per row at 27B), and
+one private memory pool shared by all graphs (they never run concurrently). A verify's snapshots live in those
+pool rows, so `commit` points the sequence at its row instead of copying it (`SeqState.gdn_row`); before a
+verify writes rows that hold another sequence's committed state, that state is moved home (`_protect`).
+Outputs are copied out of the graph's static buffers unless `copy_outputs=False` (then they are overwritten by
+the next replay).
 """
 from __future__ import annotations
 
@@ -99,11 +102,10 @@ class GraphRunner:
                              f"KV page(s) ({e}); size the cache for max_batch + 1 sequences") from None
         self.meta = StaticMeta(self.max_batch, max_t, math.ceil(config.kv_buckets[-1] / ps), ps,
                                self._scratch.pages, self._scratch.slot, model.device)
-        self.snap_conv = self.snap_rec = None
+        self.snap_base = None             # first of our snapshot rows in the GDN pool
         if max(config.tokens) > 1 and model.n_gdn:
-            rows, pool = self.max_batch * max(config.tokens), model.gdn_pool
-            self.snap_conv = torch.zeros(model.n_gdn, rows, *pool.conv.shape[2:], device=model.device)
-            self.snap_rec = torch.zeros(model.n_gdn, rows, *pool.rec.shape[2:], device=model.device)
+            self.snap_base = model.gdn_pool.add_rows(self.max_batch * max(config.tokens))
+        self._lazy: list = []             # states whose committed GDN state is one of our snapshot rows
         self.mtp_hidden = None
         if self.mtp_tokens:
             self.mtp_hidden = torch.zeros(self.max_batch * max(self.mtp_tokens), model.cfg.hidden_size,
@@ -154,6 +156,7 @@ class GraphRunner:
                 hidden, logits = self._body(key, None)
             self.graphs[key] = _Graph(g, hidden, logits)
         torch.cuda.synchronize(self.model.device)
+        self.model.gdn_pool.pins += 1
         self.stats.captured = len(self.graphs)
         self.stats.capture_s = time.perf_counter() - t0
         return self.stats.capture_s
@@ -181,7 +184,8 @@ class GraphRunner:
         n = b * t
         if kind == "mtp":
             return mtp_step(self.model, self.meta, self.meta.mtp_ctx(b, t, kv), self.mtp_hidden, n)
-        ctx = self.meta.target_ctx(b, t, kv, snaps, self.snap_conv, self.snap_rec)
+        pool = self.model.gdn_pool
+        ctx = self.meta.target_ctx(b, t, kv, snaps, *((pool.conv, pool.rec) if self.snap_base is not None else ()))
         return target_step(self.model, self.meta, ctx, n)
 
     def _run(self, key, rows: list[RowSpec]):
@@ -210,16 +214,37 @@ class GraphRunner:
             return self.model.forward(batch, gather=gather)
         t = key[2]
         self.model._admit([(s.token_ids, s.state, s.logits) for s in batch])
-        rows = [RowSpec(s.token_ids, s.state.length, s.state.pages, s.state.slot, b * t if s.snapshot else -1)
-                for b, s in enumerate(batch)]
+        snap = [self.snap_base + b * t if s.snapshot else -1 for b, s in enumerate(batch)]
+        if any(o >= 0 for o in snap):
+            self._protect(batch, snap, t)
+        rows = [RowSpec(s.token_ids, s.state.length, s.state.pages, s.state.gdn_row, o)
+                for s, o in zip(batch, snap)]
         hidden, logits = self._run(key, rows)
-        for b, s in enumerate(batch):
-            if s.snapshot:
-                s.state.pending = PendingSnapshot(t, self.snap_conv, self.snap_rec, b * t)
+        pool = self.model.gdn_pool
+        for s, o in zip(batch, snap):
+            if o >= 0:
+                s.state.pending = PendingSnapshot(t, pool.conv, pool.rec, o)
                 self._pending.append((s.state, s.state.pending))
+                self._lazy.append(s.state)
             else:
                 s.state.length += t
         return self._output(hidden, logits, len(batch), t, [s.logits for s in batch])
+
+    def _protect(self, batch, snap: list[int], t: int) -> None:
+        """Move home every committed state in a snapshot row this step writes, unless the row is its own
+        sequence's (each kernel program reads its part of a state before it writes that part of any row)."""
+        own = {id(s.state): (o, o + t) for s, o in zip(batch, snap) if o >= 0}
+        spans = sorted(own.values())
+        keep = []
+        for st in dict.fromkeys(self._lazy):
+            if st.freed or st.gdn_row == st.slot:
+                continue
+            lo, hi = own.get(id(st), (0, 0))
+            if not lo <= st.gdn_row < hi and any(a <= st.gdn_row < b for a, b in spans):
+                st.materialize()
+            else:
+                keep.append(st)
+        self._lazy = keep
 
     @torch.no_grad()
     def mtp_forward(self, batch: list, *, gather: bool = True) -> Output:
@@ -264,7 +289,7 @@ class GraphRunner:
             return None, why
         if any(s.snapshot for s in batch):
             self._pending = [(st, p) for st, p in self._pending if st.pending is p and not st.freed]
-            if self.snap_rec is None and self.model.n_gdn:
+            if self.snap_base is None and self.model.n_gdn:
                 return None, "snapshots not configured"
             if self._pending:
                 return None, "snapshot buffers in use"
@@ -300,6 +325,8 @@ class GraphRunner:
 
     def close(self) -> None:
         """Drop the graphs and give the scratch slot and pages back (later calls go to the model)."""
+        if self.graphs:
+            self.model.gdn_pool.pins -= 1
         self.graphs.clear()
         self._pool = None
         self._scratch.free()

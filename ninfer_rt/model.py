@@ -141,6 +141,8 @@ class Model:
     @torch.no_grad()
     def forward(self, batch: list[SeqInput], *, gather: bool = True) -> Output:
         lens, starts = self._admit([(s.token_ids, s.state, s.logits) for s in batch])
+        for s in batch:                 # a graph runner's commit may have left the state in a snapshot row
+            s.state.materialize()
         ctx = self._ctx([s.state.pages for s in batch], starts, lens, [s.positions for s in batch])
         full, groups, snap, n_snap = B.gdn_routing(lens, [s.state.slot for s in batch],
                                                    [s.snapshot for s in batch], self.device)

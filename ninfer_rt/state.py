@@ -8,10 +8,13 @@ target hidden at p, so the main and MTP caches share one block table).
 GDN: a pool of `max_seqs` slots, each with an fp32 conv window [ck-1, C] and recurrent state [Hv, dk, dv]
 per GDN layer. A sequence holds one slot for its lifetime.
 
-Rollback (speculative verify): a forward with `snapshot=True` leaves the slot untouched and writes the GDN
-state after every new token into per-forward snapshot buffers ("snapshot slots"); `commit(n)` copies the
-snapshot of token n into the slot (n = 0 keeps the old state) and sets the length to L + n, which is all
-the KV needs (entries past the length are stale and get overwritten).
+Rollback (speculative verify): a forward with `snapshot=True` leaves the committed state untouched and writes
+the GDN state after every new token into snapshot rows; `commit(n)` makes the snapshot of token n the committed
+state (n = 0 keeps the old one) and sets the length to L + n, which is all the KV needs (entries past the length
+are stale and get overwritten). Snapshot rows of the model's own forward are a per-forward buffer, and commit
+copies the row into the slot; the graph runner's snapshot rows are pool rows past the slots (`GdnPool.add_rows`),
+and commit only points the sequence at the row (`SeqState.gdn_row`) -- no copy of ~3 MB per GDN layer. Whoever
+writes those rows next first moves such a state home (`SeqState.materialize`).
 """
 from __future__ import annotations
 
@@ -73,6 +76,20 @@ class GdnPool:
         self.rec = torch.zeros(num_layers, max_seqs, v_heads, k_dim, v_dim, device=device)
         self.max_seqs = max_seqs
         self._free = list(range(max_seqs - 1, -1, -1))
+        self.pins = 0           # captured CUDA graphs point at conv / rec: add_rows may not move them
+
+    def add_rows(self, n: int) -> int:
+        """Append n rows past the slots (a graph runner's snapshot rows); returns the first one's index."""
+        if self.pins:
+            raise RuntimeError("gdn pool: captured CUDA graphs point at the GDN state pool; create every graph "
+                               "runner of a model before capturing one")
+        base = self.conv.shape[1]
+        for name in ("conv", "rec"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], base + n, *old.shape[2:])
+            new[:, :base] = old
+            setattr(self, name, new)
+        return base
 
     def free_slots(self) -> int:
         return len(self._free)
@@ -107,6 +124,7 @@ class SeqState:
         self.length = 0
         self.pages: list[int] = []
         self.slot = gdn.acquire()
+        self.gdn_row = self.slot    # the pool row holding the committed GDN state: the slot, or a snapshot row
         self.mtp = MtpState(self) if has_mtp else None
         self.pending: PendingSnapshot | None = None
         self.freed = False
@@ -129,12 +147,23 @@ class SeqState:
             raise RuntimeError("commit: no snapshot forward is pending for this sequence")
         if not 0 <= n <= p.tokens:
             raise ValueError(f"commit: n={n} outside 0..{p.tokens}")
-        if n:
+        if n and p.rec is self._gdn.rec:       # a row of the pool itself: point at it
+            self.gdn_row = p.offset + n - 1
+        elif n:
+            self.materialize()
             self._gdn.conv[:, self.slot] = p.conv[:, p.offset + n - 1]
             self._gdn.rec[:, self.slot] = p.rec[:, p.offset + n - 1]
         self.length += n
         self.pending = None
         self.trim()
+
+    def materialize(self) -> None:
+        """Move a committed state that lives in a snapshot row into the slot (before that row is written)."""
+        self._check_live()
+        if self.gdn_row != self.slot:
+            self._gdn.conv[:, self.slot] = self._gdn.conv[:, self.gdn_row]
+            self._gdn.rec[:, self.slot] = self._gdn.rec[:, self.gdn_row]
+            self.gdn_row = self.slot
 
     def trim(self) -> None:
         """Return pages beyond what the main and MTP caches still hold."""

@@ -156,8 +156,8 @@ def test_eager_runner_equals_model(nvfp4_path):
         st[k][1].commit(0)
     for sa, sb in zip(*st):
         assert sa.length == sb.length
-        assert rel(m.gdn_pool.rec[:, sb.slot], ref.gdn_pool.rec[:, sa.slot]) <= STATE_TOL
-        assert rel(m.gdn_pool.conv[:, sb.slot], ref.gdn_pool.conv[:, sa.slot]) <= STATE_TOL
+        assert rel(m.gdn_pool.rec[:, sb.gdn_row], ref.gdn_pool.rec[:, sa.gdn_row]) <= STATE_TOL
+        assert rel(m.gdn_pool.conv[:, sb.gdn_row], ref.gdn_pool.conv[:, sa.gdn_row]) <= STATE_TOL
     hid = a.hidden[1:2]
     da = ref.mtp_forward([MtpInput(ver[0][2:3], hid, st[0][0].mtp)])
     db = r.mtp_forward([MtpInput(ver[0][2:3], hid, st[1][0].mtp)])
@@ -194,7 +194,7 @@ def test_snapshot_buffers_in_use_fall_back(nvfp4_path):
         assert rel(outs[1][i].logits, outs[0][i].logits) <= LOGIT_TOL
         st[0][i].commit(i + 1)
         st[1][i].commit(i + 1)
-        assert rel(m.gdn_pool.rec[:, st[1][i].slot], ref.gdn_pool.rec[:, st[0][i].slot]) <= STATE_TOL
+        assert rel(m.gdn_pool.rec[:, st[1][i].gdn_row], ref.gdn_pool.rec[:, st[0][i].gdn_row]) <= STATE_TOL
     r.forward([SeqInput(ids[0], st[1][0], snapshot=True)])
     assert r.stats.eager_steps == 2                                   # committed: the buffers are free again
     r.close()
@@ -253,7 +253,7 @@ def test_graph_replay_equals_eager_gpu(nvfp4_path):
     assert rel(outs[1].logits, outs[0].logits) <= BF16_GRAPH_TOL
     for k in (0, 1):
         st[k][1].commit(2)
-    assert rel(models[1].gdn_pool.rec[:, st[1][1].slot], models[0].gdn_pool.rec[:, st[0][1].slot]) <= BF16_GRAPH_TOL
+    assert rel(models[1].gdn_pool.rec[:, st[1][1].gdn_row], models[0].gdn_pool.rec[:, st[0][1].gdn_row]) <= BF16_GRAPH_TOL
     d = [rn.mtp_forward([MtpInput(tok[:1], outs[0].hidden[1:2], st[k][1].mtp)]) for k, rn in enumerate(runners)]
     assert rel(d[1].logits, d[0].logits) <= BF16_GRAPH_TOL
     assert runners[1].stats.replays == 42 and runners[1].stats.fallbacks == 0

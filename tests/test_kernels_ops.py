@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -236,6 +237,36 @@ def test_causal_conv(dtype, lens, snapshot):
     assert torch.allclose(pool, want_pool, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert torch.allclose(snaps, want_snaps, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert torch.isnan(snaps[n_snap:]).all()
+
+
+def _own_rows_meta(base: int):
+    """Two verifies of 3 tokens whose snapshot rows are pool rows base.. and whose states are rows of their own
+    spans (the graph runner after a commit without copy, `ninfer_rt.graphs`)."""
+    meta, _ = _gdn_meta((3, 3), (True, True), slots=(base + 1, base + 5))
+    return dataclasses.replace(meta, snap_index=torch.tensor([base, base + 3], device=DEV),
+                               snap_index_host=(base, base + 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_state_read_from_its_own_snapshot_rows(dtype):
+    """Conv window and recurrent state are read before any row of the span holding them is written."""
+    meta = _own_rows_meta(2)
+    x, w = rnd(6, C, dtype=dtype), rnd(C, CK, seed=1, scale=0.5)
+    conv = rnd(8, CK - 1, C, seed=2)
+    want_conv = conv.clone()
+    want = REF.causal_conv(x, w, want_conv, meta, want_conv)
+    with poisoned():
+        got = TRI.causal_conv(x, w, conv, meta, conv)
+    check(got, want, dtype)
+    assert torch.allclose(conv, want_conv, rtol=1e-5, atol=1e-6)
+    args = _gdn_inputs(6, dtype, seed=9)
+    rec = rnd(8, HV, DK, DV, seed=7, scale=0.3)
+    want_rec = rec.clone()
+    want = REF.gdn_recurrent(*args, want_rec, meta, want_rec)
+    with poisoned():
+        got = TRI.gdn_recurrent(*args, rec, meta, rec)
+    check(got, want, dtype)
+    assert rel(rec, want_rec) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -84,7 +84,7 @@ def _script(models, dtype, prompt_lens=(11, 5)):
         st[0].commit(2)
     outs = step(lambda st: [SeqInput(verify[2:3], st[0]), SeqInput(nxt[1:2], st[1])])
     for a, b in zip(states[0], states[1]):
-        assert rel(models[1].gdn_pool.rec[:, b.slot], models[0].gdn_pool.rec[:, a.slot]) <= tol
+        assert rel(models[1].gdn_pool.rec[:, b.gdn_row], models[0].gdn_pool.rec[:, a.gdn_row]) <= tol
     hid = outs[0].hidden[:1]
     d = [m.mtp_forward([MtpInput(verify[3:4], hid, st[0].mtp)]) for m, st in zip(models, states)]
     assert rel(d[1].logits, d[0].logits) <= tol
