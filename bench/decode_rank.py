@@ -61,6 +61,15 @@ class BenchOptions:
                               f"{list(self.contexts)}: no verify step would run there")
 
 
+def _gdn_tiles() -> dict:
+    """The GDN recurrence tile each T bucket's first launch picked: {T bucket: "columns x warps"}."""
+    try:
+        from ninfer_kernels import gdn_recurrent
+    except ImportError:
+        return {}
+    return {str(k[0]): f"{v[0]}x{v[1]}" for k, v in sorted(gdn_recurrent._PICKED.items())}
+
+
 def _device(group, opts: BenchOptions) -> torch.device:
     dev = getattr(group, "device", None)
     if dev is not None:
@@ -397,7 +406,8 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
     if {"decode", "verify", "profile"} & set(opts.parts):
         _decode_parts(model, runner, opts, ceil, base, out, gen, ar)
         out({**base, "kind": "graph_stats", "replays": runner.stats.replays, "eager_steps": runner.stats.eager_steps,
-             "fallbacks": runner.stats.fallbacks, "fallback_reasons": runner.stats.reasons})
+             "fallbacks": runner.stats.fallbacks, "fallback_reasons": runner.stats.reasons,
+             "gdn_recurrent_tiles": _gdn_tiles()})
     runner.close()                        # its graphs and pool go before the forced pass captures its own
     if _compare_allreduce(group, opts):
         _forced_pg_decode(model, opts, ceil, base, out, ar)

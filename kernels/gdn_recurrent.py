@@ -13,12 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops_common import KernelInputError, pow2
+from .ops_common import KernelInputError, interpreting, pow2
 
-# 4 warps per (sequence, head, 32 value columns): one warp per 8 columns (reductions inside the warp, 768
-# programs at the 27B's TP1 sizes instead of 192) measured 4.75 vs 4.1 us per layer on the H200
-MAX_BLOCK_V = 32
-NUM_WARPS = 4
+# (value columns per program, warps): at T = 1 4 warps per 32 columns measured 4.1 us per layer on the H200
+# against 4.75 for one warp per 8 (768 programs at the 27B's TP1 sizes instead of 192). With T > 1 each token's
+# four reductions over dk chain on the previous token's state, and a reduction that spans warps goes through
+# shared memory and a CTA barrier, so one warp per program may win there: the first launch per (T bucket, head
+# sizes) on a CUDA device times the tiles on scratch copies of the states (`_pick`); the first is the default.
+TILES = ((32, 4), (16, 1), (8, 1), (4, 1))
+TIMED_CALLS = 10
+_PICKED: dict = {}
 
 
 @triton.jit
@@ -76,11 +80,38 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, 
         tl.store(pool_ptr + pool_off + tile, S, mask=tmask)
 
 
+def _pick(key, launch, state_pool, snapshots) -> tuple[int, int]:
+    """The fastest of TILES for `key`, timed once (TIMED_CALLS launches each, after one warm-up) on copies of
+    the states the kernel writes; the first tile without CUDA, under the interpreter or while capturing."""
+    if key in _PICKED:
+        return _PICKED[key]
+    dev = state_pool.device
+    if interpreting() or dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return TILES[0]
+    pool = state_pool.clone()
+    same = snapshots is None or snapshots.data_ptr() == state_pool.data_ptr()   # the graph runner's pool rows
+    snaps = pool if same else snapshots.clone()
+    times = []
+    for tile in TILES:
+        launch(tile, pool, snaps)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record()
+        for _ in range(TIMED_CALLS):
+            launch(tile, pool, snaps)
+        ev[1].record()
+        ev[1].synchronize()
+        times.append(ev[0].elapsed_time(ev[1]))
+    _PICKED[key] = TILES[times.index(min(times))]
+    return _PICKED[key]
+
+
 def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state_pool: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                  snap_index: torch.Tensor, snapshots: torch.Tensor | None = None) -> torch.Tensor:
+                  snap_index: torch.Tensor, snapshots: torch.Tensor | None = None,
+                  max_t: int = 1) -> torch.Tensor:
     """q, k [sumT, Hk, dk]; v [sumT, Hv, dv]; g, beta fp32 [sumT, Hv]; state_pool fp32 [S, Hv, dk, dv];
-    cu_seqlens int32 [B+1]; slots, snap_index int64 [B]; snapshots fp32 [N, Hv, dk, dv]. -> o [sumT, Hv, dv]."""
+    cu_seqlens int32 [B+1]; slots, snap_index int64 [B]; snapshots fp32 [N, Hv, dk, dv]; max_t: the largest
+    T_b (picks the timed tile). -> o [sumT, Hv, dv]."""
     total, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if k.shape != q.shape or v.shape[0] != total or hv % hk or state_pool.shape[1:] != (hv, dk, dv):
@@ -94,13 +125,19 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     g, beta = g.float().contiguous(), beta.float().contiguous()
     out = torch.empty(total, hv, dv, dtype=v.dtype, device=v.device)
     batch = cu_seqlens.numel() - 1
-    if total and batch:
-        block_v = min(MAX_BLOCK_V, pow2(dv))
-        gdn_recurrent_kernel[(batch, hv, triton.cdiv(dv, block_v))](
-            q, k, v, g, beta, out, state_pool, state_pool if snapshots is None else snapshots,
-            cu_seqlens, slots, snap_index, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), hv, hv // hk, dk, dv, dk ** -0.5,
-            BLOCK_K=pow2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS)
+    if not (total and batch):
+        return out
+
+    def launch(tile, pool, snaps):
+        bv, w = tile
+        gdn_recurrent_kernel[(batch, hv, triton.cdiv(dv, bv))](
+            q, k, v, g, beta, out, pool, pool if snaps is None else snaps, cu_seqlens, slots, snap_index,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hv, hv // hk, dk, dv,
+            dk ** -0.5, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=w)
+
+    # prefill chunks (the fallback without flash-linear-attention) share one key
+    key = (min(pow2(max_t), 16), hv, hk, dk, dv, str(state_pool.device))
+    launch(_pick(key, launch, state_pool, snapshots), state_pool, snapshots)
     return out
 
 
@@ -109,4 +146,4 @@ def compile_specs(act: str):
            "o_ptr": f"*{act}", "pool_ptr": "*fp32", "snap_ptr": "*fp32", "cu_ptr": "*i32", "slot_ptr": "*i64",
            "snapidx_ptr": "*i64", **{n: "i64" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")},
            "Hv": "i32", "REP": "i32", "DK": "i32", "DV": "i32", "q_scale": "fp32"}
-    return [(gdn_recurrent_kernel, sig, {"BLOCK_K": 128, "BLOCK_V": MAX_BLOCK_V}, NUM_WARPS)]
+    return [(gdn_recurrent_kernel, sig, {"BLOCK_K": 128, "BLOCK_V": bv}, w) for bv, w in TILES]

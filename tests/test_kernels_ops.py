@@ -19,7 +19,7 @@ import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
-from ninfer_kernels import gdn_ba_gates, sampling  # noqa: E402
+from ninfer_kernels import gdn_ba_gates, gdn_recurrent, sampling  # noqa: E402
 from ninfer_rt.backends.torch_ops import TorchOps  # noqa: E402
 from ninfer_rt.backends.triton_ops import TritonOps  # noqa: E402
 from ninfer_rt.batch import attn_meta, gdn_routing  # noqa: E402
@@ -237,6 +237,30 @@ def test_causal_conv(dtype, lens, snapshot):
     assert torch.allclose(pool, want_pool, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert torch.allclose(snaps, want_snaps, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert torch.isnan(snaps[n_snap:]).all()
+
+
+@pytest.mark.parametrize("tile", [pytest.param(t, id=f"v{t[0]}-w{t[1]}") for t in gdn_recurrent.TILES])
+def test_gdn_recurrent_every_tile(tile):
+    """Every tile the first launch may pick (`gdn_recurrent._pick`) against the reference, verify rows."""
+    gr = gdn_recurrent
+    meta, n_snap = _gdn_meta((3, 1), (True, False), slots=(0, 2))
+    args = _gdn_inputs(4, torch.float32, seed=11)
+    pool = rnd(3, HV, DK, DV, seed=7, scale=0.3)
+    snaps = torch.full((n_snap, HV, DK, DV), float("nan"), device=DEV)
+    want_pool, want_snaps = pool.clone(), snaps.clone()
+    want = REF.gdn_recurrent(*args, want_pool, meta, want_snaps)
+    key = (4, HV, HK, DK, DV, str(pool.device))
+    saved = gr._PICKED.pop(key, None)
+    gr._PICKED[key] = tile
+    try:
+        with poisoned():
+            got = TRI.gdn_recurrent(*args, pool, meta, snaps)
+    finally:
+        gr._PICKED.pop(key)
+        if saved is not None:
+            gr._PICKED[key] = saved
+    check(got, want, torch.float32)
+    assert rel(pool, want_pool) <= TOL[torch.float32] and rel(snaps, want_snaps) <= TOL[torch.float32]
 
 
 def _own_rows_meta(base: int):

@@ -157,7 +157,7 @@ class TritonOps(Ops):
 
     def gdn_recurrent(self, q, k, v, g, beta, state_pool, meta: GdnMeta, snapshots=None):
         return gdn_recurrent.gdn_recurrent(q, k, v, g, beta, state_pool, meta.cu_seqlens, meta.slots,
-                                           meta.snap_index, snapshots)
+                                           meta.snap_index, snapshots, max(meta.seq_lens, default=1))
 
     def gdn_chunk(self, q, k, v, g, beta, state_pool, meta: GdnMeta):
         if any(i >= 0 for i in meta.snap_index_host):
