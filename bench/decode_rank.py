@@ -62,12 +62,15 @@ class BenchOptions:
 
 
 def _gdn_tiles() -> dict:
-    """The GDN recurrence tile each T bucket's first launch picked: {T bucket: "columns x warps"}."""
+    """The GDN recurrence tile each T bucket's first launch picked, and the us per launch it timed for each:
+    {T bucket: {"picked": "columns x warps", "us": {"columns x warps": us}}}."""
     try:
-        from ninfer_kernels import gdn_recurrent
+        from ninfer_kernels import gdn_recurrent as gr
     except ImportError:
         return {}
-    return {str(k[0]): f"{v[0]}x{v[1]}" for k, v in sorted(gdn_recurrent._PICKED.items())}
+    name = lambda t: f"{t[0]}x{t[1]}"   # noqa: E731
+    return {str(k[0]): {"picked": name(v), "us": dict(zip(map(name, gr.TILES), gr.TIMINGS.get(k, ())))}
+            for k, v in sorted(gr._PICKED.items())}
 
 
 def _device(group, opts: BenchOptions) -> torch.device:
