@@ -9,6 +9,8 @@ snap + t and the pool slot is left alone; otherwise the pool slot is updated in 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -19,9 +21,12 @@ from .ops_common import KernelInputError, interpreting, pow2
 # (value columns per program, warps): at T = 1 4 warps per 32 columns measured 4.1 us per layer on the H200
 # against 4.75 for one warp per 8 (768 programs at the 27B's TP1 sizes instead of 192). With T > 1 each token's
 # four reductions over dk chain on the previous token's state, and a reduction that spans warps goes through
-# shared memory and a CTA barrier, so one warp per program may win there: the first launch per (T bucket, head
-# sizes) on a CUDA device times the tiles on scratch copies of the states (`_pick`); the first is the default.
+# shared memory and a CTA barrier, so one warp per program may win there. NINFER_GDN_TILES=time: the first
+# launch per (T bucket, head sizes) on a CUDA device times the tiles on scratch copies of the states (`_pick`);
+# the default ("first") keeps the first tile, the one every end-to-end measurement so far ran (bench/NOTES.md
+# §14: the timing is not yet measured end to end; bench/gdn_tiles.py times the tiles).
 TILES = ((32, 4), (16, 1), (8, 1), (4, 1))
+TILES_ENV = "NINFER_GDN_TILES"
 MARGIN = 0.05                 # another tile replaces the first only when this much faster
 _PICKED: dict = {}
 TIMINGS: dict = {}      # key -> us per launch of each tile, as `_pick` measured them (benchmarks report them)
@@ -82,13 +87,20 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, 
         tl.store(pool_ptr + pool_off + tile, S, mask=tmask)
 
 
+def _timing_on() -> bool:
+    mode = os.environ.get(TILES_ENV, "first")
+    if mode not in ("first", "time"):
+        raise KernelInputError(f"{TILES_ENV}={mode!r}: expected 'first' or 'time'")
+    return mode == "time"
+
+
 def _pick(key, launch, state_pool, snapshots) -> tuple[int, int]:
     """The fastest of TILES for `key` (the first unless another is MARGIN faster), timed once on copies of the
     states the kernel writes; the first tile without CUDA, under the interpreter or while capturing."""
     if key in _PICKED:
         return _PICKED[key]
     dev = state_pool.device
-    if interpreting() or dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if not _timing_on() or interpreting() or dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return TILES[0]
     pool = state_pool.clone()
     same = snapshots is None or snapshots.data_ptr() == state_pool.data_ptr()   # the graph runner's pool rows

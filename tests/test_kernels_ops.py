@@ -20,6 +20,7 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 
 from ninfer_kernels import gdn_ba_gates, gdn_recurrent, sampling  # noqa: E402
+from ninfer_kernels.ops_common import KernelInputError  # noqa: E402
 from ninfer_rt.backends.torch_ops import TorchOps  # noqa: E402
 from ninfer_rt.backends.triton_ops import TritonOps  # noqa: E402
 from ninfer_rt.batch import attn_meta, gdn_routing  # noqa: E402
@@ -279,6 +280,14 @@ def test_bench_gdn_tiles_smoke(tmp_path):
     assert [(r["T"], r["tile"]) for r in recs] == [(t, f"{a}x{b}") for t in (1, 3) for a, b in gdn_recurrent.TILES]
     for r in recs:
         assert r["us"] > 0 and r["picked"] == "32x4" and {"gbps", "pct_copy_bw", "copy_tbps", "gpu"} <= set(r)
+
+
+def test_gdn_recurrent_tile_mode_is_checked(monkeypatch):
+    """NINFER_GDN_TILES takes 'first' (default) or 'time'; anything else is a one-line error naming it."""
+    monkeypatch.setenv(gdn_recurrent.TILES_ENV, "fast")
+    meta, _ = _gdn_meta((1,), (False,), slots=(0,))
+    with pytest.raises(KernelInputError, match="NINFER_GDN_TILES='fast'"):
+        TRI.gdn_recurrent(*_gdn_inputs(1, torch.float32, seed=12), rnd(1, HV, DK, DV, seed=7), meta)
 
 
 def _own_rows_meta(base: int):
