@@ -104,7 +104,11 @@ class GraphRunner:
                                self._scratch.pages, self._scratch.slot, model.device)
         self.snap_base = None             # first of our snapshot rows in the GDN pool
         if max(config.tokens) > 1 and model.n_gdn:
-            self.snap_base = model.gdn_pool.add_rows(self.max_batch * max(config.tokens))
+            try:
+                self.snap_base = model.gdn_pool.add_rows(self.max_batch * max(config.tokens))
+            except RuntimeError as e:
+                self._scratch.free()
+                raise GraphError(f"graphs: {e}") from None
         self._lazy: list = []             # states whose committed GDN state is one of our snapshot rows
         self.mtp_hidden = None
         if self.mtp_tokens:

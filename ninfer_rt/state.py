@@ -150,7 +150,7 @@ class SeqState:
         if n and p.rec is self._gdn.rec:       # a row of the pool itself: point at it
             self.gdn_row = p.offset + n - 1
         elif n:
-            self.materialize()
+            self.gdn_row = self.slot              # the copy replaces whatever the slot held
             self._gdn.conv[:, self.slot] = p.conv[:, p.offset + n - 1]
             self._gdn.rec[:, self.slot] = p.rec[:, p.offset + n - 1]
         self.length += n

@@ -17,7 +17,7 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: bench/ must not shadow anything
 import synth_artifact as synth
 
-from ninfer_rt.graphs import GraphConfig, GraphRunner
+from ninfer_rt.graphs import GraphConfig, GraphError, GraphRunner
 from ninfer_rt.model import SeqInput
 from ninfer_rt.state import GdnPool
 from numerics import rel
@@ -136,6 +136,15 @@ def test_commit_without_copy_in_captured_graphs_gpu(nvfp4_path):
     tw = _Twin(ref, m, r, 3, torch.Generator().manual_seed(6), (BF16_GRAPH_TOL, BF16_GRAPH_TOL))
     _verify_rounds(tw, r.snap_base)
     assert r.stats.replays == 5 and r.stats.fallbacks == 0
-    with pytest.raises(RuntimeError, match="before capturing"):
+    with pytest.raises(GraphError, match="before capturing"):
         GraphRunner(m, GraphConfig(batch_sizes=(1,), tokens=(1, 2), mtp_tokens=(), kv_buckets=(64,)))
     r.close()
+
+
+def test_runner_refused_once_graphs_point_at_the_pool(pair):
+    _, m = pair
+    free = m.gdn_pool.free_slots()
+    m.gdn_pool.pins = 1                                # as after another runner's capture
+    with pytest.raises(GraphError, match="graphs: gdn pool: .*before capturing"):
+        GraphRunner(m, GraphConfig(batch_sizes=(1,), tokens=(1, 2), mtp_tokens=(), kv_buckets=(64,), eager=True))
+    assert m.gdn_pool.free_slots() == free             # the padding slot went back
