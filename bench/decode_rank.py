@@ -62,15 +62,12 @@ class BenchOptions:
 
 
 def _gdn_tiles() -> dict:
-    """The GDN recurrence tile each T bucket's first launch picked, and the us per launch it timed for each:
-    {T bucket: {"picked": "columns x warps", "us": {"columns x warps": us}}}."""
+    """The GDN recurrence tile each T bucket's first launch picked, with the times it measured."""
     try:
-        from ninfer_kernels import gdn_recurrent as gr
+        from ninfer_kernels import gdn_recurrent
     except ImportError:
         return {}
-    name = lambda t: f"{t[0]}x{t[1]}"   # noqa: E731
-    return {str(k[0]): {"picked": name(v), "us": dict(zip(map(name, gr.TILES), gr.TIMINGS.get(k, ())))}
-            for k, v in sorted(gr._PICKED.items())}
+    return gdn_recurrent.picks()
 
 
 def _device(group, opts: BenchOptions) -> torch.device:

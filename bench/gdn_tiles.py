@@ -55,27 +55,18 @@ def _us(call) -> float:
     return gemv_timing.time_ms(call) * 1e3
 
 
-def _forced(args, tile, T: int):
-    key = (min(gr.pow2(T), 16), args[2].shape[1], args[0].shape[1], args[0].shape[2], args[2].shape[2],
-           str(args[5].device))
-    return key, lambda: (gr._PICKED.__setitem__(key, tile), gr.gdn_recurrent(*args, max_t=T))
-
-
 def measure(T: int, tp: int, copy: float, gpu: str) -> list[dict]:
     args, nbytes = _case(T, tp)
     recs = []
-    for tile in gr.TILES:
-        key, call = _forced(args, tile, T)
-        us = _us(call)
-        recs.append({"T": T, "tp": tp, "tile": f"{tile[0]}x{tile[1]}", "us": round(us, 2),
+    for bv, w in gr.TILES:
+        us = _us(lambda: gr.gdn_recurrent(*args, max_t=T, tile=(bv, w)))
+        recs.append({"T": T, "tp": tp, "tile": f"{bv}x{w}", "us": round(us, 2),
                      "gbps": round(nbytes / us / 1e3, 1), "pct_copy_bw": round(100 * nbytes / us / 1e6 / copy, 1)
                      if copy else None, "copy_tbps": copy, "gpu": gpu})
-    gr._PICKED.pop(key, None)
     gr.gdn_recurrent(*args, max_t=T)               # the runtime's own pick, timed its way
-    picked = gr._PICKED.get(key, gr.TILES[0])
+    mine = gr.picks().get(str(min(gr.pow2(T), 16)), {"picked": "{}x{}".format(*gr.TILES[0]), "us": {}})
     for r in recs:
-        r["picked"] = f"{picked[0]}x{picked[1]}"
-        r["runtime_us"] = dict(zip((f"{a}x{b}" for a, b in gr.TILES), gr.TIMINGS.get(key, ())))
+        r["picked"], r["runtime_us"] = mine["picked"], mine["us"]
     return recs
 
 

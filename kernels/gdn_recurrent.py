@@ -117,10 +117,10 @@ def _pick(key, launch, state_pool, snapshots) -> tuple[int, int]:
 def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state_pool: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
                   snap_index: torch.Tensor, snapshots: torch.Tensor | None = None,
-                  max_t: int = 1) -> torch.Tensor:
+                  max_t: int = 1, tile: tuple[int, int] | None = None) -> torch.Tensor:
     """q, k [sumT, Hk, dk]; v [sumT, Hv, dv]; g, beta fp32 [sumT, Hv]; state_pool fp32 [S, Hv, dk, dv];
     cu_seqlens int32 [B+1]; slots, snap_index int64 [B]; snapshots fp32 [N, Hv, dk, dv]; max_t: the largest
-    T_b (picks the timed tile). -> o [sumT, Hv, dv]."""
+    T_b (keys the tile choice); tile: one of TILES instead of the choice (tests, benchmarks). -> o [sumT, Hv, dv]."""
     total, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if k.shape != q.shape or v.shape[0] != total or hv % hk or state_pool.shape[1:] != (hv, dk, dv):
@@ -144,10 +144,22 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hv, hv // hk, dk, dv,
             dk ** -0.5, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=w)
 
-    # prefill chunks (the fallback without flash-linear-attention) share one key
-    key = (min(pow2(max_t), 16), hv, hk, dk, dv, str(state_pool.device))
-    launch(_pick(key, launch, state_pool, snapshots), state_pool, snapshots)
+    if tile is None:
+        # prefill chunks (the fallback without flash-linear-attention) share one key
+        key = (min(pow2(max_t), 16), hv, hk, dk, dv, str(state_pool.device))
+        tile = _pick(key, launch, state_pool, snapshots)
+    elif tile not in TILES:
+        raise KernelInputError(f"gdn_recurrent: tile {tile!r} is not one of {TILES}")
+    launch(tile, state_pool, snapshots)
     return out
+
+
+def picks() -> dict:
+    """What the timed choice decided so far: {T bucket: {"picked": "columns x warps", "us": {tile: us}}} (one
+    head shape per process in the benchmarks that report it)."""
+    name = lambda t: f"{t[0]}x{t[1]}"   # noqa: E731
+    return {str(k[0]): {"picked": name(v), "us": dict(zip(map(name, TILES), TIMINGS.get(k, ())))}
+            for k, v in sorted(_PICKED.items())}
 
 
 def compile_specs(act: str):

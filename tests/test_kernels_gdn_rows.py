@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_kernels_ops import (CK, DEV, DK, DTYPES, DV, HK, HV, REF, TOL, TRI, C, _gdn_inputs, _gdn_meta, check,
+from test_kernels_ops import (CK, DEV, DK, DTYPES, DV, HV, REF, TOL, TRI, C, _gdn_inputs, _gdn_meta, check,
                               poisoned, rnd)
 
 from ninfer_kernels import gdn_recurrent
@@ -19,23 +19,15 @@ from numerics import rel
 @pytest.mark.parametrize("tile", [pytest.param(t, id=f"v{t[0]}-w{t[1]}") for t in gdn_recurrent.TILES])
 def test_gdn_recurrent_every_tile(tile):
     """Every tile the first launch may pick (`gdn_recurrent._pick`) against the reference, verify rows."""
-    gr = gdn_recurrent
     meta, n_snap = _gdn_meta((3, 1), (True, False), slots=(0, 2))
     args = _gdn_inputs(4, torch.float32, seed=11)
     pool = rnd(3, HV, DK, DV, seed=7, scale=0.3)
     snaps = torch.full((n_snap, HV, DK, DV), float("nan"), device=DEV)
     want_pool, want_snaps = pool.clone(), snaps.clone()
     want = REF.gdn_recurrent(*args, want_pool, meta, want_snaps)
-    key = (4, HV, HK, DK, DV, str(pool.device))
-    saved = gr._PICKED.pop(key, None)
-    gr._PICKED[key] = tile
-    try:
-        with poisoned():
-            got = TRI.gdn_recurrent(*args, pool, meta, snaps)
-    finally:
-        gr._PICKED.pop(key)
-        if saved is not None:
-            gr._PICKED[key] = saved
+    with poisoned():
+        got = gdn_recurrent.gdn_recurrent(*args, pool, meta.cu_seqlens, meta.slots, meta.snap_index, snaps,
+                                          max_t=3, tile=tile)
     check(got, want, torch.float32)
     assert rel(pool, want_pool) <= TOL[torch.float32] and rel(snaps, want_snaps) <= TOL[torch.float32]
 
@@ -64,6 +56,13 @@ def test_gdn_recurrent_tile_mode_is_checked(monkeypatch):
     meta, _ = _gdn_meta((1,), (False,), slots=(0,))
     with pytest.raises(KernelInputError, match="NINFER_GDN_TILES='fast'"):
         TRI.gdn_recurrent(*_gdn_inputs(1, torch.float32, seed=12), rnd(1, HV, DK, DV, seed=7), meta)
+
+
+def test_gdn_recurrent_rejects_an_unknown_tile():
+    meta, _ = _gdn_meta((1,), (False,), slots=(0,))
+    with pytest.raises(KernelInputError, match=r"tile \(64, 4\) is not one of"):
+        gdn_recurrent.gdn_recurrent(*_gdn_inputs(1, torch.float32, seed=12), rnd(1, HV, DK, DV, seed=7),
+                                    meta.cu_seqlens, meta.slots, meta.snap_index, tile=(64, 4))
 
 
 def _own_rows_meta(base: int):
