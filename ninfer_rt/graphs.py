@@ -109,7 +109,7 @@ class GraphRunner:
             except RuntimeError as e:
                 self._scratch.free()
                 raise GraphError(f"graphs: {e}") from None
-        self._lazy: list = []             # states whose committed GDN state is one of our snapshot rows
+        self._lazy: dict = {}             # states (keys) whose committed GDN state is one of our snapshot rows
         self.mtp_hidden = None
         if self.mtp_tokens:
             self.mtp_hidden = torch.zeros(self.max_batch * max(self.mtp_tokens), model.cfg.hidden_size,
@@ -229,7 +229,7 @@ class GraphRunner:
             if o >= 0:
                 s.state.pending = PendingSnapshot(t, pool.conv, pool.rec, o)
                 self._pending.append((s.state, s.state.pending))
-                self._lazy.append(s.state)
+                self._lazy[s.state] = None
             else:
                 s.state.length += t
         return self._output(hidden, logits, len(batch), t, [s.logits for s in batch])
@@ -237,18 +237,14 @@ class GraphRunner:
     def _protect(self, batch, snap: list[int], t: int) -> None:
         """Move home every committed state in a snapshot row this step writes, unless the row is its own
         sequence's (each kernel program reads its part of a state before it writes that part of any row)."""
-        own = {id(s.state): (o, o + t) for s, o in zip(batch, snap) if o >= 0}
-        spans = sorted(own.values())
-        keep = []
-        for st in dict.fromkeys(self._lazy):
+        own = {s.state: (o, o + t) for s, o in zip(batch, snap) if o >= 0}
+        for st in list(self._lazy):
+            if not st.freed and st.gdn_row != st.slot:
+                lo, hi = own.get(st, (0, 0))
+                if not lo <= st.gdn_row < hi and any(a <= st.gdn_row < b for a, b in own.values()):
+                    st.materialize()
             if st.freed or st.gdn_row == st.slot:
-                continue
-            lo, hi = own.get(id(st), (0, 0))
-            if not lo <= st.gdn_row < hi and any(a <= st.gdn_row < b for a, b in spans):
-                st.materialize()
-            else:
-                keep.append(st)
-        self._lazy = keep
+                del self._lazy[st]
 
     @torch.no_grad()
     def mtp_forward(self, batch: list, *, gather: bool = True) -> Output:

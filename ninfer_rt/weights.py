@@ -107,11 +107,8 @@ class QWeight:
 
     def select_rows(self, idx: torch.Tensor) -> "QWeight":
         """Rows `idx` (int64 [M]) gathered into a new QWeight (e.g. the embedding rows of a batch)."""
-        if self.released:
-            return QWeight(self.fmt, (int(idx.numel()), self.shape[1]), {**self._meta(), **self.tensors(idx)},
-                           self.name)
-        data = {k: (v.index_select(0, idx) if isinstance(v, torch.Tensor) else v) for k, v in self.data.items()}
-        return QWeight(self.fmt, (int(idx.numel()), self.shape[1]), data, self.name)
+        return QWeight(self.fmt, (int(idx.numel()), self.shape[1]), {**self._meta(), **self.tensors(idx)},
+                       self.name)
 
     @staticmethod
     def plain(w: torch.Tensor, name: str = "") -> "QWeight":

@@ -110,7 +110,7 @@ def test_freed_state_in_a_row_is_forgotten(pair):
     assert a.gdn_row == r.snap_base + 1
     a.free()
     tw.step([1], 2, True, commit=[1])                  # writes A's old row: A is freed, nothing to move
-    assert r._lazy == [tw.st[1][1]] and tw.st[1][1].gdn_row == r.snap_base
+    assert list(r._lazy) == [tw.st[1][1]] and tw.st[1][1].gdn_row == r.snap_base
     tw.st[0][0].free()
     r.close()
 
