@@ -18,14 +18,13 @@ import triton.language as tl
 from . import gemv_timing
 from .ops_common import KernelInputError, interpreting, pow2
 
-# (value columns per program, warps): at T = 1 4 warps per 32 columns measured 4.1 us per layer on the H200
-# against 4.75 for one warp per 8 (768 programs at the 27B's TP1 sizes instead of 192). With T > 1 each token's
-# four reductions over dk chain on the previous token's state, and a reduction that spans warps goes through
-# shared memory and a CTA barrier, so one warp per program may win there. NINFER_GDN_TILES=time: the first
-# launch per (T bucket, head sizes) on a CUDA device times the tiles on scratch copies of the states (`_pick`);
-# the default ("first") keeps the first tile, the one every end-to-end measurement so far ran (bench/NOTES.md
-# §14: the timing is not yet measured end to end; bench/gdn_tiles.py times the tiles).
-TILES = ((32, 4), (16, 1), (8, 1), (4, 1))
+# (value columns per program, warps). With T > 1 each token's four reductions over dk chain on the previous token's
+# state, and a reduction that spans warps goes through shared memory and a CTA barrier; one warp per 16 columns
+# reduces inside the warp. bench/gdn_tiles.py on the H200 (27B sizes, graph-timed, bench/NOTES.md §15): 16x1 is
+# the fastest tile at every T (T = 1 5.55 vs 5.78 us for 32x4, T = 4 11.28 vs 13.00, T = 8 18.40 vs 22.15), so it
+# is first: the default ("first") runs it. NINFER_GDN_TILES=time: the first launch per (T bucket, head sizes) on
+# a CUDA device times the tiles on scratch copies of the states (`_pick`) and keeps another only when MARGIN faster.
+TILES = ((16, 1), (32, 4), (8, 1), (4, 1))
 TILES_ENV = "NINFER_GDN_TILES"
 MARGIN = 0.05                 # another tile replaces the first only when this much faster
 _PICKED: dict = {}

@@ -47,7 +47,7 @@ def test_bench_gdn_tiles_smoke(tmp_path):
     recs = json.loads(out.read_text())
     assert [(r["T"], r["tile"]) for r in recs] == [(t, f"{a}x{b}") for t in (1, 3) for a, b in gdn_recurrent.TILES]
     for r in recs:
-        assert r["us"] > 0 and r["picked"] == "32x4" and {"gbps", "pct_copy_bw", "copy_tbps", "gpu"} <= set(r)
+        assert r["us"] > 0 and r["picked"] == "16x1" and {"gbps", "pct_copy_bw", "copy_tbps", "gpu"} <= set(r)
 
 
 def test_gdn_recurrent_tile_mode_is_checked(monkeypatch):
