@@ -95,8 +95,6 @@ def compile_variant(v: Variant, cc: int):
              "FOLD": v.use_dot, "STAGES": 1 if v.use_dot else v.stages, **extra}
     if "XPRE" in kernel.arg_names:
         const["XPRE"] = v.xpre
-    if "PDL" in kernel.arg_names:   # griddepcontrol and the L2 prefetch are sm_90 PTX (ninfer_kernels.pdl)
-        const["PDL"] = 2 if cc >= 90 else 0
     for k in const:
         sig[k] = "constexpr"
     return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps,

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _finish, _load_tile, _tile_g, _zeros, ld
-from .pdl import pdl_trigger, pdl_wait
 
 EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
 MAX_T_TILE = 8                             # f16x2 accumulators and x pairs per column: beyond 8 tl.dot wins
@@ -187,12 +186,9 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
             USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
-            H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr = 0):
-    """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue). PDL: the
-    programmatic-dependent-launch protocol of `ninfer_kernels.pdl` (the caller may prefetch weights first)."""
+            H2_MODE: tl.constexpr, XPRE: tl.constexpr):
+    """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue)."""
     tl.static_assert(T_TILE <= _MAX_T)
-    pdl_trigger(PDL)
-    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE

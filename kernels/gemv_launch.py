@@ -29,7 +29,6 @@ from ninfer_formats.errors import NinferError
 
 from .gemv_h2_select import H2_STATE, checked_h2
 from .gemv_timing import time_ms   # module global: the tuner tests replace it here
-from .pdl import pdl_mode
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -316,13 +315,8 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
               "num_stages": cfg.num_stages}
     if getattr(kernel, "per_thread", False):
         consts["NW"] = cfg.num_warps   # per-thread variants (warp-MMA, IQ3_S h2): tensors are [32 * num_warps]
-    names = getattr(getattr(kernel, "jit", kernel), "arg_names", ())
-    if "XPRE" in names:
+    if "XPRE" in getattr(getattr(kernel, "jit", kernel), "arg_names", ()):
         consts["XPRE"] = False       # the f16 variants that can read prepared activations (ninfer_kernels.x16)
-    if "PDL" in names:               # the variants that follow the programmatic-dependent-launch protocol
-        consts["PDL"] = pdl_mode(x.device)
-        if consts["PDL"]:
-            consts["launch_pdl"] = True
     consts.update(extra or {})
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,

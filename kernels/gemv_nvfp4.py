@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _j4, _load_tile, _tile_g, dequant_body, e4m3_magnitude, gemv_body, ld
-from .pdl import l2_prefetch
 from .gemv_launch import (as_words, check_weight, check_x, dequant, gemv, KernelInputError, register_h2,
                           register_variant)
 
@@ -54,23 +53,6 @@ def _load(codes, scales, n, w3, w4, w5, rows, g, wm, G):
     words = ld(codes + off, wm)
     s = ld(scales + off, wm).to(tl.int32)
     return words.to(tl.int32), (words >> 32).to(tl.int32), s
-
-
-@triton.jit
-def prefetch_tile(codes, scales, n, G, split, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
-    """PDL = 2 (`ninfer_kernels.pdl`): the L2 lines of this CTA's first K tile (row tile program_id(0), the K
-    split program_id(1) starts at, as `gemv_common.gemv_body` splits). A chunk's rows are one run: BLOCK_N * 64
-    code bytes and BLOCK_N * 8 scale bytes. Offsets past the planes are clamped (tail rows are never used)."""
-    if PDL > 1:
-        g_lo = tl.program_id(1) * (tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G)
-        n0 = tl.program_id(0) * BLOCK_N
-        end = tl.cdiv(G, 8) * n * 8 - 1
-        for k in tl.static_range((BLOCK_G + 7) // 8):
-            run = (g_lo // 8 + k) * n + n0                     # the first (chunk, row) of the run
-            lc = tl.arange(0, BLOCK_N // 2)                    # 16 code words = one 128-byte line
-            l2_prefetch(codes + tl.minimum(run * 8 + lc * 16, end), PDL)
-            ls = tl.arange(0, (BLOCK_N + 15) // 16)            # 128 scale bytes
-            l2_prefetch(scales + tl.minimum(run * 8 + ls * 128, end), PDL)
 
 
 @triton.jit
