@@ -17,7 +17,7 @@
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
-# and PARTS (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS, KTS and KTP (space lists: kernels'
+# and PARTS (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS, KTS, KTP and KSHAPES (space lists: kernels'
 # formats, T values and TP degrees), KCHECK=0 (kernels without --check: its probes compile T = 8/16/64 variants
 # in-process, ~30 s per format).
 #     bash bench/gpu_run.sh anatomy kernels decode
@@ -84,7 +84,7 @@ for step in "$@"; do
         > "$OUT/xpre_table.txt" 2> "$OUT/xpre_log.txt"
       echo "xpre rc=$?"; cat "$OUT/xpre_table.txt"; tail -3 "$OUT/xpre_log.txt" ;;
     kernels)
-      timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp ${KTP:-1 2} \
+      timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp ${KTP:-1 2} $([ -n "${KSHAPES:-}" ] && echo --shapes $KSHAPES) \
         --T ${KTS:-1 2 4 8} --merge $([ "${KXPRE:-0}" = 1 ] && echo --xpre) --runoff ${KRUNOFF:-3} \
         --out bench/results/kernels.json > "$OUT/kernels_table.txt" 2> "$OUT/kernels_log.txt"
       echo "kernels rc=$?"; tail -2 "$OUT/kernels_log.txt"

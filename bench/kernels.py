@@ -351,7 +351,8 @@ def run(args, flush=lambda records, checks: None) -> tuple[list[dict], list[dict
     copy_bw = copy_bandwidth(args.quick)
     log(f"{gpu}: device copy bandwidth {copy_bw:.0f} GB/s (read + write)")
     quick_names = ("attn_qkv", "attn_o", "mlp_down", "lm_head")
-    shapes = [s for s in SHAPES if s[1] in args.tp and (not args.quick or s[0] in quick_names)]
+    shapes = [s for s in SHAPES if s[1] in args.tp and (not args.quick or s[0] in quick_names)
+              and (not args.shapes or s[0] in args.shapes)]
     if SMOKE:
         shapes = [("attn_qkv", 1, 64, 512), ("attn_o", 1, 32, 768), ("gdn_out", 1, 32, 768), ("gdn_ab", 2, 48, 512)]
     ts = tuple(args.T) if args.T else ((1, 8) if args.quick else TS)
@@ -424,6 +425,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the records as JSON instead of the table")
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     ap.add_argument("--tp", nargs="+", type=int, default=[1, 2], choices=[1, 2])
+    ap.add_argument("--shapes", nargs="+", default=None, choices=sorted({s[0] for s in SHAPES}),
+                    help="only these shapes (default: all)")
     ap.add_argument("--T", nargs="+", type=int, help=f"activation rows (default {TS})")
     ap.add_argument("--prefill-T", type=int, default=None, help="also time the prefill paths at this T")
     ap.add_argument("--xpre", action="store_true", help="also time nvfp4 / q6_k / iq3_s on prepared activations "
