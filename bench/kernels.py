@@ -351,10 +351,10 @@ def run(args, flush=lambda records, checks: None) -> tuple[list[dict], list[dict
     copy_bw = copy_bandwidth(args.quick)
     log(f"{gpu}: device copy bandwidth {copy_bw:.0f} GB/s (read + write)")
     quick_names = ("attn_qkv", "attn_o", "mlp_down", "lm_head")
-    shapes = [s for s in SHAPES if s[1] in args.tp and (not args.quick or s[0] in quick_names)
-              and (not args.shapes or s[0] in args.shapes)]
+    shapes = [s for s in SHAPES if s[1] in args.tp and (not args.quick or s[0] in quick_names)]
     if SMOKE:
         shapes = [("attn_qkv", 1, 64, 512), ("attn_o", 1, 32, 768), ("gdn_out", 1, 32, 768), ("gdn_ab", 2, 48, 512)]
+    shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     ts = tuple(args.T) if args.T else ((1, 8) if args.quick else TS)
     fmts = [f for f in FORMATS if f in args.formats]
     if not (args.no_precompile or SMOKE):

@@ -222,8 +222,8 @@ def test_model_with_prepared_activations_gpu(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU the benchmark itself runs")
 def test_bench_kernels_xpre_smoke(tmp_path):
-    """bench/kernels.py --xpre on the interpreter: "<fmt>+xpre" records beside the plain ones, with the named
-    fields, and the shipped-defaults builder takes both formats."""
+    """bench/kernels.py --xpre on the interpreter: "<fmt>+xpre" records beside the plain ones (of the --shapes
+    named only), with the named fields, and the shipped-defaults builder takes both formats."""
     import json
     import subprocess
     import sys
@@ -233,10 +233,12 @@ def test_bench_kernels_xpre_smoke(tmp_path):
     out = tmp_path / "kernels.json"
     script = Path(__file__).resolve().parents[1] / "bench" / "kernels.py"
     p = subprocess.run([sys.executable, str(script), "--smoke", "--formats", "nvfp4", "--T", "1", "2", "--xpre",
-                        "--tp", "1", "--no-precompile", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                        "--tp", "1", "--shapes", "attn_o", "gdn_out", "--no-precompile", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     recs = json.loads(out.read_text())
     assert {(r["format"], r["T"]) for r in recs} == {("nvfp4", 1), ("nvfp4", 2), ("nvfp4+xpre", 1), ("nvfp4+xpre", 2)}
+    assert {r["name"] for r in recs} == {"attn_o", "gdn_out"}      # --shapes
     for r in recs:
         for k in ("format", "shape", "T", "us", "gbps", "pct_copy_bw", "torch_bf16_us", "gpu"):
             assert k in r, k
