@@ -114,6 +114,20 @@ def test_bench_xpre_smoke(tmp_path):
     assert rec["T"] == 1 and rec["us_xpre_best"] <= rec["us_xpre"] and "tiny" in p.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU ncu drives it")
+def test_bench_ncu_gemv_smoke():
+    """bench/ncu_gemv.py (the Nsight Compute driver) on the interpreter: the shipped-config launches run and the
+    output is finite."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "bench" / "ncu_gemv.py"
+    p = subprocess.run([sys.executable, str(script), "--smoke", "--calls", "2"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "tiny [96, 256] T=1" in p.stdout and "2 calls, out finite True" in p.stdout
+
+
 @pytest.mark.parametrize("fmt,kind", [("nvfp4", "h2"), ("nvfp4", "mma"), ("q6_k", "h2"), ("q6_k", "mma"),
                                       ("iq3_s", "h2"), ("iq3_s", "mma")])
 def test_launch_passes_every_constexpr_of_the_variant(monkeypatch, fmt, kind):
