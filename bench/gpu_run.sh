@@ -7,6 +7,8 @@
 #             case of test_kernels_gemv.py), full output kept
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
 #   xpre      bench/xpre.py: the NVFP4 h2 / MMA GEMVs on prepared activations vs the production ones
+#   ncu       Nsight Compute (clocks left alone) on one T=1 NVFP4 GEMV launch per shape of $NCU_SHAPES (default
+#             attn_qkv mlp_gate_up; bench/ncu_gemv.py): speed of light, scheduler, warp state, occupancy (ncu_*.csv)
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them);
 #             KXPRE=1 also times them on prepared activations (formats <fmt>+xpre); KRUNOFF (default 3) tuner
@@ -16,7 +18,7 @@
 #             on sm_80+), written as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
-# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
+# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
 # and PARTS (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS, KTS, KTP and KSHAPES (space lists: kernels'
 # formats, T values and TP degrees), KCHECK=0 (kernels without --check: its probes compile T = 8/16/64 variants
 # in-process, ~30 s per format).
@@ -79,6 +81,14 @@ for step in "$@"; do
         --shapes ${ANATOMY_SHAPES:-attn_qkv mlp_gate_up mlp_down attn_qkv_tp2} \
         --configs ${ANATOMY_CONFIGS:-128:3,64:3} > "$OUT/anatomy.txt" 2>&1
       echo "anatomy rc=$?"; tail -70 "$OUT/anatomy.txt" ;;
+    ncu)
+      for s in ${NCU_SHAPES:-attn_qkv mlp_gate_up}; do
+        timeout 90 ncu --clock-control none --kernel-name regex:nvfp4_h2 --launch-skip 3 --launch-count 1 \
+          --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy --csv \
+          --page details python3 bench/ncu_gemv.py --shape "$s" > "$OUT/ncu_$s.csv" 2> "$OUT/ncu_$s.txt"
+        echo "ncu $s rc=$?"; grep -E "Duration|DRAM Throughput|SM Active|Issued Warp|Eligible Warps|Achieved Occ" \
+          "$OUT/ncu_$s.csv" | awk -F'","' '{v = $NF; sub(/",?$/, "", v); print $(NF-2)": "v" "$(NF-1)}'
+      done ;;
     xpre)
       timeout ${XPRE_S:-240} python3 bench/xpre.py --out "$OUT/xpre.json" ${XPRE_SHAPES:+--shapes $XPRE_SHAPES} \
         > "$OUT/xpre_table.txt" 2> "$OUT/xpre_log.txt"
