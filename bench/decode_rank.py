@@ -102,6 +102,11 @@ def _xpre_on(device) -> bool:
     return x16.xpre_on(x16.xpre_env(), device)
 
 
+def _pdl_kw(device) -> dict:
+    from ninfer_kernels.pdl import pdl_kw
+    return pdl_kw(device)
+
+
 def _runner(model, opts: BenchOptions):
     from ninfer_rt.graphs import GraphConfig, GraphRunner
     verify = "verify" in opts.parts
@@ -389,7 +394,8 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
     base = {"recipe": recipe, "tp": opts.tp, "gpu": D.device_name(device), "copy_tbps": ceil["copy_tbps"],
             "backend": backend, "graphs": not opts.eager, "dtype": opts.dtype,
             "gemv_tune": os.environ.get("NINFER_GEMV_TUNE", "1") != "0",
-            "xpre": backend.startswith("triton") and _xpre_on(device)}    # prepared activations (NINFER_XPRE)
+            "xpre": backend.startswith("triton") and _xpre_on(device),    # prepared activations (NINFER_XPRE)
+            "pdl": backend.startswith("triton") and bool(_pdl_kw(device))}   # NINFER_PDL
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, dot_precision, num_sms, pow2
+from .pdl import pdl_enter, pdl_kw
 
 BLOCK_N = 32              # keys per inner step
 MAX_BLOCK_M = 64          # query rows per program
@@ -32,7 +33,8 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
                     sq_t, sq_h, so_t, so_h, sk_s, sk_h, sv_s, sv_h, bt_stride, total_rows,
                     Hk, G, n_mblocks, min_split, scale_log2, D,
                     PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mb = pid % n_mblocks
@@ -101,10 +103,11 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
 
 @triton.jit
 def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, so_t, so_h, n_splits, total_rows, Hq, D,
-                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
     """Merge the splits of one (token, head), BLOCK_S splits per load: each chunk is one vector load of the
     log-sum-exps and one [BLOCK_S, BLOCK_D] load of the partials (a split-at-a-time loop waited on two dependent
     loads per split, ~8 us at 17 splits on the H200)."""
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -182,11 +185,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), total, hk, g, n_mblocks, max(1, min_split),
         float(scale) * LOG2E, d, PAGE=page_size, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        SPLIT=splits > 1, PREC=dot_precision(q.dtype), num_warps=_warps(block_m, block_d))
+        SPLIT=splits > 1, PREC=dot_precision(q.dtype), num_warps=_warps(block_m, block_d), **pdl_kw(q.device))
     if splits > 1:
         attn_combine_kernel[(total, hq)](po, plse, out, out.stride(0), out.stride(1), splits, total, hq, d,
                                          BLOCK_D=block_d, BLOCK_S=COMBINE_SPLITS,
-                                         num_warps=max(1, min(4, block_d // 64)))
+                                         num_warps=max(1, min(4, block_d // 64)), **pdl_kw(out.device))
     return out
 
 

@@ -13,11 +13,13 @@ import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
 from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
+from .pdl import pdl_enter, pdl_kw
 
 
 @triton.jit
 def gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xp_ptr, H, so_t, so_h, sz_t, sz_h, s_xp, D, eps,
-                         XP: tl.constexpr, BLOCK_D: tl.constexpr):
+                         XP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     row = tl.program_id(0)
     t = (row // H).to(tl.int64)
     h = (row % H).to(tl.int64)
@@ -53,7 +55,7 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
         xp_ptr, s_xp = prepared_out_args(xp, y)
         gated_rmsnorm_kernel[(n_rows,)](o3, z3, w, y, xp_ptr, o3.shape[1], o3.stride(0), o3.stride(1),
                                         z3.stride(0), z3.stride(1), s_xp, d, float(eps), XP=xp is not None,
-                                        BLOCK_D=block, num_warps=warps_for(block))
+                                        BLOCK_D=block, num_warps=warps_for(block), **pdl_kw(o3.device))
     return y
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .gdn_gates import log_decay
 from .ops_common import KernelInputError, pow2
+from .pdl import pdl_enter, pdl_kw
 
 MAX_T = 16                        # verify's widest step; longer chunks (prefill) take the unfused path
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -37,7 +38,8 @@ def _widen(raw, KIND: tl.constexpr):
 
 @triton.jit
 def gdn_ba_gates_kernel(x_ptr, w_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, K, H, sx_t,
-                        W_KIND: tl.constexpr, T_TILE: tl.constexpr, BLOCK_K: tl.constexpr):
+                        W_KIND: tl.constexpr, T_TILE: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     r = tl.program_id(0)                     # row of [b; a]: b rows 0..H-1, a rows H..2H-1
     ts = tl.arange(0, T_TILE)
     ks = tl.arange(0, BLOCK_K)
@@ -79,7 +81,8 @@ def gdn_ba_gates(x: torch.Tensor, w: torch.Tensor, A_log: torch.Tensor, dt_bias:
     t_tile = pow2(t)
     wv = w if w.dtype == torch.float32 else w.view(torch.int16)
     gdn_ba_gates_kernel[(2 * h,)](x, wv, A_log, dt_bias, g, beta, t, k, h, x.stride(0), W_KIND=_KIND[w.dtype],
-                                  T_TILE=t_tile, BLOCK_K=min(pow2(k), _ELEMS // t_tile), num_warps=8)
+                                  T_TILE=t_tile, BLOCK_K=min(pow2(k), _ELEMS // t_tile), num_warps=8,
+                                  **pdl_kw(x.device))
     return g, beta
 
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError
+from .pdl import pdl_enter, pdl_kw
 
 BLOCK_T = 16
 BLOCK_C = 128
@@ -36,7 +37,8 @@ def _window(x_ptr, pool_ptr, s0, sx_t, pool_base, r, c, C, mask, CK: tl.constexp
 @triton.jit
 def causal_conv_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr,
                        C, sx_t, n_tblocks,
-                       CK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                       CK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     pid = tl.program_id(0)
     b = pid // n_tblocks
     tb = pid % n_tblocks
@@ -76,9 +78,10 @@ def causal_conv_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr
 
 @triton.jit
 def conv_step_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr, C, sx_t,
-                     CK: tl.constexpr, BLOCK_C: tl.constexpr):
+                     CK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = 0):
     """At most one new token per sequence (decode): each thread owns its channels in every window row, so the
     window moves up in registers -- no tile of masked token rows, no barrier before the rewrite."""
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     b = tl.program_id(0)
     s0 = tl.load(cu_ptr + b)
     if tl.load(cu_ptr + b + 1) > s0:
@@ -123,7 +126,7 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_se
     if total and batch and max_t == 1 and ck >= 2:
         conv_step_kernel[(batch, triton.cdiv(c, STEP_BLOCK_C))](
             x, w, y, conv_pool, conv_pool if snapshots is None else snapshots, cu_seqlens, slots, snap_index, c,
-            x.stride(0), CK=ck, BLOCK_C=STEP_BLOCK_C, num_warps=1)
+            x.stride(0), CK=ck, BLOCK_C=STEP_BLOCK_C, num_warps=1, **pdl_kw(x.device))
     elif total and batch:
         # short verify steps need no 16-token tile; the tile never drops below ck-1 tokens, so programs past
         # token block 0 never read the pool rows that block 0 rewrites
@@ -131,7 +134,7 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_se
         n_tb = triton.cdiv(max_t, block_t)
         causal_conv_kernel[(batch * n_tb, triton.cdiv(c, BLOCK_C))](
             x, w, y, conv_pool, conv_pool if snapshots is None else snapshots, cu_seqlens, slots, snap_index,
-            c, x.stride(0), n_tb, CK=ck, BLOCK_T=block_t, BLOCK_C=BLOCK_C, num_warps=4)
+            c, x.stride(0), n_tb, CK=ck, BLOCK_T=block_t, BLOCK_C=BLOCK_C, num_warps=4, **pdl_kw(x.device))
     return y
 
 

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, pow2
+from .pdl import pdl_enter, pdl_kw
 
 
 @triton.jit
@@ -20,7 +21,9 @@ def log_decay(z, a_log):
 
 
 @triton.jit
-def gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, H, sa_t, sb_t, BLOCK_H: tl.constexpr):
+def gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, H, sa_t, sb_t, BLOCK_H: tl.constexpr,
+                     PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     m = h < H
@@ -45,7 +48,7 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     beta = torch.empty_like(g)
     if t:
         gdn_gates_kernel[(t,)](a, b, A_log, dt_bias, g, beta, h, a.stride(0), b.stride(0),
-                               BLOCK_H=pow2(h), num_warps=1)
+                               BLOCK_H=pow2(h), num_warps=1, **pdl_kw(a.device))
     return g, beta
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from . import gemv_timing
 from .ops_common import KernelInputError, interpreting, pow2
+from .pdl import pdl_enter, pdl_kw
 
 # (value columns per program, warps). With T > 1 each token's four reductions over dk chain on the previous token's
 # state, and a reduction that spans warps goes through shared memory and a CTA barrier; one warp per 16 columns
@@ -47,7 +48,8 @@ def _token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tok, live, kh, h, dk, dv
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, snap_ptr,
                          cu_ptr, slot_ptr, snapidx_ptr,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv, REP, DK, DV, q_scale,
-                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     b = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // REP
@@ -141,7 +143,7 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         gdn_recurrent_kernel[(batch, hv, triton.cdiv(dv, bv))](
             q, k, v, g, beta, out, pool, pool if snaps is None else snaps, cu_seqlens, slots, snap_index,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hv, hv // hk, dk, dv,
-            dk ** -0.5, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=w)
+            dk ** -0.5, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=w, **pdl_kw(q.device))
 
     if tile is None:
         # prefill chunks (the fallback without flash-linear-attention) share one key

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _finish, _load_tile, _tile_g, _zeros, ld
+from .pdl import pdl_trigger, pdl_wait
 
 EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
 MAX_T_TILE = 8                             # f16x2 accumulators and x pairs per column: beyond 8 tl.dot wins
@@ -146,17 +147,9 @@ def _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE: tl.constexpr, 
 
 
 @triton.jit
-def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl.constexpr, TILE: tl.constexpr,
-          UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr,
-          XPRE: tl.constexpr):
-    """acc [BLOCK_N, T_TILE] fp32 in true units (before the per-tensor scale). At T_TILE = 1 (one stage) a
-    barrier after each tile's loads keeps them issued together: without it ptxas spreads a tile's 16-byte
-    loads over the decode to save registers and the memory latency is exposed several times per tile. On the
-    H200 that made T=1 2-12 % faster and T=2 5-25 % slower (more live registers), hence T=1 only
-    (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned).
-    STAGES: 1 load then decode; > 1 Triton's cp.async pipeline that deep (an L2 prefetch of the next tile
-    instead was never the tuner's pick on the H200: bench/NOTES.md §9)."""
+def _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr,
+                T_TILE: tl.constexpr, XPRE: tl.constexpr):
+    """(ups, backs): per T column the activation scaling into f16 and its inverse (`row_scale`)."""
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
         if XPRE:   # the chunks' backs are in the block scales; what is left is the weights' power of two
@@ -167,13 +160,44 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
             up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512,
                                  UP_BIAS, BACK_BIAS)
             ups, backs = ups + (up,), backs + (back,)
-    accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
-    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
-        st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
-        if STAGES == 1 and T_TILE == 1:
+    return ups, backs
+
+
+@triton.jit
+def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl.constexpr, TILE: tl.constexpr,
+          UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr,
+          XPRE: tl.constexpr, PDL: tl.constexpr):
+    """acc [BLOCK_N, T_TILE] fp32 in true units (before the per-tensor scale). At T_TILE = 1 (one stage) a
+    barrier after each tile's loads keeps them issued together: without it ptxas spreads a tile's 16-byte
+    loads over the decode to save registers and the memory latency is exposed several times per tile. On the
+    H200 that made T=1 2-12 % faster and T=2 5-25 % slower (more live registers), hence T=1 only
+    (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned).
+    STAGES: 1 load then decode; > 1 Triton's cp.async pipeline that deep (an L2 prefetch of the next tile
+    instead was never the tuner's pick on the H200: bench/NOTES.md §9). PDL (`ninfer_kernels.pdl`): the wait
+    for the kernel in front; on the T=1 one-stage loop the first tile's weights are loaded before it."""
+    if PDL and STAGES == 1 and T_TILE == 1:
+        st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g_lo, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
+        tl.debug_barrier()
+        pdl_wait(PDL)
+        ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE)
+        accs = _step(_zeros(T_TILE, BLOCK_N, BLOCK_G), ups, st, g_lo, g_hi, t0, T, x_ptr, stride_xt, TILE,
+                     T_TILE, BLOCK_G, EVEN_G, H2_MODE, XPRE, G)
+        for g0 in tl.range(g_lo + BLOCK_G, g_hi, BLOCK_G, num_stages=1):
+            st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
             tl.debug_barrier()
-        accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE,
-                     XPRE, G)
+            accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE,
+                         XPRE, G)
+    else:
+        pdl_wait(PDL)
+        ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE)
+        accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
+        for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
+            st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
+            if STAGES == 1 and T_TILE == 1:
+                tl.debug_barrier()
+            accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G,
+                         H2_MODE, XPRE, G)
     cols = tl.arange(0, T_TILE)
     acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
     for tt in tl.static_range(T_TILE):
@@ -186,9 +210,11 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
             USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
-            H2_MODE: tl.constexpr, XPRE: tl.constexpr):
-    """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue)."""
+            H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr):
+    """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue); PDL as in
+    `ninfer_kernels.pdl` (`_loop` waits)."""
     tl.static_assert(T_TILE <= _MAX_T)
+    pdl_trigger(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
@@ -196,7 +222,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
     g_lo = tl.program_id(1) * g_per
     g_hi = tl.minimum(G, g_lo + g_per)
     acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
-                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
+                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE, PDL)
     _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
             ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT)
 

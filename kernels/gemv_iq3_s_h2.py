@@ -34,6 +34,7 @@ from .gemv_common import finish_at
 from .gemv_h2_common import compile_consts, factory, hfma2, lanes_f32, pack2, row_scale
 from .gemv_iq3_s import SIGNED_WORDS
 from .gemv_mma_common import join_tree, split_tree, stack_all
+from .pdl import pdl_enter
 
 _PAIR = tl.constexpr(0x83C083C0)           # f16 bits 15 and 9..6 of both lanes
 _SIGNS = tl.constexpr(0x88008800)          # the sign bits of both pairs: 15/31 (w0, w2), 11/27 (w1, w3)
@@ -129,7 +130,9 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
                          split, stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-                         FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr):
+                         FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
+                         PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     # USE_DOT / DOT_KIND / FOLD / STAGES are accepted for the shared launcher and unused here; every K range is
     # whole tiles (K % 256 == 0, BLOCK_G divides 16), so EVEN_G is too. One mode, load then decode: a register
     # double buffer (191 registers) lost 25-30 % on the H200; an L2 prefetch of the next tile was never the

@@ -29,6 +29,7 @@ from ninfer_formats.errors import NinferError
 
 from .gemv_h2_select import H2_STATE, checked_h2
 from .gemv_timing import time_ms   # module global: the tuner tests replace it here
+from .pdl import pdl_kw
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -315,8 +316,11 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
               "num_stages": cfg.num_stages}
     if getattr(kernel, "per_thread", False):
         consts["NW"] = cfg.num_warps   # per-thread variants (warp-MMA, IQ3_S h2): tensors are [32 * num_warps]
-    if "XPRE" in getattr(getattr(kernel, "jit", kernel), "arg_names", ()):
+    names = getattr(getattr(kernel, "jit", kernel), "arg_names", ())
+    if "XPRE" in names:
         consts["XPRE"] = False       # the f16 variants that can read prepared activations (ninfer_kernels.x16)
+    if "PDL" in names:               # always given: a plan's direct launch passes every constexpr (gemv_plan)
+        consts.update({"PDL": 0, **pdl_kw(x.device)})
     consts.update(extra or {})
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,

@@ -10,11 +10,13 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, pow2
+from .pdl import pdl_enter, pdl_kw
 
 
 @triton.jit
 def kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, Hk, sk_t, sk_h, sv_t, sv_h, D,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -42,7 +44,8 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v = v if v.stride(-1) == 1 else v.contiguous()
     if t:
         kv_write_kernel[(t, hk)](k, v, k_cache, v_cache, slot_mapping, hk, k.stride(0), k.stride(1),
-                                 v.stride(0), v.stride(1), d, BLOCK_D=pow2(d), num_warps=1 if d <= 128 else 2)
+                                 v.stride(0), v.stride(1), d, BLOCK_D=pow2(d), num_warps=1 if d <= 128 else 2,
+                                 **pdl_kw(k.device))
 
 
 def compile_specs(act: str):

@@ -37,6 +37,8 @@ def variants(ccs=(70, 90)):
                 for i, spec in enumerate(mod.compile_specs(act)):
                     fn, sig, const = spec[:3]
                     warps = spec[3] if len(spec) > 3 else 4
+                    if "PDL" in fn.arg_names and "PDL" not in const:   # griddepcontrol: sm_90 PTX (pdl.py)
+                        const = {**const, "PDL": int(cc >= 90)}
                     name = f"{mod_name}.{fn.__name__}#{i}-{act}"
                     out.append((name, cc, fn, sig, const, warps))
     return out
@@ -62,6 +64,7 @@ def main(argv=None) -> int:
         print("error: unset TRITON_INTERPRET to compile for a GPU target", file=sys.stderr)
         return 2
     from .compile_check import summarize
+    from .pdl import ptx_order_ok
     rows, failed = [], 0
     for name, cc, fn, sig, const, warps in variants(tuple(args.cc)):
         if args.only not in name:
@@ -70,6 +73,7 @@ def main(argv=None) -> int:
         try:
             c = compile_one(fn, sig, const, cc, warps)
             row = {"variant": name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2),
+                   "pdl_ok": ptx_order_ok(c.asm["ptx"], const.get("PDL", 0)),
                    **({} if args.no_summary else summarize(c))}
         except Exception as e:  # report every failing variant, not only the first
             failed += 1

@@ -17,11 +17,14 @@ import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
 from .x16 import check_prepared_out, prepared_out_args, store_prepared
+from .pdl import pdl_enter, pdl_kw
 
 
 @triton.jit
 def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, xp_ptr, n_inner, sx_a, sx_b, sr_a, sr_b, s_xp, D, eps,
-                   PLUS_ONE: tl.constexpr, HAS_RES: tl.constexpr, XP: tl.constexpr, BLOCK_D: tl.constexpr):
+                   PLUS_ONE: tl.constexpr, HAS_RES: tl.constexpr, XP: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     row = tl.program_id(0)
     a = (row // n_inner).to(tl.int64)
     b = (row % n_inner).to(tl.int64)
@@ -64,7 +67,7 @@ def _launch(x, residual, w, eps, plus_one, xp=None):
         rmsnorm_kernel[(n_rows,)](x3, r3, w, y, rsum, xp_ptr, x3.shape[1], x3.stride(0), x3.stride(1),
                                   r3.stride(0), r3.stride(1), s_xp, d, float(eps), PLUS_ONE=bool(plus_one),
                                   HAS_RES=residual is not None, XP=xp is not None, BLOCK_D=block,
-                                  num_warps=warps_for(block))
+                                  num_warps=warps_for(block), **pdl_kw(x3.device))
     return y, rsum
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, pow2
+from .pdl import pdl_enter, pdl_kw
 
 HEADS_PER_PROGRAM = 4
 _INV_FREQ: dict = {}
@@ -28,7 +29,8 @@ _INV_FREQ: dict = {}
 def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, Hq, Hk, sq_t, sq_h, sk_t, sk_h,
                 pos_row, sec1, sec2, D, eps,
                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+                BLOCK_H: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_HALF)
@@ -129,7 +131,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: 
         rope_kernel[grid](q, k, qo, ko, pos, inv, qw, kw, hq, hk,
                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), row, sec[0], sec[1], d, float(eps),
                           HALF=half, BLOCK_HALF=pow2(half), BLOCK_PASS=pow2(d - rotary_dim),
-                          BLOCK_H=block_h, NORM=norm is not None, num_warps=4)
+                          BLOCK_H=block_h, NORM=norm is not None, num_warps=4, **pdl_kw(q.device))
     return qo, ko
 
 

@@ -12,13 +12,15 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, pow2
+from .pdl import pdl_enter, pdl_kw
 
 BLOCK_V = 4096
 LOW_MASK = 0xFFFFFFFF
 
 
 @triton.jit
-def argmax_block_kernel(x_ptr, pv_ptr, pi_ptr, V, sx_t, NB, BLOCK_V: tl.constexpr):
+def argmax_block_kernel(x_ptr, pv_ptr, pi_ptr, V, sx_t, NB, BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     i = blk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -31,7 +33,9 @@ def argmax_block_kernel(x_ptr, pv_ptr, pi_ptr, V, sx_t, NB, BLOCK_V: tl.constexp
 
 
 @triton.jit
-def argmax_final_kernel(pv_ptr, pi_ptr, val_ptr, idx_ptr, key_ptr, NB, offset, BLOCK_B: tl.constexpr):
+def argmax_final_kernel(pv_ptr, pi_ptr, val_ptr, idx_ptr, key_ptr, NB, offset, BLOCK_B: tl.constexpr,
+                        PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_B)
     ok = j < NB
@@ -62,8 +66,9 @@ def argmax_partial(logits: torch.Tensor, vocab_offset: int = 0
     idx = torch.empty(t, dtype=torch.int64, device=dev)
     key = torch.empty(t, dtype=torch.int64, device=dev)
     if t:
-        argmax_block_kernel[(t, nb)](x, pv, pi, v, x.stride(0), nb, BLOCK_V=BLOCK_V, num_warps=8)
-        argmax_final_kernel[(t,)](pv, pi, val, idx, key, nb, int(vocab_offset), BLOCK_B=pow2(nb), num_warps=1)
+        argmax_block_kernel[(t, nb)](x, pv, pi, v, x.stride(0), nb, BLOCK_V=BLOCK_V, num_warps=8, **pdl_kw(x.device))
+        argmax_final_kernel[(t,)](pv, pi, val, idx, key, nb, int(vocab_offset), BLOCK_B=pow2(nb), num_warps=1,
+                                  **pdl_kw(pv.device))
     return val, idx, key
 
 

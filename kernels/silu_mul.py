@@ -12,13 +12,15 @@ import triton.language as tl
 
 from .ops_common import KernelInputError
 from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
+from .pdl import pdl_enter, pdl_kw
 
 BLOCK = 1024          # a multiple of x16.CHUNK: each program owns whole chunks of the prepared row
 assert BLOCK % CHUNK == 0
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, y_ptr, xp_ptr, I, sx_t, s_xp, XP: tl.constexpr, BLOCK: tl.constexpr):
+def silu_mul_kernel(x_ptr, y_ptr, xp_ptr, I, sx_t, s_xp, XP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < I
@@ -33,7 +35,8 @@ def silu_mul_kernel(x_ptr, y_ptr, xp_ptr, I, sx_t, s_xp, XP: tl.constexpr, BLOCK
 
 @triton.jit
 def sigmoid_mul_kernel(o_ptr, g_ptr, y_ptr, xp_ptr, W, D, so_t, sg_t, sg_h, s_xp, XP: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < W
@@ -63,7 +66,8 @@ def silu_mul(gate_up: torch.Tensor, xp=None) -> torch.Tensor:
     if y.numel():
         xp_ptr, s_xp = prepared_out_args(xp, y)
         silu_mul_kernel[(t, triton.cdiv(two_i // 2, BLOCK))](x, y, xp_ptr, two_i // 2, x.stride(0), s_xp,
-                                                              XP=xp is not None, BLOCK=BLOCK, num_warps=4)
+                                                              XP=xp is not None, BLOCK=BLOCK, num_warps=4,
+                                                              **pdl_kw(x.device))
     return y
 
 
@@ -83,7 +87,7 @@ def sigmoid_mul(o: torch.Tensor, gate: torch.Tensor, xp=None) -> torch.Tensor:
         xp_ptr, s_xp = prepared_out_args(xp, y)
         sigmoid_mul_kernel[(t, triton.cdiv(w, BLOCK))](o2, g3, y, xp_ptr, w, g3.shape[-1], o2.stride(0),
                                                        g3.stride(0), g3.stride(1), s_xp, XP=xp is not None,
-                                                       BLOCK=BLOCK, num_warps=4)
+                                                       BLOCK=BLOCK, num_warps=4, **pdl_kw(o2.device))
     return y
 
 

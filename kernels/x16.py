@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .gemv_launch import GemvConfig, KernelInputError, _launch, has_variant
+from .pdl import pdl_enter, pdl_kw
 
 CHUNK = 128                          # activations per back factor (the MMA variant's K chunk)
 UP_FIELD = 267                       # fp32 exponent field of up = UP_FIELD - E: up = 2**(140 - E), |x'| < 2**14
@@ -56,8 +57,9 @@ def store_prepared(v, row_ptr, e0, n_elems, K):
 
 
 @triton.jit
-def x16_kernel(x_ptr, out_ptr, K, stride_xt, stride_ot, CHUNKS: tl.constexpr):
+def x16_kernel(x_ptr, out_ptr, K, stride_xt, stride_ot, CHUNKS: tl.constexpr, PDL: tl.constexpr = 0):
     """One program per (row, CHUNKS chunks)."""
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0)
     for i in tl.static_range(CHUNKS):
         c = tl.program_id(1) * CHUNKS + i
@@ -115,7 +117,7 @@ def x16_prep(x: torch.Tensor, out: torch.Tensor | None = None, chunks_per_progra
     if out is None:
         out = torch.empty((T, words_per_row(K)), dtype=torch.int32, device=x.device)
     grid = (T, triton.cdiv(K // CHUNK, chunks_per_program))
-    x16_kernel[grid](x, out, K, x.stride(0), out.stride(0), CHUNKS=chunks_per_program)
+    x16_kernel[grid](x, out, K, x.stride(0), out.stride(0), CHUNKS=chunks_per_program, **pdl_kw(x.device))
     return out
 
 

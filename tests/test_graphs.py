@@ -227,9 +227,13 @@ def test_eager_runner_equals_model_triton(tmp_path):
 
 
 @gpu
-def test_graph_replay_equals_eager_gpu(nvfp4_path):
-    """Captured graphs replayed with fresh metadata give the eager runner's tokens (bf16, Triton kernels)."""
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
+def test_graph_replay_equals_eager_gpu(nvfp4_path, pdl, monkeypatch):
+    """Captured graphs replayed with fresh metadata give the eager runner's tokens (bf16, Triton kernels); also
+    with every kernel launched programmatically dependent (NINFER_PDL=1: sm_90+, ninfer_kernels.pdl), where a
+    kernel that read or wrote before its wait would race its predecessor."""
     from ninfer_rt.backends.triton_ops import TritonOps
+    monkeypatch.setenv("NINFER_PDL", pdl)
     models = [_model(nvfp4_path, TritonOps(), "cuda", torch.bfloat16) for _ in range(2)]
     cfg = {"batch_sizes": (1, 2), "tokens": (1, 3), "mtp_tokens": (1,), "kv_buckets": (32, 64)}
     runners = [GraphRunner(models[0], GraphConfig(**cfg, eager=True)), GraphRunner(models[1], GraphConfig(**cfg))]

@@ -49,6 +49,15 @@ def test_warp_mma_values_stay_in_their_threads(compiled):
         assert row["lane_layouts_bad"] == [], f"{row['variant']}@sm_{row['cc']}: {row['lane_layouts_bad']}"
 
 
+def test_gemvs_follow_the_pdl_protocol(compiled):
+    """On sm_90 every GEMV kernel (not the dequantizers: prefill only) has both griddepcontrol instructions and
+    waits before its first global store, and before its first load except the T=1 h2 loop, which loads its first
+    weight tile first by design (ninfer_kernels.pdl); none on sm_70."""
+    for row in compiled:
+        want = None if row["cc"] < 90 or "-dequant-" in row["variant"] else True
+        assert row["pdl_ok"] is want, f"{row['variant']}@sm_{row['cc']}: {row['pdl_ok']}"
+
+
 def test_no_spills_and_sane_registers(compiled):
     for row in compiled:
         assert row["local"] == 0, f"{row['variant']}@sm_{row['cc']} spills ({row['local']} bytes local)"

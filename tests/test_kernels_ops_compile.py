@@ -26,5 +26,9 @@ def test_ops_kernels_compile(cc, tmp_path):
     assert r.returncode == 0 and not failed, "\n".join(failed) or r.stderr[-2000:]
     compiled = {row["variant"].split(".")[0] for row in rows}
     assert compiled == set(MODULES)
+    # every decode-step kernel follows the PDL protocol on sm_90 (ninfer_kernels.pdl): both griddepcontrol
+    # instructions, the wait before any global load or store; never compiled in on sm_70
+    pdl = {row["variant"]: row["pdl_ok"] for row in rows}
+    assert all(v is (True if cc >= 90 else None) for v in pdl.values()), pdl
     acts = {row["variant"].rsplit("-", 1)[1] for row in rows}
     assert acts == ({"fp16"} if cc == 70 else {"bf16", "fp16"})

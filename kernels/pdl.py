@@ -1,0 +1,83 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the decode step's kernels: NINFER_PDL=1 (opt-in until measured
+end to end, bench/NOTES.md §15).
+
+Why: Nsight Compute on the T = 1 GEMV found the SMs without any CTA for 18-20 % of each kernel's time (its ramp and
+tail), and a decode step is ~730 kernels in a CUDA graph. Launched with PDL, a kernel's CTAs may be scheduled as
+soon as every CTA of the kernel in front has started, so they fill the SMs that kernel leaves idle; a GEMV loads
+its first weight tile (which depends on nothing) before it waits.
+
+Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
+  * each CTA first calls `griddepcontrol.launch_dependents`: the next PDL-launched kernel may be scheduled once
+    all CTAs of this one have done so;
+  * before it reads anything an earlier kernel wrote, and before it writes anything (its outputs, a workspace or a
+    counter that an earlier kernel may still read), each CTA calls `griddepcontrol.wait`, which returns once the
+    kernel in front has completed and its memory is visible. Every CTA waits (no CTA returns before the wait), so
+    a kernel completes only after the one in front did, and completion is transitive down the chain.
+Kernels launched without the attribute (torch's, NCCL's) start after the kernel in front completes, as always, and
+never trigger early, so a PDL kernel behind them starts as it would without PDL.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+PDL_ENV = "NINFER_PDL"
+PDL_MODES = ("0", "1")
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Trigger, then wait: the start of a kernel with no work that is independent of the kernel in front."""
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
+
+
+def pdl_mode() -> str:
+    """NINFER_PDL: '0' (default) or '1'; anything else is a one-line error naming the variable."""
+    v = os.environ.get(PDL_ENV, "0")
+    if v not in PDL_MODES:
+        from .ops_common import KernelInputError
+        raise KernelInputError(f"{PDL_ENV}={v!r}: expected one of {', '.join(PDL_MODES)}")
+    return v
+
+
+def pdl_kw(device) -> dict:
+    """The extra launch arguments of a PDL-capable kernel on `device`: {"PDL": 1, "launch_pdl": True} with
+    NINFER_PDL=1 on a CUDA device of compute capability 9.0+ (griddepcontrol is sm_90 PTX), else {}."""
+    if pdl_mode() == "0" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return {}
+    if getattr(device, "type", "cuda") != "cuda" or _capability(getattr(device, "index", None)) < (9, 0):
+        return {}
+    return {"PDL": 1, "launch_pdl": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> tuple:
+    import torch
+    return torch.cuda.get_device_capability(index)
+
+
+def ptx_order_ok(ptx: str, pdl: int, weights_first: bool = False) -> bool | None:
+    """For a compile check: None when `pdl` is 0; else whether the PTX has both griddepcontrol instructions and
+    waits before its first global store (and, unless the kernel loads weights first by design, before its first
+    global load)."""
+    if not pdl:
+        return None
+    wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    mem = [i for i in (ptx.find("st.global"), -1 if weights_first else ptx.find("ld.global")) if i >= 0]
+    return wait >= 0 and trig >= 0 and (not mem or wait < min(mem))

@@ -1,0 +1,82 @@
+"""Programmatic dependent launch (kernels/pdl.py): who gets it, and that every kernel launch site passes it.
+
+The protocol itself (griddepcontrol in the sm_90 PTX, the wait before any global access) is checked by the compile
+tests (test_kernels_compile, test_kernels_ops_compile); a GPU run of the captured decode graphs with NINFER_PDL=1
+against eager launches is in test_graphs.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer_kernels import pdl
+from ninfer_kernels.ops_common import KernelInputError
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+
+
+def test_pdl_is_off_by_default_and_off_the_gpu(monkeypatch):
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    assert pdl.pdl_mode() == "0" and pdl.pdl_kw(torch.device("cpu")) == {}
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    assert pdl.pdl_kw(torch.device("cpu")) == {}          # griddepcontrol is CUDA (sm_90) PTX
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl.pdl_kw(torch.device("cuda", 0)) == {}      # the interpreter cannot run it
+
+
+def test_pdl_on_sm90_only(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    assert pdl.pdl_kw(torch.device("cuda", 0)) == {"PDL": 1, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "_capability", lambda index: (7, 0))
+    assert pdl.pdl_kw(torch.device("cuda", 0)) == {}
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    assert pdl.pdl_kw(torch.device("cuda", 0)) == {}
+
+
+def test_bad_pdl_value_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv(pdl.PDL_ENV, "yes")
+    with pytest.raises(KernelInputError, match="NINFER_PDL='yes'"):
+        pdl.pdl_kw(torch.device("cpu"))
+
+
+def _jit_kernels(tree) -> dict:
+    return {n.name: [a.arg for a in n.args.args] for n in tree.body
+            if isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel")
+            and any("jit" in ast.unparse(d) for d in n.decorator_list)}
+
+
+def _launches(tree):
+    """(kernel name, call node) of every `name[grid](...)` call."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) \
+                and isinstance(node.func.value, ast.Name):
+            yield node.func.value.id, node
+
+
+def test_every_kernel_takes_pdl_and_every_launch_passes_it():
+    """Every Triton kernel of the package but the dequantizers (prefill only, launched without PDL, which is safe)
+    has the PDL constexpr, and each direct launch of one passes `**pdl_kw(...)`; the GEMV kernels are launched
+    by gemv_launch._launch (through their variant wrappers), which adds it for any kernel with the parameter."""
+    with_pdl, launches = set(), []
+    for f in sorted(KERNELS.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        for name, args in _jit_kernels(tree).items():
+            assert "PDL" in args or "dequant" in name, f"{f.name}: {name} has no PDL constexpr"
+            if "PDL" in args:
+                with_pdl.add(name)
+        launches += [(f.name, name, call) for name, call in _launches(tree)]
+    assert {"rmsnorm_kernel", "gdn_recurrent_kernel", "attn_fwd_kernel", "nvfp4_h2_gemv_kernel",
+            "nvfp4_mma_gemv_kernel", "q6_k_h2_gemv_kernel"} <= with_pdl
+    direct = [(f, name, call) for f, name, call in launches if name in with_pdl]
+    assert len(direct) >= 15
+    for f, name, call in direct:
+        passes = any(k.arg is None and ((isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl_kw")
+                                        or (name.endswith("gemv_kernel") and ast.unparse(k.value) == "kw"))
+                     for k in call.keywords)    # a GEMV variant wrapper forwards gemv_launch._launch's **kw
+        assert passes, f"{f}: the launch of {name} does not pass **pdl_kw(...)"
+    src = (KERNELS / "gemv_launch.py").read_text()
+    assert 'if "PDL" in names:' in src and "pdl_kw(x.device)" in src
