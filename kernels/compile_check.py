@@ -74,6 +74,7 @@ def _module(fmt: str):
 
 
 def compile_variant(v: Variant, cc: int):
+    from .pdl import compile_const
     mod = _module(v.fmt)
     kernel, wsig, extra = (mod.kernel_for(v.fmt, dequant=v.dequant, cc=cc) if v.fmt in CC_AWARE
                            else mod.kernel_for(v.fmt, dequant=v.dequant))
@@ -96,13 +97,11 @@ def compile_variant(v: Variant, cc: int):
     if "XPRE" in kernel.arg_names:
         const["XPRE"] = v.xpre
     if "PDL" in kernel.arg_names:   # griddepcontrol is sm_90 PTX (ninfer_kernels.pdl)
-        const["PDL"] = int(cc >= 90)
+        const["PDL"] = compile_const(cc)
     for k in const:
         sig[k] = "constexpr"
-    c = compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps,
-                       num_stages=3 if v.use_dot else v.stages)
-    c.ninfer_pdl = const.get("PDL", 0)
-    return c
+    return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps,
+                          num_stages=3 if v.use_dot else v.stages)
 
 
 FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "q6_k_mma", "iq3_s", "iq3_s_h2", "iq3_s_mma",
@@ -164,7 +163,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
 
 
 def _compile_row(item) -> dict:
-    from .pdl import ptx_order_ok
+    from .pdl import compile_const, ptx_order_ok
     v, cc = item
     t0 = time.time()
     try:
@@ -172,7 +171,8 @@ def _compile_row(item) -> dict:
         row = {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
         # the T=1 one-stage h2 loop loads its first weight tile before the PDL wait (gemv_h2_common._loop)
         first = v.fmt in ("nvfp4_h2", "q6_k_h2") and v.t_tile == 1 and v.stages == 1
-        row["pdl_ok"] = ptx_order_ok(c.asm["ptx"], getattr(c, "ninfer_pdl", 0), weights_first=first)
+        pdl = 0 if v.dequant else compile_const(cc)     # every GEMV kernel has the constexpr, no dequantizer
+        row["pdl_ok"] = ptx_order_ok(c.asm["ptx"], pdl, weights_first=first)
         if v.fmt in LANE_EXACT:
             row["lane_layouts_bad"] = lane_layouts_bad(c.asm["ttgir"], v.num_warps)
         return row

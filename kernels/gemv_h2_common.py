@@ -183,21 +183,18 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
         ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE)
         accs = _step(_zeros(T_TILE, BLOCK_N, BLOCK_G), ups, st, g_lo, g_hi, t0, T, x_ptr, stride_xt, TILE,
                      T_TILE, BLOCK_G, EVEN_G, H2_MODE, XPRE, G)
-        for g0 in tl.range(g_lo + BLOCK_G, g_hi, BLOCK_G, num_stages=1):
-            st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
-            tl.debug_barrier()
-            accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE,
-                         XPRE, G)
+        g_start = g_lo + BLOCK_G
     else:
         pdl_wait(PDL)
         ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE)
         accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
-        for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
-            st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
-            if STAGES == 1 and T_TILE == 1:
-                tl.debug_barrier()
-            accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G,
-                         H2_MODE, XPRE, G)
+        g_start = g_lo
+    for g0 in tl.range(g_start, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
+        st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
+        if STAGES == 1 and T_TILE == 1:
+            tl.debug_barrier()
+        accs = _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE, T_TILE, BLOCK_G, EVEN_G, H2_MODE,
+                     XPRE, G)
     cols = tl.arange(0, T_TILE)
     acc = tl.zeros([BLOCK_N, T_TILE], tl.float32)
     for tt in tl.static_range(T_TILE):

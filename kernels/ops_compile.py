@@ -27,6 +27,7 @@ FP16_ON_90 = ("attention_decode",)
 
 def variants(ccs=(70, 90)):
     """-> [(name, cc, kernel, signature, constexprs, num_warps)]."""
+    from .pdl import compile_const
     out = []
     for cc in ccs:
         for act in ACTS.get(cc, ("fp16",)):
@@ -38,7 +39,7 @@ def variants(ccs=(70, 90)):
                     fn, sig, const = spec[:3]
                     warps = spec[3] if len(spec) > 3 else 4
                     if "PDL" in fn.arg_names and "PDL" not in const:   # griddepcontrol: sm_90 PTX (pdl.py)
-                        const = {**const, "PDL": int(cc >= 90)}
+                        const = {**const, "PDL": compile_const(cc)}
                     name = f"{mod_name}.{fn.__name__}#{i}-{act}"
                     out.append((name, cc, fn, sig, const, warps))
     return out

@@ -72,6 +72,12 @@ def _capability(index) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
+def compile_const(cc: int) -> int:
+    """The PDL constexpr the no-GPU compile checks give a kernel that has one, for CUDA capability `cc`: the
+    protocol compiled in on sm_90+, where launches use it."""
+    return int(cc >= 90)
+
+
 def ptx_order_ok(ptx: str, pdl: int, weights_first: bool = False) -> bool | None:
     """For a compile check: None when `pdl` is 0; else whether the PTX has both griddepcontrol instructions and
     waits before its first global store (and, unless the kernel loads weights first by design, before its first
