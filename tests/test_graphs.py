@@ -230,35 +230,41 @@ def test_eager_runner_equals_model_triton(tmp_path):
 @pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
 def test_graph_replay_equals_eager_gpu(nvfp4_path, pdl, monkeypatch):
     """Captured graphs replayed with fresh metadata give the eager runner's tokens (bf16, Triton kernels); also
-    with every kernel launched programmatically dependent (NINFER_PDL=1: sm_90+, ninfer_kernels.pdl), where a
-    kernel that read or wrote before its wait would race its predecessor."""
+    with every kernel of the graphed model launched programmatically dependent (NINFER_PDL=1: sm_90+,
+    ninfer_kernels.pdl) against plain eager launches, where a kernel that read or wrote before its wait would
+    race its predecessor."""
     from ninfer_rt.backends.triton_ops import TritonOps
-    monkeypatch.setenv("NINFER_PDL", pdl)
     models = [_model(nvfp4_path, TritonOps(), "cuda", torch.bfloat16) for _ in range(2)]
     cfg = {"batch_sizes": (1, 2), "tokens": (1, 3), "mtp_tokens": (1,), "kv_buckets": (32, 64)}
     runners = [GraphRunner(models[0], GraphConfig(**cfg, eager=True)), GraphRunner(models[1], GraphConfig(**cfg))]
+
+    def both(call):                      # the reference launches plainly, the graphed side in the mode under test
+        out = []
+        for k, mode in enumerate(("0", pdl)):
+            monkeypatch.setenv("NINFER_PDL", mode)
+            out.append(call(k))
+        return out
+    monkeypatch.setenv("NINFER_PDL", pdl)
     assert runners[1].capture() > 0 and runners[1].stats.captured == 2 * 2 * 2 + 2 * 2
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 1000, (n,), generator=g).cuda() for n in (9, 20)]
     st = [[x.new_state() for _ in prompts] for x in models]
-    for k, x in enumerate(models):
-        x.forward([SeqInput(p, s) for p, s in zip(prompts, st[k])])
+    both(lambda k: models[k].forward([SeqInput(p, s) for p, s in zip(prompts, st[k])]))
     tok = torch.stack([p[-1] for p in prompts])
     for i in range(40):                  # crosses the 32 bucket; batch 1 <-> 2 re-uses padded graphs
         sel = [0, 1] if i % 3 else [1]
-        outs = [rn.forward([SeqInput(tok[j:j + 1], st[k][j], snapshot=False) for j in sel])
-                for k, rn in enumerate(runners)]
+        outs = both(lambda k: runners[k].forward([SeqInput(tok[j:j + 1], st[k][j], snapshot=False) for j in sel]))
         assert rel(outs[1].logits, outs[0].logits) <= BF16_GRAPH_TOL
         nxt = outs[0].logits.argmax(-1)
         for j, t in zip(sel, nxt):
             tok[j] = t
     ver = torch.cat([tok[1:2], tok[:1], tok[1:2]])
-    outs = [rn.forward([SeqInput(ver, st[k][1], snapshot=True)]) for k, rn in enumerate(runners)]
+    outs = both(lambda k: runners[k].forward([SeqInput(ver, st[k][1], snapshot=True)]))
     assert rel(outs[1].logits, outs[0].logits) <= BF16_GRAPH_TOL
     for k in (0, 1):
         st[k][1].commit(2)
     assert rel(models[1].gdn_pool.rec[:, st[1][1].gdn_row], models[0].gdn_pool.rec[:, st[0][1].gdn_row]) <= BF16_GRAPH_TOL
-    d = [rn.mtp_forward([MtpInput(tok[:1], outs[0].hidden[1:2], st[k][1].mtp)]) for k, rn in enumerate(runners)]
+    d = both(lambda k: runners[k].mtp_forward([MtpInput(tok[:1], outs[0].hidden[1:2], st[k][1].mtp)]))
     assert rel(d[1].logits, d[0].logits) <= BF16_GRAPH_TOL
     assert runners[1].stats.replays == 42 and runners[1].stats.fallbacks == 0
 
