@@ -4,7 +4,7 @@
 #   h2test    GPU pytest of the packed-half2 GEMVs (compiled PTX path against the codec references)
 #   mmatest   GPU pytest of the warp-MMA NVFP4 GEMV (PTX path vs the codec references); a failure ends the call
 #   pytests   GPU pytest of $PYTEST_FILES -k "$PYTEST_K" (default: the IQ3_S h2 file and every IQ3_S / Q6_K
-#             case of test_kernels_gemv.py), full output kept
+#             case of test_kernels_gemv.py), full output kept; PYTEST_ENV: VAR=value words for pytest alone
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
 #   xpre      bench/xpre.py: the NVFP4 h2 / MMA GEMVs on prepared activations vs the production ones
 #   ncu       Nsight Compute (clocks left alone) on one T=1 NVFP4 GEMV launch per shape of $NCU_SHAPES (default
@@ -76,7 +76,7 @@ for step in "$@"; do
       timeout 200 python3 -m pytest -q -x tests/test_kernels_gemv_mma.py > "$OUT/mmatest.txt" 2>&1
       rc=$?; tail -25 "$OUT/mmatest.txt"; [ $rc -eq 0 ] || { echo "mmatest failed (rc=$rc): stopping"; break; } ;;
     pytests)
-      timeout ${PYTEST_S:-240} python3 -m pytest -q -rf \
+      env ${PYTEST_ENV:-} timeout ${PYTEST_S:-240} python3 -m pytest -q -rf \
         ${PYTEST_FILES:-tests/test_kernels_gemv_iq3_s_h2.py tests/test_kernels_gemv.py} \
         -k "${PYTEST_K:-iq3 or q6_k}" > "$OUT/pytests.txt" 2>&1
       echo "pytests rc=$?"; grep -E "passed|failed|^FAILED" "$OUT/pytests.txt" | tail -10 ;;

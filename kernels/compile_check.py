@@ -169,10 +169,8 @@ def _compile_row(item) -> dict:
     try:
         c = compile_variant(v, cc)
         row = {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
-        # the T=1 one-stage h2 loop loads its first weight tile before the PDL wait (gemv_h2_common._loop)
-        first = v.fmt in ("nvfp4_h2", "q6_k_h2") and v.t_tile == 1 and v.stages == 1
         pdl = 0 if v.dequant else compile_const(cc)     # every GEMV kernel has the constexpr, no dequantizer
-        row["pdl_ok"] = ptx_order_ok(c.asm["ptx"], pdl, weights_first=first)
+        row["pdl_ok"] = ptx_order_ok(c.asm["ptx"], pdl)
         if v.fmt in LANE_EXACT:
             row["lane_layouts_bad"] = lane_layouts_bad(c.asm["ttgir"], v.num_warps)
         return row

@@ -175,21 +175,13 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned).
     STAGES: 1 load then decode; > 1 Triton's cp.async pipeline that deep (an L2 prefetch of the next tile
     instead was never the tuner's pick on the H200: bench/NOTES.md §9). PDL (`ninfer_kernels.pdl`): the wait
-    for the kernel in front; on the T=1 one-stage loop the first tile's weights are loaded before it."""
-    if PDL and STAGES == 1 and T_TILE == 1:
-        st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g_lo, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
-        tl.debug_barrier()
-        pdl_wait(PDL)
-        ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE)
-        accs = _step(_zeros(T_TILE, BLOCK_N, BLOCK_G), ups, st, g_lo, g_hi, t0, T, x_ptr, stride_xt, TILE,
-                     T_TILE, BLOCK_G, EVEN_G, H2_MODE, XPRE, G)
-        g_start = g_lo + BLOCK_G
-    else:
-        pdl_wait(PDL)
-        ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE)
-        accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
-        g_start = g_lo
-    for g0 in tl.range(g_start, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
+    for the kernel in front comes first. Loading the first weight tile before it (weights depend on nothing)
+    cost the T=1 loop 32 registers (96 -> 128 on sm_90, one CTA less per SM) and made decode 17 % slower
+    (bench/NOTES.md §16)."""
+    pdl_wait(PDL)
+    ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE)
+    accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
+    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
         st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
         if STAGES == 1 and T_TILE == 1:
             tl.debug_barrier()

@@ -4,7 +4,7 @@ end to end, bench/NOTES.md §15).
 Why: Nsight Compute on the T = 1 GEMV found the SMs without any CTA for 18-20 % of each kernel's time (its ramp and
 tail), and a decode step is ~730 kernels in a CUDA graph. Launched with PDL, a kernel's CTAs may be scheduled as
 soon as every CTA of the kernel in front has started, so they fill the SMs that kernel leaves idle; a GEMV loads
-its first weight tile (which depends on nothing) before it waits.
+nothing (not even its weights: the registers that held them cost occupancy, bench/NOTES.md §16) before it waits.
 
 Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
   * each CTA first calls `griddepcontrol.launch_dependents`: the next PDL-launched kernel may be scheduled once
@@ -78,12 +78,11 @@ def compile_const(cc: int) -> int:
     return int(cc >= 90)
 
 
-def ptx_order_ok(ptx: str, pdl: int, weights_first: bool = False) -> bool | None:
+def ptx_order_ok(ptx: str, pdl: int) -> bool | None:
     """For a compile check: None when `pdl` is 0; else whether the PTX has both griddepcontrol instructions and
-    waits before its first global store (and, unless the kernel loads weights first by design, before its first
-    global load)."""
+    waits before its first global load and store."""
     if not pdl:
         return None
     wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    mem = [i for i in (ptx.find("st.global"), -1 if weights_first else ptx.find("ld.global")) if i >= 0]
+    mem = [i for i in (ptx.find("st.global"), ptx.find("ld.global")) if i >= 0]
     return wait >= 0 and trig >= 0 and (not mem or wait < min(mem))
