@@ -168,9 +168,32 @@ _GROUPS = (("gemv", "linear"), ("matmul", "linear"), ("gemm", "linear"), ("attn"
            ("copy", "copies"), ("argmax", "sampling"), ("index", "embedding"))
 
 
+def _group(name: str) -> str:
+    low = name.lower()
+    return next((grp for key, grp in _GROUPS if key in low), "other")
+
+
+def _exclusive(events: list, steps: int) -> tuple[dict, float]:
+    """Per kernel name, the microseconds per step during which it was the kernel that ran last to finish: each
+    kernel gets (its end - max(its start, the latest end before it)), so kernels that overlap (programmatic
+    dependent launch starts CTAs early; they then wait) share the timeline instead of each counting it whole;
+    also the idle microseconds per step between kernels."""
+    excl: dict[str, float] = {}
+    gap, last = 0.0, None
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        start, end = e.time_range.start, e.time_range.end
+        if last is not None and start > last:
+            gap += start - last
+        lo = start if last is None else max(start, last)
+        excl[e.name] = excl.get(e.name, 0.0) + max(0.0, end - lo) / steps
+        last = end if last is None else max(last, end)
+    return excl, gap / steps
+
+
 def kernel_profile(step, steps: int, top: int = 15) -> dict:
     """GPU kernels of `steps` calls of step() under the torch profiler: count and microseconds per step, by
-    kernel name and by coarse group (linear, attention, gdn, norms, ...). {} if nothing was traced."""
+    kernel name and by coarse group (linear, attention, gdn, norms, ...), each kernel's whole duration and its
+    exclusive share of the timeline (`_exclusive`). {} if nothing was traced."""
     from torch.profiler import ProfilerActivity, profile
     step()
     torch.cuda.synchronize()
@@ -178,24 +201,25 @@ def kernel_profile(step, steps: int, top: int = 15) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+    for e in events:
         acc = by_name.setdefault(e.name, [0.0, 0])
         acc[0] += e.time_range.elapsed_us() / steps
         acc[1] += 1 / steps
     if not by_name:
         return {}
+    excl, gap = _exclusive(events, steps)
     groups: dict[str, float] = {}
+    groups_x: dict[str, float] = {}
     for name, (us, _) in by_name.items():
-        low = name.lower()
-        g = next((grp for key, grp in _GROUPS if key in low), "other")
-        groups[g] = groups.get(g, 0.0) + us
+        groups[_group(name)] = groups.get(_group(name), 0.0) + us
+        groups_x[_group(name)] = groups_x.get(_group(name), 0.0) + excl.get(name, 0.0)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     return {"kernels_per_step": sum(n for _, n in by_name.values()),
             "kernel_us_per_step": sum(us for us, _ in by_name.values()), "us_by_group": groups,
-            "top": [[name[:80], us, n] for name, (us, n) in ranked[:top]]}
+            "excl_us_by_group": groups_x, "idle_us_per_step": gap,
+            "top": [[name[:80], us, n, excl.get(name, 0.0)] for name, (us, n) in ranked[:top]]}
 
 
 def spec_tok_s(verify: float, draft: float, k: int, a: float) -> tuple[float, float]:

@@ -61,8 +61,12 @@ def row(r: dict) -> str | None:
         if "us_by_group" not in r:
             return f"{head}{r['context']:>7}      {r.get('note', 'no kernels traced')}"
         groups = ", ".join(f"{g} {us:.0f}" for g, us in sorted(r["us_by_group"].items(), key=lambda kv: -kv[1]))
+        excl = ""
+        if "excl_us_by_group" in r:      # each kernel's share of the timeline (overlaps counted once)
+            excl = "; exclusive: " + ", ".join(f"{g} {us:.0f}" for g, us in sorted(
+                r["excl_us_by_group"].items(), key=lambda kv: -kv[1])) + f", idle {r['idle_us_per_step']:.0f}"
         return (f"{head}{r['context']:>7}      {r.get('step', 'decode')}: {r['kernels_per_step']:.0f} kernels, "
-                f"{r['kernel_us_per_step']:.0f} us of kernels per step ({r['source']}): {groups}")
+                f"{r['kernel_us_per_step']:.0f} us of kernels per step ({r['source']}): {groups}{excl}")
     if k == "prefill":
         return (f"{head}{r['tokens']:>7}      {r['tok_s']:9.1f} tok/s {r['s']:8.3f} s  {r['tflops']:.1f} TFLOP/s "
                 f"= {r['pct_matmul_peak']:.1f}% of matmul peak")

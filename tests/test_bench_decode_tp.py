@@ -300,3 +300,28 @@ def test_profile_steps_on_cpu(monkeypatch):
     assert recs[1]["batch"] == 4 and recs[2]["draft_tokens"] == 3 and all("note" not in r for r in recs)
     assert st.length == 40 and model.kv_pool.free_pages() == free
     assert all(report.row({**r, "tp": 1}) for r in recs)
+
+
+class _Ev:
+    def __init__(self, name, start, end):
+        self.name = name
+        self.time_range = type("R", (), {"start": start, "end": end})()
+
+
+def test_exclusive_profile_shares_overlaps_and_counts_idle():
+    """Kernels that start early (PDL) and wait get only the part of the timeline where they ran last; gaps
+    between kernels are idle; two steps halve everything."""
+    evs = [_Ev("a", 0, 10), _Ev("b", 4, 15), _Ev("c", 20, 24), _Ev("d", 21, 23),   # d entirely inside c
+           _Ev("a", 30, 40), _Ev("b", 34, 45), _Ev("c", 50, 54), _Ev("d", 51, 53)]
+    excl, idle = decode_measure._exclusive(list(reversed(evs)), steps=2)
+    assert excl == {"a": 10.0, "b": 5.0, "c": 4.0, "d": 0.0}
+    assert idle == (5 + 6 + 5) / 2
+    assert sum(excl.values()) + idle == (54 - 0) / 2
+
+
+def test_profile_line_shows_exclusive_groups():
+    r = {"kind": "profile", "recipe": "nvfp4", "tp": 1, "context": 1024, "step": "decode", "kernels_per_step": 3,
+         "kernel_us_per_step": 30.0, "source": "graph replay", "us_by_group": {"linear": 20.0, "norms": 10.0},
+         "excl_us_by_group": {"linear": 18.0, "norms": 7.0}, "idle_us_per_step": 2.0}
+    line = report.row(r)
+    assert "exclusive: linear 18, norms 7, idle 2" in line and "linear 20, norms 10" in line
