@@ -170,7 +170,7 @@ def _compile_row(item) -> dict:
         c = compile_variant(v, cc)
         row = {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
         pdl = 0 if v.dequant else compile_const(cc)     # every GEMV kernel has the constexpr, no dequantizer
-        row["pdl_ok"] = ptx_order_ok(c.asm["ptx"], pdl)
+        row["pdl_ok"] = ptx_order_ok(c.asm["ptx"], pdl, late_trigger=True)
         if v.fmt in LANE_EXACT:
             row["lane_layouts_bad"] = lane_layouts_bad(c.asm["ttgir"], v.num_warps)
         return row

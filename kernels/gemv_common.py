@@ -30,6 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import pdl_trigger
+
 
 @triton.jit
 def ld(ptr, wm):
@@ -170,17 +172,20 @@ def split_release(cnt_ptr):
 
 @triton.jit
 def _finish(v, t, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-            HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr):
+            HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr, PDL: tl.constexpr = 0):
     """v [BLOCK_N, T_TILE] fp32 -> out (through the split-K workspace when USE_SPLIT)."""
     finish_at(v, t[None, :], offs_n[:, None], N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr,
-              cnt_ptr, HAS_RES, USE_SPLIT)
+              cnt_ptr, HAS_RES, USE_SPLIT, PDL)
 
 
 @triton.jit
 def finish_at(v, cols, rows, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-              HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr):
+              HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr, PDL: tl.constexpr = 0):
     """out[cols, rows] = v (+ residual) for fp32 v; cols and rows broadcast against v; through the split-K
-    workspace when USE_SPLIT (the last CTA of the row block sums the partials in split order)."""
+    workspace when USE_SPLIT (the last CTA of the row block sums the partials in split order). Every GEMV ends
+    here: its PDL trigger (`ninfer_kernels.pdl`: the kernel behind may launch once every CTA passed it) comes
+    after the K loop, so only the epilogue and the tail overlap the next kernel's start."""
+    pdl_trigger(PDL)
     m = (rows < N) & (cols < T)
     if USE_SPLIT:
         split_partial(v, cols, rows, m, N, T, ws_ptr)
@@ -243,7 +248,8 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
               LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
               SW: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr,
               USE_DOT: tl.constexpr, DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
-              FOLD: tl.constexpr, STAGES: tl.constexpr = 1, VEC: tl.constexpr = 2, LOAD_DOT: tl.constexpr = None):
+              FOLD: tl.constexpr, STAGES: tl.constexpr = 1, VEC: tl.constexpr = 2, LOAD_DOT: tl.constexpr = None,
+              PDL: tl.constexpr = 0):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
@@ -267,7 +273,7 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
             acc = tl.where(cols[None, :] == tt, tl.sum(accs[tt], axis=1)[:, None], acc)
         acc = acc * SW * fscale
     _finish(acc, t, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-            HAS_RES, USE_SPLIT)
+            HAS_RES, USE_SPLIT, PDL)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _finish, _load_tile, _tile_g, _zeros, ld
-from .pdl import pdl_trigger, pdl_wait
+from .pdl import pdl_wait
 
 EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
 MAX_T_TILE = 8                             # f16x2 accumulators and x pairs per column: beyond 8 tl.dot wins
@@ -201,9 +201,8 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
             H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr):
     """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue); PDL as in
-    `ninfer_kernels.pdl` (`_loop` waits)."""
+    `ninfer_kernels.pdl` (`_loop` waits, `finish_at` triggers)."""
     tl.static_assert(T_TILE <= _MAX_T)
-    pdl_trigger(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
@@ -213,7 +212,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
     acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
                 T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE, PDL)
     _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
-            ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT)
+            ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT, PDL)
 
 
 def h2_mode(device: torch.device) -> int:

@@ -34,7 +34,7 @@ from .gemv_common import finish_at
 from .gemv_h2_common import compile_consts, factory, hfma2, lanes_f32, pack2, row_scale
 from .gemv_iq3_s import SIGNED_WORDS
 from .gemv_mma_common import join_tree, split_tree, stack_all
-from .pdl import pdl_enter
+from .pdl import pdl_wait
 
 _PAIR = tl.constexpr(0x83C083C0)           # f16 bits 15 and 9..6 of both lanes
 _SIGNS = tl.constexpr(0x88008800)          # the sign bits of both pairs: 15/31 (w0, w2), 11/27 (w1, w3)
@@ -132,7 +132,7 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                          PDL: tl.constexpr = 0):
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
+    pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     # USE_DOT / DOT_KIND / FOLD / STAGES are accepted for the shared launcher and unused here; every K range is
     # whole tiles (K % 256 == 0, BLOCK_G divides 16), so EVEN_G is too. One mode, load then decode: a register
     # double buffer (191 registers) lost 25-30 % on the H200; an L2 prefetch of the next tile was never the
@@ -171,13 +171,13 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
         for i in tl.static_range(R * T_TILE):
             accs = accs[:i] + (accs[i] + part[i],) + accs[i + 1:]
     _epilogue(accs, backs, t0, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr, R, RB, GC,
-              T_TILE, HAS_RES, USE_SPLIT)
+              T_TILE, HAS_RES, USE_SPLIT, PDL)
 
 
 @triton.jit
 def _epilogue(accs, backs, t0, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
               R: tl.constexpr, RB: tl.constexpr, GC: tl.constexpr, T_TILE: tl.constexpr, HAS_RES: tl.constexpr,
-              USE_SPLIT: tl.constexpr):
+              USE_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """Each row's GC partial sums added across its threads (lanes), then all values in one split-K pass."""
     rb = tl.arange(0, RB)
     vals, rows, cols = (), (), ()
@@ -189,7 +189,7 @@ def _epilogue(accs, backs, t0, N, T, split, out_ptr, stride_ot, res_ptr, stride_
             cols = cols + (tl.zeros_like(rb) + (t0 + tt),)
     LOG: tl.constexpr = (R * T_TILE).bit_length() - 1
     finish_at(stack_all(vals, LOG), stack_all(cols, LOG), stack_all(rows, LOG), N, T, split, out_ptr, stride_ot,
-              res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT)
+              res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT, PDL)
 
 
 h2_kernel = factory(iq3_s_h2_gemv_kernel, "iq3_s_gemv_kernel", per_thread=True)   # gemv_iq3_s registers it

@@ -23,7 +23,7 @@ import triton.language as tl
 from .gemv_h2_common import compile_consts, factory, hmul2
 from .gemv_iq3_s_h2 import _H2_TABLE, _SCALE, _gather, _w_pairs
 from .gemv_mma_body import mma_body
-from .pdl import pdl_enter
+from .pdl import pdl_wait
 
 _ROW = tl.constexpr(11)          # per-row values after _prep: 8 grid words, sign word, s4, d
 
@@ -99,12 +99,12 @@ def iq3_s_mma_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, w
                           DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                           XPRE: tl.constexpr, PDL: tl.constexpr = 0):
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
+    pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
     tab = tl.load(grid + _H2_TABLE + tl.arange(0, 512))
     mma_body(x_ptr, (qs, signs, qh, sc, d), tab, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _SCALE, T, N, G, split,
              stride_xt, stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW,
-             XPRE, _load_row, _prep, _ROW, _row_pairs, _row_factor, True)
+             XPRE, _load_row, _prep, _ROW, _row_pairs, _row_factor, True, PDL=PDL)
 
 
 # gemv_iq3_s registers it (lazily)

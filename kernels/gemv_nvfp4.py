@@ -25,7 +25,7 @@ import triton.language as tl
 from .gemv_common import _j4, _load_tile, _tile_g, dequant_body, e4m3_magnitude, gemv_body, ld
 from .gemv_launch import (as_words, check_weight, check_x, dequant, gemv, KernelInputError, register_h2,
                           register_variant)
-from .pdl import pdl_enter
+from .pdl import pdl_wait
 
 GS = 16                          # weights per block (one int64 word of codes, one E4M3 scale)
 _GS = tl.constexpr(GS)
@@ -100,11 +100,11 @@ def nvfp4_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, f
                       BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                       DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                       FOLD: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0):
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
+    pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     gemv_body(x_ptr, codes, scales, N, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
               T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _XS, _SW,
               T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES,
-              LOAD_DOT=_load_dot)
+              LOAD_DOT=_load_dot, PDL=PDL)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton.language as tl
 from .gemv_h2_common import compile_consts, factory, hmul2
 from .gemv_mma_body import mma_body, no_prep
 from .gemv_nvfp4_h2 import _split_signs, _wpair
-from .pdl import pdl_enter
+from .pdl import pdl_wait
 
 _F16_2_15 = tl.constexpr(0x78007800)        # 2**15 in both f16 lanes
 _W_EXP = tl.constexpr(128.0)                # the f16 weights carry 2**-7
@@ -79,11 +79,11 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
                           DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                           XPRE: tl.constexpr, PDL: tl.constexpr = 0):
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
+    pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
     mma_body(x_ptr, (codes, scales, N), None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _W_EXP, T, N, G, split,
              stride_xt, stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW,
-             XPRE, _load_row, no_prep, 2, _row_pairs, _no_factor, False)
+             XPRE, _load_row, no_prep, 2, _row_pairs, _no_factor, False, PDL=PDL)
 
 
 # gemv_nvfp4 registers it (lazily)

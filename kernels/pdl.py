@@ -2,17 +2,22 @@
 end to end, bench/NOTES.md §15).
 
 Why: Nsight Compute on the T = 1 GEMV found the SMs without any CTA for 18-20 % of each kernel's time (its ramp and
-tail), and a decode step is ~730 kernels in a CUDA graph. Launched with PDL, a kernel's CTAs may be scheduled as
-soon as every CTA of the kernel in front has started, so they fill the SMs that kernel leaves idle; a GEMV loads
-nothing (not even its weights: the registers that held them cost occupancy, bench/NOTES.md §16) before it waits.
+tail), and a decode step is ~730 kernels in a CUDA graph. Launched with PDL, a kernel's CTAs may be scheduled
+before the kernel in front completes, so its launch and placement overlap that kernel's tail.
 
 Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
-  * each CTA first calls `griddepcontrol.launch_dependents`: the next PDL-launched kernel may be scheduled once
-    all CTAs of this one have done so;
+  * each CTA calls `griddepcontrol.launch_dependents` (the trigger): the next PDL-launched kernel may be scheduled
+    once all CTAs of this one have done so (or exited). Short kernels trigger first (`pdl_enter`); the GEMVs
+    trigger after their K loop (`gemv_common.finish_at`). A GEMV that triggered at its start let the next
+    kernels, each triggering at its start, be placed on the SMs one after another while it ran, each where room
+    happened to be, and decode lost 16 % (bench/NOTES.md §16); a late trigger lets at most the short kernels
+    behind a GEMV and the next GEMV in.
   * before it reads anything an earlier kernel wrote, and before it writes anything (its outputs, a workspace or a
     counter that an earlier kernel may still read), each CTA calls `griddepcontrol.wait`, which returns once the
     kernel in front has completed and its memory is visible. Every CTA waits (no CTA returns before the wait), so
-    a kernel completes only after the one in front did, and completion is transitive down the chain.
+    a kernel completes only after the one in front did, and completion is transitive down the chain. Nothing is
+    loaded before the wait, not even weights: the registers that held the T = 1 GEMV's first tile cost it one CTA
+    per SM (96 -> 128 registers) and decode 17 % (§16).
 Kernels launched without the attribute (torch's, NCCL's) start after the kernel in front completes, as always, and
 never trigger early, so a PDL kernel behind them starts as it would without PDL.
 """
@@ -78,11 +83,15 @@ def compile_const(cc: int) -> int:
     return int(cc >= 90)
 
 
-def ptx_order_ok(ptx: str, pdl: int) -> bool | None:
+def ptx_order_ok(ptx: str, pdl: int, late_trigger: bool = False) -> bool | None:
     """For a compile check: None when `pdl` is 0; else whether the PTX has both griddepcontrol instructions and
-    waits before its first global load and store."""
+    waits before its first global load and store; with `late_trigger` (the GEMVs) also whether it triggers only
+    after a global load (after its K loop, not at its start)."""
     if not pdl:
         return None
     wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    mem = [i for i in (ptx.find("st.global"), ptx.find("ld.global")) if i >= 0]
-    return wait >= 0 and trig >= 0 and (not mem or wait < min(mem))
+    loads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0]   # cp.async: pipelined loads
+    load = min(loads) if loads else -1
+    mem = [i for i in (ptx.find("st.global"), load) if i >= 0]
+    ok = wait >= 0 and trig >= 0 and (not mem or wait < min(mem))
+    return ok and (not late_trigger or 0 <= load < trig)
