@@ -14,8 +14,8 @@
 #             KXPRE=1 also times them on prepared activations (formats <fmt>+xpre); KRUNOFF (default 3) tuner
 #             finishers re-timed over rotating copies in one graph before one ships (0: the tuner's pick)
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
-#   decodepdl the same with NINFER_PDL=1 (every decode-step kernel launched programmatically dependent, sm_90+),
-#             written as decode_pdl.json; run it before decode to compare both on one machine
+#   decodenopdl the same with NINFER_PDL=0 (no programmatic dependent launch; on by default on sm_90+), written
+#             as decode_nopdl.json; run it before decode to compare both on one machine
 #   decodex   the same with NINFER_XPRE=${DECODEX_XPRE:-0} (the comparison run: prepared activations are on by default
 #             on sm_80+), written as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
@@ -41,14 +41,14 @@ reserve() {
   echo $r
 }
 # run_decode NAME XPRE RESERVED [PDL]: bench/decode.py on $RECIPES (the artifact kept for decodex / serve); NAME
-# decode writes decode.json, decodex (the NINFER_XPRE comparison run) decode_xpre.json, decodepdl (NINFER_PDL=1)
-# decode_pdl.json
+# decode writes decode.json, decodex (the NINFER_XPRE comparison run) decode_xpre.json, decodenopdl (NINFER_PDL=0)
+# decode_nopdl.json
 run_decode() {
-  local name=$1 l=$(( $(left) - $3 )) keep="" json=decode.json pdl=${4:-${NINFER_PDL:-0}}
+  local name=$1 l=$(( $(left) - $3 )) keep="" json=decode.json pdl=${4:-${NINFER_PDL:-1}}
   [ "$l" -gt 120 ] || { echo "no time for $name ($l s)"; return; }
   case " $STEPS " in *" decodex "*|*" serve "*|*" servex "*) keep="--keep --dir /dev/shm/ninfer-run";; esac
   [ "$name" = decodex ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_xpre.json; }
-  [ "$name" = decodepdl ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_pdl.json; }
+  [ "$name" = decodenopdl ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_nopdl.json; }
   NINFER_PDL=$pdl NINFER_XPRE=$2 timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
     --steps 64 $keep --budget-s $(( l - 10 )) --out "$OUT/$json" \
     > "$OUT/${name}_table.txt" 2> "$OUT/${name}_log.txt"
@@ -106,7 +106,7 @@ for step in "$@"; do
       python3 -m ninfer_kernels.gemv_tune_cache bench/results/kernels.json && cp kernels/gemv_tuned.json "$OUT/" ;;
     decode) run_decode decode "${NINFER_XPRE:-auto}" "$(reserve decodex serve servex)" ;;
     decodex) run_decode decodex "${DECODEX_XPRE:-0}" "$(reserve serve servex)" ;;
-    decodepdl) run_decode decodepdl "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" 1 ;;
+    decodenopdl) run_decode decodenopdl "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" 0 ;;
     serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
     servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;

@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (PDL, sm_90+) for the decode step's kernels: NINFER_PDL=1 (opt-in until measured
-end to end, bench/NOTES.md §15).
+"""Programmatic dependent launch (PDL, sm_90+) for the decode step's kernels: on by default where the device has it
+(NINFER_PDL=0 turns it off). On the H200 it took the 27B nvfp4 decode step from 6.72 to 6.22 ms (bench/NOTES.md §16).
 
 Why: Nsight Compute on the T = 1 GEMV found the SMs without any CTA for 18-20 % of each kernel's time (its ramp and
 tail), and a decode step is ~730 kernels in a CUDA graph. Launched with PDL, a kernel's CTAs may be scheduled
@@ -53,8 +53,9 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 def pdl_mode() -> str:
-    """NINFER_PDL: '0' (default) or '1'; anything else is a one-line error naming the variable."""
-    v = os.environ.get(PDL_ENV, "0")
+    """NINFER_PDL: '1' (default: on where the device has it) or '0'; anything else is a one-line error naming the
+    variable."""
+    v = os.environ.get(PDL_ENV, "1")
     if v not in PDL_MODES:
         from .ops_common import KernelInputError
         raise KernelInputError(f"{PDL_ENV}={v!r}: expected one of {', '.join(PDL_MODES)}")
@@ -63,7 +64,8 @@ def pdl_mode() -> str:
 
 def pdl_kw(device) -> dict:
     """The extra launch arguments of a PDL-capable kernel on `device`: {"PDL": 1, "launch_pdl": True} with
-    NINFER_PDL=1 on a CUDA device of compute capability 9.0+ (griddepcontrol is sm_90 PTX), else {}."""
+    NINFER_PDL=1 (the default) on a CUDA device of compute capability 9.0+ (griddepcontrol is sm_90 PTX), else {}
+    (sm_70 / sm_80, the interpreter, the CPU, or NINFER_PDL=0)."""
     if pdl_mode() == "0" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return {}
     if getattr(device, "type", "cuda") != "cuda" or _capability(getattr(device, "index", None)) < (9, 0):

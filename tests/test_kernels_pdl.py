@@ -16,19 +16,21 @@ from ninfer_kernels.ops_common import KernelInputError
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 
-def test_pdl_is_off_by_default_and_off_the_gpu(monkeypatch):
+def test_pdl_is_on_by_default_and_off_the_gpu(monkeypatch):
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    assert pdl.pdl_mode() == "0" and pdl.pdl_kw(torch.device("cpu")) == {}
+    assert pdl.pdl_mode() == "1" and pdl.pdl_kw(torch.device("cpu")) == {}   # griddepcontrol is CUDA (sm_90) PTX
     monkeypatch.setenv(pdl.PDL_ENV, "1")
-    assert pdl.pdl_kw(torch.device("cpu")) == {}          # griddepcontrol is CUDA (sm_90) PTX
+    assert pdl.pdl_kw(torch.device("cpu")) == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert pdl.pdl_kw(torch.device("cuda", 0)) == {}      # the interpreter cannot run it
 
 
 def test_pdl_on_sm90_only(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
     monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    assert pdl.pdl_kw(torch.device("cuda", 0)) == {"PDL": 1, "launch_pdl": True}
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
     assert pdl.pdl_kw(torch.device("cuda", 0)) == {"PDL": 1, "launch_pdl": True}
     monkeypatch.setattr(pdl, "_capability", lambda index: (7, 0))
     assert pdl.pdl_kw(torch.device("cuda", 0)) == {}
