@@ -213,8 +213,9 @@ def kernel_profile(step, steps: int, top: int = 15) -> dict:
     groups: dict[str, float] = {}
     groups_x: dict[str, float] = {}
     for name, (us, _) in by_name.items():
-        groups[_group(name)] = groups.get(_group(name), 0.0) + us
-        groups_x[_group(name)] = groups_x.get(_group(name), 0.0) + excl.get(name, 0.0)
+        g = _group(name)
+        groups[g] = groups.get(g, 0.0) + us
+        groups_x[g] = groups_x.get(g, 0.0) + excl.get(name, 0.0)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     return {"kernels_per_step": sum(n for _, n in by_name.values()),
             "kernel_us_per_step": sum(us for us, _ in by_name.values()), "us_by_group": groups,

@@ -167,18 +167,14 @@ def _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS: tl.constexpr, BACK
 def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl.constexpr, TILE: tl.constexpr,
           UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr,
-          XPRE: tl.constexpr, PDL: tl.constexpr):
+          XPRE: tl.constexpr):
     """acc [BLOCK_N, T_TILE] fp32 in true units (before the per-tensor scale). At T_TILE = 1 (one stage) a
     barrier after each tile's loads keeps them issued together: without it ptxas spreads a tile's 16-byte
     loads over the decode to save registers and the memory latency is exposed several times per tile. On the
     H200 that made T=1 2-12 % faster and T=2 5-25 % slower (more live registers), hence T=1 only
     (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned).
     STAGES: 1 load then decode; > 1 Triton's cp.async pipeline that deep (an L2 prefetch of the next tile
-    instead was never the tuner's pick on the H200: bench/NOTES.md §9). PDL (`ninfer_kernels.pdl`): the wait
-    for the kernel in front comes first. Loading the first weight tile before it (weights depend on nothing)
-    cost the T=1 loop 32 registers (96 -> 128 on sm_90, one CTA less per SM) and made decode 17 % slower
-    (bench/NOTES.md §16)."""
-    pdl_wait(PDL)
+    instead was never the tuner's pick on the H200: bench/NOTES.md §9)."""
     ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE)
     accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
     for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
@@ -201,8 +197,10 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
             H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr):
     """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue); PDL as in
-    `ninfer_kernels.pdl` (`_loop` waits, `finish_at` triggers)."""
+    `ninfer_kernels.pdl`: the wait comes first (loading the first weight tile before it cost the T=1 loop 32
+    registers, one CTA per SM, and decode 17 %: bench/NOTES.md §16), `finish_at` triggers."""
     tl.static_assert(T_TILE <= _MAX_T)
+    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
@@ -210,7 +208,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
     g_lo = tl.program_id(1) * g_per
     g_hi = tl.minimum(G, g_lo + g_per)
     acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
-                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE, PDL)
+                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
     _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
             ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT, PDL)
 

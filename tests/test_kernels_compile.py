@@ -50,9 +50,9 @@ def test_warp_mma_values_stay_in_their_threads(compiled):
 
 
 def test_gemvs_follow_the_pdl_protocol(compiled):
-    """On sm_90 every GEMV kernel (not the dequantizers: prefill only) has both griddepcontrol instructions and
-    waits before its first global store, and before its first load except the T=1 h2 loop, which loads its first
-    weight tile first by design (ninfer_kernels.pdl); none on sm_70."""
+    """On sm_90 every GEMV kernel (not the dequantizers: prefill only) has both griddepcontrol instructions, waits
+    before its first global load and store, and triggers only after a load, i.e. after its K loop
+    (ninfer_kernels.pdl); none on sm_70."""
     for row in compiled:
         want = None if row["cc"] < 90 or "-dequant-" in row["variant"] else True
         assert row["pdl_ok"] is want, f"{row['variant']}@sm_{row['cc']}: {row['pdl_ok']}"
