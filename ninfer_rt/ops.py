@@ -58,10 +58,21 @@ class GdnMeta:
     rows: torch.Tensor | None = None  # int64 [sumT_sub]: rows of the full packed batch (None = all rows)
 
 
+class Branch:
+    """The result of work started by `Ops.branch`; `join()` returns it once the caller's stream may use it."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def join(self):
+        return self.value
+
+
 class Ops(ABC):
     """Backend interface. `name` identifies the backend in logs and caches."""
 
     name: str = "abstract"
+
 
     # ---- dense ----
     @abstractmethod
@@ -149,6 +160,12 @@ class Ops(ABC):
         gdn_gates(a, b) of x @ w_ba^T. Composed of `linear` and `gdn_gates` here; a backend may fuse it."""
         b, a = self.linear(x, w_ba).chunk(2, dim=-1)
         return self.gdn_gates(a, b, A_log, dt_bias)
+
+    def gdn_ba_gates_branch(self, x: torch.Tensor, w_ba: QWeight, A_log: torch.Tensor, dt_bias: torch.Tensor
+                            ) -> Branch:
+        """`gdn_ba_gates` started so that a backend may overlap it with the caller's next ops (it reads only x);
+        `.join()` gives (g, beta) once the caller may use them. Here: computed now."""
+        return Branch(self.gdn_ba_gates(x, w_ba, A_log, dt_bias))
 
     @abstractmethod
     def gdn_recurrent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -175,3 +175,48 @@ def test_gdn_chunk_prefill_gpu(dtype):
     got = tri.gdn_chunk(q, k, v, g, beta, pools[1], meta)
     assert rel(got, want) <= GPU_CHUNK_TOL[dtype]
     assert rel(pools[1], pools[0]) <= GPU_CHUNK_TOL[dtype]
+
+
+
+def test_gates_branch_inline_outside_capture(monkeypatch):
+    """Outside CUDA-graph capture (always on the CPU) the gates branch is the plain call: the same (g, beta) as
+    the torch backend, for the fused kernel's T and for a T it composes; a bad NINFER_BRANCH is a one-line error
+    naming the variable when the backend is built."""
+    from ninfer_formats.errors import LoadError
+    from ninfer_rt.backends import side_stream
+    from ninfer_rt.weights import QWeight
+    gen = torch.Generator().manual_seed(0)
+    w = QWeight.plain(torch.randn(12, 40, generator=gen), "in_ba")
+    A_log, dt = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    for t in (1, 17):
+        x = torch.randn(t, 40, generator=gen)
+        got, want = TritonOps().gdn_ba_gates_branch(x, w, A_log, dt).join(), TorchOps().gdn_ba_gates(x, w, A_log, dt)
+        for a, b in zip(got, want):
+            assert rel(a, b) <= 1e-5
+    assert side_stream.branch(lambda: 7).join() == 7
+    monkeypatch.setenv("NINFER_BRANCH", "yes")
+    with pytest.raises(LoadError, match="NINFER_BRANCH='yes'"):
+        TritonOps()
+
+
+@gpu
+@pytest.mark.parametrize("on", ["1", "0"], ids=["branch", "inline"])
+def test_branch_in_captured_graph_gpu(on, monkeypatch):
+    """A branch captured on the side stream joins before its result is used: the replayed graph computes
+    (2 x) + (x + 1) for fresh inputs, whether the branch forked (NINFER_BRANCH=1) or ran in line."""
+    from ninfer_rt.backends import side_stream
+    monkeypatch.setenv("NINFER_BRANCH", on)
+    x = torch.randn(4096, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g):
+            side = side_stream.branch(lambda: x * 2)
+            main = x + 1
+            out = side.join() + main
+    for seed in range(3):
+        x.copy_(torch.randn(4096, generator=torch.Generator().manual_seed(seed)).cuda())
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, 2 * x + (x + 1))

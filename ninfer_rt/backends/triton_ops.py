@@ -24,9 +24,9 @@ from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_c
                             kv_write, rmsnorm, rope, sampling, silu_mul, x16)
 from ninfer_kernels.ops_common import interpreting
 
-from ..ops import AttnMeta, GdnMeta, Ops
+from ..ops import AttnMeta, Branch, GdnMeta, Ops
 from ..weights import QWeight
-from . import fla_gdn, prefill_attn
+from . import fla_gdn, prefill_attn, side_stream
 from .prepared import PreparedMemo
 from .torch_ops import TorchOps
 
@@ -63,6 +63,7 @@ class TritonOps(Ops):
                                 "ninfer_kernels is first imported (CPU interpreter)")
         # the prefill switches are read per call; checking them here makes a bad value fail at startup
         prefill_attn.mode()
+        side_stream.mode()
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
@@ -154,6 +155,13 @@ class TritonOps(Ops):
         if w is not None and gdn_ba_gates.supported(x, w):       # decode / verify with a plain b/a weight
             return gdn_ba_gates.gdn_ba_gates(x, w, A_log, dt_bias)
         return super().gdn_ba_gates(x, w_ba, A_log, dt_bias)
+
+    def gdn_ba_gates_branch(self, x, w_ba, A_log, dt_bias):
+        w = None if w_ba.quantized else w_ba.data["w"]
+        if w is None or not gdn_ba_gates.supported(x, w):
+            # the composed path runs a GEMV, whose split-K workspace is one per device: never beside another
+            return Branch(self.gdn_ba_gates(x, w_ba, A_log, dt_bias))
+        return side_stream.branch(lambda: gdn_ba_gates.gdn_ba_gates(x, w, A_log, dt_bias))
 
     def gdn_recurrent(self, q, k, v, g, beta, state_pool, meta: GdnMeta, snapshots=None):
         return gdn_recurrent.gdn_recurrent(q, k, v, g, beta, state_pool, meta.cu_seqlens, meta.slots,

@@ -24,12 +24,14 @@ class GatedDeltaNet:
     def __call__(self, ops, x, ctx, pool):
         t, nk, nv, dk, dv = x.shape[0], self.nk, self.nv, self.dk, self.dv
         kd, vd = nk * dk, nv * dv
+        # the gates read only x: started first, so a backend can run them beside the GEMV and the conv
+        gates = ops.gdn_ba_gates_branch(x, self.in_ba, self.A_log, self.dt_bias)
         qkv, z = ops.linear(x, self.in_qkvz).split((2 * kd + vd, vd), dim=-1)
         snap_conv = None if ctx.snap_conv is None else ctx.snap_conv[self.layer]
         y = ops.causal_conv(qkv, self.conv_w, pool.conv[self.layer], ctx.gdn, snap_conv)
         q, k, v = y.split((kd, kd, vd), dim=-1)
         q, k, v = q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv)
-        g, beta = ops.gdn_ba_gates(x, self.in_ba, self.A_log, self.dt_bias)
+        g, beta = gates.join()
         o = self._core(ops, (q, k, v, g, beta), ctx, pool.rec[self.layer])
         o = ops.gated_rmsnorm(o, z.reshape(t, nv, dv), self.norm_w, self.cfg.rms_norm_eps)
         return self.tp.all_reduce(ops.linear(o.reshape(t, vd), self.out))

@@ -1,0 +1,63 @@
+"""Parallel branches inside a captured step (`TritonOps.gdn_ba_gates_branch`).
+
+While a CUDA graph is being captured, `branch(fn)` runs fn's launches on a side stream forked from the
+capturing stream, so the graph holds them as a branch beside the caller's next kernels instead of one more link
+in the chain; `join()` makes the capturing stream wait for the branch. The decode step has one such branch per
+GDN layer: the b/a projection + gates read only the layer input, so they run beside the q/k/v/z GEMV rather than
+between it and the conv (one kernel boundary less on the step's critical path, bench/NOTES.md §17).
+
+fn must not launch a split-K GEMV: their workspace and arrival counters are one per device
+(`ninfer_kernels.gemv_launch`), so a GEMV on the side stream would race the one on the capturing stream.
+
+Outside capture (eager steps, prefill, the CPU interpreter) fn runs in place: ordering is the same, and an eager
+fork would cost host time for nothing. NINFER_BRANCH=0 turns branches off everywhere (default 1).
+
+Memory: fn's outputs are allocated on the side stream; the caller frees them after use on its own stream. A
+block freed that way is reused only by later side-stream allocations, and every later fork first waits for the
+capturing stream, so no branch writes memory that an earlier consumer still reads.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ninfer_formats.errors import LoadError
+
+from ..ops import Branch
+
+BRANCH_ENV = "NINFER_BRANCH"
+MODES = ("1", "0")
+_SIDE: dict = {}            # device index -> the side stream
+
+
+def mode() -> str:
+    v = os.environ.get(BRANCH_ENV, "1")
+    if v not in MODES:
+        raise LoadError(f"{BRANCH_ENV}={v!r}: expected one of {', '.join(MODES)}")
+    return v
+
+
+class _Forked(Branch):
+    def __init__(self, value, main, side):
+        super().__init__(value)
+        self._main, self._side, self._joined = main, side, False
+
+    def join(self):
+        if not self._joined:
+            self._main.wait_stream(self._side)
+            self._joined = True
+        return self.value
+
+
+def branch(fn) -> Branch:
+    if mode() == "0" or not torch.cuda.is_available() or not torch.cuda.is_current_stream_capturing():
+        return Branch(fn())
+    main = torch.cuda.current_stream()
+    side = _SIDE.get(main.device.index)
+    if side is None:
+        side = _SIDE[main.device.index] = torch.cuda.Stream(device=main.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        value = fn()
+    return _Forked(value, main, side)
