@@ -16,6 +16,8 @@
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
 #   decodenopdl the same with NINFER_PDL=0 (no programmatic dependent launch; on by default on sm_90+), written
 #             as decode_nopdl.json; run it before decode to compare both on one machine
+#   decodealt the same under the environment words in $ALT_ENV (e.g. "NINFER_BRANCH=0"), written as
+#             decode_alt.json; run it before decode to compare both on one machine
 #   decodex   the same with NINFER_XPRE=${DECODEX_XPRE:-0} (the comparison run: prepared activations are on by default
 #             on sm_80+), written as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
@@ -49,7 +51,9 @@ run_decode() {
   case " $STEPS " in *" decodex "*|*" serve "*|*" servex "*) keep="--keep --dir /dev/shm/ninfer-run";; esac
   [ "$name" = decodex ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_xpre.json; }
   [ "$name" = decodenopdl ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_nopdl.json; }
-  NINFER_PDL=$pdl NINFER_XPRE=$2 timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
+  local alt=""
+  [ "$name" = decodealt ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_alt.json; alt="$ALT_ENV"; }
+  env $alt NINFER_PDL=$pdl NINFER_XPRE=$2 timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
     --steps 64 $keep --budget-s $(( l - 10 )) --out "$OUT/$json" \
     > "$OUT/${name}_table.txt" 2> "$OUT/${name}_log.txt"
   echo "$name rc=$?"; tail -30 "$OUT/${name}_table.txt"; tail -3 "$OUT/${name}_log.txt"
@@ -107,6 +111,7 @@ for step in "$@"; do
     decode) run_decode decode "${NINFER_XPRE:-auto}" "$(reserve decodex serve servex)" ;;
     decodex) run_decode decodex "${DECODEX_XPRE:-0}" "$(reserve serve servex)" ;;
     decodenopdl) run_decode decodenopdl "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" 0 ;;
+    decodealt) run_decode decodealt "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" ;;
     serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
     servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;

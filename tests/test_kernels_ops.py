@@ -298,6 +298,59 @@ def test_gdn_recurrent(dtype, lens, snapshot):
         assert rel(snaps[:n_snap], want_snaps[:n_snap]) <= TOL[torch.float32]
 
 
+
+def _convrec_case(lens, snapshot, dtype, alias):
+    """qkv rows (a row-strided view, as the q|k|v columns of the fused projection), conv taps, gates and both
+    state pools with NaN rows nobody owns; alias: the snapshot rows are rows of the pools themselves and the
+    first sequence's committed state is one of its own snapshot rows (the graph runner's layout)."""
+    c = 2 * HK * DK + HV * DV
+    t = sum(lens)
+    qkv = rnd(t, c + 5, dtype=dtype, seed=21)[:, :c]
+    w = rnd(c, CK, seed=22, scale=0.5)
+    g, beta = REF.gdn_gates(rnd(t, HV, seed=23), rnd(t, HV, seed=24), rnd(HV, seed=25) * 0.5, rnd(HV, seed=26))
+    n_snap = sum(n for n, s in zip(lens, snapshot) if s)
+    rows = 4 + (n_snap if alias else 0)
+    cpool, rpool = rnd(rows, CK - 1, c, seed=27), rnd(rows, HV, DK, DV, seed=28, scale=0.3)
+    cpool[1], rpool[1] = float("nan"), float("nan")
+    slots = [0, 2]
+    if alias:
+        slots[0] = 4 + 1 if lens[0] > 1 else 4           # inside its own snapshot rows 4 .. 4 + T0 - 1
+        csnap, rsnap = cpool, rpool
+    else:
+        csnap = torch.full((n_snap + 1, CK - 1, c), float("nan"), device=DEV)
+        rsnap = torch.full((n_snap + 1, HV, DK, DV), float("nan"), device=DEV)
+    full, _, snap, _ = gdn_routing(list(lens), slots, list(snapshot), DEV)
+    if alias:
+        shifted = torch.where(full.snap_index >= 0, full.snap_index + 4, full.snap_index)
+        full = type(full)(**{**full.__dict__, "snap_index": shifted,
+                             "snap_index_host": tuple(s + 4 if s >= 0 else s for s in full.snap_index_host)})
+    return qkv, w, g, beta, cpool, rpool, csnap, rsnap, full
+
+
+CONVREC_CASES = [((1, 1), (False, False), False), ((3, 1), (True, False), False), ((1, 2), (True, True), False),
+                 ((4, 1), (True, False), True), ((1,), (True,), True), ((20, 2), (False, True), False)]
+CONVREC_IDS = ["T1+1-inplace", "T3snap+1", "T1snap+2snap", "T4snap-aliased+1", "T1snap-aliased", "T20+2snap"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,snapshot,alias", CONVREC_CASES, ids=CONVREC_IDS)
+def test_gdn_conv_recurrent(dtype, lens, snapshot, alias):
+    """The fused conv + recurrence against the torch backend's causal_conv then gdn_recurrent: outputs, both pools
+    and both snapshot sets, with value tiles that leave a partial last tile (dv 24, 16 columns) and three value
+    heads per key head, whose q / k conv windows one program writes after the others have read them."""
+    qkv, w, g, beta, cpool, rpool, csnap, rsnap, meta = _convrec_case(lens, snapshot, dtype, alias)
+    want_c, want_r = cpool.clone(), rpool.clone()
+    want_cs, want_rs = (want_c, want_r) if alias else (csnap.clone(), rsnap.clone())
+    want = REF.gdn_conv_recurrent(qkv, w, want_c, g, beta, want_r, meta, want_cs, want_rs)
+    with poisoned():
+        got = TRI.gdn_conv_recurrent(qkv, w, cpool, g, beta, rpool, meta, csnap, rsnap)
+    check(got, want, dtype)
+    for a, b in ((cpool, want_c), (rpool, want_r), (csnap, want_cs), (rsnap, want_rs)):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), "a state row written that the reference leaves alone"
+        assert rel(torch.nan_to_num(a), torch.nan_to_num(b)) <= TOL[dtype]
+    from ninfer_kernels.gdn_conv_recurrent import _COUNTERS
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values()), "arrival counters left non-zero"
+
 def test_gdn_chunk_matches_reference():
     """Prefill through the backend (CPU / fp32: the token-by-token kernel over the chunk)."""
     lens = (21, 5)

@@ -20,7 +20,8 @@ import importlib
 import torch
 
 from ninfer_formats.errors import LoadError
-from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_gates, gdn_recurrent,
+from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_conv_recurrent, gdn_gates,
+                            gdn_recurrent,
                             kv_write, rmsnorm, rope, sampling, silu_mul, x16)
 from ninfer_kernels.ops_common import interpreting
 
@@ -166,6 +167,16 @@ class TritonOps(Ops):
     def gdn_recurrent(self, q, k, v, g, beta, state_pool, meta: GdnMeta, snapshots=None):
         return gdn_recurrent.gdn_recurrent(q, k, v, g, beta, state_pool, meta.cu_seqlens, meta.slots,
                                            meta.snap_index, snapshots, max(meta.seq_lens, default=1))
+
+    def gdn_conv_recurrent(self, qkv, conv_w, conv_pool, g, beta, state_pool, meta: GdnMeta, conv_snapshots=None,
+                           snapshots=None):
+        hv, dk, dv = state_pool.shape[1:]
+        hk = (qkv.shape[1] - hv * dv) // (2 * dk)
+        if not gdn_conv_recurrent.supported(len(meta.seq_lens), hk):
+            return super().gdn_conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, meta, conv_snapshots,
+                                              snapshots)
+        return gdn_conv_recurrent.gdn_conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, meta.cu_seqlens,
+                                                     meta.slots, meta.snap_index, conv_snapshots, snapshots)
 
     def gdn_chunk(self, q, k, v, g, beta, state_pool, meta: GdnMeta):
         if any(i >= 0 for i in meta.snap_index_host):

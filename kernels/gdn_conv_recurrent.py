@@ -1,0 +1,228 @@
+"""The GDN causal conv + SiLU (reference §7.2) and the token-by-token gated delta rule (§7.6-8) in one kernel, for
+the decode / verify steps: `gdn_conv.causal_conv` followed by `gdn_recurrent.gdn_recurrent`, with the same results
+(the conv outputs are rounded to the activation dtype in between, as the two-kernel path stores them).
+
+Why: in the decode step the conv is one more kernel between the q/k/v/z GEMV and the recurrence (~1.9 us of the
+step's timeline per GDN layer on the H200, bench/NOTES.md §16); here each recurrence program convolves what it
+reads itself, from the projection rows x and the slot's conv window.
+
+One program per (sequence, value head h, tile of BLOCK_V value columns), as `gdn_recurrent`. It reads the conv
+windows of the q and k channels of key head kh = h // REP and of its own v columns, keeps them in registers and
+shifts them token by token. Conv state writes:
+- v columns: the program that owns them, after a CTA barrier that follows every read of its window (the graph
+  runner's snapshot rows are pool rows, and a sequence's committed window can be one of its own snapshot rows).
+- q / k channels: every program of the key head reads them (REP value heads x n_vt tiles), so one writes them:
+  the group's last program (value head kh * REP + REP - 1, tile n_vt - 1: also the last one the sequential
+  interpreter runs). Every other program, once its window is read (barrier), adds 1 to the group's arrival
+  counter (release); the writer waits until all of them have (acquire), writes the window after the last token
+  (in place) or after every token (snapshot rows, re-derived from its initial window and x), and puts the counter
+  back to zero for the next launch. Readers never wait, so the writers alone (batch x Hk programs, at most
+  MAX_GROUPS) must fit on the device at once, which one CTA of one warp per group always does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gdn_recurrent import TILES
+from .ops_common import KernelInputError, pow2
+from .pdl import pdl_enter, pdl_kw
+
+MAX_GROUPS = 1024            # batch x key heads per launch: the writers that may spin must all be resident
+_COUNTERS: dict = {}         # device -> int32 arrival counters, zero between launches
+
+
+@triton.jit
+def _conv(xv, rows, ws, CK: tl.constexpr):
+    """silu(sum_j ws[j] * window[j]) with window = rows (the CK - 1 previous inputs, oldest first) + xv."""
+    acc = xv * ws[CK - 1]
+    for j in tl.static_range(CK - 1):
+        acc += rows[j] * ws[j]
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _shift(rows, xv, CK: tl.constexpr):
+    out = ()
+    for j in tl.static_range(1, CK - 1):
+        out = out + (rows[j],)
+    return out + (xv,)
+
+
+@triton.jit
+def _load_window(pool_ptr, base, c, m, C, CK: tl.constexpr):
+    rows = ()
+    for j in tl.static_range(CK - 1):
+        rows = rows + (tl.load(pool_ptr + base + j * C + c, mask=m, other=0.0),)
+    return rows
+
+
+@triton.jit
+def _taps(w_ptr, c, m, CK: tl.constexpr):
+    ws = ()
+    for j in tl.static_range(CK):
+        ws = ws + (tl.load(w_ptr + c * CK + j, mask=m, other=0.0).to(tl.float32),)
+    return ws
+
+
+@triton.jit
+def _store_window(dst, rows, c, m, C, CK: tl.constexpr):
+    for j in tl.static_range(CK - 1):
+        tl.store(dst + j * C + c, rows[j], mask=m)
+
+
+@triton.jit
+def _x(x_ptr, tok, sx_t, c, m, live):
+    """Token tok's inputs of channels c as fp32; not `live` (past the sequence): token 0's, never used."""
+    return tl.load(x_ptr + tl.where(live, tok, 0) * sx_t + c, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _qk_snapshots(x_ptr, csnap_ptr, s0, T, snap, sx_t, c, m, rows0, C, CK: tl.constexpr):
+    """The writer's q / k windows after every token: inputs i+1 .. i+CK-1 of [initial window | x rows]."""
+    for i in range(0, T):
+        dst = csnap_ptr + (snap + i).to(tl.int64) * ((CK - 1) * C)
+        for j in tl.static_range(CK - 1):
+            idx = i + 1 + j                                   # position in [window (CK - 1 rows) | x rows]
+            val = _x(x_ptr, (s0 + idx - (CK - 1)).to(tl.int64), sx_t, c, m, idx >= CK - 1)
+            for r in tl.static_range(CK - 1):
+                val = tl.where(idx == r, rows0[r], val)
+            tl.store(dst + j * C + c, val, mask=m)
+
+
+@triton.jit
+def gdn_conv_recurrent_kernel(x_ptr, cw_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, snap_ptr, cpool_ptr, csnap_ptr,
+                              cnt_ptr, cu_ptr, slot_ptr, snapidx_ptr, sx_t, Hv, Hk, REP, DK, DV, C, q_scale,
+                              CK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                              PDL: tl.constexpr = 0):
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vt = tl.program_id(2)
+    kh = h // REP
+    s0 = tl.load(cu_ptr + b)
+    T = tl.load(cu_ptr + b + 1) - s0
+    snap = tl.load(snapidx_ptr + b)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    dk = tl.arange(0, BLOCK_K)
+    dv = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = dk < DK
+    v_ok = dv < DV
+    cq = kh * DK + dk
+    ck = Hk * DK + cq
+    cv = 2 * Hk * DK + h * DV + dv
+    cbase = slot * ((CK - 1) * C)
+    rq, rk, rv = (_load_window(cpool_ptr, cbase, cq, k_ok, C, CK), _load_window(cpool_ptr, cbase, ck, k_ok, C, CK),
+                  _load_window(cpool_ptr, cbase, cv, v_ok, C, CK))
+    wq, wk, wv = _taps(cw_ptr, cq, k_ok, CK), _taps(cw_ptr, ck, k_ok, CK), _taps(cw_ptr, cv, v_ok, CK)
+    tile = dk[:, None] * DV + dv[None, :]
+    tmask = k_ok[:, None] & v_ok[None, :]
+    head_base = h.to(tl.int64) * DK * DV
+    pool_off = slot * Hv * DK * DV + head_base
+    S = tl.load(pool_ptr + pool_off + tile, mask=tmask, other=0.0)
+    grp = b * Hk + kh
+    writer = (h == kh * REP + REP - 1) & (vt == tl.num_programs(2) - 1)
+    tl.debug_barrier()             # every window value read before any row is written, by this CTA or another
+    if writer == 0:
+        tl.atomic_add(cnt_ptr + grp, 1, sem="release", scope="gpu")
+    rq0, rk0 = rq, rk
+    act = o_ptr.dtype.element_ty
+    nq = _x(x_ptr, s0.to(tl.int64), sx_t, cq, k_ok, T > 0)
+    nk = _x(x_ptr, s0.to(tl.int64), sx_t, ck, k_ok, T > 0)
+    nv = _x(x_ptr, s0.to(tl.int64), sx_t, cv, v_ok, T > 0)
+    for i in range(0, T):
+        tok = (s0 + i).to(tl.int64)
+        xq, xk, xv = nq, nk, nv
+        live = i + 1 < T                                   # the next token's inputs, one token ahead
+        nq = _x(x_ptr, tok + 1, sx_t, cq, k_ok, live)
+        nk = _x(x_ptr, tok + 1, sx_t, ck, k_ok, live)
+        nv = _x(x_ptr, tok + 1, sx_t, cv, v_ok, live)
+        q = _conv(xq, rq, wq, CK).to(act).to(tl.float32)
+        k = _conv(xk, rk, wk, CK).to(act).to(tl.float32)
+        v = _conv(xv, rv, wv, CK).to(act).to(tl.float32)
+        rq, rk, rv = _shift(rq, xq, CK), _shift(rk, xk, CK), _shift(rv, xv, CK)
+        g = tl.load(g_ptr + tok * Hv + h)
+        beta = tl.load(beta_ptr + tok * Hv + h)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        S = S * tl.exp(g)
+        delta = beta * (v - tl.sum(S * k[:, None], axis=0))
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(S * q[:, None], axis=0)
+        tl.store(o_ptr + (tok * Hv + h) * DV + dv, o.to(act), mask=v_ok)
+        if snap >= 0:
+            tl.store(snap_ptr + (snap + i).to(tl.int64) * Hv * DK * DV + head_base + tile, S, mask=tmask)
+            _store_window(csnap_ptr + (snap + i).to(tl.int64) * ((CK - 1) * C), rv, cv, v_ok, C, CK)
+    if snap < 0:
+        tl.store(pool_ptr + pool_off + tile, S, mask=tmask)
+        _store_window(cpool_ptr + cbase, rv, cv, v_ok, C, CK)
+    if writer:
+        need = REP * tl.num_programs(2) - 1
+        while tl.atomic_add(cnt_ptr + grp, 0, sem="acquire", scope="gpu") < need:
+            pass
+        tl.debug_barrier()
+        if snap < 0:
+            _store_window(cpool_ptr + cbase, rq, cq, k_ok, C, CK)
+            _store_window(cpool_ptr + cbase, rk, ck, k_ok, C, CK)
+        else:
+            _qk_snapshots(x_ptr, csnap_ptr, s0, T, snap, sx_t, cq, k_ok, rq0, C, CK)
+            _qk_snapshots(x_ptr, csnap_ptr, s0, T, snap, sx_t, ck, k_ok, rk0, C, CK)
+        tl.atomic_xchg(cnt_ptr + grp, 0, sem="relaxed", scope="gpu")
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    key = (device.type, device.index)
+    cnt = _COUNTERS.get(key)
+    if cnt is None or cnt.numel() < n:
+        cnt = _COUNTERS[key] = torch.zeros(max(n, MAX_GROUPS), dtype=torch.int32, device=device)
+    return cnt
+
+
+def supported(batch: int, hk: int) -> bool:
+    return 0 < batch * hk <= MAX_GROUPS
+
+
+def gdn_conv_recurrent(qkv: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, state_pool: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                       snap_index: torch.Tensor, conv_snaps: torch.Tensor | None = None,
+                       rec_snaps: torch.Tensor | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """qkv [sumT, C] (the q | k | v columns of the projection, C = 2 Hk dk + Hv dv; may be a row-strided view);
+    conv_w [C, ck]; conv_pool fp32 [S, ck-1, C]; g, beta fp32 [sumT, Hv]; state_pool fp32 [S, Hv, dk, dv];
+    cu_seqlens int32 [B+1]; slots, snap_index int64 [B]; conv_snaps / rec_snaps: the snapshot rows of each state
+    when any snap_index >= 0; tile: (BLOCK_V, warps), default `gdn_recurrent.TILES[0]`. -> o [sumT, Hv, dv]."""
+    total, c = qkv.shape
+    hv, dk, dv = state_pool.shape[1:]
+    ck = conv_w.shape[-1]
+    hk = (c - hv * dv) // (2 * dk) if dk else 0
+    if conv_w.shape != (c, ck) or conv_pool.shape[1:] != (ck - 1, c) or hk <= 0 or 2 * hk * dk + hv * dv != c \
+            or hv % hk or g.shape != (total, hv) or beta.shape != (total, hv) or ck < 2:
+        raise KernelInputError(f"gdn_conv_recurrent: qkv {tuple(qkv.shape)} conv_w {tuple(conv_w.shape)} conv pool "
+                               f"{tuple(conv_pool.shape)} state {tuple(state_pool.shape)} g {tuple(g.shape)}")
+    for name, t, ref in (("conv pool", conv_pool, None), ("state pool", state_pool, None),
+                         ("conv snapshots", conv_snaps, conv_pool), ("state snapshots", rec_snaps, state_pool)):
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()
+                              or (ref is not None and t.shape[1:] != ref.shape[1:])):
+            raise KernelInputError(f"gdn_conv_recurrent: the {name} must be contiguous fp32 rows like the pool's")
+    batch = cu_seqlens.numel() - 1
+    out = torch.empty(total, hv, dv, dtype=qkv.dtype, device=qkv.device)
+    if not (total and batch):
+        return out
+    if not supported(batch, hk):
+        raise KernelInputError(f"gdn_conv_recurrent: {batch} sequences x {hk} key heads > {MAX_GROUPS} per launch")
+    bv, warps = tile or TILES[0]
+    x = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    gdn_conv_recurrent_kernel[(batch, hv, triton.cdiv(dv, bv))](
+        x, conv_w.contiguous(), g.float().contiguous(), beta.float().contiguous(), out, state_pool,
+        state_pool if rec_snaps is None else rec_snaps, conv_pool, conv_pool if conv_snaps is None else conv_snaps,
+        _counters(x.device, batch * hk), cu_seqlens, slots, snap_index, x.stride(0), hv, hk, hv // hk, dk, dv, c,
+        dk ** -0.5, CK=ck, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=warps, **pdl_kw(x.device))
+    return out
+
+
+def compile_specs(act: str):
+    sig = {"x_ptr": f"*{act}", "cw_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32", "o_ptr": f"*{act}",
+           "pool_ptr": "*fp32", "snap_ptr": "*fp32", "cpool_ptr": "*fp32", "csnap_ptr": "*fp32", "cnt_ptr": "*i32",
+           "cu_ptr": "*i32", "slot_ptr": "*i64", "snapidx_ptr": "*i64", "sx_t": "i64", "Hv": "i32", "Hk": "i32",
+           "REP": "i32", "DK": "i32", "DV": "i32", "C": "i32", "q_scale": "fp32"}
+    return [(gdn_conv_recurrent_kernel, sig, {"CK": 4, "BLOCK_K": 128, "BLOCK_V": bv}, w) for bv, w in TILES[:1]]
