@@ -11,13 +11,12 @@ windows of the q and k channels of key head kh = h // REP and of its own v colum
 shifts them token by token. Conv state writes:
 - v columns: the program that owns them, after a CTA barrier that follows every read of its window (the graph
   runner's snapshot rows are pool rows, and a sequence's committed window can be one of its own snapshot rows).
-- q / k channels: every program of the key head reads them (REP value heads x n_vt tiles), so one writes them:
-  the group's last program (value head kh * REP + REP - 1, tile n_vt - 1: also the last one the sequential
-  interpreter runs). Every other program, once its window is read (barrier), adds 1 to the group's arrival
-  counter (release); the writer waits until all of them have (acquire), writes the window after the last token
-  (in place) or after every token (snapshot rows, re-derived from its initial window and x), and puts the counter
-  back to zero for the next launch. Readers never wait, so the writers alone (batch x Hk programs, at most
-  MAX_GROUPS) must fit on the device at once, which one CTA of one warp per group always does.
+- q / k channels: every program of the key head reads them (REP value heads x n_vt tiles), so the group's last
+  reader writes them, as a split-K GEMV's last CTA sums the partials: each program, once its windows are read (CTA
+  barrier), takes a ticket from the group's arrival counter (acq_rel atomic); the one that draws the last ticket
+  writes, at its end, the window after the last token (in place) or after every token (snapshot rows, re-derived
+  from its initial window and x), and puts the counter back to zero for the next launch. Nobody waits for anybody,
+  and the ticket's latency hides behind the recurrence (its value is needed only at the end).
 """
 from __future__ import annotations
 
@@ -29,7 +28,8 @@ from .gdn_recurrent import TILES
 from .ops_common import KernelInputError, pow2
 from .pdl import pdl_enter, pdl_kw
 
-MAX_GROUPS = 1024            # batch x key heads per launch: the writers that may spin must all be resident
+MAX_GROUPS = 1024            # batch x key heads per launch (arrival counters)
+MAX_BLOCK_T = 16             # tokens per step of the snapshot writer
 _COUNTERS: dict = {}         # device -> int32 arrival counters, zero between launches
 
 
@@ -79,23 +79,28 @@ def _x(x_ptr, tok, sx_t, c, m, live):
 
 
 @triton.jit
-def _qk_snapshots(x_ptr, csnap_ptr, s0, T, snap, sx_t, c, m, rows0, C, CK: tl.constexpr):
-    """The writer's q / k windows after every token: inputs i+1 .. i+CK-1 of [initial window | x rows]."""
-    for i in range(0, T):
-        dst = csnap_ptr + (snap + i).to(tl.int64) * ((CK - 1) * C)
+def _qk_snapshots(x_ptr, csnap_ptr, s0, T, snap, sx_t, c, m, rows0, C, CK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The q / k windows after every token, BLOCK_T tokens per step (one round of loads, not one per token):
+    window row j after token t is input t + 1 + j of [initial window (CK - 1 rows) | x rows]."""
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        mm = (t < T)[:, None] & m[None, :]
+        dst = csnap_ptr + (snap + t).to(tl.int64)[:, None] * ((CK - 1) * C) + c[None, :]
         for j in tl.static_range(CK - 1):
-            idx = i + 1 + j                                   # position in [window (CK - 1 rows) | x rows]
-            val = _x(x_ptr, (s0 + idx - (CK - 1)).to(tl.int64), sx_t, c, m, idx >= CK - 1)
+            idx = t + 1 + j
+            src = (s0 + idx - (CK - 1)).to(tl.int64)
+            val = tl.load(x_ptr + src[:, None] * sx_t + c[None, :], mask=mm & (idx >= CK - 1)[:, None],
+                          other=0.0).to(tl.float32)
             for r in tl.static_range(CK - 1):
-                val = tl.where(idx == r, rows0[r], val)
-            tl.store(dst + j * C + c, val, mask=m)
+                val = tl.where((idx == r)[:, None], rows0[r][None, :], val)
+            tl.store(dst + j * C, val, mask=mm)
 
 
 @triton.jit
 def gdn_conv_recurrent_kernel(x_ptr, cw_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, snap_ptr, cpool_ptr, csnap_ptr,
                               cnt_ptr, cu_ptr, slot_ptr, snapidx_ptr, sx_t, Hv, Hk, REP, DK, DV, C, q_scale,
                               CK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                              PDL: tl.constexpr = 0):
+                              BLOCK_T: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -121,16 +126,14 @@ def gdn_conv_recurrent_kernel(x_ptr, cw_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, s
     head_base = h.to(tl.int64) * DK * DV
     pool_off = slot * Hv * DK * DV + head_base
     S = tl.load(pool_ptr + pool_off + tile, mask=tmask, other=0.0)
-    grp = b * Hk + kh
-    writer = (h == kh * REP + REP - 1) & (vt == tl.num_programs(2) - 1)
+    nq = _x(x_ptr, s0.to(tl.int64), sx_t, cq, k_ok, T > 0)        # x is never written here: read before the
+    nk = _x(x_ptr, s0.to(tl.int64), sx_t, ck, k_ok, T > 0)        # barrier, in the same round as the windows
+    nv = _x(x_ptr, s0.to(tl.int64), sx_t, cv, v_ok, T > 0)
     tl.debug_barrier()             # every window value read before any row is written, by this CTA or another
-    if writer == 0:
-        tl.atomic_add(cnt_ptr + grp, 1, sem="release", scope="gpu")
+    # arrival ticket; the group's last arrival writes the q / k windows (its result is needed only at the end)
+    ticket = tl.atomic_add(cnt_ptr + b * Hk + kh, 1, sem="acq_rel", scope="gpu")
     rq0, rk0 = rq, rk
     act = o_ptr.dtype.element_ty
-    nq = _x(x_ptr, s0.to(tl.int64), sx_t, cq, k_ok, T > 0)
-    nk = _x(x_ptr, s0.to(tl.int64), sx_t, ck, k_ok, T > 0)
-    nv = _x(x_ptr, s0.to(tl.int64), sx_t, cv, v_ok, T > 0)
     for i in range(0, T):
         tok = (s0 + i).to(tl.int64)
         xq, xk, xv = nq, nk, nv
@@ -157,18 +160,15 @@ def gdn_conv_recurrent_kernel(x_ptr, cw_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, s
     if snap < 0:
         tl.store(pool_ptr + pool_off + tile, S, mask=tmask)
         _store_window(cpool_ptr + cbase, rv, cv, v_ok, C, CK)
-    if writer:
-        need = REP * tl.num_programs(2) - 1
-        while tl.atomic_add(cnt_ptr + grp, 0, sem="acquire", scope="gpu") < need:
-            pass
+    if ticket == REP * tl.num_programs(2) - 1:
         tl.debug_barrier()
         if snap < 0:
             _store_window(cpool_ptr + cbase, rq, cq, k_ok, C, CK)
             _store_window(cpool_ptr + cbase, rk, ck, k_ok, C, CK)
         else:
-            _qk_snapshots(x_ptr, csnap_ptr, s0, T, snap, sx_t, cq, k_ok, rq0, C, CK)
-            _qk_snapshots(x_ptr, csnap_ptr, s0, T, snap, sx_t, ck, k_ok, rk0, C, CK)
-        tl.atomic_xchg(cnt_ptr + grp, 0, sem="relaxed", scope="gpu")
+            _qk_snapshots(x_ptr, csnap_ptr, s0, T, snap, sx_t, cq, k_ok, rq0, C, CK, BLOCK_T)
+            _qk_snapshots(x_ptr, csnap_ptr, s0, T, snap, sx_t, ck, k_ok, rk0, C, CK, BLOCK_T)
+        tl.atomic_xchg(cnt_ptr + b * Hk + kh, 0, sem="relaxed", scope="gpu")
 
 
 def _counters(device, n: int) -> torch.Tensor:
@@ -186,11 +186,13 @@ def supported(batch: int, hk: int) -> bool:
 def gdn_conv_recurrent(qkv: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, state_pool: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
                        snap_index: torch.Tensor, conv_snaps: torch.Tensor | None = None,
-                       rec_snaps: torch.Tensor | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
+                       rec_snaps: torch.Tensor | None = None, max_t: int = 1,
+                       tile: tuple[int, int] | None = None) -> torch.Tensor:
     """qkv [sumT, C] (the q | k | v columns of the projection, C = 2 Hk dk + Hv dv; may be a row-strided view);
     conv_w [C, ck]; conv_pool fp32 [S, ck-1, C]; g, beta fp32 [sumT, Hv]; state_pool fp32 [S, Hv, dk, dv];
     cu_seqlens int32 [B+1]; slots, snap_index int64 [B]; conv_snaps / rec_snaps: the snapshot rows of each state
-    when any snap_index >= 0; tile: (BLOCK_V, warps), default `gdn_recurrent.TILES[0]`. -> o [sumT, Hv, dv]."""
+    when any snap_index >= 0; max_t: the largest T_b (sizes the snapshot writer's token block); tile: (BLOCK_V,
+    warps), default `gdn_recurrent.TILES[0]`. -> o [sumT, Hv, dv]."""
     total, c = qkv.shape
     hv, dk, dv = state_pool.shape[1:]
     ck = conv_w.shape[-1]
@@ -216,7 +218,8 @@ def gdn_conv_recurrent(qkv: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch
         x, conv_w.contiguous(), g.float().contiguous(), beta.float().contiguous(), out, state_pool,
         state_pool if rec_snaps is None else rec_snaps, conv_pool, conv_pool if conv_snaps is None else conv_snaps,
         _counters(x.device, batch * hk), cu_seqlens, slots, snap_index, x.stride(0), hv, hk, hv // hk, dk, dv, c,
-        dk ** -0.5, CK=ck, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=warps, **pdl_kw(x.device))
+        dk ** -0.5, CK=ck, BLOCK_K=pow2(dk), BLOCK_V=bv, BLOCK_T=min(pow2(max(max_t, 1)), MAX_BLOCK_T),
+        num_warps=warps, **pdl_kw(x.device))
     return out
 
 
@@ -225,4 +228,5 @@ def compile_specs(act: str):
            "pool_ptr": "*fp32", "snap_ptr": "*fp32", "cpool_ptr": "*fp32", "csnap_ptr": "*fp32", "cnt_ptr": "*i32",
            "cu_ptr": "*i32", "slot_ptr": "*i64", "snapidx_ptr": "*i64", "sx_t": "i64", "Hv": "i32", "Hk": "i32",
            "REP": "i32", "DK": "i32", "DV": "i32", "C": "i32", "q_scale": "fp32"}
-    return [(gdn_conv_recurrent_kernel, sig, {"CK": 4, "BLOCK_K": 128, "BLOCK_V": bv}, w) for bv, w in TILES[:1]]
+    return [(gdn_conv_recurrent_kernel, sig, {"CK": 4, "BLOCK_K": 128, "BLOCK_V": bv, "BLOCK_T": bt}, w)
+            for bv, w in TILES[:1] for bt in (1, 4, MAX_BLOCK_T)]

@@ -159,6 +159,35 @@ def test_gdn_real_heads_gpu(dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("lens,snap", [([1, 1, 1], [False] * 3), ([4, 4], [True, False])], ids=["decode", "verify"])
+def test_gdn_conv_recurrent_real_heads_gpu(dtype, lens, snap):
+    """The fused conv + recurrence at the real head sizes (Hk 16, Hv 48, 128 x 128: 24 programs share each key
+    head's q / k windows) against the torch composition, 20 launches in a row on the same pools (a lost or
+    early window write, or an arrival counter left non-zero, would show up in a later launch)."""
+    ref, tri = TorchOps(), TritonOps()
+    hk, hv, d, c = 16, 48, 128, 10240
+    meta, _, _, n_snap = gdn_routing(lens, [1, 3, 0][:len(lens)], snap, "cuda")
+    conv = [torch.randn(4, 3, c, device="cuda") for _ in range(2)]
+    rec = [torch.randn(4, hv, d, d, device="cuda") * 0.1 for _ in range(2)]
+    conv[1].copy_(conv[0])
+    rec[1].copy_(rec[0])
+    cs = [torch.zeros(max(n_snap, 1), 3, c, device="cuda") for _ in range(2)]
+    rs = [torch.zeros(max(n_snap, 1), hv, d, d, device="cuda") for _ in range(2)]
+    w = torch.randn(c, 4, device="cuda") * 0.5
+    for i in range(20):
+        t = sum(lens)
+        qkv = torch.randn(t, c + 6144, device="cuda", dtype=dtype)[:, :c]
+        g, beta = ref.gdn_gates(torch.randn(t, hv, device="cuda"), torch.randn(t, hv, device="cuda"),
+                                torch.zeros(hv, device="cuda"), torch.zeros(hv, device="cuda"))
+        want = ref.gdn_conv_recurrent(qkv, w, conv[0], g, beta, rec[0], meta, cs[0], rs[0])
+        got = tri.gdn_conv_recurrent(qkv, w, conv[1], g, beta, rec[1], meta, cs[1], rs[1])
+        assert rel(got, want) <= GPU_KERNEL_TOL[dtype], i
+        for a, b in ((conv[1], conv[0]), (rec[1], rec[0]), (cs[1], cs[0]), (rs[1], rs[0])):
+            assert rel(a, b) <= 1e-5, i
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gdn_chunk_prefill_gpu(dtype):
     """fla's chunked kernel when importable, our recurrent kernel otherwise; either way == the reference."""
     ref, tri = TorchOps(), TritonOps()
@@ -185,11 +214,12 @@ def test_gates_branch_inline_outside_capture(monkeypatch):
     from ninfer_formats.errors import LoadError
     from ninfer_rt.backends import side_stream
     from ninfer_rt.weights import QWeight
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
-    w = QWeight.plain(torch.randn(12, 40, generator=gen), "in_ba")
-    A_log, dt = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    w = QWeight.plain(torch.randn(12, 40, generator=gen).to(dev), "in_ba")
+    A_log, dt = torch.randn(6, generator=gen).to(dev), torch.randn(6, generator=gen).to(dev)
     for t in (1, 17):
-        x = torch.randn(t, 40, generator=gen)
+        x = torch.randn(t, 40, generator=gen).to(dev)
         got, want = TritonOps().gdn_ba_gates_branch(x, w, A_log, dt).join(), TorchOps().gdn_ba_gates(x, w, A_log, dt)
         for a, b in zip(got, want):
             assert rel(a, b) <= 1e-5

@@ -176,7 +176,8 @@ class TritonOps(Ops):
             return super().gdn_conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, meta, conv_snapshots,
                                               snapshots)
         return gdn_conv_recurrent.gdn_conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, meta.cu_seqlens,
-                                                     meta.slots, meta.snap_index, conv_snapshots, snapshots)
+                                                     meta.slots, meta.snap_index, conv_snapshots, snapshots,
+                                                     max(meta.seq_lens, default=1))
 
     def gdn_chunk(self, q, k, v, g, beta, state_pool, meta: GdnMeta):
         if any(i >= 0 for i in meta.snap_index_host):
