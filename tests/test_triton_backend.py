@@ -182,8 +182,9 @@ def test_gdn_conv_recurrent_real_heads_gpu(dtype, lens, snap):
         want = ref.gdn_conv_recurrent(qkv, w, conv[0], g, beta, rec[0], meta, cs[0], rs[0])
         got = tri.gdn_conv_recurrent(qkv, w, conv[1], g, beta, rec[1], meta, cs[1], rs[1])
         assert rel(got, want) <= GPU_KERNEL_TOL[dtype], i
-        for a, b in ((conv[1], conv[0]), (rec[1], rec[0]), (cs[1], cs[0]), (rs[1], rs[0])):
-            assert rel(a, b) <= 1e-5, i
+        assert rel(conv[1], conv[0]) <= 1e-6 and rel(cs[1], cs[0]) <= 1e-6, i     # copies of x rows: exact
+        # the states compound 16-bit rounding differences of q / k / v over the launches
+        assert rel(rec[1], rec[0]) <= GPU_KERNEL_TOL[dtype] and rel(rs[1], rs[0]) <= GPU_KERNEL_TOL[dtype], i
 
 
 @gpu
