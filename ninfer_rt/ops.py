@@ -180,15 +180,17 @@ class Ops(ABC):
     def gdn_conv_recurrent(self, qkv: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, state_pool: torch.Tensor, meta: GdnMeta,
                            conv_snapshots: torch.Tensor | None = None,
-                           snapshots: torch.Tensor | None = None) -> torch.Tensor:
+                           snapshots: torch.Tensor | None = None) -> tuple[torch.Tensor, Branch]:
         """`causal_conv` of the q | k | v columns qkv [sumT, C] (C = 2 Hk dk + Hv dv, with Hv, dk, dv from
         state_pool), then `gdn_recurrent` of its q, k, v; both states and their snapshots as in those two ops.
-        Composed of them here; a backend may fuse them."""
+        -> (o, done): a backend may finish part of the state updates in a branch; `done.join()` before anything
+        reads the conv pool again (the caller joins at the end of its layer). Composed here (done at once)."""
         t, hv, dk, dv = qkv.shape[0], *state_pool.shape[1:]
         kd = (qkv.shape[1] - hv * dv) // 2
         q, k, v = self.causal_conv(qkv, conv_w, conv_pool, meta, conv_snapshots).split((kd, kd, hv * dv), dim=-1)
-        return self.gdn_recurrent(q.reshape(t, kd // dk, dk), k.reshape(t, kd // dk, dk), v.reshape(t, hv, dv),
-                                  g, beta, state_pool, meta, snapshots)
+        o = self.gdn_recurrent(q.reshape(t, kd // dk, dk), k.reshape(t, kd // dk, dk), v.reshape(t, hv, dv),
+                               g, beta, state_pool, meta, snapshots)
+        return o, Branch(None)
 
     @abstractmethod
     def gdn_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -163,7 +163,7 @@ def test_gdn_real_heads_gpu(dtype):
 def test_gdn_conv_recurrent_real_heads_gpu(dtype, lens, snap):
     """The fused conv + recurrence at the real head sizes (Hk 16, Hv 48, 128 x 128: 24 programs share each key
     head's q / k windows) against the torch composition, 20 launches in a row on the same pools (a lost or
-    early window write, or an arrival counter left non-zero, would show up in a later launch)."""
+    early window write would show up in a later launch)."""
     ref, tri = TorchOps(), TritonOps()
     hk, hv, d, c = 16, 48, 128, 10240
     meta, _, _, n_snap = gdn_routing(lens, [1, 3, 0][:len(lens)], snap, "cuda")
@@ -179,8 +179,9 @@ def test_gdn_conv_recurrent_real_heads_gpu(dtype, lens, snap):
         qkv = torch.randn(t, c + 6144, device="cuda", dtype=dtype)[:, :c]
         g, beta = ref.gdn_gates(torch.randn(t, hv, device="cuda"), torch.randn(t, hv, device="cuda"),
                                 torch.zeros(hv, device="cuda"), torch.zeros(hv, device="cuda"))
-        want = ref.gdn_conv_recurrent(qkv, w, conv[0], g, beta, rec[0], meta, cs[0], rs[0])
-        got = tri.gdn_conv_recurrent(qkv, w, conv[1], g, beta, rec[1], meta, cs[1], rs[1])
+        want = ref.gdn_conv_recurrent(qkv, w, conv[0], g, beta, rec[0], meta, cs[0], rs[0])[0]
+        got, done = tri.gdn_conv_recurrent(qkv, w, conv[1], g, beta, rec[1], meta, cs[1], rs[1])
+        done.join()
         assert rel(got, want) <= GPU_KERNEL_TOL[dtype], i
         assert rel(conv[1], conv[0]) <= 1e-6 and rel(cs[1], cs[0]) <= 1e-6, i     # copies of x rows: exact
         # the states compound 16-bit rounding differences of q / k / v over the launches
@@ -227,6 +228,10 @@ def test_gates_branch_inline_outside_capture(monkeypatch):
     assert side_stream.branch(lambda: 7).join() == 7
     monkeypatch.setenv("NINFER_BRANCH", "yes")
     with pytest.raises(LoadError, match="NINFER_BRANCH='yes'"):
+        TritonOps()
+    monkeypatch.setenv("NINFER_BRANCH", "1")
+    monkeypatch.setenv("NINFER_GDN_FUSED", "on")
+    with pytest.raises(ValueError, match="NINFER_GDN_FUSED='on'"):
         TritonOps()
 
 

@@ -65,6 +65,7 @@ class TritonOps(Ops):
         # the prefill switches are read per call; checking them here makes a bad value fail at startup
         prefill_attn.mode()
         side_stream.mode()
+        gdn_conv_recurrent.fused_on()
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
@@ -170,14 +171,17 @@ class TritonOps(Ops):
 
     def gdn_conv_recurrent(self, qkv, conv_w, conv_pool, g, beta, state_pool, meta: GdnMeta, conv_snapshots=None,
                            snapshots=None):
-        hv, dk, dv = state_pool.shape[1:]
-        hk = (qkv.shape[1] - hv * dv) // (2 * dk)
-        if not gdn_conv_recurrent.supported(len(meta.seq_lens), hk):
+        if not gdn_conv_recurrent.fused_on():
             return super().gdn_conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, meta, conv_snapshots,
                                               snapshots)
-        return gdn_conv_recurrent.gdn_conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, meta.cu_seqlens,
-                                                     meta.slots, meta.snap_index, conv_snapshots, snapshots,
-                                                     max(meta.seq_lens, default=1))
+        o = gdn_conv_recurrent.conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, meta.cu_seqlens,
+                                              meta.slots, meta.snap_index, conv_snapshots, snapshots)
+        # the q / k conv windows, which every program of a key head read: after the fused kernel, beside the
+        # layer's next kernels in a captured step
+        done = side_stream.branch(lambda: gdn_conv_recurrent.advance_qk_windows(
+            qkv, conv_pool, state_pool, meta.cu_seqlens, meta.slots, meta.snap_index, conv_snapshots,
+            max(meta.seq_lens, default=1)))
+        return o, done
 
     def gdn_chunk(self, q, k, v, g, beta, state_pool, meta: GdnMeta):
         if any(i >= 0 for i in meta.snap_index_host):

@@ -28,18 +28,22 @@ class GatedDeltaNet:
         gates = ops.gdn_ba_gates_branch(x, self.in_ba, self.A_log, self.dt_bias)
         qkv, z = ops.linear(x, self.in_qkvz).split((2 * kd + vd, vd), dim=-1)
         snap_conv = None if ctx.snap_conv is None else ctx.snap_conv[self.layer]
-        if len(ctx.gdn_groups) == 1 and ctx.gdn_groups[0][0] == "recurrent":     # decode / verify: one kernel
+        done = None
+        if len(ctx.gdn_groups) == 1 and ctx.gdn_groups[0][0] == "recurrent":     # decode / verify: fused
             meta = ctx.gdn_groups[0][1]
             snaps = None if ctx.snap_rec is None else ctx.snap_rec[self.layer]
-            o = ops.gdn_conv_recurrent(qkv, self.conv_w, pool.conv[self.layer], *gates.join(), pool.rec[self.layer],
-                                       meta, snap_conv, snaps)
+            o, done = ops.gdn_conv_recurrent(qkv, self.conv_w, pool.conv[self.layer], *gates.join(),
+                                             pool.rec[self.layer], meta, snap_conv, snaps)
         else:
             y = ops.causal_conv(qkv, self.conv_w, pool.conv[self.layer], ctx.gdn, snap_conv)
             q, k, v = y.split((kd, kd, vd), dim=-1)
             q, k, v = q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv)
             o = self._core(ops, (q, k, v, *gates.join()), ctx, pool.rec[self.layer])
         o = ops.gated_rmsnorm(o, z.reshape(t, nv, dv), self.norm_w, self.cfg.rms_norm_eps)
-        return self.tp.all_reduce(ops.linear(o.reshape(t, vd), self.out))
+        out = self.tp.all_reduce(ops.linear(o.reshape(t, vd), self.out))
+        if done is not None:
+            done.join()              # the conv windows are whole again before the step goes on
+        return out
 
     def _core(self, ops, args, ctx, state):
         snaps = None if ctx.snap_rec is None else ctx.snap_rec[self.layer]
