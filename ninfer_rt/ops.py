@@ -59,7 +59,8 @@ class GdnMeta:
 
 
 class Branch:
-    """The result of work started by `Ops.branch`; `join()` returns it once the caller's stream may use it."""
+    """Work an op may have started beside the caller's (`Ops.gdn_ba_gates_branch`, `Ops.gdn_conv_recurrent`):
+    `join()` returns its result once the caller's next ops may use it (here: at once)."""
 
     def __init__(self, value):
         self.value = value
@@ -72,7 +73,6 @@ class Ops(ABC):
     """Backend interface. `name` identifies the backend in logs and caches."""
 
     name: str = "abstract"
-
 
     # ---- dense ----
     @abstractmethod

@@ -1,10 +1,11 @@
-"""Parallel branches inside a captured step (`TritonOps.gdn_ba_gates_branch`).
+"""Parallel branches inside a captured step (`TritonOps.gdn_ba_gates_branch`, `TritonOps.gdn_conv_recurrent`).
 
 While a CUDA graph is being captured, `branch(fn)` runs fn's launches on a side stream forked from the
 capturing stream, so the graph holds them as a branch beside the caller's next kernels instead of one more link
-in the chain; `join()` makes the capturing stream wait for the branch. The decode step has one such branch per
-GDN layer: the b/a projection + gates read only the layer input, so they run beside the q/k/v/z GEMV rather than
-between it and the conv (one kernel boundary less on the step's critical path, bench/NOTES.md §17).
+in the chain; `join()` makes the capturing stream wait for the branch. A decode step has two per GDN layer: the
+b/a projection + gates, which read only the layer input, beside the q/k/v/z GEMV (one kernel boundary less on the
+step's critical path, bench/NOTES.md §17), and the q/k conv-window update behind the fused conv + recurrence,
+beside the gated norm and the out GEMV.
 
 fn must not launch a split-K GEMV: their workspace and arrival counters are one per device
 (`ninfer_kernels.gemv_launch`), so a GEMV on the side stream would race the one on the capturing stream.
@@ -14,7 +15,8 @@ fork would cost host time for nothing. NINFER_BRANCH=0 turns branches off everyw
 
 Memory: fn's outputs are allocated on the side stream; the caller frees them after use on its own stream. A
 block freed that way is reused only by later side-stream allocations, and every later fork first waits for the
-capturing stream, so no branch writes memory that an earlier consumer still reads.
+capturing stream, so no branch writes memory that an earlier consumer still reads. The caller keeps fn's inputs
+alive until it joins, so the capturing stream cannot reuse them while the branch reads them.
 """
 from __future__ import annotations
 

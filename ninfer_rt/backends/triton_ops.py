@@ -21,8 +21,7 @@ import torch
 
 from ninfer_formats.errors import LoadError
 from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_conv_recurrent, gdn_gates,
-                            gdn_recurrent,
-                            kv_write, rmsnorm, rope, sampling, silu_mul, x16)
+                            gdn_recurrent, kv_write, rmsnorm, rope, sampling, silu_mul, x16)
 from ninfer_kernels.ops_common import interpreting
 
 from ..ops import AttnMeta, Branch, GdnMeta, Ops
