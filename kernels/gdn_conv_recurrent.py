@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdn_recurrent import TILES
+from .gdn_recurrent import TILES, delta_step, program_coords
 from .ops_common import KernelInputError, pow2
 from .pdl import pdl_enter, pdl_kw
 
@@ -101,18 +101,8 @@ def gdn_conv_recurrent_kernel(x_ptr, cw_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, s
                               CK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                               PDL: tl.constexpr = 0):
     pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    vt = tl.program_id(2)
-    kh = h // REP
-    s0 = tl.load(cu_ptr + b)
-    T = tl.load(cu_ptr + b + 1) - s0
-    snap = tl.load(snapidx_ptr + b)
+    b, h, kh, s0, T, snap, dk, dv, k_ok, v_ok = program_coords(cu_ptr, snapidx_ptr, REP, DK, DV, BLOCK_K, BLOCK_V)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    dk = tl.arange(0, BLOCK_K)
-    dv = vt * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok = dk < DK
-    v_ok = dv < DV
     cq = kh * DK + dk
     ck = Hk * DK + cq
     cv = 2 * Hk * DK + h * DV + dv
@@ -143,12 +133,7 @@ def gdn_conv_recurrent_kernel(x_ptr, cw_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, s
         rq, rk, rv = _shift(rq, xq, CK), _shift(rk, xk, CK), _shift(rv, xv, CK)
         g = tl.load(g_ptr + tok * Hv + h)
         beta = tl.load(beta_ptr + tok * Hv + h)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        S = S * tl.exp(g)
-        delta = beta * (v - tl.sum(S * k[:, None], axis=0))
-        S = S + k[:, None] * delta[None, :]
-        o = tl.sum(S * q[:, None], axis=0)
+        S, o = delta_step(S, q, k, v, g, beta, q_scale)
         tl.store(o_ptr + (tok * Hv + h) * DV + dv, o.to(act), mask=v_ok)
         if snap >= 0:
             tl.store(snap_ptr + (snap + i).to(tl.int64) * Hv * DK * DV + head_base + tile, S, mask=tmask)

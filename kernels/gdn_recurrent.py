@@ -45,21 +45,37 @@ def _token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tok, live, kh, h, dk, dv
 
 
 @triton.jit
+def program_coords(cu_ptr, snapidx_ptr, REP, DK, DV, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's sequence b (first packed row s0, T new tokens, snapshot row snap), value head h and its key
+    head kh, and its dk / dv index vectors with their masks."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s0 = tl.load(cu_ptr + b)
+    T = tl.load(cu_ptr + b + 1) - s0
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    return b, h, h // REP, s0, T, tl.load(snapidx_ptr + b), dk, dv, dk < DK, dv < DV
+
+
+@triton.jit
+def delta_step(S, q, k, v, g, beta, q_scale):
+    """One token on this program's fp32 state tile S [dk, BLOCK_V]: q, k l2-normalised (q also scaled), then
+    S = exp(g) S; S += k (beta (v - S^T k))^T. -> (S, o = S^T q)."""
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    S = S * tl.exp(g)
+    delta = beta * (v - tl.sum(S * k[:, None], axis=0))
+    S = S + k[:, None] * delta[None, :]
+    return S, tl.sum(S * q[:, None], axis=0)
+
+
+@triton.jit
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, snap_ptr,
                          cu_ptr, slot_ptr, snapidx_ptr,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv, REP, DK, DV, q_scale,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    kh = h // REP
-    s0 = tl.load(cu_ptr + b)
-    T = tl.load(cu_ptr + b + 1) - s0
-    snap = tl.load(snapidx_ptr + b)
-    dk = tl.arange(0, BLOCK_K)
-    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok = dk < DK
-    v_ok = dv < DV
+    b, h, kh, s0, T, snap, dk, dv, k_ok, v_ok = program_coords(cu_ptr, snapidx_ptr, REP, DK, DV, BLOCK_K, BLOCK_V)
     tile = dk[:, None] * DV + dv[None, :]
     tmask = k_ok[:, None] & v_ok[None, :]
     head_base = h.to(tl.int64) * DK * DV
@@ -75,12 +91,7 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, 
         ahead = (s0 + i + 1).to(tl.int64)                        # not live past the last token
         nxt = _token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ahead, i + 1 < T, kh, h, dk, dv, k_ok, v_ok,
                             sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        S = S * tl.exp(g)
-        delta = beta * (v - tl.sum(S * k[:, None], axis=0))
-        S = S + k[:, None] * delta[None, :]
-        o = tl.sum(S * q[:, None], axis=0)
+        S, o = delta_step(S, q, k, v, g, beta, q_scale)
         tl.store(o_ptr + (tok * Hv + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
         if snap >= 0:
             tl.store(snap_ptr + (snap + i).to(tl.int64) * Hv * DK * DV + head_base + tile, S, mask=tmask)
