@@ -232,8 +232,8 @@ def test_graph_replay_equals_eager_gpu(nvfp4_path, pdl, monkeypatch):
     """Captured graphs replayed with fresh metadata give the eager runner's tokens (bf16, Triton kernels); also
     with every kernel of the graphed model launched programmatically dependent (NINFER_PDL=1: sm_90+,
     ninfer_kernels.pdl) against plain eager launches, where a kernel that read or wrote before its wait would
-    race its predecessor. The captured steps hold the GDN gates as side-stream branches (NINFER_BRANCH default),
-    the eager ones run them in line."""
+    race its predecessor. The captured steps hold the GDN gates and the q/k conv-window updates as side-stream
+    branches (NINFER_BRANCH default), the eager ones run them in line."""
     from ninfer_rt.backends.triton_ops import TritonOps
     models = [_model(nvfp4_path, TritonOps(), "cuda", torch.bfloat16) for _ in range(2)]
     cfg = {"batch_sizes": (1, 2), "tokens": (1, 3), "mtp_tokens": (1,), "kv_buckets": (32, 64)}

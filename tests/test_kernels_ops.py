@@ -298,7 +298,6 @@ def test_gdn_recurrent(dtype, lens, snapshot):
         assert rel(snaps[:n_snap], want_snaps[:n_snap]) <= TOL[torch.float32]
 
 
-
 def _convrec_case(lens, snapshot, dtype, alias):
     """qkv rows (a row-strided view, as the q|k|v columns of the fused projection), conv taps, gates and both
     state pools with NaN rows nobody owns; alias: the snapshot rows are rows of the pools themselves and the
@@ -319,7 +318,7 @@ def _convrec_case(lens, snapshot, dtype, alias):
     else:
         csnap = torch.full((n_snap + 1, CK - 1, c), float("nan"), device=DEV)
         rsnap = torch.full((n_snap + 1, HV, DK, DV), float("nan"), device=DEV)
-    full, _, snap, _ = gdn_routing(list(lens), slots, list(snapshot), DEV)
+    full = gdn_routing(list(lens), slots, list(snapshot), DEV)[0]
     if alias:
         shifted = torch.where(full.snap_index >= 0, full.snap_index + 4, full.snap_index)
         full = type(full)(**{**full.__dict__, "snap_index": shifted,
@@ -350,6 +349,7 @@ def test_gdn_conv_recurrent(dtype, lens, snapshot, alias):
     for a, b in ((cpool, want_c), (rpool, want_r), (csnap, want_cs), (rsnap, want_rs)):
         assert torch.equal(torch.isnan(a), torch.isnan(b)), "a state row written that the reference leaves alone"
         assert rel(torch.nan_to_num(a), torch.nan_to_num(b)) <= TOL[dtype]
+
 
 def test_gdn_chunk_matches_reference():
     """Prefill through the backend (CPU / fp32: the token-by-token kernel over the chunk)."""

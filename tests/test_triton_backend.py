@@ -208,7 +208,6 @@ def test_gdn_chunk_prefill_gpu(dtype):
     assert rel(pools[1], pools[0]) <= GPU_CHUNK_TOL[dtype]
 
 
-
 def test_gates_branch_inline_outside_capture(monkeypatch):
     """Outside CUDA-graph capture (always on the CPU) the gates branch is the plain call: the same (g, beta) as
     the torch backend, for the fused kernel's T and for a T it composes; a bad NINFER_BRANCH is a one-line error
