@@ -203,8 +203,12 @@ def conv_recurrent(qkv: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
                    beta: torch.Tensor, state_pool: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
                    snap_index: torch.Tensor, conv_snaps: torch.Tensor | None = None,
                    rec_snaps: torch.Tensor | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
-    """The fused kernel alone: o, the recurrent states and the v columns' conv windows; the q / k windows are left
-    for `advance_qk_windows`, which must run after it (and before anything reads them)."""
+    """qkv [sumT, C] (the q | k | v columns of the projection, C = 2 Hk dk + Hv dv; may be a row-strided view);
+    conv_w [C, ck]; conv_pool fp32 [S, ck-1, C]; g, beta fp32 [sumT, Hv]; state_pool fp32 [S, Hv, dk, dv];
+    cu_seqlens int32 [B+1]; slots, snap_index int64 [B]; conv_snaps / rec_snaps: the snapshot rows of each state
+    when any snap_index >= 0; tile: (BLOCK_V, warps), default `gdn_recurrent.TILES[0]`. -> o [sumT, Hv, dv].
+    Writes the recurrent states and the v columns' conv windows; the q / k windows are left for
+    `advance_qk_windows`, which must run after it (and before anything reads them)."""
     hk, hv, dk, dv, ck = _checked(qkv, conv_w, conv_pool, g, beta, state_pool, conv_snaps, rec_snaps)
     total, c = qkv.shape
     batch = cu_seqlens.numel() - 1
@@ -237,22 +241,6 @@ def advance_qk_windows(qkv: torch.Tensor, conv_pool: torch.Tensor, state_pool: t
     conv_window_kernel[(batch, triton.cdiv(n_ch, WINDOW_BLOCK_C))](
         x, conv_pool, conv_pool if conv_snaps is None else conv_snaps, cu_seqlens, slots, snap_index, c, n_ch,
         x.stride(0), CK=ck, BLOCK_T=_block_t(max_t), BLOCK_C=WINDOW_BLOCK_C, num_warps=1, **pdl_kw(x.device))
-
-
-def gdn_conv_recurrent(qkv: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, state_pool: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                       snap_index: torch.Tensor, conv_snaps: torch.Tensor | None = None,
-                       rec_snaps: torch.Tensor | None = None, max_t: int = 1,
-                       tile: tuple[int, int] | None = None) -> torch.Tensor:
-    """qkv [sumT, C] (the q | k | v columns of the projection, C = 2 Hk dk + Hv dv; may be a row-strided view);
-    conv_w [C, ck]; conv_pool fp32 [S, ck-1, C]; g, beta fp32 [sumT, Hv]; state_pool fp32 [S, Hv, dk, dv];
-    cu_seqlens int32 [B+1]; slots, snap_index int64 [B]; conv_snaps / rec_snaps: the snapshot rows of each state
-    when any snap_index >= 0; max_t: the largest T_b; tile: (BLOCK_V, warps), default `gdn_recurrent.TILES[0]`.
-    Both kernels in order. -> o [sumT, Hv, dv]."""
-    out = conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, cu_seqlens, slots, snap_index, conv_snaps,
-                         rec_snaps, tile)
-    advance_qk_windows(qkv, conv_pool, state_pool, cu_seqlens, slots, snap_index, conv_snaps, max_t)
-    return out
 
 
 def compile_specs(act: str):
