@@ -12,6 +12,11 @@ The host fixes the number of splits (from the largest context it serves: a CUDA 
 program sizes its piece from the sequence's actual length on the device (at least `min_split` keys), so a 1K
 context in a graph captured for 32K still spreads over the splits instead of leaving most of them idle. Splits
 past the keys write only a log-sum-exp of -inf, which the combine skips.
+
+Output gate (`gated_attention`): where the output is stored (the combine, or the single-split store) it is
+multiplied by sigmoid(gate) after rounding to the activation dtype, exactly as `sigmoid_mul` of the stored
+attention output would; the combine also writes the gated rows' prepared form (`ninfer_kernels.x16`) for the
+o_proj GEMV when D is a multiple of 128. One launch (sigmoid_mul's) fewer per attention layer.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import triton.language as tl
 
 from .ops_common import KernelInputError, dot_precision, num_sms, pow2
 from .pdl import pdl_enter, pdl_kw
+from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
 
 BLOCK_N = 32              # keys per inner step
 MAX_BLOCK_M = 64          # query rows per program
@@ -29,11 +35,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_ptr, bt_ptr,
-                    sq_t, sq_h, so_t, so_h, sk_s, sk_h, sv_s, sv_h, bt_stride, total_rows,
+def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_ptr, bt_ptr, g_ptr,
+                    sq_t, sq_h, so_t, so_h, sk_s, sk_h, sv_s, sv_h, bt_stride, sg_t, sg_h, total_rows,
                     Hk, G, n_mblocks, min_split, scale_log2, D,
                     PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = 0):
+                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr = 0,
+                    PDL: tl.constexpr = 0):
     pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -97,13 +104,23 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
                 tl.store(po_ptr + (prow * D)[:, None] + d[None, :], out, mask=omask)
             tl.store(plse_ptr + prow, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=row_ok)
         else:
-            tl.store(o_ptr + (tok * so_t + head * so_h)[:, None] + d[None, :],
-                     out.to(o_ptr.dtype.element_ty), mask=omask)
+            y = out.to(o_ptr.dtype.element_ty)
+            if GATE:
+                y = _gated(y, g_ptr + (tok * sg_t + head * sg_h)[:, None] + d[None, :], omask)
+            tl.store(o_ptr + (tok * so_t + head * so_h)[:, None] + d[None, :], y, mask=omask)
 
 
 @triton.jit
-def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, so_t, so_h, n_splits, total_rows, Hq, D,
-                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+def _gated(y, g_ptrs, mask):
+    """y * sigmoid(gate) in fp32, rounded to y's dtype (`silu_mul.sigmoid_mul` of the stored y)."""
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return (y.to(tl.float32) * tl.sigmoid(g)).to(y.dtype)
+
+
+@triton.jit
+def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, g_ptr, xp_ptr, so_t, so_h, sg_t, sg_h, s_xp, n_splits, total_rows,
+                        Hq, D, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GATE: tl.constexpr = 0,
+                        XP: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """Merge the splits of one (token, head), BLOCK_S splits per load: each chunk is one vector load of the
     log-sum-exps and one [BLOCK_S, BLOCK_D] load of the partials (a split-at-a-time loop waited on two dependent
     loads per split, ~8 us at 17 splits on the H200)."""
@@ -128,7 +145,12 @@ def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, so_t, so_h, n_splits, total_row
         # a split without keys for this row wrote no partial output (stale memory): not even loaded
         live = (lse > float("-inf"))[:, None] & d_ok[None, :]
         acc += tl.sum(w[:, None] * tl.load(po_ptr + (row * D)[:, None] + d[None, :], mask=live, other=0.0), axis=0)
-    tl.store(o_ptr + tok * so_t + h * so_h + d, (acc / tl.sum(den, axis=0)).to(o_ptr.dtype.element_ty), mask=d_ok)
+    y = (acc / tl.sum(den, axis=0)).to(o_ptr.dtype.element_ty)
+    if GATE:
+        y = _gated(y, g_ptr + tok * sg_t + h * sg_h + d, d_ok)
+    tl.store(o_ptr + tok * so_t + h * so_h + d, y, mask=d_ok)
+    if XP:          # the token's row of the o_proj input is its Hq heads' D outputs; this program owns D of them
+        store_prepared(y.to(tl.float32), xp_ptr + tok * s_xp, h * D, D, Hq * D)
 
 
 COMBINE_SPLITS = 16       # splits per load in attn_combine_kernel
@@ -160,6 +182,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     min_split: int = MIN_SPLIT_KEYS) -> torch.Tensor:
     """q [sumT, Hq, D]; k/v_cache [num_pages, page_size, Hk, D]; cu_seqlens int32 [B+1]; kv_lens int32 [B]
     (cached tokens including the new ones); block_tables int32 [B, max_pages]. Returns [sumT, Hq, D]."""
+    return _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scale, max_q_len, max_kv_len,
+                num_splits, min_split, None, None)[0]
+
+
+def gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
+                    kv_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int, scale: float,
+                    max_q_len: int, max_kv_len: int, gate: torch.Tensor, xp: torch.Tensor | None = None,
+                    num_splits: int | None = None, min_split: int = MIN_SPLIT_KEYS):
+    """`paged_attention` times sigmoid(gate) (gate [sumT, Hq, D], a strided view with unit last stride or not)
+    -> (out [sumT, Hq, D], xp or None): the prepared form of out's rows [sumT, Hq * D] goes into xp (int32
+    [sumT, words_per_row(Hq * D)]) when the combine runs and D is a multiple of 128; None says it was not
+    written (the single-split path stores [rows of heads] without it)."""
+    if gate.shape != q.shape:
+        raise KernelInputError(f"attention: gate {tuple(gate.shape)} does not match q {tuple(q.shape)}")
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    return _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scale, max_q_len, max_kv_len,
+                num_splits, min_split, gate, xp)
+
+
+def _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scale, max_q_len, max_kv_len,
+         num_splits, min_split, gate, xp):
     total, hq, d = q.shape
     hk = k_cache.shape[2]
     if hq % hk or k_cache.shape[1] != page_size or k_cache.shape[3] != d or v_cache.shape != k_cache.shape:
@@ -171,7 +215,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = cu_seqlens.numel() - 1
     if total == 0 or batch == 0:
-        return out
+        return out, None
     g = hq // hk
     block_m, n_mblocks, splits = plan(batch, hk, g, max_q_len, max_kv_len, q.device, num_splits)
     if splits > 1:
@@ -180,29 +224,41 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         po = plse = out
     block_d = pow2(d, 16)
+    gt, sg = (gate, gate.stride()[:2]) if gate is not None else (out, (0, 0))
     attn_fwd_kernel[(batch * hk * n_mblocks, splits)](
-        q, k_cache, v_cache, out, po, plse, cu_seqlens, kv_lens, block_tables,
+        q, k_cache, v_cache, out, po, plse, cu_seqlens, kv_lens, block_tables, gt,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), total, hk, g, n_mblocks, max(1, min_split),
-        float(scale) * LOG2E, d, PAGE=page_size, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        SPLIT=splits > 1, PREC=dot_precision(q.dtype), num_warps=_warps(block_m, block_d), **pdl_kw(q.device))
-    if splits > 1:
-        attn_combine_kernel[(total, hq)](po, plse, out, out.stride(0), out.stride(1), splits, total, hq, d,
-                                         BLOCK_D=block_d, BLOCK_S=COMBINE_SPLITS,
-                                         num_warps=max(1, min(4, block_d // 64)), **pdl_kw(out.device))
-    return out
+        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), sg[0], sg[1], total, hk, g, n_mblocks,
+        max(1, min_split), float(scale) * LOG2E, d, PAGE=page_size, BLOCK_D=block_d, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, SPLIT=splits > 1, PREC=dot_precision(q.dtype), GATE=gate is not None,
+        num_warps=_warps(block_m, block_d), **pdl_kw(q.device))
+    if splits == 1:
+        return out, None
+    xp = xp if d % CHUNK == 0 else None
+    if xp is not None:
+        check_prepared_out(xp, total, hq * d, q.device, "attention")
+    xp_ptr, s_xp = prepared_out_args(xp, out)
+    attn_combine_kernel[(total, hq)](po, plse, out, gt, xp_ptr, out.stride(0), out.stride(1), sg[0], sg[1], s_xp,
+                                     splits, total, hq, d, BLOCK_D=block_d, BLOCK_S=COMBINE_SPLITS,
+                                     GATE=gate is not None, XP=xp is not None,
+                                     num_warps=max(1, min(4, block_d // 64)), **pdl_kw(out.device))
+    return out, xp
 
 
 def compile_specs(act: str):
     fwd = {"q_ptr": f"*{act}", "k_ptr": f"*{act}", "v_ptr": f"*{act}", "o_ptr": f"*{act}", "po_ptr": "*fp32",
-           "plse_ptr": "*fp32", "cu_ptr": "*i32", "kvlen_ptr": "*i32", "bt_ptr": "*i32",
-           **{n: "i64" for n in ("sq_t", "sq_h", "so_t", "so_h", "sk_s", "sk_h", "sv_s", "sv_h", "bt_stride")},
+           "plse_ptr": "*fp32", "cu_ptr": "*i32", "kvlen_ptr": "*i32", "bt_ptr": "*i32", "g_ptr": f"*{act}",
+           **{n: "i64" for n in ("sq_t", "sq_h", "so_t", "so_h", "sk_s", "sk_h", "sv_s", "sv_h", "bt_stride",
+                                 "sg_t", "sg_h")},
            "total_rows": "i32", "Hk": "i32", "G": "i32", "n_mblocks": "i32", "min_split": "i32",
            "scale_log2": "fp32", "D": "i32"}
-    comb = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "o_ptr": f"*{act}", "so_t": "i64", "so_h": "i64",
-            "n_splits": "i32", "total_rows": "i32", "Hq": "i32", "D": "i32"}
+    comb = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "o_ptr": f"*{act}", "g_ptr": f"*{act}", "xp_ptr": "*i32",
+            "so_t": "i64", "so_h": "i64", "sg_t": "i64", "sg_h": "i64", "s_xp": "i64", "n_splits": "i32",
+            "total_rows": "i32", "Hq": "i32", "D": "i32"}
     prec = "ieee" if act == "fp32" else "tf32"
-    return [(attn_fwd_kernel, fwd, {"PAGE": 16, "BLOCK_D": 256, "BLOCK_M": bm, "BLOCK_N": BLOCK_N,
-                                    "SPLIT": sp, "PREC": prec}, _warps(bm, 256)) for bm, sp in ((16, True), (64, False))] + \
-           [(attn_combine_kernel, comb, {"BLOCK_D": 256, "BLOCK_S": COMBINE_SPLITS})]
+    return [(attn_fwd_kernel, fwd, {"PAGE": 16, "BLOCK_D": 256, "BLOCK_M": bm, "BLOCK_N": BLOCK_N, "SPLIT": sp,
+                                    "PREC": prec, "GATE": gt}, _warps(bm, 256))
+            for bm, sp, gt in ((16, True, False), (64, False, False), (64, False, True))] + \
+           [(attn_combine_kernel, comb, {"BLOCK_D": 256, "BLOCK_S": COMBINE_SPLITS, "GATE": gt, "XP": gt})
+            for gt in (False, True)]
 

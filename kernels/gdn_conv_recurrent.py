@@ -170,9 +170,9 @@ def conv_window_kernel(x_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr,
 
 
 def fused_on() -> bool:
-    """NINFER_GDN_FUSED: '1' (default) runs decode / verify through these kernels, '0' through causal_conv +
-    gdn_recurrent (a comparison switch); anything else is a one-line error naming the variable."""
-    v = os.environ.get(FUSED_ENV, "1")
+    """NINFER_GDN_FUSED: '1' runs decode / verify through these kernels, '0' (default: measured faster on the H200,
+    bench/NOTES.md §18) through causal_conv + gdn_recurrent; anything else is a one-line error naming the variable."""
+    v = os.environ.get(FUSED_ENV, "0")
     if v not in ("1", "0"):
         raise KernelInputError(f"{FUSED_ENV}={v!r}: expected 1 or 0")
     return v == "1"

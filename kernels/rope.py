@@ -10,7 +10,9 @@ j < 3 * section[1], row 2 if j % 3 == 2 and j < 3 * section[2], else row 0. Text
 code path with a zero row stride.
 
 With `norm` the heads are RMS-normalised ((1 + w) gains, the attention's q/k norms) before the rotation, in
-the same program: one launch instead of three for the attention layer's q/k preparation.
+the same program: one launch instead of three for the attention layer's q/k preparation. With `store`
+(`qk_norm_rope_store`) the rotated k heads go straight into the paged KV cache at the tokens' slots, and the k
+heads' programs copy v there too: the cache store without a launch of its own (negative slots: not stored).
 """
 from __future__ import annotations
 
@@ -26,12 +28,18 @@ _INV_FREQ: dict = {}
 
 
 @triton.jit
-def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, Hq, Hk, sq_t, sq_h, sk_t, sk_h,
-                pos_row, sec1, sec2, D, eps,
+def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, v_ptr, vc_ptr, slot_ptr, Hq, Hk,
+                sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, pos_row, sec1, sec2, D, eps,
                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                BLOCK_H: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = 0):
+                BLOCK_H: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr = 16,
+                PDL: tl.constexpr = 0):
+    """STORE: ko_ptr is the K cache [slots, Hk, D], vc_ptr the V cache, k head rows go to slot_ptr[t]."""
     pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0).to(tl.int64)
+    if STORE:
+        krow = tl.load(slot_ptr + t).to(tl.int64)
+    else:
+        krow = t
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_HALF)
     jm = j < HALF
@@ -45,9 +53,9 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
     ok = h < Hq + Hk
     # q and k heads share one tile; a row's source/destination is chosen per head
     src = tl.where(is_q, t * sq_t + h * sq_h, t * sk_t + hk * sk_h)[:, None]
-    dst = tl.where(is_q, (t * Hq + h) * D, (t * Hk + hk) * D)[:, None]
+    dst = tl.where(is_q, (t * Hq + h) * D, (krow * Hk + hk) * D)[:, None]
     mq = (is_q & ok)[:, None]
-    mk = ((~is_q) & ok)[:, None]
+    mk = ((~is_q) & ok & ((h * 0 + krow) >= 0))[:, None]       # a vector compare: negative slot, no store
     m2 = jm[None, :]
     jj = j[None, :]
     p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
@@ -63,9 +71,14 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
         x1 = _norm(x1, inv, qw_ptr, kw_ptr, jj, isq, m2, qo_ptr)
         x2 = _norm(x2, inv, qw_ptr, kw_ptr, jj + HALF, isq, m2, qo_ptr)
         xp = _norm(xp, inv, qw_ptr, kw_ptr, p, isq, pm, qo_ptr)
-    _st(qo_ptr, ko_ptr, dst + jj, x1 * cos - x2 * sin, mq & m2, mk & m2)
-    _st(qo_ptr, ko_ptr, dst + jj + HALF, x2 * cos + x1 * sin, mq & m2, mk & m2)
-    _st(qo_ptr, ko_ptr, dst + p, xp, mq & pm, mk & pm)
+    _st(qo_ptr, k_ptr, ko_ptr, dst + jj, x1 * cos - x2 * sin, mq & m2, mk & m2)
+    _st(qo_ptr, k_ptr, ko_ptr, dst + jj + HALF, x2 * cos + x1 * sin, mq & m2, mk & m2)
+    _st(qo_ptr, k_ptr, ko_ptr, dst + p, xp, mq & pm, mk & pm)
+    if STORE:
+        dd = tl.arange(0, BLOCK_D)[None, :]
+        mv = mk & (dd < D)
+        v = tl.load(v_ptr + (t * sv_t + hk * sv_h)[:, None] + dd, mask=mv)
+        tl.store(vc_ptr + dst + dd, v.to(vc_ptr.dtype.element_ty), mask=mv)
 
 
 @triton.jit
@@ -83,9 +96,10 @@ def _ld(q_ptr, k_ptr, off, mq, mk):
 
 
 @triton.jit
-def _st(qo_ptr, ko_ptr, off, val, mq, mk):
+def _st(qo_ptr, k_ptr, ko_ptr, off, val, mq, mk):
+    """k is rounded to its own dtype first, as an unfused rotation followed by a cache store would."""
     tl.store(qo_ptr + off, val.to(qo_ptr.dtype.element_ty), mask=mq)
-    tl.store(ko_ptr + off, val.to(ko_ptr.dtype.element_ty), mask=mk)
+    tl.store(ko_ptr + off, val.to(k_ptr.dtype.element_ty).to(ko_ptr.dtype.element_ty), mask=mk)
 
 
 def inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
@@ -101,6 +115,42 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: 
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hk, D] -> rotated copies (contiguous, same dtypes). norm = (q_w, k_w, eps): each
     head is first RMS-normalised with the (1 + w) gains q_w / k_w [D] (fp32) -- the q/k norms in one launch."""
+    return _launch(q, k, positions, rotary_dim, theta, mrope_section, norm, None)
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       rotary_dim: int, theta: float, mrope_section: tuple[int, ...] | None, norm: tuple,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`rope(..., norm=norm)` whose rotated k, and v [T, Hk, D], go into k_cache / v_cache [num_pages, page_size,
+    Hk, D] at the flat slots slot_mapping [T] (as `kv_write`; negative slots skipped); returns the rotated q."""
+    t, hk, d = k.shape
+    if v.shape != k.shape or k_cache.shape[2:] != (hk, d) or v_cache.shape != k_cache.shape:
+        raise KernelInputError(f"qk_norm_rope_store: k {tuple(k.shape)} v {tuple(v.shape)} cache "
+                               f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelInputError("qk_norm_rope_store: the KV caches must be contiguous")
+    if slot_mapping.numel() != t:
+        raise KernelInputError(f"qk_norm_rope_store: {slot_mapping.numel()} slots for {t} tokens")
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    return _launch(q, k, positions, rotary_dim, theta, mrope_section, norm,
+                   (v, k_cache, v_cache, slot_mapping))[0]
+
+
+def _positions(positions: torch.Tensor, rotary_dim: int, mrope_section, t: int):
+    """(positions, their axis-row stride, MRoPE sections 1 and 2)."""
+    if positions.dim() == 1:
+        pos, row, sec = positions.contiguous(), 0, (0, 0)
+    else:
+        pos = positions.contiguous()
+        row = pos.stride(0)
+        s = tuple(mrope_section) if mrope_section else (rotary_dim // 2, 0, 0)
+        sec = (s[1], s[2])
+    if pos.shape[-1] != t:
+        raise KernelInputError(f"rope: positions {tuple(positions.shape)} do not cover {t} tokens")
+    return pos, row, sec
+
+
+def _launch(q, k, positions, rotary_dim, theta, mrope_section, norm, store):
     t, hq, d = q.shape
     hk = k.shape[1]
     if rotary_dim % 2 or not 0 < rotary_dim <= d or k.shape[0] != t or k.shape[2] != d:
@@ -112,33 +162,30 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: 
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
-    qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if positions.dim() == 1:
-        pos, row, sec = positions.contiguous(), 0, (0, 0)
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    pos, row, sec = _positions(positions, rotary_dim, mrope_section, t)
+    if store is None:
+        ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        v, vc, slots = k, k, pos                                    # unread without STORE
     else:
-        pos = positions.contiguous()
-        row = pos.stride(0)
-        s = tuple(mrope_section) if mrope_section else (rotary_dim // 2, 0, 0)
-        sec = (s[1], s[2])
-    if pos.shape[-1] != t:
-        raise KernelInputError(f"rope: positions {tuple(positions.shape)} do not cover {t} tokens")
-    half = rotary_dim // 2
+        v, ko, vc, slots = store
     if t:
         block_h = min(HEADS_PER_PROGRAM, pow2(hq + hk))
-        grid = (t, triton.cdiv(hq + hk, block_h))
         inv = inv_freq(rotary_dim, theta, q.device)
         qw, kw, eps = norm if norm is not None else (inv, inv, 0.0)    # gains unread without NORM
-        rope_kernel[grid](q, k, qo, ko, pos, inv, qw, kw, hq, hk,
-                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), row, sec[0], sec[1], d, float(eps),
-                          HALF=half, BLOCK_HALF=pow2(half), BLOCK_PASS=pow2(d - rotary_dim),
-                          BLOCK_H=block_h, NORM=norm is not None, num_warps=4, **pdl_kw(q.device))
-    return qo, ko
+        rope_kernel[(t, triton.cdiv(hq + hk, block_h))](
+            q, k, qo, ko, pos, inv, qw, kw, v, vc, slots, hq, hk, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), row, sec[0], sec[1], d, float(eps), HALF=rotary_dim // 2,
+            BLOCK_HALF=pow2(rotary_dim // 2), BLOCK_PASS=pow2(d - rotary_dim), BLOCK_H=block_h,
+            NORM=norm is not None, STORE=store is not None, BLOCK_D=pow2(d), num_warps=4, **pdl_kw(q.device))
+    return qo, (ko if store is None else None)
 
 
 def compile_specs(act: str):
     sig = {"q_ptr": f"*{act}", "k_ptr": f"*{act}", "qo_ptr": f"*{act}", "ko_ptr": f"*{act}", "pos_ptr": "*i64",
-           "inv_ptr": "*fp32", "qw_ptr": "*fp32", "kw_ptr": "*fp32", "Hq": "i32", "Hk": "i32", "sq_t": "i64",
-           "sq_h": "i64", "sk_t": "i64", "sk_h": "i64", "pos_row": "i64", "sec1": "i32", "sec2": "i32", "D": "i32",
-           "eps": "fp32"}
+           "inv_ptr": "*fp32", "qw_ptr": "*fp32", "kw_ptr": "*fp32", "v_ptr": f"*{act}", "vc_ptr": f"*{act}",
+           "slot_ptr": "*i64", "Hq": "i32", "Hk": "i32", "sq_t": "i64", "sq_h": "i64", "sk_t": "i64", "sk_h": "i64",
+           "sv_t": "i64", "sv_h": "i64", "pos_row": "i64", "sec1": "i32", "sec2": "i32", "D": "i32", "eps": "fp32"}
     return [(rope_kernel, sig, {"HALF": 32, "BLOCK_HALF": 32, "BLOCK_PASS": 256, "BLOCK_H": HEADS_PER_PROGRAM,
-                                "NORM": n}) for n in (False, True)]
+                                "NORM": n, "STORE": st, "BLOCK_D": 256}) for n, st in ((False, False), (True, False),
+                                                                                      (True, True))]

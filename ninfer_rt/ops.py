@@ -129,6 +129,16 @@ class Ops(ABC):
                  slot_mapping: torch.Tensor) -> None:
         """Store k, v [T, Hk, D] at flat slots of k_cache/v_cache [num_pages, page_size, Hk, D] (in place)."""
 
+    def qk_norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor,
+                           k_w: torch.Tensor, eps: float, positions: torch.Tensor, rotary_dim: int, theta: float,
+                           mrope_section: tuple[int, ...] | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> torch.Tensor:
+        """`qk_norm_rope`, then `kv_write` of the rotated k and of v; returns the rotated q. Composed here; a
+        backend may fuse it (the attention layer's q/k preparation and cache store in one launch)."""
+        q, k = self.qk_norm_rope(q, k, q_w, k_w, eps, positions, rotary_dim, theta, mrope_section)
+        self.kv_write(k_cache, v_cache, k, v, slot_mapping)
+        return q
+
     @abstractmethod
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                   scale: float) -> torch.Tensor:
@@ -138,6 +148,12 @@ class Ops(ABC):
         positions 0..that position (the new tokens' K/V must already be written). Q head h reads KV head
         h // (Hq / Hk). Softmax in fp32.
         """
+
+    def gated_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                        scale: float, gate: torch.Tensor) -> torch.Tensor:
+        """`attention`, then `sigmoid_gate` with gate [sumT, Hq, D] (a strided view): [sumT, Hq, D]. Composed
+        here; a backend may apply the gate where the attention output is stored."""
+        return self.sigmoid_gate(self.attention(q, k_cache, v_cache, meta, scale), gate)
 
     # ---- gated deltanet ----
     @abstractmethod

@@ -144,6 +144,31 @@ def test_kv_write_exact_with_strided_v():
     assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("padded", [False, True], ids=["slots", "padding-slot"])
+def test_qk_norm_rope_store(dtype, padded):
+    """Norms + rotation + cache store in one launch against the unfused ops: the same q, and the caches hold
+    the rotated k and the (strided) v at the slots; a negative slot (a padding token) stores nothing; head dim
+    40, a cache slot of 16 x 2 heads."""
+    t, hq, hk, d = 3, 3, 2, 40
+    q = rnd(t, hq, 2 * d, dtype=dtype, scale=3.0)[..., :d]
+    k = rnd(t, hk, d, dtype=dtype, seed=1)
+    v = rnd(t, 2 * hk * d + 5, dtype=dtype, seed=4)[:, hk * d:2 * hk * d].view(t, hk, d)
+    qw, kw = rnd(d, seed=2, scale=0.3), rnd(d, seed=3, scale=0.3)
+    pos = torch.tensor([[5, 6, 9], [5, 7, 8], [5, 3, 9]], device=DEV)
+    slots = torch.tensor([17, -1 if padded else 3, 79], device=DEV)
+    caches = [torch.full((5, 16, hk, d), float("nan"), dtype=dtype, device=DEV) for _ in range(4)]
+    ref = TRI if padded else REF         # the torch reference's index_copy_ takes no negative slot
+    want = ref.qk_norm_rope(q, k, qw, kw, 1e-6, pos, 16, 1e7, (4, 2, 2))
+    ref.kv_write(caches[0], caches[1], want[1], v, slots)
+    with poisoned():
+        got = TRI.qk_norm_rope_store(q, k, v, qw, kw, 1e-6, pos, 16, 1e7, (4, 2, 2), caches[2], caches[3], slots)
+    check(got, want[0], dtype)
+    for a, b in ((caches[2], caches[0]), (caches[3], caches[1])):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), "a cache slot written that the unfused ops leave"
+        assert rel(torch.nan_to_num(a), torch.nan_to_num(b)) <= TOL[dtype]
+
+
 def _attn_case(dtype, seq_lens, kv_lens, seed=0, page=16, hq=6, hk=2, d=32):
     """Paged caches with out-of-order page tables; every slot not holding a live token is NaN."""
     n_pages = sum(-(-kv // page) for kv in kv_lens) + 3
@@ -203,6 +228,31 @@ def test_attention_prefill_chunk_through_backend():
     with poisoned():
         got = TRI.attention(q, kc, vc, meta, 0.17)
     check(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("seq_lens,kv_lens,splits", [((1, 1), (300, 140), 3), ((3, 1), (17, 33), 1)],
+                         ids=["decode-combine", "verify-one-split"])
+def test_gated_attention(dtype, seq_lens, kv_lens, splits):
+    """The sigmoid output gate applied where the attention output is stored (the combine, or the single-split
+    store) against attention then sigmoid_gate, the gate a strided head slice of [q | gate] as the model passes
+    it; head dim 128: the combine also writes the prepared rows the o_proj GEMV reads (x16_ref of the output)."""
+    from ninfer_kernels.attention_decode import gated_attention
+    from ninfer_kernels.x16 import words_per_row, x16_ref
+    hq, d = 4, 128
+    q, kc, vc, meta = _attn_case(dtype, seq_lens, kv_lens, seed=7, hq=hq, hk=2, d=d)
+    gate = rnd(q.shape[0], hq, 2 * d, dtype=dtype, seed=9, scale=2.0)[..., d:]
+    want = REF.gated_attention(q, torch.nan_to_num(kc), torch.nan_to_num(vc), meta, 0.09, gate)
+    xp = torch.full((q.shape[0], words_per_row(hq * d)), -7, dtype=torch.int32, device=DEV)
+    with poisoned():
+        got, wrote = gated_attention(q, kc, vc, meta.cu_seqlens, meta.kv_lens_t, meta.block_tables, meta.page_size,
+                                     0.09, meta.max_q_len, meta.max_kv_len, gate, xp, num_splits=splits)
+    check(got, want, dtype)
+    assert (wrote is xp) == (splits > 1), "prepared rows: from the combine, and only from it"
+    if splits > 1:
+        assert torch.equal(xp, x16_ref(got.reshape(q.shape[0], hq * d)))
+    with poisoned():       # through the backend, which picks the splits itself
+        check(TRI.gated_attention(q, kc, vc, meta, 0.09, gate), want, dtype)
 
 
 # ---- gated deltanet ----
@@ -333,10 +383,11 @@ CONVREC_IDS = ["T1+1-inplace", "T3snap+1", "T1snap+2snap", "T4snap-aliased+1", "
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,snapshot,alias", CONVREC_CASES, ids=CONVREC_IDS)
-def test_gdn_conv_recurrent(dtype, lens, snapshot, alias):
+def test_gdn_conv_recurrent(dtype, lens, snapshot, alias, monkeypatch):
     """The fused conv + recurrence against the torch backend's causal_conv then gdn_recurrent: outputs, both pools
     and both snapshot sets, with value tiles that leave a partial last tile (dv 24, 16 columns) and three value
     heads per key head, whose q / k conv windows the window kernel advances after the fused one has read them."""
+    monkeypatch.setenv("NINFER_GDN_FUSED", "1")
     qkv, w, g, beta, cpool, rpool, csnap, rsnap, meta = _convrec_case(lens, snapshot, dtype, alias)
     want_c, want_r = cpool.clone(), rpool.clone()
     want_cs, want_rs = (want_c, want_r) if alias else (csnap.clone(), rsnap.clone())

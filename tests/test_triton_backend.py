@@ -133,6 +133,37 @@ def test_attention_real_heads_gpu(dtype, t):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("t", [1, 4], ids=lambda t: f"T{t}")
+def test_gated_attention_and_store_real_heads_gpu(dtype, t):
+    """The attention layer's fused ops at the real head sizes (24 q / 4 kv heads of 256, partial rotation 64):
+    q/k norms + rotation + cache store, then attention with the output gate (split-KV combine, prepared rows),
+    against the unfused Triton ops and the torch reference."""
+    from ninfer_kernels.x16 import x16_ref
+    ref, tri = TorchOps(), TritonOps(xpre=True)
+    kv = [3000, 700, t]
+    pages = [list(range(s, s + -(-n // 16))) for s, n in zip((0, 400, 600), kv)]
+    meta = attn_meta(pages, [n - t for n in kv], [t] * 3, 16, "cuda")
+    caches = [torch.randn(700, 16, 4, 256, device="cuda", dtype=dtype) for _ in range(2)]
+    fused = [c.clone() for c in caches]
+    qg = torch.randn(3 * t, 24, 512, device="cuda", dtype=dtype)
+    k, v = (torch.randn(3 * t, 4, 256, device="cuda", dtype=dtype) for _ in range(2))
+    w = [torch.randn(256, device="cuda") * 0.2 for _ in range(2)]
+    pos = torch.tensor([n - t + i for n in kv for i in range(t)], device="cuda")
+    qr, kr = tri.qk_norm_rope(qg[..., :256], k, w[0], w[1], 1e-6, pos, 64, 1e7)
+    tri.kv_write(caches[0], caches[1], kr, v, meta.slot_mapping)
+    q = tri.qk_norm_rope_store(qg[..., :256], k, v, w[0], w[1], 1e-6, pos, 64, 1e7, None, fused[0], fused[1],
+                               meta.slot_mapping)
+    assert torch.equal(q, qr) and torch.equal(fused[0], caches[0]) and torch.equal(fused[1], caches[1])
+    got = tri.gated_attention(q, *fused, meta, 256 ** -0.5, qg[..., 256:])
+    want = tri.sigmoid_gate(tri.attention(q, *caches, meta, 256 ** -0.5), qg[..., 256:])
+    assert torch.equal(got, want)          # the same roundings in the same order
+    assert rel(got, ref.gated_attention(q, *caches, meta, 256 ** -0.5, qg[..., 256:])) <= GPU_KERNEL_TOL[dtype]
+    xp = tri._memo.find(got.reshape(3 * t, 24 * 256))
+    assert xp is not None and torch.equal(xp, x16_ref(got.reshape(3 * t, 24 * 256)))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gdn_real_heads_gpu(dtype):
     ref, tri = TorchOps(), TritonOps()
     lens, hk, hv, d = [4, 4], 16, 48, 128
@@ -160,10 +191,11 @@ def test_gdn_real_heads_gpu(dtype):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("lens,snap", [([1, 1, 1], [False] * 3), ([4, 4], [True, False])], ids=["decode", "verify"])
-def test_gdn_conv_recurrent_real_heads_gpu(dtype, lens, snap):
+def test_gdn_conv_recurrent_real_heads_gpu(dtype, lens, snap, monkeypatch):
     """The fused conv + recurrence at the real head sizes (Hk 16, Hv 48, 128 x 128: 24 programs share each key
     head's q / k windows) against the torch composition, 20 launches in a row on the same pools (a lost or
     early window write would show up in a later launch)."""
+    monkeypatch.setenv("NINFER_GDN_FUSED", "1")
     ref, tri = TorchOps(), TritonOps()
     hk, hv, d, c = 16, 48, 128, 10240
     meta, _, _, n_snap = gdn_routing(lens, [1, 3, 0][:len(lens)], snap, "cuda")

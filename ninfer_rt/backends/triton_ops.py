@@ -134,6 +134,11 @@ class TritonOps(Ops):
     def kv_write(self, k_cache, v_cache, k, v, slot_mapping):
         kv_write.kv_write(k_cache, v_cache, k, v, slot_mapping)
 
+    def qk_norm_rope_store(self, q, k, v, q_w, k_w, eps, positions, rotary_dim, theta, mrope_section, k_cache,
+                           v_cache, slot_mapping):
+        return rope.qk_norm_rope_store(q, k, v, positions, rotary_dim, theta, mrope_section, (q_w, k_w, eps),
+                                       k_cache, v_cache, slot_mapping)
+
     def attention(self, q, k_cache, v_cache, meta: AttnMeta, scale):
         if prefill_attn.wants_sdpa(q.device, q.dtype, meta):
             out = prefill_attn.try_prefill_attention(q, k_cache, v_cache, meta, scale)
@@ -142,6 +147,15 @@ class TritonOps(Ops):
         return attention_decode.paged_attention(q, k_cache, v_cache, meta.cu_seqlens, meta.kv_lens_t,
                                                 meta.block_tables, meta.page_size, scale, meta.max_q_len,
                                                 meta.max_kv_len)
+
+    def gated_attention(self, q, k_cache, v_cache, meta: AttnMeta, scale, gate):
+        if prefill_attn.wants_sdpa(q.device, q.dtype, meta):
+            return super().gated_attention(q, k_cache, v_cache, meta, scale, gate)
+        xp = self._prepared_out(q.shape[0], q.shape[1] * q.shape[2], q.device)
+        out, xp = attention_decode.gated_attention(q, k_cache, v_cache, meta.cu_seqlens, meta.kv_lens_t,
+                                                   meta.block_tables, meta.page_size, scale, meta.max_q_len,
+                                                   meta.max_kv_len, gate, xp)
+        return self._produced(out, xp)
 
     # ---- gated deltanet ----
     def causal_conv(self, x, w, conv_pool, meta: GdnMeta, snapshots=None):

@@ -20,10 +20,9 @@ class FullAttention:
         t, d, c = x.shape[0], self.d, self.cfg
         qg, k, v = ops.linear(x, self.qkv).split(self.split, dim=-1)
         qg = qg.view(t, self.hq, 2 * d)                 # per head: [q (D) | gate (D)]
-        q, k = ops.qk_norm_rope(qg[..., :d], k.reshape(t, self.hk, d), self.q_norm, self.k_norm, c.rms_norm_eps,
-                                ctx.positions, c.rotary_dim, c.rope_theta, c.mrope_section)
         k_cache, v_cache = kv.k[self.kv_layer], kv.v[self.kv_layer]
-        ops.kv_write(k_cache, v_cache, k, v.reshape(t, self.hk, d), ctx.attn.slot_mapping)
-        o = ops.attention(q, k_cache, v_cache, ctx.attn, d ** -0.5)
-        o = ops.sigmoid_gate(o.reshape(t, self.hq, d), qg[..., d:]).reshape(t, self.hq * d)
+        q = ops.qk_norm_rope_store(qg[..., :d], k.reshape(t, self.hk, d), v.reshape(t, self.hk, d), self.q_norm,
+                                   self.k_norm, c.rms_norm_eps, ctx.positions, c.rotary_dim, c.rope_theta,
+                                   c.mrope_section, k_cache, v_cache, ctx.attn.slot_mapping)
+        o = ops.gated_attention(q, k_cache, v_cache, ctx.attn, d ** -0.5, qg[..., d:]).reshape(t, self.hq * d)
         return self.tp.all_reduce(ops.linear(o, self.o))
