@@ -60,32 +60,38 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
     jj = j[None, :]
     p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
     pm = p < D
+    # every load up front (heads, gains, v): each one issued after a reduction or a store would be one more
+    # dependent memory round trip in a kernel that is nothing but latency
     x1 = _ld(q_ptr, k_ptr, src + jj, mq & m2, mk & m2)
     x2 = _ld(q_ptr, k_ptr, src + jj + HALF, mq & m2, mk & m2)
     xp = _ld(q_ptr, k_ptr, src + p, mq & pm, mk & pm)
-    if NORM:
-        # the heads' (1 + w) RMSNorm, rounded to the activation dtype as the unfused norm's output is
-        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
-        inv = tl.rsqrt(ss / D + eps)[:, None]
-        isq = is_q[:, None]
-        x1 = _norm(x1, inv, qw_ptr, kw_ptr, jj, isq, m2, qo_ptr)
-        x2 = _norm(x2, inv, qw_ptr, kw_ptr, jj + HALF, isq, m2, qo_ptr)
-        xp = _norm(xp, inv, qw_ptr, kw_ptr, p, isq, pm, qo_ptr)
-    _st(qo_ptr, k_ptr, ko_ptr, dst + jj, x1 * cos - x2 * sin, mq & m2, mk & m2)
-    _st(qo_ptr, k_ptr, ko_ptr, dst + jj + HALF, x2 * cos + x1 * sin, mq & m2, mk & m2)
-    _st(qo_ptr, k_ptr, ko_ptr, dst + p, xp, mq & pm, mk & pm)
     if STORE:
         dd = tl.arange(0, BLOCK_D)[None, :]
         mv = mk & (dd < D)
         v = tl.load(v_ptr + (t * sv_t + hk * sv_h)[:, None] + dd, mask=mv)
+    if NORM:
+        # the heads' (1 + w) RMSNorm, rounded to the activation dtype as the unfused norm's output is
+        isq = is_q[:, None]
+        g1, g2 = _gain(qw_ptr, kw_ptr, jj, isq, m2), _gain(qw_ptr, kw_ptr, jj + HALF, isq, m2)
+        gp = _gain(qw_ptr, kw_ptr, p, isq, pm)
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
+        inv = tl.rsqrt(ss / D + eps)[:, None]
+        x1 = (x1 * inv * g1).to(qo_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * inv * g2).to(qo_ptr.dtype.element_ty).to(tl.float32)
+        xp = (xp * inv * gp).to(qo_ptr.dtype.element_ty).to(tl.float32)
+    _st(qo_ptr, k_ptr, ko_ptr, dst + jj, x1 * cos - x2 * sin, mq & m2, mk & m2)
+    _st(qo_ptr, k_ptr, ko_ptr, dst + jj + HALF, x2 * cos + x1 * sin, mq & m2, mk & m2)
+    _st(qo_ptr, k_ptr, ko_ptr, dst + p, xp, mq & pm, mk & pm)
+    if STORE:
         tl.store(vc_ptr + dst + dd, v.to(vc_ptr.dtype.element_ty), mask=mv)
 
 
 @triton.jit
-def _norm(x, inv, qw_ptr, kw_ptr, off, isq, m, out_ptr):
+def _gain(qw_ptr, kw_ptr, off, isq, m):
+    """(1 + w) of each head's norm at columns off (q gains on q rows, k gains on k rows)."""
     wq = tl.load(qw_ptr + off, mask=m, other=0.0).to(tl.float32)
     wk = tl.load(kw_ptr + off, mask=m, other=0.0).to(tl.float32)
-    return (x * inv * (1.0 + tl.where(isq, wq, wk))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    return 1.0 + tl.where(isq, wq, wk)
 
 
 @triton.jit
