@@ -18,6 +18,8 @@
 #             as decode_nopdl.json; run it before decode to compare both on one machine
 #   decodealt the same under the environment words in $ALT_ENV (e.g. "NINFER_BRANCH=0"), written as
 #             decode_alt.json; run it before decode to compare both on one machine
+#   decoderecipes  the same for $EXTRA_RECIPES (default q6_k,iq3_s) over $RECIPE_PARTS (default decode,verify),
+#             written as decode_recipes.json; nothing kept
 #   decodex   the same with NINFER_XPRE=${DECODEX_XPRE:-0} (the comparison run: prepared activations are on by default
 #             on sm_80+), written as decode_xpre.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
@@ -51,9 +53,11 @@ run_decode() {
   case " $STEPS " in *" decodex "*|*" serve "*|*" servex "*) keep="--keep --dir /dev/shm/ninfer-run";; esac
   [ "$name" = decodex ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_xpre.json; }
   [ "$name" = decodenopdl ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_nopdl.json; }
-  local alt=""
+  local alt="" recipes=${RECIPES:-nvfp4} parts=${PARTS:-decode,verify}
   [ "$name" = decodealt ] && { keep="--keep --dir /dev/shm/ninfer-run"; json=decode_alt.json; alt="$ALT_ENV"; }
-  env $alt NINFER_PDL=$pdl NINFER_XPRE=$2 timeout $l python3 bench/decode.py --recipes ${RECIPES:-nvfp4} --parts ${PARTS:-decode,verify} \
+  [ "$name" = decoderecipes ] && { keep=""; json=decode_recipes.json; recipes=${EXTRA_RECIPES:-q6_k,iq3_s}
+    parts=${RECIPE_PARTS:-decode,verify}; }
+  env $alt NINFER_PDL=$pdl NINFER_XPRE=$2 timeout $l python3 bench/decode.py --recipes $recipes --parts $parts \
     --steps 64 $keep --budget-s $(( l - 10 )) --out "$OUT/$json" \
     > "$OUT/${name}_table.txt" 2> "$OUT/${name}_log.txt"
   echo "$name rc=$?"; tail -30 "$OUT/${name}_table.txt"; tail -3 "$OUT/${name}_log.txt"
@@ -112,6 +116,7 @@ for step in "$@"; do
     decodex) run_decode decodex "${DECODEX_XPRE:-0}" "$(reserve serve servex)" ;;
     decodenopdl) run_decode decodenopdl "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" 0 ;;
     decodealt) run_decode decodealt "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" ;;
+    decoderecipes) run_decode decoderecipes "${NINFER_XPRE:-auto}" "$(reserve serve servex)" ;;
     serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
     servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;

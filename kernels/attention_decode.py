@@ -20,6 +20,8 @@ o_proj GEMV when D is a multiple of 128. One launch (sigmoid_mul's) fewer per at
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,7 @@ from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
 BLOCK_N = 32              # keys per inner step
 MAX_BLOCK_M = 64          # query rows per program
 MIN_SPLIT_KEYS = 64       # never cut a sequence's key range finer than this (two BLOCK_N steps)
+MIN_SPLIT_ENV = "NINFER_ATTN_MIN_SPLIT"     # overrides MIN_SPLIT_KEYS (a comparison switch for benchmarks)
 LOG2E = 1.4426950408889634
 
 
@@ -160,7 +163,17 @@ def _warps(block_m: int, block_d: int) -> int:
     return 4 if block_m * block_d <= 8192 else 8
 
 
-def plan(batch: int, hk: int, g: int, max_q: int, max_kv: int, device, num_splits: int | None = None):
+def min_split_keys() -> int:
+    """NINFER_ATTN_MIN_SPLIT (default MIN_SPLIT_KEYS): the fewest keys per split, a positive multiple of BLOCK_N;
+    anything else is a one-line error naming the variable."""
+    v = os.environ.get(MIN_SPLIT_ENV, str(MIN_SPLIT_KEYS))
+    if not v.isdigit() or int(v) <= 0 or int(v) % BLOCK_N:
+        raise KernelInputError(f"{MIN_SPLIT_ENV}={v!r}: expected a positive multiple of {BLOCK_N}")
+    return int(v)
+
+
+def plan(batch: int, hk: int, g: int, max_q: int, max_kv: int, device, num_splits: int | None = None,
+         min_split: int = MIN_SPLIT_KEYS):
     """-> (BLOCK_M, m-blocks per (sequence, KV head), splits) for contexts up to max_kv: no more splits than
     whole BLOCK_N-aligned pieces of max_kv (the kernel sizes each sequence's pieces from its own length)."""
     block_m = min(MAX_BLOCK_M, pow2(g * max_q, 16))
@@ -168,9 +181,9 @@ def plan(batch: int, hk: int, g: int, max_q: int, max_kv: int, device, num_split
     programs = batch * hk * n_mblocks
     if num_splits is None:
         # enough programs to fill the GPU twice (at 32K, 66 splits ran 0.25 ms per step faster than 33 on the
-        # H200), never splits shorter than MIN_SPLIT_KEYS
+        # H200), never splits shorter than min_split
         want = triton.cdiv(2 * num_sms(device), programs)
-        num_splits = max(1, min(want, max_kv // MIN_SPLIT_KEYS))
+        num_splits = max(1, min(want, max_kv // min_split))
     num_splits = max(1, min(num_splits, triton.cdiv(max(max_kv, 1), BLOCK_N)))
     split_len = triton.cdiv(triton.cdiv(max(max_kv, 1), num_splits), BLOCK_N) * BLOCK_N
     return block_m, n_mblocks, triton.cdiv(max(max_kv, 1), split_len)
@@ -179,7 +192,7 @@ def plan(batch: int, hk: int, g: int, max_q: int, max_kv: int, device, num_split
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
                     kv_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int, scale: float,
                     max_q_len: int, max_kv_len: int, num_splits: int | None = None,
-                    min_split: int = MIN_SPLIT_KEYS) -> torch.Tensor:
+                    min_split: int | None = None) -> torch.Tensor:
     """q [sumT, Hq, D]; k/v_cache [num_pages, page_size, Hk, D]; cu_seqlens int32 [B+1]; kv_lens int32 [B]
     (cached tokens including the new ones); block_tables int32 [B, max_pages]. Returns [sumT, Hq, D]."""
     return _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scale, max_q_len, max_kv_len,
@@ -189,7 +202,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
                     kv_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int, scale: float,
                     max_q_len: int, max_kv_len: int, gate: torch.Tensor, xp: torch.Tensor | None = None,
-                    num_splits: int | None = None, min_split: int = MIN_SPLIT_KEYS):
+                    num_splits: int | None = None, min_split: int | None = None):
     """`paged_attention` times sigmoid(gate) (gate [sumT, Hq, D], a strided view with unit last stride or not)
     -> (out [sumT, Hq, D], xp or None): the prepared form of out's rows [sumT, Hq * D] goes into xp (int32
     [sumT, words_per_row(Hq * D)]) when the combine runs and D is a multiple of 128; None says it was not
@@ -217,7 +230,8 @@ def _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scal
     if total == 0 or batch == 0:
         return out, None
     g = hq // hk
-    block_m, n_mblocks, splits = plan(batch, hk, g, max_q_len, max_kv_len, q.device, num_splits)
+    min_split = min_split or min_split_keys()
+    block_m, n_mblocks, splits = plan(batch, hk, g, max_q_len, max_kv_len, q.device, num_splits, min_split)
     if splits > 1:
         po = torch.empty(splits, total, hq, d, dtype=torch.float32, device=q.device)
         plse = torch.empty(splits, total, hq, dtype=torch.float32, device=q.device)
@@ -229,7 +243,7 @@ def _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scal
         q, k_cache, v_cache, out, po, plse, cu_seqlens, kv_lens, block_tables, gt,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), sg[0], sg[1], total, hk, g, n_mblocks,
-        max(1, min_split), float(scale) * LOG2E, d, PAGE=page_size, BLOCK_D=block_d, BLOCK_M=block_m,
+        min_split, float(scale) * LOG2E, d, PAGE=page_size, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=BLOCK_N, SPLIT=splits > 1, PREC=dot_precision(q.dtype), GATE=gate is not None,
         num_warps=_warps(block_m, block_d), **pdl_kw(q.device))
     if splits == 1:

@@ -192,10 +192,10 @@ def _attn_case(dtype, seq_lens, kv_lens, seed=0, page=16, hq=6, hk=2, d=32):
 
 
 def _paged_attention(q, kc, vc, meta, splits, min_split=None, max_kv=None):
-    from ninfer_kernels.attention_decode import MIN_SPLIT_KEYS, paged_attention
+    from ninfer_kernels.attention_decode import paged_attention
     return paged_attention(q, kc, vc, meta.cu_seqlens, meta.kv_lens_t, meta.block_tables, meta.page_size,
                            q.shape[-1] ** -0.5, meta.max_q_len, max_kv or meta.max_kv_len, num_splits=splits,
-                           min_split=min_split or MIN_SPLIT_KEYS)
+                           min_split=min_split)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2])
@@ -219,6 +219,17 @@ def test_paged_attention_splits_sized_on_device(min_split):
     with poisoned():
         got = _paged_attention(q, kc, vc, meta, 7, min_split=min_split, max_kv=4096)
     check(got, want, torch.float32)
+
+
+def test_attention_min_split_env(monkeypatch):
+    """NINFER_ATTN_MIN_SPLIT reaches the kernel (7 host splits over a 4K bucket; 500 keys cut into 7 pieces of
+    >= 32 keys or 4 of >= 128): the same output either way."""
+    q, kc, vc, meta = _attn_case(torch.float32, (1, 2), (500, 300), seed=4)
+    want = REF.attention(q, torch.nan_to_num(kc), torch.nan_to_num(vc), meta, q.shape[-1] ** -0.5)
+    for keys in ("32", "128"):
+        monkeypatch.setenv("NINFER_ATTN_MIN_SPLIT", keys)
+        with poisoned():
+            check(_paged_attention(q, kc, vc, meta, 7, max_kv=4096), want, torch.float32)
 
 
 def test_attention_prefill_chunk_through_backend():

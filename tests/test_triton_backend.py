@@ -242,8 +242,8 @@ def test_gdn_chunk_prefill_gpu(dtype):
 
 def test_gates_branch_inline_outside_capture(monkeypatch):
     """Outside CUDA-graph capture (always on the CPU) the gates branch is the plain call: the same (g, beta) as
-    the torch backend, for the fused kernel's T and for a T it composes; a bad NINFER_BRANCH is a one-line error
-    naming the variable when the backend is built."""
+    the torch backend, for the fused kernel's T and for a T it composes; a bad NINFER_BRANCH (and
+    NINFER_GDN_FUSED, NINFER_ATTN_MIN_SPLIT) is a one-line error naming the variable when the backend is built."""
     from ninfer_formats.errors import LoadError
     from ninfer_rt.backends import side_stream
     from ninfer_rt.weights import QWeight
@@ -264,6 +264,11 @@ def test_gates_branch_inline_outside_capture(monkeypatch):
     monkeypatch.setenv("NINFER_GDN_FUSED", "on")
     with pytest.raises(ValueError, match="NINFER_GDN_FUSED='on'"):
         TritonOps()
+    monkeypatch.setenv("NINFER_GDN_FUSED", "0")
+    for bad in ("48", "0", "x"):
+        monkeypatch.setenv("NINFER_ATTN_MIN_SPLIT", bad)
+        with pytest.raises(ValueError, match=f"NINFER_ATTN_MIN_SPLIT='{bad}': expected a positive multiple of 32"):
+            TritonOps()
 
 
 @gpu

@@ -65,6 +65,7 @@ class TritonOps(Ops):
         prefill_attn.mode()
         side_stream.mode()
         gdn_conv_recurrent.fused_on()
+        attention_decode.min_split_keys()
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
