@@ -27,6 +27,10 @@ _OP_CATEGORY = {"linear": "linear_gemm", "embedding": "embedding", "rmsnorm": "n
                 "gated_rmsnorm": "norms", "silu_mul": "elementwise_copies", "sigmoid_gate": "elementwise_copies",
                 "rope": "rope", "kv_write": "kv_write", "attention": "attention", "causal_conv": "conv",
                 "gdn_gates": "gdn_gates", "gdn_chunk": "gdn_chunk", "gdn_recurrent": "gdn_chunk"}
+# ops that compose two others on some backends (ninfer_rt/ops.py): their kernels named like the inner op's take
+# that op's category, the rest the composite's
+_COMPOSITE = {"gated_attention": ("attention", (("sigmoid", "elementwise_copies"),)),
+              "qk_norm_rope_store": ("rope", (("kv_write", "kv_write"), ("index_copy", "kv_write")))}
 # by kernel name alone (kernels launched outside any op range)
 _BY_NAME = (("dequant", "dequant"),
             ("gated_delta", "gdn_chunk"), ("chunk_fwd", "gdn_chunk"), ("solve_tril", "gdn_chunk"),
@@ -51,6 +55,9 @@ def category(name: str, op: str | None) -> str:
     low = name.lower()
     if op == "linear":
         return "dequant" if "dequant" in low else "elementwise_copies" if is_copy(name) else "linear_gemm"
+    if op in _COMPOSITE:
+        base, inner = _COMPOSITE[op]
+        return next((cat for key, cat in inner if key in low), "elementwise_copies" if is_copy(name) else base)
     if op in _OP_CATEGORY:
         base = _OP_CATEGORY[op]
         return "elementwise_copies" if base not in ("embedding", "kv_write") and is_copy(name) else base
