@@ -30,16 +30,23 @@ def kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, Hk, sk_t, sk_h, sv_t
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=m)
 
 
+def check_store(k_cache, v_cache, k, v, slot_mapping, what: str) -> None:
+    """The arguments of a cache store (here, or `rope.qk_norm_rope_store`): one-line errors naming `what`."""
+    t, hk, d = k.shape
+    if v.shape != k.shape or k_cache.shape[2:] != (hk, d) or v_cache.shape != k_cache.shape:
+        raise KernelInputError(f"{what}: k {tuple(k.shape)} v {tuple(v.shape)} cache {tuple(k_cache.shape)} / "
+                               f"{tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelInputError(f"{what}: the KV caches must be contiguous")
+    if slot_mapping.numel() != t:
+        raise KernelInputError(f"{what}: {slot_mapping.numel()} slots for {t} tokens")
+
+
 def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v [T, Hk, D] -> k_cache/v_cache [num_pages, page_size, Hk, D] at flat slots (in place)."""
+    check_store(k_cache, v_cache, k, v, slot_mapping, "kv_write")
     t, hk, d = k.shape
-    if v.shape != k.shape or k_cache.shape[2:] != (hk, d) or v_cache.shape != k_cache.shape:
-        raise KernelInputError(f"kv_write: k {tuple(k.shape)} v {tuple(v.shape)} cache {tuple(k_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise KernelInputError("kv_write: the KV caches must be contiguous")
-    if slot_mapping.numel() != t:
-        raise KernelInputError(f"kv_write: {slot_mapping.numel()} slots for {t} tokens")
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     if t:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_write import check_store
 from .ops_common import KernelInputError, pow2
 from .pdl import pdl_enter, pdl_kw
 
@@ -129,14 +130,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """`rope(..., norm=norm)` whose rotated k, and v [T, Hk, D], go into k_cache / v_cache [num_pages, page_size,
     Hk, D] at the flat slots slot_mapping [T] (as `kv_write`; negative slots skipped); returns the rotated q."""
-    t, hk, d = k.shape
-    if v.shape != k.shape or k_cache.shape[2:] != (hk, d) or v_cache.shape != k_cache.shape:
-        raise KernelInputError(f"qk_norm_rope_store: k {tuple(k.shape)} v {tuple(v.shape)} cache "
-                               f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise KernelInputError("qk_norm_rope_store: the KV caches must be contiguous")
-    if slot_mapping.numel() != t:
-        raise KernelInputError(f"qk_norm_rope_store: {slot_mapping.numel()} slots for {t} tokens")
+    check_store(k_cache, v_cache, k, v, slot_mapping, "qk_norm_rope_store")
     v = v if v.stride(-1) == 1 else v.contiguous()
     return _launch(q, k, positions, rotary_dim, theta, mrope_section, norm,
                    (v, k_cache, v_cache, slot_mapping))[0]

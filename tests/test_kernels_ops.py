@@ -457,6 +457,11 @@ def test_bad_shapes_raise_clear_errors():
              (lambda: TRI.rope(rnd(2, 1, 8), rnd(2, 1, 8), torch.arange(3, device=DEV), 4, 1e4), "rope"),
              (lambda: TRI.kv_write(rnd(2, 4, 1, 8), rnd(2, 4, 1, 8), rnd(2, 2, 8), rnd(2, 2, 8),
                                    torch.arange(2, device=DEV)), "kv_write"),
+             (lambda: TRI.qk_norm_rope_store(rnd(2, 1, 8), rnd(2, 1, 8), rnd(2, 1, 8), rnd(8), rnd(8), 1e-6,
+                                             torch.arange(2, device=DEV), 4, 1e4, None, rnd(2, 4, 1, 8),
+                                             rnd(2, 4, 1, 8), torch.arange(3, device=DEV)), "qk_norm_rope_store"),
+             (lambda: TRI.gated_attention(rnd(2, 2, 8), *_attn_case(torch.float32, (1, 1), (3, 5))[1:], 0.3,
+                                          rnd(2, 3, 8)), "attention: gate"),
              (lambda: TRI.gdn_gates(x, x, rnd(3), rnd(8)), "gdn_gates"),
              (lambda: gdn_ba_gates.gdn_ba_gates(x, rnd(5, 8), rnd(2), rnd(2)), "gdn_ba_gates")]
     for fn, op in cases:
