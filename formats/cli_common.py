@@ -1,7 +1,9 @@
 """What both CLIs (`ninfer-pack`, `ninfer-rt`) share: bad input is one line on stderr, never a traceback."""
 from __future__ import annotations
 
+import atexit
 import functools
+import signal
 import sys
 
 import click
@@ -9,10 +11,18 @@ import click
 from .errors import NinferError
 
 
+def _quiet_exit() -> None:
+    """At interpreter exit, after the command finished and the threads were joined: a Ctrl-C now would print
+    "Exception ignored in atexit callback ... KeyboardInterrupt" from a finalizer, for a job that is done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def user_errors(fn):
     """Report NinferError/OSError as `error: <message>` on stderr with exit 2; Ctrl-C as `error: interrupted`, 130."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        atexit.unregister(_quiet_exit)      # registered last, so it runs before the finalizers' exit hooks
+        atexit.register(_quiet_exit)
         try:
             return fn(*args, **kwargs)
         except NinferError as e:
