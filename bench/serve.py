@@ -106,6 +106,9 @@ def summarize(reqs: list[dict]) -> dict:
     return {"agg_tok_s": decoded / span if span > 0 else 0.0,
             "ttft_ms_p50": 1e3 * statistics.median(r["first"] - r["start"] for r in reqs),
             "itl_ms_p50": 1e3 * statistics.median(itl) if itl else None,
+            # how far apart the requests' first tokens came: a request that started decoding alone waits out the
+            # others' prefill inside its own span (and the aggregate's)
+            "first_spread_ms": 1e3 * (max(firsts) - min(firsts)),
             "requests": len(reqs), "completion_tokens": sum(r["tokens"] for r in reqs)}
 
 
@@ -114,6 +117,8 @@ def median_wave(waves: list[dict]) -> dict:
     several does not), with every wave's rate (and engine step counters) beside it."""
     ranked = sorted(waves, key=lambda w: w["agg_tok_s"])
     return {**ranked[(len(ranked) - 1) // 2], "agg_tok_s_waves": [w["agg_tok_s"] for w in waves],
+            "itl_ms_p50_waves": [w.get("itl_ms_p50") for w in waves],
+            "first_spread_ms_waves": [w.get("first_spread_ms") for w in waves],
             "engine_waves": [w.get("engine") for w in waves]}
 
 

@@ -48,6 +48,7 @@ def test_serve_bench_records(tiny, tmp_path):
         assert rec["completion_tokens"] == rec["client_completion_tokens"] == c * MAX_TOKENS
         assert math.isclose(rec["ratio_to_direct"], rec["agg_tok_s"] / rec["direct_agg_tok_s"], rel_tol=REL_TOL)
         assert rec["waves"] == 2 and len(rec["agg_tok_s_waves"]) == 2 and rec["agg_tok_s"] in rec["agg_tok_s_waves"]
+        assert rec["itl_ms_p50"] in rec["itl_ms_p50_waves"] and len(rec["first_spread_ms_waves"]) == 2
         # every token after a request's first is one decode row, in-process (requests added at once); over HTTP a
         # row can also ride in a step that prefills a later arrival (counted as a prefill step)
         rows = {k: sum(int(b) * n for b, n in rec[k]["decode_batches"].items()) for k in ("engine", "direct_engine")}
@@ -103,6 +104,7 @@ def test_server_side_waits_for_a_lagging_log(tmp_path):
     # starts 199.0 / 199.5, first tokens 199.25 / 199.75, last 199.75 / 200.25: 10 tokens after the firsts
     assert math.isclose(s["agg_tok_s"], 10 / 1.0, rel_tol=REL_TOL)
     assert math.isclose(s["ttft_ms_p50"], 250.0, rel_tol=1e-6) and math.isclose(s["itl_ms_p50"], 100.0, rel_tol=1e-6)
+    assert math.isclose(s["first_spread_ms"], 500.0, rel_tol=1e-6)
 
 
 def test_server_side_gives_up_on_a_missing_event(tmp_path):
