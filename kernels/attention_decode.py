@@ -203,8 +203,8 @@ def gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     kv_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int, scale: float,
                     max_q_len: int, max_kv_len: int, gate: torch.Tensor, xp: torch.Tensor | None = None,
                     num_splits: int | None = None, min_split: int | None = None):
-    """`paged_attention` times sigmoid(gate) (gate [sumT, Hq, D], a strided view with unit last stride or not)
-    -> (out [sumT, Hq, D], xp or None): the prepared form of out's rows [sumT, Hq * D] goes into xp (int32
+    """`paged_attention` times sigmoid(gate) (gate [sumT, Hq, D], any strides: the model passes the gate half of
+    its per-head [q | gate] projection) -> (out [sumT, Hq, D], xp or None): the prepared form of out's rows [sumT, Hq * D] goes into xp (int32
     [sumT, words_per_row(Hq * D)]) when the combine runs and D is a multiple of 128; None says it was not
     written (the single-split path stores [rows of heads] without it)."""
     if gate.shape != q.shape:
