@@ -22,6 +22,10 @@
 #             written as decode_recipes.json; nothing kept
 #   decodex   the same with NINFER_XPRE=${DECODEX_XPRE:-0} (the comparison run: prepared activations are on by default
 #             on sm_80+), written as decode_xpre.json
+#   sweep     bench/decode.py --parts ${SWEEP_PARTS:-decode} at 1K once per value of $SWEEP_VALUES (space list) of the
+#             environment variable $SWEEP_VAR, in that order, on one kept artifact: records tagged "sweep": "VAR=v"
+#             in sweep.json, tables in sweep_table.txt (repeat a value to see the machine's drift); $SWEEP_ARGS: more
+#             decode.py arguments (e.g. "--max-draft 3")
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
@@ -73,6 +77,27 @@ run_serve() {
     --max-tokens 64 --out "$OUT/$json" > "$OUT/${name}_table.txt" 2>&1
   echo "$name rc=$?"; tail -15 "$OUT/${name}_table.txt"
 }
+# run_sweep: one decode.py per value of $SWEEP_VALUES under $SWEEP_VAR=value (see the step list above)
+run_sweep() {
+  local v i=0 l
+  for v in $SWEEP_VALUES; do
+    l=$(( $(left) - $(reserve decode serve) )); [ "$l" -gt 60 ] || { echo "no time for sweep $v ($l s)"; break; }
+    echo "== sweep ${SWEEP_VAR}=$v" >> "$OUT/sweep_table.txt"
+    env "${SWEEP_VAR}=$v" timeout $l python3 bench/decode.py --recipes nvfp4 --parts ${SWEEP_PARTS:-decode} \
+      --contexts 1024 --steps 64 ${SWEEP_ARGS:-} --keep --dir /dev/shm/ninfer-run --budget-s $(( l - 10 )) \
+      --out "/tmp/sweep_$i.json" >> "$OUT/sweep_table.txt" 2> "/tmp/sweep_log_$i.txt"
+    echo "sweep ${SWEEP_VAR}=$v rc=$?"; grep -E "decode +1024|verify +1024 +K=3" "$OUT/sweep_table.txt" | tail -2
+    python3 - "$SWEEP_VAR=$v" "/tmp/sweep_$i.json" "$OUT/sweep.json" <<'PY' || echo "sweep merge failed"
+import json, os, sys
+tag, src, dst = sys.argv[1:]
+old = json.load(open(dst)) if os.path.exists(dst) else []
+new = [dict(r, sweep=tag) for r in (json.load(open(src)) if os.path.exists(src) else [])]
+json.dump(old + new, open(dst, "w"), indent=1)
+PY
+    i=$(( i + 1 ))
+  done
+  tail -4 /tmp/sweep_log_0.txt 2>/dev/null
+}
 STEPS=" $* "
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 for step in "$@"; do
@@ -117,6 +142,7 @@ for step in "$@"; do
     decodenopdl) run_decode decodenopdl "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" 0 ;;
     decodealt) run_decode decodealt "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" ;;
     decoderecipes) run_decode decoderecipes "${NINFER_XPRE:-auto}" "$(reserve serve servex)" ;;
+    sweep) run_sweep ;;
     serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
     servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;
