@@ -73,15 +73,11 @@ def _module(fmt: str):
     return importlib.import_module(f"ninfer_kernels.gemv_{fmt.split(':')[0]}")
 
 
-def _kernel_for(v: Variant, cc: int) -> tuple:
-    mod = _module(v.fmt)
-    return (mod.kernel_for(v.fmt, dequant=v.dequant, cc=cc) if v.fmt in CC_AWARE
-            else mod.kernel_for(v.fmt, dequant=v.dequant))
-
-
 def compile_variant(v: Variant, cc: int):
     from .pdl import compile_const
-    kernel, wsig, extra = _kernel_for(v, cc)
+    mod = _module(v.fmt)
+    kernel, wsig, extra = (mod.kernel_for(v.fmt, dequant=v.dequant, cc=cc) if v.fmt in CC_AWARE
+                           else mod.kernel_for(v.fmt, dequant=v.dequant))
     if "NW" in extra:
         extra = {**extra, "NW": v.num_warps}
     xt = _TORCH_TO_TRITON[v.x_dtype]
@@ -102,8 +98,6 @@ def compile_variant(v: Variant, cc: int):
         const["XPRE"] = v.xpre
     if "PDL" in kernel.arg_names:   # griddepcontrol is sm_90 PTX (ninfer_kernels.pdl)
         const["PDL"] = compile_const(cc)
-    if "L2PF" in kernel.arg_names:  # the prefetch compiles in with PDL only (ninfer_kernels.l2_prefetch)
-        const["L2PF"] = COMPILE_L2PF * compile_const(cc)
     for k in const:
         sig[k] = "constexpr"
     return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps,
@@ -119,7 +113,6 @@ LANE_EXACT = ("nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # per-thread kernels: inli
 XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # variants that also read prepared activations
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
-COMPILE_L2PF = 4                     # chunks the sm_90 compiles of a kernel with L2PF prefetch (any > 0 will do)
 _MMA_T16_ROWS = {"iq3_s_mma": 128}   # the T tile 16 compiled per warp-MMA variant: its largest tuner tile
 _MMA_STAGES = {"iq3_s_mma": (2,)}      # load depths of a warp-MMA variant's tuner tiles (gemv_iq3_s.MMA_TILES)
 _NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 1),)), None: (3, ((128, 3), (128, 1)))}
@@ -170,7 +163,6 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
 
 
 def _compile_row(item) -> dict:
-    from .l2_prefetch import ptx_prefetch_ok
     from .pdl import compile_const, ptx_order_ok
     v, cc = item
     t0 = time.time()
@@ -179,8 +171,6 @@ def _compile_row(item) -> dict:
         row = {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
         pdl = 0 if v.dequant else compile_const(cc)     # every GEMV kernel has the constexpr, no dequantizer
         row["pdl_ok"] = ptx_order_ok(c.asm["ptx"], pdl, late_trigger=True)
-        if not v.dequant and "L2PF" in _kernel_for(v, cc)[0].arg_names:
-            row["l2pf_ok"] = ptx_prefetch_ok(c.asm["ptx"], COMPILE_L2PF, pdl)
         if v.fmt in LANE_EXACT:
             row["lane_layouts_bad"] = lane_layouts_bad(c.asm["ttgir"], v.num_warps)
         return row

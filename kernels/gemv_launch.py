@@ -29,7 +29,6 @@ from ninfer_formats.errors import NinferError
 
 from .gemv_h2_select import H2_STATE, checked_h2
 from .gemv_timing import time_ms   # module global: the tuner tests replace it here
-from .l2_prefetch import l2pf_chunks
 from .pdl import pdl_kw
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -322,8 +321,6 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
         consts["XPRE"] = False       # the f16 variants that can read prepared activations (ninfer_kernels.x16)
     if "PDL" in names:               # always given: a plan's direct launch passes every constexpr (gemv_plan)
         consts.update({"PDL": 0, **pdl_kw(x.device)})
-    if "L2PF" in names:              # only with PDL: there is a wait to prefetch during (ninfer_kernels.l2_prefetch)
-        consts["L2PF"] = l2pf_chunks() if consts.get("PDL") else 0
     consts.update(extra or {})
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,

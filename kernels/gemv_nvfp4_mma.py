@@ -27,7 +27,6 @@ import triton.language as tl
 from .gemv_h2_common import compile_consts, factory, hmul2
 from .gemv_mma_body import mma_body, no_prep
 from .gemv_nvfp4_h2 import _split_signs, _wpair
-from .l2_prefetch import prefetch_nvfp4
 from .pdl import pdl_wait
 
 _F16_2_15 = tl.constexpr(0x78007800)        # 2**15 in both f16 lanes
@@ -79,8 +78,7 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
                           BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                           DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
-                          XPRE: tl.constexpr, PDL: tl.constexpr = 0, L2PF: tl.constexpr = 0):
-    prefetch_nvfp4(codes, scales, N, G, split, BLOCK_N, BLOCK_G, L2PF, PDL)   # ninfer_kernels.l2_prefetch
+                          XPRE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
     mma_body(x_ptr, (codes, scales, N), None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _W_EXP, T, N, G, split,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 
 import triton
 import triton.language as tl
@@ -93,9 +92,7 @@ def ptx_order_ok(ptx: str, pdl: int, late_trigger: bool = False) -> bool | None:
     if not pdl:
         return None
     wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    # cp.async: pipelined loads; an L2 prefetch (ninfer_kernels.l2_prefetch) writes no register and may come first
-    cp = re.search(r"cp\.async(?!\.bulk\.prefetch)", ptx)
-    loads = [i for i in (ptx.find("ld.global"), cp.start() if cp else -1) if i >= 0]
+    loads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0]   # cp.async: pipelined loads
     load = min(loads) if loads else -1
     mem = [i for i in (ptx.find("st.global"), load) if i >= 0]
     ok = wait >= 0 and trig >= 0 and (not mem or wait < min(mem))

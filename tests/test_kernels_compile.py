@@ -91,14 +91,3 @@ def test_kernels_use_only_triton_3_6_language():
                 used.setdefault(name, f)
     newer = {n: f for n, f in used.items() if n not in TL_NAMES_IN_3_6}
     assert used and not newer, f"tl names not verified against Triton 3.6: {newer}"
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4_h2", "nvfp4_mma"])
-def test_nvfp4_decode_gemvs_prefetch_before_the_wait(compiled, fmt):
-    """The NVFP4 decode / verify loops' L2 prefetch (ninfer_kernels.l2_prefetch) compiles in on sm_90 (with PDL)
-    and every bulk prefetch comes before the wait; on sm_70 nothing is prefetched."""
-    rows = [row for row in compiled if row["variant"].startswith(fmt + "-")]
-    assert {row["cc"] for row in rows} == set(CCS)
-    for row in rows:
-        want = True if row["cc"] >= 90 else None
-        assert row.get("l2pf_ok") is want, f"{row['variant']}@sm_{row['cc']}: {row.get('l2pf_ok')}"

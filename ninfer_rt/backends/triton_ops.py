@@ -21,7 +21,7 @@ import torch
 
 from ninfer_formats.errors import LoadError
 from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_conv_recurrent, gdn_gates,
-                            gdn_recurrent, kv_write, l2_prefetch, rmsnorm, rope, sampling, silu_mul, x16)
+                            gdn_recurrent, kv_write, rmsnorm, rope, sampling, silu_mul, x16)
 from ninfer_kernels.ops_common import interpreting
 
 from ..ops import AttnMeta, Branch, GdnMeta, Ops
@@ -66,7 +66,6 @@ class TritonOps(Ops):
         side_stream.mode()
         gdn_conv_recurrent.fused_on()
         attention_decode.min_split_keys()
-        l2_prefetch.l2pf_chunks()
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
