@@ -225,12 +225,13 @@ def lane_layouts_bad(ttgir: str, num_warps: int) -> list[str]:
 
 
 def summarize(compiled) -> dict:
-    """Registers, local (spill) bytes, shared bytes from the cubin; SASS instruction count where available."""
+    """Registers, spill bytes (ptxas puts register spills on the STACK; LOCAL counts local arrays), shared bytes
+    from the cubin; SASS instruction count where available."""
     usage = _cuda_tool("cuobjdump", compiled, "-res-usage")
     fields = dict(tok.split(":", 1) for line in usage.splitlines() if "REG:" in line for tok in line.split())
     n_instr = len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S", sass(compiled), flags=re.M))
     return {"regs": int(fields.get("REG", -1)), "local": int(fields.get("LOCAL", -1)),
-            "shared": int(fields.get("SHARED", -1)), "sass_instr": n_instr}
+            "stack": int(fields.get("STACK", -1)), "shared": int(fields.get("SHARED", -1)), "sass_instr": n_instr}
 
 
 def main(argv=None) -> int:

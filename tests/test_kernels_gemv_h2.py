@@ -111,3 +111,53 @@ def test_h2_config_rules():
     with pytest.raises(ValueError, match="h2"):
         GemvConfig(16, 4, use_dot=True, h2=True)
 
+
+
+def test_register_cap_switch(monkeypatch):
+    """NINFER_GEMV_MAXNREG caps the NVFP4 h2 loop at T tile 1 on CUDA only (a comparison switch; a launch option
+    the GEMV plan must not pass as a parameter); a bad value is a one-line error naming the variable."""
+    from ninfer_kernels import gemv_plan
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(gl, "interpreting", lambda: False)
+    monkeypatch.delenv(gl.MAXNREG_ENV, raising=False)
+    assert gl.t1_maxnreg() == 0 and gl.register_cap("nvfp4_gemv_kernel", "h2", 1, cuda) == {}
+    monkeypatch.setenv(gl.MAXNREG_ENV, "96")
+    assert gl.register_cap("nvfp4_gemv_kernel", "h2", 1, cuda) == {"maxnreg": 96}
+    for name, kind, tt, dev in (("q6_k_gemv_kernel", "h2", 1, cuda), ("nvfp4_gemv_kernel", "mma", 8, cuda),
+                                ("nvfp4_gemv_kernel", "h2", 2, cuda), ("nvfp4_gemv_kernel", "h2", 1, cpu),
+                                ("nvfp4_gemv_kernel", None, 1, cuda)):
+        assert gl.register_cap(name, kind, tt, dev) == {}, (name, kind, tt, dev)
+    monkeypatch.setattr(gl, "interpreting", lambda: True)
+    assert gl.register_cap("nvfp4_gemv_kernel", "h2", 1, cuda) == {}
+    for bad in ("x", "-8", "256"):
+        monkeypatch.setenv(gl.MAXNREG_ENV, bad)
+        with pytest.raises(KernelInputError, match=f"NINFER_GEMV_MAXNREG='{bad}'"):
+            gl.t1_maxnreg()
+
+    class Jit:                     # a GEMV with one weight and one constexpr
+        arg_names = [*gemv_plan._FIXED[:1], "w", *gemv_plan._FIXED[1:], "PDL"]
+
+    class Compiled:
+        packed_metadata = ()
+
+        def __getitem__(self, grid):
+            return lambda *a: None
+
+    x, out = torch.zeros(1, 32), torch.zeros(1, 8)
+    plan = gemv_plan.GemvPlan(Jit(), (1, 1, 1), (torch.zeros(1),), None, None, (1.0, 1, 8, 2, 1),
+                              {"PDL": 1, "num_warps": 4, "launch_pdl": True, "maxnreg": 96}, Compiled(), x, out,
+                              out, False)
+    assert plan.runner is not None and plan.tail == (1,)   # the direct launcher passes parameters only
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="a register cap is a CUDA launch option")
+def test_register_cap_keeps_the_bits_gpu(monkeypatch):
+    """The NVFP4 T = 1 loop under NINFER_GEMV_MAXNREG=96 gives the same bits as the compiler's allocation."""
+    run, _ = h2_linear("nvfp4", 1000, 3072, seed=3)
+    x = torch.randn(1, 3072, device=DEV).to(torch.bfloat16)
+    cfg = GemvConfig(128, 16, num_stages=1, split=3, h2=True)
+    outs = []
+    for regs in ("0", "96"):
+        monkeypatch.setenv(gl.MAXNREG_ENV, regs)
+        outs.append(run(x, torch.full((1, 1000), float("nan"), dtype=torch.bfloat16, device=DEV), None, cfg))
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
