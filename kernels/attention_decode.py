@@ -21,6 +21,7 @@ o_proj GEMV when D is a multiple of 128. One launch (sigmoid_mul's) fewer per at
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,8 +31,8 @@ from .ops_common import KernelInputError, dot_precision, num_sms, pow2
 from .pdl import pdl_enter, pdl_kw
 from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
 
-BLOCK_N = 32              # keys per inner step
-MAX_BLOCK_M = 64          # query rows per program
+BLOCK_N = 32              # keys per inner step (tensor-core tiles; split lengths are multiples of it)
+MAX_BLOCK_M = 64          # query rows per program (tensor-core tiles)
 MIN_SPLIT_KEYS = 64       # never cut a sequence's key range finer than this (two BLOCK_N steps)
 MIN_SPLIT_ENV = "NINFER_ATTN_MIN_SPLIT"     # overrides MIN_SPLIT_KEYS (a comparison switch for benchmarks)
 LOG2E = 1.4426950408889634
@@ -43,7 +44,8 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
                     Hk, G, n_mblocks, min_split, scale_log2, D,
                     PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr = 0,
-                    PDL: tl.constexpr = 0):
+                    PDL: tl.constexpr = 0, D_CHUNK: tl.constexpr = 0):
+    # D_CHUNK (0 = BLOCK_D): head-dim columns per tl.dot (`d_chunk`: narrower where tl.dot runs on FMAs)
     pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -59,11 +61,15 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
         head = kvh * G + rows % G
         row_ok = t < T
         qpos = L - T + t
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
+        DC: tl.constexpr = D_CHUNK if D_CHUNK else BLOCK_D
+        NC: tl.constexpr = BLOCK_D // DC
+        tl.static_assert(NC * DC == BLOCK_D)
+        d = tl.arange(0, DC)
         tok = (q0 + t).to(tl.int64)
-        q = tl.load(q_ptr + (tok * sq_t + head * sq_h)[:, None] + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        qs = ()
+        for c in tl.static_range(NC):
+            qs = qs + (tl.load(q_ptr + (tok * sq_t + head * sq_h)[:, None] + (c * DC + d)[None, :],
+                               mask=row_ok[:, None] & (c * DC + d < D)[None, :], other=0.0),)
         t_last = tl.minimum(T - 1, (mb * BLOCK_M + BLOCK_M - 1) // G)
         keys = L - T + t_last + 1                 # keys the block's last row sees (>= 1)
         if SPLIT:
@@ -76,41 +82,54 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
             hi = keys
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        accs = ()
+        for c in tl.static_range(NC):
+            accs = accs + (tl.zeros([BLOCK_M, DC], tl.float32),)
         bt_row = bt_ptr + b.to(tl.int64) * bt_stride
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
             page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
             slot = page * PAGE + n % PAGE
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + (slot * sk_s + kvh * sk_h)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            for c in tl.static_range(NC):
+                k = tl.load(k_ptr + (slot * sk_s + kvh * sk_h)[:, None] + (c * DC + d)[None, :],
+                            mask=n_ok[:, None] & (c * DC + d < D)[None, :], other=0.0)
+                if c == 0:
+                    s = tl.dot(qs[0], tl.trans(k), input_precision=PREC)
+                else:
+                    s += tl.dot(qs[c], tl.trans(k), input_precision=PREC)
+            s = s * scale_log2
             s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # rows with no visible key yet
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + (slot * sv_s + kvh * sv_h)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            new = ()
+            for c in tl.static_range(NC):
+                v = tl.load(v_ptr + (slot * sv_s + kvh * sv_h)[:, None] + (c * DC + d)[None, :],
+                            mask=n_ok[:, None] & (c * DC + d < D)[None, :], other=0.0)
+                new = new + (accs[c] * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC),)
+            accs = new
             m_i = m_new
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        omask = row_ok[:, None] & d_ok[None, :]
         if SPLIT:
             # partials: po [splits, total_rows, Hq, D] fp32, plse [splits, total_rows, Hq] (log2 units); a split
             # past the keys stores only its -inf
             prow = (split * total_rows + tok) * (G * Hk) + head
             if lo < hi:
-                tl.store(po_ptr + (prow * D)[:, None] + d[None, :], out, mask=omask)
+                for c in tl.static_range(NC):
+                    tl.store(po_ptr + (prow * D)[:, None] + (c * DC + d)[None, :], accs[c] / l_safe[:, None],
+                             mask=row_ok[:, None] & (c * DC + d < D)[None, :])
             tl.store(plse_ptr + prow, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=row_ok)
         else:
-            y = out.to(o_ptr.dtype.element_ty)
-            if GATE:
-                y = _gated(y, g_ptr + (tok * sg_t + head * sg_h)[:, None] + d[None, :], omask)
-            tl.store(o_ptr + (tok * so_t + head * so_h)[:, None] + d[None, :], y, mask=omask)
+            for c in tl.static_range(NC):
+                omask = row_ok[:, None] & (c * DC + d < D)[None, :]
+                y = (accs[c] / l_safe[:, None]).to(o_ptr.dtype.element_ty)
+                if GATE:
+                    y = _gated(y, g_ptr + (tok * sg_t + head * sg_h)[:, None] + (c * DC + d)[None, :], omask)
+                tl.store(o_ptr + (tok * so_t + head * so_h)[:, None] + (c * DC + d)[None, :], y, mask=omask)
 
 
 @triton.jit
@@ -159,8 +178,30 @@ def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, g_ptr, xp_ptr, so_t, so_h, sg_t
 COMBINE_SPLITS = 16       # splits per load in attn_combine_kernel
 
 
-def _warps(block_m: int, block_d: int) -> int:
-    return 4 if block_m * block_d <= 8192 else 8
+@dataclass(frozen=True)
+class Tiles:
+    """The forward kernel's tile sizes for one kind of GPU."""
+    block_n: int       # keys per inner step (divides BLOCK_N: split lengths stay multiples of both)
+    max_block_m: int   # query rows per program
+    d_chunk: int       # head-dim columns per tl.dot (0: the whole head)
+    warps: int         # 0: 4 or 8 by tile size
+
+    def num_warps(self, block_m: int, block_d: int) -> int:
+        return self.warps or (4 if block_m * block_d <= 8192 else 8)
+
+
+TC_TILES = Tiles(BLOCK_N, MAX_BLOCK_M, 0, 0)
+# sm_70 (V100): tl.dot runs on FMAs, each thread holding its rows' whole reduction dimension, and the tensor-core
+# tiles at head dim 256 compiled to 32 registers and 4.5-9.8 KB of spills per thread (ptxas, Triton 3.6); these
+# compile without spills (128 registers, bench/NOTES.md §19)
+FMA_TILES = Tiles(16, 32, 64, 16)
+
+
+def tiles_for(device) -> Tiles:
+    """FMA_TILES on CUDA devices below compute capability 8.0 (no tensor-core tl.dot), else TC_TILES."""
+    if getattr(device, "type", "cpu") == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return FMA_TILES
+    return TC_TILES
 
 
 def min_split_keys() -> int:
@@ -173,10 +214,10 @@ def min_split_keys() -> int:
 
 
 def plan(batch: int, hk: int, g: int, max_q: int, max_kv: int, device, num_splits: int | None = None,
-         min_split: int = MIN_SPLIT_KEYS):
+         min_split: int = MIN_SPLIT_KEYS, tiles: Tiles = TC_TILES):
     """-> (BLOCK_M, m-blocks per (sequence, KV head), splits) for contexts up to max_kv: no more splits than
     whole BLOCK_N-aligned pieces of max_kv (the kernel sizes each sequence's pieces from its own length)."""
-    block_m = min(MAX_BLOCK_M, pow2(g * max_q, 16))
+    block_m = min(tiles.max_block_m, pow2(g * max_q, 16))
     n_mblocks = triton.cdiv(g * max_q, block_m)
     programs = batch * hk * n_mblocks
     if num_splits is None:
@@ -184,8 +225,8 @@ def plan(batch: int, hk: int, g: int, max_q: int, max_kv: int, device, num_split
         # H200), never splits shorter than min_split
         want = triton.cdiv(2 * num_sms(device), programs)
         num_splits = max(1, min(want, max_kv // min_split))
-    num_splits = max(1, min(num_splits, triton.cdiv(max(max_kv, 1), BLOCK_N)))
-    split_len = triton.cdiv(triton.cdiv(max(max_kv, 1), num_splits), BLOCK_N) * BLOCK_N
+    num_splits = max(1, min(num_splits, triton.cdiv(max(max_kv, 1), tiles.block_n)))
+    split_len = triton.cdiv(triton.cdiv(max(max_kv, 1), num_splits), tiles.block_n) * tiles.block_n
     return block_m, n_mblocks, triton.cdiv(max(max_kv, 1), split_len)
 
 
@@ -231,7 +272,8 @@ def _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scal
         return out, None
     g = hq // hk
     min_split = min_split or min_split_keys()
-    block_m, n_mblocks, splits = plan(batch, hk, g, max_q_len, max_kv_len, q.device, num_splits, min_split)
+    tiles = tiles_for(q.device)
+    block_m, n_mblocks, splits = plan(batch, hk, g, max_q_len, max_kv_len, q.device, num_splits, min_split, tiles)
     if splits > 1:
         po = torch.empty(splits, total, hq, d, dtype=torch.float32, device=q.device)
         plse = torch.empty(splits, total, hq, dtype=torch.float32, device=q.device)
@@ -244,8 +286,8 @@ def _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scal
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), sg[0], sg[1], total, hk, g, n_mblocks,
         min_split, float(scale) * LOG2E, d, PAGE=page_size, BLOCK_D=block_d, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, SPLIT=splits > 1, PREC=dot_precision(q.dtype), GATE=gate is not None,
-        num_warps=_warps(block_m, block_d), **pdl_kw(q.device))
+        BLOCK_N=tiles.block_n, SPLIT=splits > 1, PREC=dot_precision(q.dtype), GATE=gate is not None,
+        D_CHUNK=min(tiles.d_chunk, block_d), num_warps=tiles.num_warps(block_m, block_d), **pdl_kw(q.device))
     if splits == 1:
         return out, None
     xp = xp if d % CHUNK == 0 else None
@@ -259,7 +301,7 @@ def _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scal
     return out, xp
 
 
-def compile_specs(act: str):
+def compile_specs(act: str, cc: int = 90):
     fwd = {"q_ptr": f"*{act}", "k_ptr": f"*{act}", "v_ptr": f"*{act}", "o_ptr": f"*{act}", "po_ptr": "*fp32",
            "plse_ptr": "*fp32", "cu_ptr": "*i32", "kvlen_ptr": "*i32", "bt_ptr": "*i32", "g_ptr": f"*{act}",
            **{n: "i64" for n in ("sq_t", "sq_h", "so_t", "so_h", "sk_s", "sk_h", "sv_s", "sv_h", "bt_stride",
@@ -270,9 +312,11 @@ def compile_specs(act: str):
             "so_t": "i64", "so_h": "i64", "sg_t": "i64", "sg_h": "i64", "s_xp": "i64", "n_splits": "i32",
             "total_rows": "i32", "Hq": "i32", "D": "i32"}
     prec = "ieee" if act == "fp32" else "tf32"
-    return [(attn_fwd_kernel, fwd, {"PAGE": 16, "BLOCK_D": 256, "BLOCK_M": bm, "BLOCK_N": BLOCK_N, "SPLIT": sp,
-                                    "PREC": prec, "GATE": gt}, _warps(bm, 256))
-            for bm, sp, gt in ((16, True, False), (64, False, False), (64, False, True))] + \
+    tiles = FMA_TILES if cc < 80 else TC_TILES
+    return [(attn_fwd_kernel, fwd, {"PAGE": 16, "BLOCK_D": 256, "BLOCK_M": bm, "BLOCK_N": tiles.block_n,
+                                    "SPLIT": sp, "PREC": prec, "GATE": gt, "D_CHUNK": tiles.d_chunk},
+             tiles.num_warps(bm, 256))
+            for bm, sp, gt in ((16, True, False), (tiles.max_block_m, False, False), (tiles.max_block_m, False, True))] + \
            [(attn_combine_kernel, comb, {"BLOCK_D": 256, "BLOCK_S": COMBINE_SPLITS, "GATE": gt, "XP": gt})
             for gt in (False, True)]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -35,7 +36,8 @@ def variants(ccs=(70, 90)):
                 if cc >= 80 and act == "fp16" and mod_name not in FP16_ON_90:
                     continue
                 mod = importlib.import_module(f"ninfer_kernels.{mod_name}")
-                for i, spec in enumerate(mod.compile_specs(act)):
+                takes_cc = "cc" in inspect.signature(mod.compile_specs).parameters   # target-dependent tiles
+                for i, spec in enumerate(mod.compile_specs(act, cc=cc) if takes_cc else mod.compile_specs(act)):
                     fn, sig, const = spec[:3]
                     warps = spec[3] if len(spec) > 3 else 4
                     if "PDL" in fn.arg_names and "PDL" not in const:   # griddepcontrol: sm_90 PTX (pdl.py)

@@ -210,6 +210,28 @@ def test_paged_attention(dtype, seq_lens, kv_lens, splits):
     check(got, want, dtype)
 
 
+@pytest.mark.parametrize("seq_lens,kv_lens,hq,d,splits", [
+    ((1, 1), (1, 70), 12, 256, 3),     # decode at the real head size: four 64-column chunks, split-KV
+    ((9, 2), (30, 51), 8, 160, 1),     # verify rows past one 32-row block; a ragged head (last chunk masked)
+    ((3,), (45,), 4, 40, None),        # a head narrower than one chunk
+], ids=["decode-d256-split3", "verify-2mblocks-d160", "d40"])
+def test_paged_attention_fma_tiles(monkeypatch, seq_lens, kv_lens, hq, d, splits):
+    """The sm_70 tiles (no tensor-core tl.dot: 16 keys per step, 64 head-dim columns per dot, 32 rows per
+    program) against the reference, gated and not."""
+    from ninfer_kernels import attention_decode as ad
+    monkeypatch.setattr(ad, "tiles_for", lambda device: ad.FMA_TILES)
+    q, kc, vc, meta = _attn_case(torch.float32, seq_lens, kv_lens, seed=11, hq=hq, hk=2, d=d)
+    kc0, vc0 = torch.nan_to_num(kc), torch.nan_to_num(vc)
+    with poisoned():
+        check(_paged_attention(q, kc, vc, meta, splits), REF.attention(q, kc0, vc0, meta, q.shape[-1] ** -0.5),
+              torch.float32)
+    gate = rnd(q.shape[0], hq, d, dtype=torch.float32, seed=12, scale=2.0)
+    with poisoned():
+        got, _ = ad.gated_attention(q, kc, vc, meta.cu_seqlens, meta.kv_lens_t, meta.block_tables, meta.page_size,
+                                    0.09, meta.max_q_len, meta.max_kv_len, gate, num_splits=splits)
+    check(got, REF.gated_attention(q, kc0, vc0, meta, 0.09, gate), torch.float32)
+
+
 @pytest.mark.parametrize("min_split", [32, 96], ids=["min32", "min96"])
 def test_paged_attention_splits_sized_on_device(min_split):
     """Splits fixed on the host for a larger context (a graph's KV bucket), each sequence cutting its own keys
