@@ -151,6 +151,12 @@ _MMA_T2_8 = ((128, 8, 4, 2), (256, 8, 4, 2), (128, 8, 4, 3), (128, 8, 8, 2))
 _DECODE_MMA_TILES = {1: (), 2: _MMA_T2_8, 4: _MMA_T2_8, 8: _MMA_T2_8, 16: ((256, 8, 4, 1), (128, 8, 4, 1))}
 # prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
 _PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
+# sm_70: tl.dot lowers to FMAs that keep a thread's rows and columns of the whole K step in registers, so
+# K = 64..256 per step spilled 150 B - 3.2 KB to the stack (32-255 registers); FMA_DOT_K weights per step and
+# T tiles <= 32 compile to 168-210 registers and no stack (compile_check). No cp.async there: one stage.
+FMA_DOT_K = 32
+_DECODE_DOT_TILES_FMA = {b: ((64, FMA_DOT_K, 4), (128, FMA_DOT_K, 8)) if b >= 4 else () for b in (1, 2, 4, 8, 16)}
+_PREFILL_TILES_FMA = ((64, FMA_DOT_K, 4, 1, 32), (128, FMA_DOT_K, 8, 1, 32), (64, FMA_DOT_K, 4, 1, 16))
 
 
 def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
@@ -164,8 +170,10 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
         return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
     cc = torch.cuda.get_device_capability(device)
     sms = sm_count(device)
+    fma_dot = cc < (8, 0)
     if T > 16:  # prefill: a GEMM with the decode fused into the A-operand load
-        return [GemvConfig(bn, max(1, bk // GS), w, st, 1, True, tt) for bn, bk, w, st, tt in _PREFILL_TILES]
+        return [GemvConfig(bn, max(1, bk // GS), w, st, 1, True, tt)
+                for bn, bk, w, st, tt in (_PREFILL_TILES_FMA if fma_dot else _PREFILL_TILES)]
     b = next_pow2(T)
     out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
            for bn, bg, w, st in _DECODE_TILES[b]]
@@ -185,11 +193,11 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
                 waves = (4, 7) if 2 <= b <= 8 else (4,)
                 out += [GemvConfig(bn, bg, w, st, sp, mma=True)
                         for sp in dict.fromkeys(auto_split(n, G // bg, sms, wv) for wv in waves)]
-    if x_dtype != torch.float32 and (cc >= (8, 0) or T >= 4):
+    if x_dtype != torch.float32:
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
-        for bn, bk, w in _DECODE_DOT_TILES[b]:
-            bg = max(1, bk // GS)
-            out.append(GemvConfig(bn, bg, w, 3, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 2), True))
+        for bn, bk, w in (_DECODE_DOT_TILES_FMA if fma_dot else _DECODE_DOT_TILES)[b]:
+            bg, st = max(1, bk // GS), 1 if fma_dot else 3
+            out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 2), True))
     if not out:  # fp32 activations at T = 16 (no tl.dot tile): the smallest elementwise tile
         out.append(GemvConfig(32, 16, 4, 1, auto_split(triton.cdiv(N, 32), triton.cdiv(G, 16), sms)))
     return list(dict.fromkeys(out))  # drop duplicates, keep order

@@ -118,6 +118,19 @@ def test_gemv_paths(fmt, path):
         assert int(workspace(x.device, 0, 0)[1].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gemv_fma_dot_step(fmt):
+    """The sm_70 tl.dot tiles (gemv_launch.FMA_DOT_K weights per step, 2 groups of NVFP4: the scale bytes'
+    byte-load route) give the reference, with split-K and a ragged K tail."""
+    from ninfer_kernels.gemv_launch import FMA_DOT_K
+    gs = {"nvfp4": 16, "q6_k": 16, "iq3_s": 16, "f8_e4m3_row": 8, "f32": 2}.get(fmt, 4)
+    qw = quantized(fmt, N_SMALL, K_RAGGED[fmt], seed=11)
+    x = torch.randn(6, K_RAGGED[fmt], generator=torch.Generator().manual_seed(4)).to(torch.float16).to(DEV)
+    cfg = GemvConfig(16, max(1, FMA_DOT_K // gs), split=2, use_dot=True)
+    y = run_kernel(qw, x, out=poisoned(6, N_SMALL, torch.float16), config=cfg)
+    assert rel_l2(y, reference.ref_linear(x, fmt, qw)) < rtol(torch.float16)
+
+
 def test_nvfp4_large_global_scale_dot_path():
     """gscale too large to fold e4m3 * 2**126 * gscale into one fp32 multiplier: the two-step scaling."""
     qw = quantized("nvfp4", N_SMALL, 64, seed=3)

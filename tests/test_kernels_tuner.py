@@ -263,6 +263,24 @@ def test_time_ms_graph_and_eager_agree_on_order():
     assert t["big"] < 2 * e["big"]   # the subtraction leaves the copy, not the flush
 
 
+@pytest.mark.parametrize("fmt_gs", [16, 8, 4, 2], ids=["gs16-nvfp4-q6k-iq3s", "gs8-f8", "gs4-plain16", "gs2-plain32"])
+def test_candidates_sm70_dot_tiles_step_32_weights(monkeypatch, fmt_gs):
+    """On a V100 (sm_70, 80 SMs) tl.dot is an FMA loop that holds a whole K step per thread: every dot tile,
+    decode (T >= 4 only) and prefill, steps FMA_DOT_K weights at T tiles <= 32 (the tiles compile_check finds
+    spill-free); an sm_90 device keeps its wider tensor-core steps."""
+    monkeypatch.setattr(gl, "interpreting", lambda: False)
+    monkeypatch.setattr(gl.torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(gl, "sm_count", lambda device: 80)
+    dev = torch.device("cuda")
+    for T in (1, 2, 4, 8, 16, 17, 300):
+        dots = [c for c in gl.candidates(T, 5120, 5120 // fmt_gs, fmt_gs, torch.float16, dev) if c.use_dot]
+        assert bool(dots) == (T >= 4), T
+        assert all(c.block_g * fmt_gs == gl.FMA_DOT_K and c.num_stages == 1 and c.t_tile <= 32 for c in dots), dots
+    as_h200(monkeypatch)
+    dots = [c for c in gl.candidates(8, 5120, 5120 // fmt_gs, fmt_gs, torch.bfloat16, dev) if c.use_dot]
+    assert dots and all(c.block_g * fmt_gs > gl.FMA_DOT_K for c in dots)
+
+
 def test_candidates_few_rows_get_a_wide_split(monkeypatch):
     """The GDN b/a projections (96 rows of bf16): a handful of row blocks may split K up to 64 ways; wide shapes
     keep the cap of 16."""
