@@ -29,7 +29,7 @@ import triton
 
 from .gemv_f8 import dequant_f8, gemv_f8
 from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s, unpack_iq3_s
-from .gemv_launch import KernelInputError, interpreting, next_pow2, t1_maxnreg, tune_mode
+from .gemv_launch import KernelInputError, interpreting, next_pow2, tune_mode
 from .gemv_timing import time_ms
 from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4, repack_nvfp4, unpack_nvfp4
 from .gemv_plain import _WIDTH, gemv_plain

@@ -42,28 +42,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-MAXNREG_ENV = "NINFER_GEMV_MAXNREG"
-
-
-def t1_maxnreg() -> int:
-    """NINFER_GEMV_MAXNREG (default 0: the compiler's choice): a register cap per thread for the NVFP4 T = 1
-    packed-half2 loop (the decode step's GEMVs), a comparison switch for benchmarks. Why: Nsight Compute found
-    that loop latency-bound with ~1 eligible warp per scheduler and its occupancy register-limited (the 128-row
-    tile on prepared activations: 127 registers, four 4-warp CTAs per SM; at 96, five, without spills).
-    Anything but an integer in [0, 255] is a one-line error naming the variable."""
-    v = os.environ.get(MAXNREG_ENV, "0")
-    if not v.isdigit() or int(v) > 255:
-        raise KernelInputError(f"{MAXNREG_ENV}={v!r}: expected a register count from 0 (the compiler's) to 255")
-    return int(v)
-
-
-def register_cap(kernel_name: str, kind: str | None, t_tile: int, device: torch.device) -> dict:
-    """{"maxnreg": n} for an NVFP4 packed-half2 launch at T tile 1 on CUDA when NINFER_GEMV_MAXNREG is set,
-    else {}: a launch option compiled into the binary, not a kernel parameter."""
-    regs = t1_maxnreg() if kind == "h2" and t_tile == 1 and kernel_name.startswith("nvfp4") else 0
-    return {"maxnreg": regs} if regs and device.type == "cuda" and not interpreting() else {}
-
-
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int
@@ -351,7 +329,6 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
         consts["XPRE"] = False       # the f16 variants that can read prepared activations (ninfer_kernels.x16)
     if "PDL" in names:               # always given: a plan's direct launch passes every constexpr (gemv_plan)
         consts.update({"PDL": 0, **pdl_kw(x.device)})
-    consts.update(register_cap(kernel.__name__, kind, tt, x.device))
     consts.update(extra or {})
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,

@@ -46,7 +46,7 @@ class GemvPlan:
         jit = getattr(kernel, "jit", kernel)
         names = list(getattr(jit, "arg_names", ()))
         allc = {k: v for k, v in {**consts, **getattr(kernel, "extra_consts", {})}.items()
-                if k not in ("num_warps", "num_stages", "launch_pdl", "maxnreg")}   # launch options, not parameters
+                if k not in ("num_warps", "num_stages", "launch_pdl")}   # launch options, not parameters
         head = len(_FIXED) + len(self.weights)
         if compiled is not None and hasattr(compiled, "packed_metadata") and len(names) == head + len(allc) \
                 and set(names[head:]) == set(allc) and os.environ.get("NINFER_GEMV_FAST_LAUNCH", "1") != "0":

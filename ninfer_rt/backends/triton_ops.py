@@ -69,7 +69,6 @@ class TritonOps(Ops):
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
-            _DISPATCH.t1_maxnreg()
         # "auto" | "1" | "0" (NINFER_XPRE's values); the GEMVs that read prepared input come with the dispatch
         self.xpre = ("1" if xpre else "0") if xpre is not None else x16.xpre_env() if _DISPATCH is not None else "0"
         self._memo = PreparedMemo()
