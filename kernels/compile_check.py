@@ -228,14 +228,35 @@ def lane_layouts_bad(ttgir: str, num_warps: int) -> list[str]:
     return bad
 
 
+def spill_bytes(compiled) -> int:
+    """Bytes of register spill stores, as `ptxas -v` reports them for the kernel's PTX (-1 if unknown): the
+    ptxas Triton picks for the target, with its default options (Triton may add its own, e.g. 3.9's register
+    allocation level). The cubin's STACK also counts local arrays that are no spill (libdevice's sin/cos argument
+    reduction: 32 bytes)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptx = compiled.asm["ptx"]
+    target = re.search(r"^\.target\s+(sm_(\d+)\w*)", ptx, flags=re.M)
+    if target is None:
+        return -1
+    tool = get_ptxas(int(target.group(2))).path
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        r = subprocess.run([tool, "-v", "--gpu-name", target.group(1), f.name, "-o", os.devnull],
+                           capture_output=True, text=True)
+    m = re.search(r"(\d+) bytes spill stores", r.stdout + r.stderr)
+    return int(m.group(1)) if r.returncode == 0 and m else -1
+
+
 def summarize(compiled) -> dict:
-    """Registers, spill bytes (ptxas puts register spills on the STACK; LOCAL counts local arrays), shared bytes
-    from the cubin; SASS instruction count where available."""
+    """Registers, LOCAL / STACK bytes (ptxas puts register spills on the STACK; LOCAL counts local arrays) and
+    shared bytes from the cubin, spill-store bytes from ptxas, SASS instruction count where available."""
     usage = _cuda_tool("cuobjdump", compiled, "-res-usage")
     fields = dict(tok.split(":", 1) for line in usage.splitlines() if "REG:" in line for tok in line.split())
     n_instr = len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S", sass(compiled), flags=re.M))
     return {"regs": int(fields.get("REG", -1)), "local": int(fields.get("LOCAL", -1)),
-            "stack": int(fields.get("STACK", -1)), "shared": int(fields.get("SHARED", -1)), "sass_instr": n_instr}
+            "stack": int(fields.get("STACK", -1)), "spill": spill_bytes(compiled),
+            "shared": int(fields.get("SHARED", -1)), "sass_instr": n_instr}
 
 
 def main(argv=None) -> int:

@@ -13,13 +13,16 @@ import pytest
 from ninfer_kernels.ops_compile import MODULES
 
 COMPILE_TIMEOUT_S = 300
+# kernels allowed to spill registers, with the reason: each is off by default
+SPILL_OK = {"gdn_conv_recurrent.gdn_conv_recurrent_kernel":
+            "NINFER_GDN_FUSED=0 by default (bench/NOTES.md §18: it lost verify K=3); 255 registers, 48-176 B spilled"}
 
 
 @pytest.mark.parametrize("cc", [70, 90], ids=["sm70", "sm90"])
 def test_ops_kernels_compile(cc, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, "-m", "ninfer_kernels.ops_compile", "--cc", str(cc), "--json", "--no-summary"],
+    r = subprocess.run([sys.executable, "-m", "ninfer_kernels.ops_compile", "--cc", str(cc), "--json"],
                        capture_output=True, text=True, env=env, timeout=COMPILE_TIMEOUT_S)
     rows = json.loads(r.stdout) if r.stdout.strip() else []
     failed = [f"{row['variant']}: {row['error']}" for row in rows if not row["ok"]]
@@ -30,5 +33,8 @@ def test_ops_kernels_compile(cc, tmp_path):
     # instructions, the wait before any global load or store; never compiled in on sm_70
     pdl = {row["variant"]: row["pdl_ok"] for row in rows}
     assert all(v is (True if cc >= 90 else None) for v in pdl.values()), pdl
+    # no register spills (ptxas' spill stores; STACK also holds libdevice's trig reduction array, no spill)
+    spills = {row["variant"]: row["spill"] for row in rows if row["spill"] != 0}
+    assert all(v.split("#")[0] in SPILL_OK and n > 0 for v, n in spills.items()), spills
     acts = {row["variant"].rsplit("-", 1)[1] for row in rows}
     assert acts == ({"fp16"} if cc == 70 else {"bf16", "fp16"})
