@@ -84,7 +84,7 @@ def shipped_config(N: int, K: int, T: int, fmt: str = "nvfp4"):
 
 def neighbours(cfg) -> list:
     """A few tiles near `cfg` for the prepared variant: split -1/+1, the other row count; for the MMA loop also
-    the other load depth (not block_g 16: 40-65 s of ptxas per variant, gemv_launch._DECODE_MMA_TILES)."""
+    the other load depth (not block_g 16: 40-65 s of ptxas per variant, gemv_tiles._DECODE_MMA_TILES)."""
     from dataclasses import replace
     out = [cfg]
     for s in (cfg.split - 1, cfg.split + 1):

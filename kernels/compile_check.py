@@ -124,12 +124,12 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
     """Per target (fp16 activations on sm_70, bf16 on sm_90): every kernel's elementwise path (T tile 2,
     split-K, residual) and tl.dot path (T tile 16), and every dequantizer. `full` adds the decode tiles the
     tuner tries (T 1/4/8/16, 64/128 rows) for register and instruction-count inspection."""
-    from .gemv_launch import FMA_DOT_K
+    from .gemv_tiles import FMA_DOT_K
     out = []
     for cc in ccs:
         xd = "float16" if cc < 80 else "bfloat16"
         for f in FORMATS:
-            if f in LANE_EXACT:   # the warp-MMA tiles (gemv_launch._DECODE_MMA_TILES), T tiles 8 and 16
+            if f in LANE_EXACT:   # the warp-MMA tiles (gemv_tiles._DECODE_MMA_TILES), T tiles 8 and 16
                 if cc < 80:   # sm_70 (never launched there) compiles the emulated warp steps, slowly: one tile
                     out.append((Variant(f, xd, 8, 64, 8, use_split=True, has_res=True), cc))
                     continue
@@ -140,7 +140,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                 if full:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue
-            # the tuner's tiles (gemv_launch.candidates): on sm_70 tl.dot steps FMA_DOT_K weights (no spills)
+            # the tuner's tiles (gemv_tiles.candidates): on sm_70 tl.dot steps FMA_DOT_K weights (no spills)
             bg, bg_dot = 16, max(1, FMA_DOT_K // _GS[f]) if cc < 80 else max(8, 64 // _GS[f])
             # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop
             st, t1_tiles = _NO_DOT_TILES.get(f, _NO_DOT_TILES[None])
@@ -161,7 +161,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                     out.append((Variant(f, xd, t, bn, bg, num_warps=w), cc))
                     out.append((Variant(f, xd, t, bn, bg, num_warps=w, stages=3), cc))
                 out.append((Variant(f, xd, 16, 128, bg_dot, num_warps=8, use_dot=True, use_split=True), cc))
-                if cc < 80:   # the sm_70 fused-prefill tile (gemv_launch._PREFILL_TILES_FMA)
+                if cc < 80:   # the sm_70 fused-prefill tile (gemv_tiles._PREFILL_TILES_FMA)
                     out.append((Variant(f, xd, 32, 128, bg_dot, num_warps=8, use_dot=True), cc))
     return out
 

@@ -157,7 +157,7 @@ def _mma_kernel(device):
     return mma_kernel(device)
 
 
-# the warp-MMA variant's tiles (as `gemv_launch._DECODE_MMA_TILES`), T = 1 too: against the h2 variant, whose
+# the warp-MMA variant's tiles (as `gemv_tiles._DECODE_MMA_TILES`), T = 1 too: against the h2 variant, whose
 # gathers and 16 HFMA2 per sub-block cap it at 22-40 % of copy bandwidth (bench/NOTES.md §8). Its rows hold 11
 # values per chunk after the gather, so 64-row tiles join (sm_90, T tile 8: n128 147 registers, 214 double-buffered;
 # n64 80 / 127)

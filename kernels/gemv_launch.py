@@ -1,7 +1,7 @@
 """Host side of the GEMV skeleton: argument checks, launch configs, the split-K workspace and a small tuner.
 
-Configs: `GemvConfig` (frozen). `candidates()` lists the configs worth trying for a shape; the first is the
-default (used in the interpreter, without CUDA, while a CUDA graph is being captured, or with
+Configs: `GemvConfig` (gemv_config). `candidates()` (gemv_tiles) lists the configs worth trying for a shape; the
+first is the default (used in the interpreter, without CUDA, while a CUDA graph is being captured, or with
 NINFER_GEMV_TUNE=0 on a shape nothing is known about). On a GPU the first call for a (kernel, N, K, T bucket,
 dtype, residual, device) key takes the choice remembered across processes (`gemv_tune_cache`: the user cache
 file, then the shipped H200 winners); with NINFER_GEMV_TUNE=0 and no such choice, the tile that won most often
@@ -19,7 +19,6 @@ run split-K GEMVs concurrently.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -27,7 +26,9 @@ import triton
 
 from ninfer_formats.errors import NinferError
 
-from .gemv_h2_select import H2_STATE, checked_h2
+from .gemv_config import GemvConfig, interpreting, next_pow2, sm_count  # noqa: F401  (callers import them here)
+from .gemv_h2_select import H2_STATE, checked_h2  # noqa: F401  (H2_STATE: callers reach it here)
+from .gemv_tiles import FMA_DOT_K, auto_split, candidates, fill_splits  # noqa: F401  (likewise)
 from .gemv_timing import time_ms   # module global: the tuner tests replace it here
 from .pdl import pdl_kw
 
@@ -36,149 +37,6 @@ X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class KernelInputError(NinferError):
     """A kernel was called with tensors of the wrong shape, dtype or layout."""
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    block_n: int
-    block_g: int
-    num_warps: int = 4
-    num_stages: int = 2     # pipeline depth of the weight loads (tl.dot and elementwise; 1 = none)
-    split: int = 1          # K splits (1 = none); clamped to the number of K tiles
-    use_dot: bool = False   # tensor-core / tl.dot inner product instead of FMAs + sums
-    t_tile: int = 0         # T columns per CTA; 0 = next power of two of T (>= 16 with use_dot)
-    h2: bool = False        # the format's packed-half2 variant (NVFP4, Q6_K; T <= 8: gemv_*_h2)
-    mma: bool = False       # the format's warp-MMA variant (NVFP4, Q6_K; sm_80+, T <= 16: gemv_*_mma); block_g is
-                            # 8 or 16 groups per step and block_n a multiple of 16 rows per warp
-
-    def __post_init__(self):
-        for f in ("block_n", "block_g", "num_warps", "num_stages", "split"):
-            v = getattr(self, f)
-            if v < 1 or (f in ("block_n", "block_g", "num_warps") and v & (v - 1)):
-                raise ValueError(f"GemvConfig.{f} must be a positive power of two (split: positive), got {v}")
-        if self.t_tile and (self.t_tile & (self.t_tile - 1) or (self.use_dot and self.t_tile < 16)):
-            raise ValueError(f"GemvConfig.t_tile must be a power of two (>= 16 with use_dot), got {self.t_tile}")
-        if self.h2 + self.use_dot + self.mma > 1:
-            raise ValueError("GemvConfig: h2, use_dot and mma are three different inner products; pick one")
-        if self.mma and (self.block_g not in (8, 16) or self.block_n % (16 * self.num_warps)
-                         or self.t_tile not in (0, 8, 16) or self.num_stages > 3):
-            raise ValueError("GemvConfig: mma needs block_g 8 or 16, block_n a multiple of 16 * num_warps, t_tile "
-                             f"0, 8 or 16 and num_stages 1, 2 or 3, got {self.block_g}, {self.block_n}, {self.t_tile}, "
-                             f"{self.num_stages}")
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def auto_split(n_ctas: int, g_tiles: int, sms: int, waves: int = 4) -> int:
-    """K splits so that about `waves` CTAs per SM exist: row blocks alone rarely fill an H200 at N ~ 5k,
-    and a streaming kernel needs several resident CTAs per SM to keep enough loads in flight. At most 16,
-    except for a handful of row blocks (the GDN b/a projections, 48-96 rows), where split-K is the only
-    parallelism and 16 splits leave each CTA streaming several tiles in a row: up to 64 (6.2 -> 5.7 us on
-    the H200, bench/NOTES.md §8)."""
-    if n_ctas >= waves * sms:
-        return 1
-    return max(1, min(64 if n_ctas <= 8 else 16, g_tiles, triton.cdiv(waves * sms, n_ctas)))
-
-
-def fill_splits(n_ctas: int, g_tiles: int, sms: int) -> set[int]:
-    """K splits that leave every CTA resident in one wave at 4 or 8 CTAs per SM (the h2 tiles' occupancy at
-    128 / 64 rows): `auto_split` rounds up, which can spill a few CTAs into a second, mostly idle wave (attn_qkv
-    at 128 rows: 5 splits = 560 CTAs for 528 slots, 15 % slower on the H200 than 3 splits = 336)."""
-    return {max(1, min(16, g_tiles, (per * sms) // n_ctas)) for per in (4, 8)}
-
-
-# decode candidates per T bucket, trimmed to what won on the H200 (bench/NOTES.md): (block_n, block_g, num_warps,
-# num_stages) elementwise tiles (block_g = 16 groups is 144..208 bytes of a row per step, 2 groups = one 16-byte
-# load per thread; num_stages 1 = load then decode, >= 2 = the weight loads cp.async-pipelined that deep, which
-# lost 1.1-2x on every NVFP4 shape and won two Q6_K ones) and (block_n, K per step, num_warps) tl.dot tiles
-# (sm_80+; sm_70 only from T = 4). T >= 8 never won elementwise; T = 1..2 never won with tl.dot.
-_DECODE_TILES = {1: ((64, 16, 4, 1), (64, 16, 2, 1), (128, 16, 4, 1)),
-                 2: ((64, 16, 4, 1), (64, 16, 2, 1), (128, 16, 4, 1)),
-                 4: ((128, 16, 4, 1), (64, 16, 4, 1)),
-                 8: ((64, 16, 4, 1),),
-                 16: ()}
-_DECODE_DOT_TILES = {1: (), 2: (), 4: ((64, 256, 4), (128, 256, 8)),
-                     8: ((64, 256, 4), (128, 128, 4), (128, 256, 8)),
-                     16: ((64, 256, 4), (128, 128, 4), (128, 256, 8))}
-# packed-half2 tiles (block_n, block_g, num_warps, num_stages): more rows per thread amortize the per-group
-# activation scaling and packing (gemv_nvfp4_h2); for T <= 2 the first two also get fewer / more K splits.
-# num_stages 1 = load then decode, 3 = cp.async pipeline (gemv_h2_common._loop)
-_DECODE_H2_TILES = {1: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (256, 16, 4, 1), (128, 16, 4, 3)),
-                    2: ((128, 16, 4, 1), (64, 16, 4, 1), (256, 16, 8, 1), (128, 16, 4, 3)),
-                    4: ((64, 16, 4, 1), (128, 16, 4, 1)),
-                    8: ((64, 16, 4, 1),),
-                    16: ()}
-# warp-MMA tiles (block_n, block_g, num_warps, num_stages) per T bucket, trimmed to what won on the H200 (bench/
-# NOTES.md §7): 16 rows per warp and m-tile, 8 groups (128 weights) per chunk; num_stages 1 = load then decode,
-# 2 = the next step's loads issued before this step's decode (gemv_mma_body._k_loop), 3 = two steps ahead (new
-# in §11: within noise of 2 in §12). T = 1 never won (h2 does); block_g 16 never won and its double buffer needs
-# 196-255 registers and 40-65 s of ptxas per variant. (128, 8, 8, 2): one m-tile per warp, 8 warps (new in §14).
-_MMA_T2_8 = ((128, 8, 4, 2), (256, 8, 4, 2), (128, 8, 4, 3), (128, 8, 8, 2))
-_DECODE_MMA_TILES = {1: (), 2: _MMA_T2_8, 4: _MMA_T2_8, 8: _MMA_T2_8, 16: ((256, 8, 4, 1), (128, 8, 4, 1))}
-# prefill tiles (block_n, K per step, num_warps, num_stages, t_tile)
-_PREFILL_TILES = ((128, 64, 8, 3, 64), (128, 64, 4, 3, 32), (64, 64, 4, 3, 64), (128, 128, 8, 2, 128))
-# sm_70: tl.dot lowers to FMAs that keep a thread's rows and columns of the whole K step in registers, so
-# K = 64..256 per step spilled 150 B - 3.2 KB to the stack (32-255 registers); FMA_DOT_K weights per step and
-# T tiles <= 32 compile to 168-210 registers and no stack (compile_check). No cp.async there: one stage.
-FMA_DOT_K = 32
-_DECODE_DOT_TILES_FMA = {b: ((64, FMA_DOT_K, 4), (128, FMA_DOT_K, 8)) if b >= 4 else () for b in (1, 2, 4, 8, 16)}
-_PREFILL_TILES_FMA = ((64, FMA_DOT_K, 4, 1, 32), (128, FMA_DOT_K, 8, 1, 32), (64, FMA_DOT_K, 4, 1, 16))
-
-
-def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
-               mma: bool = False, h2_tiles: dict | None = None, mma_tiles: dict | None = None) -> list[GemvConfig]:
-    """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2 / mma: the kernel has a
-    packed-half2 / warp-MMA variant (`variant`), whose tiles are added for T <= 8 / 2 <= T <= 16 (mma: sm_80+) with
-    fp16/bf16 activations (both round activations to f16; fp32 activations ask for fp32 products); h2_tiles /
-    mma_tiles: that variant's own tile table (`h2_tiles(kernel)`, `mma_tiles(kernel)`)."""
-    if interpreting() or device.type != "cuda":
-        # the interpreter pays per program and per op, not per element: few, large tiles
-        return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
-    cc = torch.cuda.get_device_capability(device)
-    sms = sm_count(device)
-    fma_dot = cc < (8, 0)
-    if T > 16:  # prefill: a GEMM with the decode fused into the A-operand load
-        return [GemvConfig(bn, max(1, bk // GS), w, st, 1, True, tt)
-                for bn, bk, w, st, tt in (_PREFILL_TILES_FMA if fma_dot else _PREFILL_TILES)]
-    b = next_pow2(T)
-    out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
-           for bn, bg, w, st in _DECODE_TILES[b]]
-    if h2 and not H2_STATE["off"] and x_dtype != torch.float32:   # fp32 activations keep fp32 products
-        # T <= 2: with 1-3 resident CTAs per SM the default's ~4 CTAs per SM can leave a partial last wave
-        for i, (bn, bg, w, st) in enumerate((h2_tiles or _DECODE_H2_TILES)[b]):
-            n, g = triton.cdiv(N, bn), triton.cdiv(G, bg)
-            splits = [auto_split(n, g, sms, wv) for wv in ((4, 2, 8) if b <= 2 and i < 2 else (4,))]
-            if b <= 2 and i < 2:
-                splits += sorted(fill_splits(n, g, sms) - set(splits))
-            out += [GemvConfig(bn, bg, w, st, sp, h2=True) for sp in splits]
-    if mma and not H2_STATE["mma_off"] and cc >= (8, 0) and x_dtype != torch.float32:
-        for bn, bg, w, st in (mma_tiles or _DECODE_MMA_TILES)[b]:
-            if G % bg == 0:
-                n = triton.cdiv(N, bn)
-                # the double-buffered tiles hold ~72 registers: 7 CTAs per SM fit where 4 waves leave ~4
-                waves = (4, 7) if 2 <= b <= 8 else (4,)
-                out += [GemvConfig(bn, bg, w, st, sp, mma=True)
-                        for sp in dict.fromkeys(auto_split(n, G // bg, sms, wv) for wv in waves)]
-    if x_dtype != torch.float32:
-        # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
-        for bn, bk, w in (_DECODE_DOT_TILES_FMA if fma_dot else _DECODE_DOT_TILES)[b]:
-            bg, st = max(1, bk // GS), 1 if fma_dot else 3
-            out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 2), True))
-    if not out:  # fp32 activations at T = 16 (no tl.dot tile): the smallest elementwise tile
-        out.append(GemvConfig(32, 16, 4, 1, auto_split(triton.cdiv(N, 32), triton.cdiv(G, 16), sms)))
-    return list(dict.fromkeys(out))  # drop duplicates, keep order
 
 
 _WS: dict = {}

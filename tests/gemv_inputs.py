@@ -125,10 +125,17 @@ def extreme_x(K: int, span: int, dev) -> torch.Tensor:
     return x.to(dev)
 
 
-def as_h200(monkeypatch) -> torch.device:
-    """`gemv_launch.candidates` as on an H200 (sm_90, 132 SMs), without one: returns the cuda device to pass."""
-    from ninfer_kernels import gemv_launch as gl
-    monkeypatch.setattr(gl, "interpreting", lambda: False)
-    monkeypatch.setattr(gl.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(gl, "sm_count", lambda device: 132)
+def fake_cuda(monkeypatch, cc: tuple = (9, 0), sms: int = 132) -> torch.device:
+    """`gemv_tiles.candidates` (and the launcher) as on a CUDA device of capability `cc` with `sms` SMs, without
+    one: returns the cuda device to pass."""
+    from ninfer_kernels import gemv_launch as gl, gemv_tiles as gt
+    for mod in (gl, gt):
+        monkeypatch.setattr(mod, "interpreting", lambda: False)
+        monkeypatch.setattr(mod, "sm_count", lambda device: sms)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
     return torch.device("cuda")
+
+
+def as_h200(monkeypatch) -> torch.device:
+    """`fake_cuda` for an H200 (sm_90, 132 SMs)."""
+    return fake_cuda(monkeypatch)

@@ -120,7 +120,7 @@ def test_gemv_paths(fmt, path):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_gemv_fma_dot_step(fmt):
-    """The sm_70 tl.dot tiles (gemv_launch.FMA_DOT_K weights per step, 2 groups of NVFP4: the scale bytes'
+    """The sm_70 tl.dot tiles (gemv_tiles.FMA_DOT_K weights per step, 2 groups of NVFP4: the scale bytes'
     byte-load route) give the reference, with split-K and a ragged K tail."""
     from ninfer_kernels.gemv_launch import FMA_DOT_K
     gs = {"nvfp4": 16, "q6_k": 16, "iq3_s": 16, "f8_e4m3_row": 8, "f32": 2}.get(fmt, 4)

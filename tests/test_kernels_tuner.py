@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from ninfer_kernels import gemv_launch as gl
+from ninfer_kernels import gemv_tiles as gt
 from ninfer_kernels import gemv_tune_cache as tc
 from ninfer_kernels.gemv_launch import GemvConfig
-from gemv_inputs import as_h200
+from gemv_inputs import as_h200, fake_cuda
 
 CUDA = torch.device("cuda", 0)   # only an object: nothing here touches a GPU
 CANDS = [GemvConfig(128, 16, 8, 2, split=5), GemvConfig(64, 16, 4, 1, split=3), GemvConfig(64, 16, 2, 1, split=3)]
@@ -24,7 +25,8 @@ def gpu(monkeypatch, tmp_path):
     st = State()
     monkeypatch.setenv("NINFER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("NINFER_GEMV_TUNE", raising=False)
-    monkeypatch.setattr(gl, "interpreting", lambda: False)
+    for mod in (gl, gt):
+        monkeypatch.setattr(mod, "interpreting", lambda: False)
     monkeypatch.setattr(gl, "_capturing", lambda: False)
     monkeypatch.setattr(tc, "device_identity", lambda device: (st.name, "9.0"))
 
@@ -234,10 +236,7 @@ def test_h2_choice_is_checked_against_the_fp32_kernel(monkeypatch, capsys):
 def test_h2_candidates_follow_the_switch(monkeypatch):
     """candidates() for a CUDA device (its properties faked): h2 tiles only for kernels that have a variant,
     only for T <= 8, and none once a check has turned h2 off."""
-    monkeypatch.setattr(gl, "sm_count", lambda device: 132)
-    monkeypatch.setattr(gl, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    cuda = torch.device("cuda")
+    cuda = as_h200(monkeypatch)
     monkeypatch.setitem(gl.H2_STATE, "off", False)
     assert any(c.h2 for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
     assert not any(c.h2 for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=False))
@@ -268,10 +267,7 @@ def test_candidates_sm70_dot_tiles_step_32_weights(monkeypatch, fmt_gs):
     """On a V100 (sm_70, 80 SMs) tl.dot is an FMA loop that holds a whole K step per thread: every dot tile,
     decode (T >= 4 only) and prefill, steps FMA_DOT_K weights at T tiles <= 32 (the tiles compile_check finds
     spill-free); an sm_90 device keeps its wider tensor-core steps."""
-    monkeypatch.setattr(gl, "interpreting", lambda: False)
-    monkeypatch.setattr(gl.torch.cuda, "get_device_capability", lambda device=None: (7, 0))
-    monkeypatch.setattr(gl, "sm_count", lambda device: 80)
-    dev = torch.device("cuda")
+    dev = fake_cuda(monkeypatch, (7, 0), 80)
     for T in (1, 2, 4, 8, 16, 17, 300):
         dots = [c for c in gl.candidates(T, 5120, 5120 // fmt_gs, fmt_gs, torch.float16, dev) if c.use_dot]
         assert bool(dots) == (T >= 4), T
