@@ -6,7 +6,7 @@ Compilation goes through `ninfer_kernels.compile_check.compile_kernel` (triton.c
 with TRITON_INTERPRET unset (interpreted kernels cannot be compiled).
 
 CLI: `python -m ninfer_kernels.ops_compile [--cc 70 90] [--json] [--only NAME]` prints one line per variant
-(registers, local and stack (spill) bytes, shared memory).
+(registers, LOCAL and STACK bytes, ptxas' spill-store bytes, shared memory).
 """
 from __future__ import annotations
 
