@@ -62,7 +62,7 @@ def test_no_spills_and_sane_registers(compiled):
     for row in compiled:
         # ptxas spills to the STACK (LOCAL stays 0): the sm_70 FMA tl.dot with a wide K step showed 3 KB there
         assert row["local"] == 0 and row["stack"] == 0 and row["spill"] == 0, \
-            f"{row['variant']}@sm_{row['cc']} spills ({row['local']} B local, {row['stack']} B stack, {row['spill']} B spilled)"
+            f"{row['variant']}@sm_{row['cc']}: {row['local']} B local, {row['stack']} B stack, {row['spill']} B spilled"
         assert 0 < row["regs"] <= 255, row
 
 
