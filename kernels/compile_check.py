@@ -124,7 +124,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
     """Per target (fp16 activations on sm_70, bf16 on sm_90): every kernel's elementwise path (T tile 2,
     split-K, residual) and tl.dot path (T tile 16), and every dequantizer. `full` adds the decode tiles the
     tuner tries (T 1/4/8/16, 64/128 rows) for register and instruction-count inspection."""
-    from .gemv_tiles import FMA_DOT_K
+    from .gemv_tiles import FMA_DOT_K, dot_block_g
     out = []
     for cc in ccs:
         xd = "float16" if cc < 80 else "bfloat16"
@@ -141,7 +141,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue
             # the tuner's tiles (gemv_tiles.candidates): on sm_70 tl.dot steps FMA_DOT_K weights (no spills)
-            bg, bg_dot = 16, max(1, FMA_DOT_K // _GS[f]) if cc < 80 else max(8, 64 // _GS[f])
+            bg, bg_dot = 16, dot_block_g(FMA_DOT_K, _GS[f]) if cc < 80 else max(8, 64 // _GS[f])
             # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop
             st, t1_tiles = _NO_DOT_TILES.get(f, _NO_DOT_TILES[None])
             out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=st), cc))

@@ -66,6 +66,11 @@ _DECODE_DOT_TILES_FMA = {b: ((64, FMA_DOT_K, 4), (128, FMA_DOT_K, 8)) if b >= 4 
 _PREFILL_TILES_FMA = ((64, FMA_DOT_K, 4, 1, 32), (128, FMA_DOT_K, 8, 1, 32), (64, FMA_DOT_K, 4, 1, 16))
 
 
+def dot_block_g(k_step: int, GS: int) -> int:
+    """Groups per tl.dot step for a tile that steps `k_step` weights (at least one group)."""
+    return max(1, k_step // GS)
+
+
 def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
                mma: bool = False, h2_tiles: dict | None = None, mma_tiles: dict | None = None) -> list[GemvConfig]:
     """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2 / mma: the kernel has a
@@ -79,7 +84,7 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     sms = sm_count(device)
     fma_dot = cc < (8, 0)
     if T > 16:  # prefill: a GEMM with the decode fused into the A-operand load
-        return [GemvConfig(bn, max(1, bk // GS), w, st, 1, True, tt)
+        return [GemvConfig(bn, dot_block_g(bk, GS), w, st, 1, True, tt)
                 for bn, bk, w, st, tt in (_PREFILL_TILES_FMA if fma_dot else _PREFILL_TILES)]
     b = next_pow2(T)
     out = [GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms))
@@ -103,7 +108,7 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
     if x_dtype != torch.float32:
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in (_DECODE_DOT_TILES_FMA if fma_dot else _DECODE_DOT_TILES)[b]:
-            bg, st = max(1, bk // GS), 1 if fma_dot else 3
+            bg, st = dot_block_g(bk, GS), 1 if fma_dot else 3
             out.append(GemvConfig(bn, bg, w, st, auto_split(triton.cdiv(N, bn), triton.cdiv(G, bg), sms, 2), True))
     if not out:  # fp32 activations at T = 16 (no tl.dot tile): the smallest elementwise tile
         out.append(GemvConfig(32, 16, 4, 1, auto_split(triton.cdiv(N, 32), triton.cdiv(G, 16), sms)))

@@ -31,6 +31,7 @@ FMTS = ("nvfp4", "q6_k", "iq3_s", "f8_e4m3_row", "bf16", "f16", "f32")
 K_SMALL = {"nvfp4": 80, "q6_k": 512, "iq3_s": 512, "f8_e4m3_row": 88, "bf16": 84, "f16": 84, "f32": 86}
 K_RAGGED = {"nvfp4": 176, "q6_k": 768, "iq3_s": 768, "f8_e4m3_row": 200, "bf16": 100, "f16": 100, "f32": 98}
 N_SMALL = 37
+GS = {"nvfp4": 16, "q6_k": 16, "iq3_s": 16, "f8_e4m3_row": 8, "f32": 2}   # weights per group (plain: 4)
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,7 +107,7 @@ def test_gemv_paths(fmt, path):
     """Split-K (partials + last-CTA epilogue), ragged K tails, several row blocks and T tiles, tl.dot."""
     T, dtype, bn, kw = PATHS[path]
     K = K_RAGGED[fmt]
-    gs = {"nvfp4": 16, "q6_k": 16, "iq3_s": 16, "f8_e4m3_row": 8, "f32": 2}.get(fmt, 4)
+    gs = GS.get(fmt, 4)
     bg = max(4, 16 // gs) if (K // gs) % max(4, 16 // gs) else 32  # a block that leaves a K tail
     qw = quantized(fmt, N_SMALL, K, seed=7)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
@@ -122,11 +123,11 @@ def test_gemv_paths(fmt, path):
 def test_gemv_fma_dot_step(fmt):
     """The sm_70 tl.dot tiles (gemv_tiles.FMA_DOT_K weights per step, 2 groups of NVFP4: the scale bytes'
     byte-load route) give the reference, with split-K and a ragged K tail."""
-    from ninfer_kernels.gemv_launch import FMA_DOT_K
-    gs = {"nvfp4": 16, "q6_k": 16, "iq3_s": 16, "f8_e4m3_row": 8, "f32": 2}.get(fmt, 4)
+    from ninfer_kernels.gemv_tiles import FMA_DOT_K, dot_block_g
+    gs = GS.get(fmt, 4)
     qw = quantized(fmt, N_SMALL, K_RAGGED[fmt], seed=11)
     x = torch.randn(6, K_RAGGED[fmt], generator=torch.Generator().manual_seed(4)).to(torch.float16).to(DEV)
-    cfg = GemvConfig(16, max(1, FMA_DOT_K // gs), split=2, use_dot=True)
+    cfg = GemvConfig(16, dot_block_g(FMA_DOT_K, gs), split=2, use_dot=True)
     y = run_kernel(qw, x, out=poisoned(6, N_SMALL, torch.float16), config=cfg)
     assert rel_l2(y, reference.ref_linear(x, fmt, qw)) < rtol(torch.float16)
 
