@@ -206,9 +206,8 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
     def args(ws, cnt, split):
         return (x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, float(fscale), T, N, G,
                 split, x.stride(0), out.stride(0), res.stride(0))
-    # a stream-K kernel has the split-K epilogue compiled in: its pointers are always the workspace's
-    stream = _stream_grid(kernel, args(*workspace(x.device, T * N, grid_n * grid_t), 1), consts, cfg, grid_n,
-                          grid_t, G, x.device) if cfg.persist else None
+    stream = _stream_grid(kernel, args(None, None, 1), consts, cfg, grid_n, grid_t, G, x.device) \
+        if cfg.persist else None
     if stream is not None:
         grid, split, consts["PERSIST"] = stream
     else:
@@ -216,7 +215,7 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
             auto_split(grid_n, triton.cdiv(G, cfg.block_g), sm_count(x.device))
         grid = (grid_n, split, grid_t)
     consts["USE_SPLIT"] = split > 1 or stream is not None
-    ws, cnt = workspace(x.device, split * T * N, grid_n * grid_t) if split > 1 or stream else (None, None)
+    ws, cnt = workspace(x.device, split * T * N, grid_n * grid_t) if split > 1 else (None, None)
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     return run(*args(ws, cnt, split), **consts), grid, ws, cnt, (float(fscale), T, N, G, split), consts, kernel
 
