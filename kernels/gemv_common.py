@@ -142,17 +142,17 @@ def store_out(v, cols, rows, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES:
 
 
 @triton.jit
-def split_partial(v, cols, rows, m, N, T, ws_ptr, slot):
-    """This CTA's fp32 partial of out[cols, rows] into slice `slot` of the workspace."""
-    tl.store(ws_ptr + (slot * T + cols) * N + rows, v, mask=m)
+def split_partial(v, cols, rows, m, N, T, ws_ptr):
+    """This CTA's fp32 partial of out[cols, rows] into its split's slice of the workspace."""
+    tl.store(ws_ptr + (tl.program_id(1) * T + cols) * N + rows, v, mask=m)
 
 
 @triton.jit
-def split_arrive(cnt_ptr, cidx, parts):
-    """True in the last of the `parts` CTAs of counter `cidx` (a row block and T tile) to arrive: every partial
-    is then visible to it."""
+def split_arrive(cnt_ptr, split):
+    """True in the last CTA of a row block (and T tile) to arrive: every partial is then visible to it."""
     tl.debug_barrier()  # every thread's partial is issued before the counter is released
-    return tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu") == parts - 1
+    cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    return tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu") == split - 1
 
 
 @triton.jit
@@ -164,21 +164,10 @@ def split_total(cols, rows, m, N, T, split, ws_ptr):
 
 
 @triton.jit
-def split_release(cnt_ptr, cidx):
-    """Reset the counter (by the last CTA) so the workspace is reusable and graph-safe."""
-    tl.atomic_xchg(cnt_ptr + cidx, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def split_finish(v, cols, rows, m, N, T, parts, slot, cidx, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-                 HAS_RES: tl.constexpr):
-    """Partial `slot` of `parts` into the workspace; the last CTA to arrive on counter `cidx` sums all of them in
-    slot order and stores the result."""
-    split_partial(v, cols, rows, m, N, T, ws_ptr, slot)
-    if split_arrive(cnt_ptr, cidx, parts):
-        store_out(split_total(cols, rows, m, N, T, parts, ws_ptr), cols, rows, m, out_ptr, stride_ot, res_ptr,
-                  stride_rt, HAS_RES)
-        split_release(cnt_ptr, cidx)
+def split_release(cnt_ptr):
+    """Reset the row block's counter (by its last CTA) so the workspace is reusable and graph-safe."""
+    tl.atomic_xchg(cnt_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), 0, sem="relaxed",
+                   scope="gpu")
 
 
 @triton.jit
@@ -199,8 +188,11 @@ def finish_at(v, cols, rows, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt
     pdl_trigger(PDL)
     m = (rows < N) & (cols < T)
     if USE_SPLIT:
-        split_finish(v, cols, rows, m, N, T, split, tl.program_id(1), tl.program_id(2) * tl.num_programs(0)
-                     + tl.program_id(0), out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES)
+        split_partial(v, cols, rows, m, N, T, ws_ptr)
+        if split_arrive(cnt_ptr, split):
+            store_out(split_total(cols, rows, m, N, T, split, ws_ptr), cols, rows, m, out_ptr, stride_ot,
+                      res_ptr, stride_rt, HAS_RES)
+            split_release(cnt_ptr)
     else:
         store_out(v, cols, rows, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES)
 

@@ -24,8 +24,6 @@ class GemvConfig:
     h2: bool = False        # the format's packed-half2 variant (NVFP4, Q6_K; T <= 8: gemv_*_h2)
     mma: bool = False       # the format's warp-MMA variant (NVFP4, Q6_K; sm_80+, T <= 16: gemv_*_mma); block_g is
                             # 8 or 16 groups per step and block_n a multiple of 16 rows per warp
-    persist: int = 0        # stream-K grid (gemv_stream): at most this many CTAs per SM, as many as fit; split 1.
-                            # 0 = the classic grid of row blocks x K splits
 
     def __post_init__(self):
         for f in ("block_n", "block_g", "num_warps", "num_stages", "split"):
@@ -34,9 +32,6 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{f} must be a positive power of two (split: positive), got {v}")
         if self.t_tile and (self.t_tile & (self.t_tile - 1) or (self.use_dot and self.t_tile < 16)):
             raise ValueError(f"GemvConfig.t_tile must be a power of two (>= 16 with use_dot), got {self.t_tile}")
-        if self.persist < 0 or (self.persist and (self.split != 1 or not (self.h2 or self.mma))):
-            raise ValueError("GemvConfig.persist (CTAs per SM of a stream-K grid) must be >= 0, and > 0 only with "
-                             f"split 1 and an h2 or mma variant, got persist={self.persist}, split={self.split}")
         if self.h2 + self.use_dot + self.mma > 1:
             raise ValueError("GemvConfig: h2, use_dot and mma are three different inner products; pick one")
         if self.mma and (self.block_g not in (8, 16) or self.block_n % (16 * self.num_warps)

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _finish, _load_tile, _tile_g, _zeros, ld
-from .gemv_stream import stream_finish, stream_segment, stream_units
 from .pdl import pdl_wait
 
 EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
@@ -196,39 +195,22 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
             USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
-            H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr = 0):
-    """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue), or with
-    PERSIST > 0 the stream-K grid of `gemv_stream` (PERSIST: the most segments a CTA has); PDL as in
+            H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr):
+    """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue); PDL as in
     `ninfer_kernels.pdl`: the wait comes first (loading the first weight tile before it cost the T=1 loop 32
-    registers, one CTA per SM, and decode 17 %: bench/NOTES.md §16), the epilogue triggers."""
+    registers, one CTA per SM, and decode 17 %: bench/NOTES.md §16), `finish_at` triggers."""
     tl.static_assert(T_TILE <= _MAX_T)
     pdl_wait(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
-    cols = t0 + tl.arange(0, T_TILE)
-    if PERSIST:
-        R = tl.cdiv(N, BLOCK_N)
-        C = tl.cdiv(G, BLOCK_G)
-        u, u_end = stream_units(R, C)
-        for _ in tl.static_range(PERSIST):     # segments, unrolled (as gemv_mma_body)
-            if u < u_end:
-                r, c0, c1 = stream_segment(u, u_end, C)
-                offs_n = r * BLOCK_N + tl.arange(0, BLOCK_N)
-                acc = _loop(x_ptr, w0, w1, w2, w3, tl.minimum(offs_n, N - 1), t0, c0 * BLOCK_G,
-                            tl.minimum(G, c1 * BLOCK_G), G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS, T_TILE,
-                            BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
-                u += c1 - c0
-                stream_finish(acc * fscale, cols[None, :], offs_n[:, None], N, T, r, R, C, u >= u_end, out_ptr,
-                              stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, PDL)
-    else:
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
-        g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
-        g_lo = tl.program_id(1) * g_per
-        g_hi = tl.minimum(G, g_lo + g_per)
-        acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
-                    T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
-        _finish(acc * fscale, cols, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-                HAS_RES, USE_SPLIT, PDL)
+    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
+    g_lo = tl.program_id(1) * g_per
+    g_hi = tl.minimum(G, g_lo + g_per)
+    acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
+                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
+    _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
+            ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT, PDL)
 
 
 def h2_mode(device: torch.device) -> int:

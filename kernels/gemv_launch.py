@@ -29,7 +29,6 @@ from ninfer_formats.errors import NinferError
 from .gemv_config import GemvConfig, interpreting, next_pow2, sm_count  # noqa: F401  (callers import them here)
 from .gemv_h2_select import H2_STATE, checked_h2  # noqa: F401  (H2_STATE: callers reach it here)
 from .gemv_tiles import FMA_DOT_K, auto_split, candidates, fill_splits  # noqa: F401  (likewise)
-from .gemv_stream import MAX_SEGS, max_parts, max_segments, resident_ctas, stream_ctas, with_mode
 from .gemv_timing import time_ms   # module global: the tuner tests replace it here
 from .pdl import pdl_kw
 
@@ -137,16 +136,7 @@ def mma_tiles(kernel) -> dict | None:
 def kernel_candidates(kernel, T: int, N: int, G: int, GS: int, x_dtype, device) -> list[GemvConfig]:
     """`candidates` with the variants `kernel` has and their own tile tables."""
     return candidates(T, N, G, GS, x_dtype, device, h2=has_h2(kernel), mma=has_variant(kernel, "mma"),
-                      h2_tiles=h2_tiles(kernel), mma_tiles=mma_tiles(kernel),
-                      persist={k for k in ("h2", "mma") if has_persist(kernel, k, device)})
-
-
-def has_persist(kernel, kind: str, device) -> bool:
-    """Whether `kernel`'s `kind` variant has the stream-K grid (`gemv_stream`, GemvConfig.persist)."""
-    if not has_variant(kernel, kind):
-        return False
-    v = variant(kernel, kind, device)
-    return "PERSIST" in getattr(getattr(v, "jit", v), "arg_names", ())
+                      h2_tiles=h2_tiles(kernel), mma_tiles=mma_tiles(kernel))
 
 
 def has_variant(kernel, kind: str) -> bool:
@@ -164,28 +154,6 @@ def variant(kernel, kind: str, device):
     return _VARIANTS[kind][kernel.__name__](device)
 
 
-def _consts(kernel, cfg: GemvConfig, x, residual, G: int, tt: int, fold: bool) -> dict:
-    """The constexprs and launch options of one launch of `kernel` (USE_SPLIT and PERSIST: of the classic grid)."""
-    consts = {"T_TILE": tt, "BLOCK_N": cfg.block_n, "BLOCK_G": cfg.block_g, "USE_SPLIT": False,
-              "USE_DOT": cfg.use_dot, "DOT_KIND": dot_kind(x.dtype), "HAS_RES": residual is not None,
-              "EVEN_G": G % cfg.block_g == 0, "FOLD": bool(fold and cfg.use_dot),
-              "STAGES": 1 if cfg.use_dot else cfg.num_stages, "num_warps": cfg.num_warps,
-              "num_stages": cfg.num_stages}
-    if getattr(kernel, "per_thread", False):
-        consts["NW"] = cfg.num_warps   # per-thread variants (warp-MMA, IQ3_S h2): tensors are [32 * num_warps]
-    names = getattr(getattr(kernel, "jit", kernel), "arg_names", ())
-    if "XPRE" in names:
-        consts["XPRE"] = False       # the f16 variants that can read prepared activations (ninfer_kernels.x16)
-    if "PDL" in names:               # always given: a plan's direct launch passes every constexpr (gemv_plan)
-        consts.update({"PDL": 0, **pdl_kw(x.device)})
-    if "PERSIST" in names:           # likewise
-        consts["PERSIST"] = 0
-    elif cfg.persist:
-        raise KernelInputError(f"{kernel.__name__} has no stream-K grid (GemvConfig.persist: the NVFP4 and Q6_K h2 "
-                               "variants and the warp-MMA ones)")
-    return consts
-
-
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
             warmup: bool = False, fold: bool = True, extra: dict | None = None):
     """Launch one config (extra: more constexprs for the variant, e.g. XPRE); returns (compiled kernel or None,
@@ -199,54 +167,31 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
     else:
         tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
     grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
-    res = residual if residual is not None else out
-    consts = _consts(kernel, cfg, x, residual, G, tt, fold)
-    consts.update(extra or {})
-
-    def args(ws, cnt, split):
-        return (x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, float(fscale), T, N, G,
-                split, x.stride(0), out.stride(0), res.stride(0))
-    stream = _stream_grid(kernel, args(None, None, 1), consts, cfg, grid_n, grid_t, G, x.device) \
-        if cfg.persist else None
-    if stream is not None:
-        grid, split, consts["PERSIST"] = stream
+    split = effective_split(cfg, G)
+    if split > 1:
+        ws, cnt = workspace(x.device, split * T * N, grid_n * grid_t)
     else:
-        split = effective_split(cfg, G) if not cfg.persist else \
-            auto_split(grid_n, triton.cdiv(G, cfg.block_g), sm_count(x.device))
-        grid = (grid_n, split, grid_t)
-    consts["USE_SPLIT"] = split > 1 or stream is not None
-    ws, cnt = workspace(x.device, split * T * N, grid_n * grid_t) if split > 1 else (None, None)
+        ws, cnt = None, None
+    res = residual if residual is not None else out
+    grid = (grid_n, split, grid_t)
+    scalars = (float(fscale), T, N, G, split)
+    consts = {"T_TILE": tt, "BLOCK_N": cfg.block_n, "BLOCK_G": cfg.block_g, "USE_SPLIT": split > 1,
+              "USE_DOT": cfg.use_dot, "DOT_KIND": dot_kind(x.dtype), "HAS_RES": residual is not None,
+              "EVEN_G": G % cfg.block_g == 0, "FOLD": bool(fold and cfg.use_dot),
+              "STAGES": 1 if cfg.use_dot else cfg.num_stages, "num_warps": cfg.num_warps,
+              "num_stages": cfg.num_stages}
+    if getattr(kernel, "per_thread", False):
+        consts["NW"] = cfg.num_warps   # per-thread variants (warp-MMA, IQ3_S h2): tensors are [32 * num_warps]
+    names = getattr(getattr(kernel, "jit", kernel), "arg_names", ())
+    if "XPRE" in names:
+        consts["XPRE"] = False       # the f16 variants that can read prepared activations (ninfer_kernels.x16)
+    if "PDL" in names:               # always given: a plan's direct launch passes every constexpr (gemv_plan)
+        consts.update({"PDL": 0, **pdl_kw(x.device)})
+    consts.update(extra or {})
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
-    return run(*args(ws, cnt, split), **consts), grid, ws, cnt, (float(fscale), T, N, G, split), consts, kernel
-
-
-def _stream_grid(kernel, args: tuple, consts: dict, cfg: GemvConfig, grid_n: int, grid_t: int, G: int, device):
-    """(grid, workspace slots per row block, segments per CTA) of a stream-K launch (`gemv_stream`), or None where
-    a CTA would need more than MAX_SEGS segments (the launch then takes the classic grid)."""
-    steps = triton.cdiv(G, cfg.block_g)
-    per_sm = _per_sm(kernel, args, {**consts, "USE_SPLIT": True, "PERSIST": 1}, cfg, device)
-    ctas = stream_ctas(grid_n, steps, per_sm, sm_count(device))
-    segs = max_segments(grid_n, steps, ctas)
-    if segs > MAX_SEGS:
-        return None
-    return (ctas, 1, grid_t), max_parts(grid_n, steps, ctas), segs
-
-
-_PER_SM: dict = {}
-
-
-def _per_sm(kernel, args: list, consts: dict, cfg: GemvConfig, device) -> int:
-    """CTAs per SM of a stream-K launch: as many of the compiled kernel as fit (`gemv_stream.resident_ctas`),
-    at most cfg.persist (the interpreter and CPU: cfg.persist)."""
-    if device.type != "cuda" or interpreting():
-        return cfg.persist
-    key = (kernel.__name__, getattr(kernel, "mode", None), tuple(sorted(consts.items())), str(device))
-    if key not in _PER_SM:
-        compiled = kernel.warmup(*args, grid=(1, 1, 1), **consts)
-        compiled[(1, 1, 1)]   # loads the binary: n_regs is known from here on
-        _PER_SM[key] = resident_ctas(compiled.n_regs, cfg.num_warps, compiled.metadata.shared,
-                                     torch.cuda.get_device_properties(device))
-    return min(cfg.persist, _PER_SM[key])
+    compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,
+                   x.stride(0), out.stride(0), res.stride(0), **consts)
+    return compiled, grid, ws, cnt, scalars, consts, kernel
 
 
 def launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
@@ -398,9 +343,6 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
         return launch(kernel, weights, x, N, G, fscale, scratch[0], residual, c, fold=fold)
 
     cfg, final = choose_config(key, cands, run, x.device, GS)
-    kind = "h2" if cfg.h2 else "mma" if cfg.mma else None
-    cfg = with_mode(cfg, kind is not None and has_persist(kernel, kind, x.device),
-                    auto_split(triton.cdiv(N, cfg.block_n), triton.cdiv(G, cfg.block_g), sm_count(x.device)))
     compiled, grid, ws, cnt, scalars, consts, kernel = _launch(kernel, weights, x, N, G, fscale, out, residual,
                                                                cfg, fold=fold)
     if plans is not None and final:

@@ -23,7 +23,6 @@ import triton.language as tl
 
 from .gemv_common import _tset, finish_at
 from .gemv_h2_common import pack2
-from .gemv_stream import stream_finish, stream_segment, stream_units
 from .gemv_mma_common import col_back, mma, quad_max, split_all, stack_all, x_scale
 
 
@@ -186,69 +185,38 @@ def _k_loop(accs, x_ptr, wts, aux, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOC
 
 
 @triton.jit
-def _row_coords(r, e, g, N, BLOCK_N: tl.constexpr, M_REP: tl.constexpr, NW: tl.constexpr):
-    """(offs, rows): this thread's 2 * M_REP rows of row block r (m-tile i // 2, its row g (i even) or g + 8 (i odd));
-    tail rows re-read the last row and are never stored."""
-    base = r * BLOCK_N + (e // 32) * (16 * M_REP) + g
-    rows, offs = (), ()
-    for i in tl.static_range(2 * M_REP):
-        o = base + (i // 2) * 16 + (i % 2) * 8
-        offs, rows = offs + (o,), rows + (tl.minimum(o, N - 1),)
-    return offs, rows
-
-
-@triton.jit
 def mma_body(x_ptr, wts, aux, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
              stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
              USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
              NW: tl.constexpr, XPRE: tl.constexpr, LOAD_ROW: tl.constexpr, PREP: tl.constexpr, R: tl.constexpr,
-             ROW_PAIRS: tl.constexpr, ROW_FACTOR: tl.constexpr, HAS_FACTOR: tl.constexpr, PDL: tl.constexpr = 0,
-             PERSIST: tl.constexpr = 0):
-    """Grid and split-K as `gemv_common.gemv_body`, or with PERSIST > 0 the stream-K grid of `gemv_stream` (PERSIST:
-    the most segments a CTA has); fscale includes the weights' power of two. PDL: the caller waited, the epilogue
-    triggers."""
+             ROW_PAIRS: tl.constexpr, ROW_FACTOR: tl.constexpr, HAS_FACTOR: tl.constexpr, PDL: tl.constexpr = 0):
+    """Grid and split-K as `gemv_common.gemv_body`; fscale includes the weights' power of two. PDL: the caller
+    waited, the epilogue triggers (`gemv_common.finish_at`)."""
     tl.static_assert(BLOCK_N % (16 * NW) == 0 and (BLOCK_G == 8 or BLOCK_G == 16))
     tl.static_assert((T_TILE == 8 or T_TILE == 16) and 1 <= STAGES and STAGES <= 3)
     M_REP: tl.constexpr = BLOCK_N // (16 * NW)
     NB: tl.constexpr = T_TILE // 8
     e = tl.arange(0, NW * 32)
     g, q = (e % 32) // 4, e % 4
+    base = tl.program_id(0) * BLOCK_N + (e // 32) * (16 * M_REP) + g
+    rows, offs = (), ()
+    for r in tl.static_range(2 * M_REP):      # m-tile r // 2, its row g (r even) or g + 8 (r odd)
+        o = base + (r // 2) * 16 + (r % 2) * 8
+        offs, rows = offs + (o,), rows + (tl.minimum(o, N - 1),)   # tail rows re-read the last row, never stored
     t0 = tl.program_id(2) * T_TILE
     cols = ()
     for nb in tl.static_range(NB):            # columns past T re-read column T - 1, never stored
         cols = cols + (tl.minimum(t0 + nb * 8 + g, T - 1),)
-    if PERSIST:
-        RB = tl.cdiv(N, BLOCK_N)
-        C = G // BLOCK_G                      # the host checked G % BLOCK_G == 0
-        u, u_end = stream_units(RB, C)
-        for _ in tl.static_range(PERSIST):     # segments, unrolled: a loop back-edge doubled the registers
-            if u < u_end:
-                r, c0, c1 = stream_segment(u, u_end, C)
-                offs, rows = _row_coords(r, e, g, N, BLOCK_N, M_REP, NW)
-                accs = _k_loop(_zero_accs(M_REP * NB * 4, e), x_ptr, wts, aux, rows, cols, c0 * BLOCK_G, c1 * BLOCK_G,
-                               q, G, stride_xt, BLOCK_G, M_REP, NB, NW, STAGES, MODE, XPRE, LOAD_ROW, PREP, R,
-                               ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
-                u += c1 - c0
-                _epilogue(accs, offs, t0, q, fscale, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr,
-                          cnt_ptr, M_REP, NB, HAS_RES, USE_SPLIT, PDL, (r, RB, C, u >= u_end), True)
-    else:
-        offs, rows = _row_coords(tl.program_id(0), e, g, N, BLOCK_N, M_REP, NW)
-        g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
-        g_lo = tl.program_id(1) * g_per
-        g_hi = tl.minimum(G, g_lo + g_per)
-        accs = _k_loop(_zero_accs(M_REP * NB * 4, e), x_ptr, wts, aux, rows, cols, g_lo, g_hi, q, G, stride_xt,
-                       BLOCK_G, M_REP, NB, NW, STAGES, MODE, XPRE, LOAD_ROW, PREP, R, ROW_PAIRS, ROW_FACTOR,
-                       HAS_FACTOR)
-        _epilogue(accs, offs, t0, q, fscale, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-                  M_REP, NB, HAS_RES, USE_SPLIT, PDL)
-
-
-@triton.jit
-def _zero_accs(n: tl.constexpr, e):
+    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
+    g_lo = tl.program_id(1) * g_per
+    g_hi = tl.minimum(G, g_lo + g_per)
     accs = ()
-    for _ in tl.static_range(n):
+    for _ in tl.static_range(M_REP * NB * 4):
         accs = accs + (tl.zeros(e.shape, tl.float32),)
-    return accs
+    accs = _k_loop(accs, x_ptr, wts, aux, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G, M_REP, NB, NW,
+                   STAGES, MODE, XPRE, LOAD_ROW, PREP, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
+    _epilogue(accs, offs, t0, q, fscale, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
+              M_REP, NB, HAS_RES, USE_SPLIT, PDL)
 
 
 @triton.jit
@@ -262,18 +230,13 @@ def _coords(offs, t0, q, k: tl.constexpr, NB: tl.constexpr):
 @triton.jit
 def _epilogue(accs, offs, t0, q, scale, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
               M_REP: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr,
-              PDL: tl.constexpr = 0, seg=None, STREAM: tl.constexpr = False):
+              PDL: tl.constexpr = 0):
     """All of a thread's accumulators as one [NT, V] tile, so the split-K reduction reads every value of a split
-    in one step (a loop per value would chain V x split L2 round trips). STREAM: seg = (row block, row blocks,
-    K steps, last segment) of a stream-K segment (`gemv_stream.stream_finish`)."""
+    in one step (a loop per value would chain V x split L2 round trips)."""
     vals, rows, cols = (), (), ()
     for k in tl.static_range(M_REP * NB * 4):
         r, c = _coords(offs, t0, q, k, NB)
         vals, rows, cols = vals + (accs[k] * scale,), rows + (r,), cols + (c,)
     LOG: tl.constexpr = (M_REP * NB * 4).bit_length() - 1
-    if STREAM:
-        stream_finish(stack_all(vals, LOG), stack_all(cols, LOG), stack_all(rows, LOG), N, T, seg[0], seg[1],
-                      seg[2], seg[3], out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, PDL)
-    else:
-        finish_at(stack_all(vals, LOG), stack_all(cols, LOG), stack_all(rows, LOG), N, T, split, out_ptr, stride_ot,
-                  res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT, PDL)
+    finish_at(stack_all(vals, LOG), stack_all(cols, LOG), stack_all(rows, LOG), N, T, split, out_ptr, stride_ot,
+              res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT, PDL)

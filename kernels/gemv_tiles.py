@@ -8,7 +8,6 @@ import triton
 
 from .gemv_config import GemvConfig, interpreting, next_pow2, sm_count
 from .gemv_h2_select import H2_STATE
-from .gemv_stream import PERSIST_CAP, persist_mode
 
 
 def auto_split(n_ctas: int, g_tiles: int, sms: int, waves: int = 4) -> int:
@@ -73,14 +72,11 @@ def dot_block_g(k_step: int, GS: int) -> int:
 
 
 def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h2: bool = False,
-               mma: bool = False, h2_tiles: dict | None = None, mma_tiles: dict | None = None,
-               persist: frozenset | set = frozenset()) -> list[GemvConfig]:
+               mma: bool = False, h2_tiles: dict | None = None, mma_tiles: dict | None = None) -> list[GemvConfig]:
     """Configs for [T, K] x [N, K]^T (G = K / GS groups); the first is the default. h2 / mma: the kernel has a
     packed-half2 / warp-MMA variant (`variant`), whose tiles are added for T <= 8 / 2 <= T <= 16 (mma: sm_80+) with
     fp16/bf16 activations (both round activations to f16; fp32 activations ask for fp32 products); h2_tiles /
-    mma_tiles: that variant's own tile table (`h2_tiles(kernel)`, `mma_tiles(kernel)`); persist: the variants
-    ("h2", "mma") with a stream-K grid (`gemv_stream`), whose T <= 2 h2 tiles and T = 2..8 mma tiles are
-    also tried on it."""
+    mma_tiles: that variant's own tile table (`h2_tiles(kernel)`, `mma_tiles(kernel)`)."""
     if interpreting() or device.type != "cuda":
         # the interpreter pays per program and per op, not per element: few, large tiles
         return [GemvConfig(min(64, next_pow2(N)), max(min(64, next_pow2(G)), 16 // GS), use_dot=T > 16)]
@@ -101,8 +97,6 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
             if b <= 2 and i < 2:
                 splits += sorted(fill_splits(n, g, sms) - set(splits))
             out += [GemvConfig(bn, bg, w, st, sp, h2=True) for sp in splits]
-            if b <= 2 and i < 2 and "h2" in persist and persist_mode() != "0":
-                out.append(GemvConfig(bn, bg, w, st, 1, h2=True, persist=PERSIST_CAP))
     if mma and not H2_STATE["mma_off"] and cc >= (8, 0) and x_dtype != torch.float32:
         for bn, bg, w, st in (mma_tiles or _DECODE_MMA_TILES)[b]:
             if G % bg == 0:
@@ -111,8 +105,6 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
                 waves = (4, 7) if 2 <= b <= 8 else (4,)
                 out += [GemvConfig(bn, bg, w, st, sp, mma=True)
                         for sp in dict.fromkeys(auto_split(n, G // bg, sms, wv) for wv in waves)]
-                if 2 <= b <= 8 and "mma" in persist and persist_mode() != "0":
-                    out.append(GemvConfig(bn, bg, w, st, 1, mma=True, persist=PERSIST_CAP))
     if x_dtype != torch.float32:
         # tensor cores on sm_80+; on sm_70 tl.dot is an FMA loop, still worth measuring for T >= 4
         for bn, bk, w in (_DECODE_DOT_TILES_FMA if fma_dot else _DECODE_DOT_TILES)[b]:

@@ -35,9 +35,7 @@ from .gemv_launch import GemvConfig
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
 H2_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a packed-half2 variant (gemv_*_h2)
 MMA_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a warp-MMA variant (gemv_*_mma; sm_80+)
-PERSIST_FORMATS = {"h2": ("nvfp4", "q6_k"), "mma": MMA_FORMATS}   # variants with a stream-K grid (gemv_stream)
-_TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2", "mma", "persist")   # no split
-_TILE_DEFAULT = {"h2": False, "mma": False, "persist": 0}   # fields older records lack
+_TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2", "mma")   # without the split
 
 
 @dataclass(frozen=True)
@@ -175,8 +173,6 @@ def _usable(cfg: GemvConfig, GS: int, fmt: str = "nvfp4", t_bucket: int = 1, cc:
         return False
     if cfg.mma and (fmt not in MMA_FORMATS or t_bucket > 16 or float(cc) < 8.0 or K % (cfg.block_g * GS)):
         return False
-    if cfg.persist and fmt not in PERSIST_FORMATS["h2" if cfg.h2 else "mma"]:
-        return False
     return not (cfg.use_dot and cfg.block_g * GS < 16)   # the kernel's tl.dot needs >= 16 K per step
 
 
@@ -223,7 +219,7 @@ def heuristic(fmt: str, t_bucket: int, cands: list[GemvConfig]) -> GemvConfig:
     for tile in ranks.get(fmt, ranks.get(base_format(fmt), {})).get(str(t_bucket), ()):
         if not isinstance(tile, dict):
             continue
-        c = by_tile.get(tuple(tile.get(f, _TILE_DEFAULT.get(f)) for f in _TILE))
+        c = by_tile.get(tuple(tile.get(f, False if f in ("h2", "mma") else None) for f in _TILE))
         if c is not None:
             return c
     return cands[0]
