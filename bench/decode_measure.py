@@ -132,6 +132,21 @@ def verify_ms(runner, state, k: int, steps: int, warm: int, gen: torch.Generator
     return ms
 
 
+VERIFY_ROUNDS = 4   # K = 0..max timed in turn this many times (bench/NOTES.md §20: the ratio drifted 1.22-1.28)
+
+
+def verify_rounds(runner, state, ks, steps: int, warm: int, gen: torch.Generator,
+                  rounds: int = VERIFY_ROUNDS) -> dict[int, list[float]]:
+    """{k: ms per step in each round}: every round times each k in `ks` for steps / rounds steps (after `warm`
+    untimed ones), so a k's time and K = 0's come from the same minute of the machine's drift."""
+    per = max(1, steps // rounds)
+    out: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(rounds):
+        for k in ks:
+            out[k].append(verify_ms(runner, state, k, per, warm, gen))
+    return out
+
+
 def draft_ms(runner, state, steps: int, warm: int) -> float:
     """One MTP draft step (T = 1, the previous MTP hidden in, argmax to the host)."""
     m = runner.model

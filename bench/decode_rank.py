@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -312,12 +313,17 @@ def _forced_pg_decode(model, opts, ceil, base, emit, ar) -> None:
 
 
 def _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb) -> None:
-    times = [M.verify_ms(runner, st, k, opts.steps, opts.warm, gen) for k in range(opts.max_draft + 1)]
+    """Verify steps K = 1..max_draft against K = 0, timed in interleaved rounds (`decode_measure.verify_rounds`):
+    ms_step is a K's median round, verify_ratio the median of the per-round ratios to K = 0."""
+    rounds = M.verify_rounds(runner, st, range(opts.max_draft + 1), opts.steps, opts.warm, gen)
+    times = {k: statistics.median(v) for k, v in rounds.items()}
     draft = M.draft_ms(runner, st, opts.steps, opts.warm) if model.mtp is not None else None
     for k in range(1, opts.max_draft + 1):
         nbytes = wb["target"] + M.state_bytes(model, ctx, k + 1, snapshot=True)
+        ratios = [a / b for a, b in zip(rounds[k], rounds[0])]
         rec = {**base, "kind": "verify", "context": ctx, "draft_tokens": k, "ms_step": times[k],
-               "ms_step_k0": times[0], "verify_ratio": times[k] / times[0], "draft_ms": draft,
+               "ms_step_k0": times[0], "verify_ratio": statistics.median(ratios), "verify_ratio_rounds": ratios,
+               "ms_step_rounds": rounds[k], "ms_step_k0_rounds": rounds[0], "draft_ms": draft,
                "bytes_step": nbytes, "tok_s": None,       # without an MTP module there is no draft to time
                "pct_roofline": 100 * nbytes / (ceil["copy_tbps"] * 1e12) * 1e3 / times[k]}
         if draft is not None:

@@ -55,8 +55,10 @@ def row(r: dict) -> str | None:
         if r.get("tok_s_by_acceptance"):
             extra = " tok/s@a=" + "/".join(f"{v:.0f}" for v in r["tok_s_by_acceptance"].values()) + \
                     f" (a={'/'.join(r['tok_s_by_acceptance'])}; draft {r['draft_ms']:.3f} ms)"
+        rounds = r.get("verify_ratio_rounds") or ()
+        spread = f" (rounds {min(rounds):.3f}-{max(rounds):.3f})" if len(rounds) > 1 else ""
         return (f"{head}{r['context']:>7}  K={r['draft_tokens']} {r['ms_step']:8.3f} ms = "
-                f"{r['verify_ratio']:.3f} x K=0{extra}")
+                f"{r['verify_ratio']:.3f} x K=0{spread}{extra}")
     if k == "profile":
         if "us_by_group" not in r:
             return f"{head}{r['context']:>7}      {r.get('note', 'no kernels traced')}"

@@ -9,6 +9,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -81,6 +82,10 @@ def test_both_tp_sizes_in_one_run(dry_run):
     assert k3["verify_ratio_tp1"] == _one(records, kind="verify", tp=1, draft_tokens=3)["verify_ratio"]
     for v in (r for r in records if r["kind"] == "verify"):             # the tiny model has an MTP module
         assert all(k in v for k in REQUIRED), v
+        # interleaved rounds: the ratio is the median of the per-round ratios, the times the median rounds
+        ratios = [a / b for a, b in zip(v["ms_step_rounds"], v["ms_step_k0_rounds"])]
+        assert len(ratios) == decode_measure.VERIFY_ROUNDS and v["verify_ratio_rounds"] == ratios
+        assert v["verify_ratio"] == statistics.median(ratios) and v["ms_step"] == statistics.median(v["ms_step_rounds"])
         want = decode_measure.spec_tok_s(v["ms_step"], v["draft_ms"], v["draft_tokens"], 0.75)[1]
         assert math.isclose(v["tok_s"], want, rel_tol=REL_TOL)
     assert "tp: bf16 TP2 @40:" in stdout
