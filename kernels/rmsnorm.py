@@ -11,6 +11,8 @@ every CTA: bit-identical to `x16_prep` of the returned tensor.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -67,8 +69,24 @@ def _launch(x, residual, w, eps, plus_one, xp=None):
         rmsnorm_kernel[(n_rows,)](x3, r3, w, y, rsum, xp_ptr, x3.shape[1], x3.stride(0), x3.stride(1),
                                   r3.stride(0), r3.stride(1), s_xp, d, float(eps), PLUS_ONE=bool(plus_one),
                                   HAS_RES=residual is not None, XP=xp is not None, BLOCK_D=block,
-                                  num_warps=warps_for(block), **pdl_kw(x3.device))
+                                  num_warps=norm_warps(block), **pdl_kw(x3.device))
     return y, rsum
+
+
+NORM_WARPS_ENV = "NINFER_NORM_WARPS"   # a comparison switch for benchmarks: warps per row program
+
+
+def norm_warps(block: int) -> int:
+    """NINFER_NORM_WARPS: `auto` (default: `ops_common.warps_for`) or a power of two 1..32, at most one warp per 32
+    elements of the row block. Why a switch: a decode step runs ~130 of these one-CTA programs back to back
+    (~2.2 us each, bench/NOTES.md §16); more warps per row shorten each thread's share, which is untimed. Anything
+    else is a one-line error naming the variable."""
+    v = os.environ.get(NORM_WARPS_ENV, "auto")
+    if v == "auto":
+        return warps_for(block)
+    if not v.isdigit() or int(v) not in (1, 2, 4, 8, 16, 32):
+        raise KernelInputError(f"{NORM_WARPS_ENV}={v!r}: expected auto or a power of two from 1 to 32")
+    return max(1, min(int(v), block // 32))
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, plus_one: bool, xp=None) -> torch.Tensor:
@@ -89,6 +107,8 @@ def compile_specs(act: str):
     sig = {"x_ptr": f"*{act}", "r_ptr": f"*{act}", "w_ptr": "*fp32", "y_ptr": f"*{act}", "rsum_ptr": f"*{act}",
            "xp_ptr": "*i32", "n_inner": "i32", "sx_a": "i64", "sx_b": "i64", "sr_a": "i64", "sr_b": "i64",
            "s_xp": "i64", "D": "i32", "eps": "fp32"}
-    return [(rmsnorm_kernel, sig, {"PLUS_ONE": p, "HAS_RES": r, "XP": xp, "BLOCK_D": bd}, warps_for(bd))
-            for p, r, xp, bd in ((True, True, True, 8192), (True, True, False, 8192), (True, False, True, 256),
-                                 (True, False, False, 256), (False, False, False, 128))]
+    specs = [(rmsnorm_kernel, sig, {"PLUS_ONE": p, "HAS_RES": r, "XP": xp, "BLOCK_D": bd}, warps_for(bd))
+             for p, r, xp, bd in ((True, True, True, 8192), (True, True, False, 8192), (True, False, True, 256),
+                                  (True, False, False, 256), (False, False, False, 128))]
+    # NINFER_NORM_WARPS's widest setting on the decode step's row (D = 5120 in an 8192 block)
+    return specs + [(rmsnorm_kernel, sig, {"PLUS_ONE": True, "HAS_RES": True, "XP": True, "BLOCK_D": 8192}, 32)]

@@ -75,6 +75,21 @@ def test_rmsnorm_and_add_rmsnorm(dtype, plus_one):
     check(y2, want_y, dtype)
 
 
+@pytest.mark.parametrize("warps", ["auto", "32"])
+def test_rmsnorm_warps_switch(warps, monkeypatch):
+    """NINFER_NORM_WARPS picks the warps per row program (at most one per 32 elements of the block); the rows come
+    out the same either way (on a GPU the launch really uses them)."""
+    from ninfer_kernels.rmsnorm import norm_warps
+    monkeypatch.setenv("NINFER_NORM_WARPS", warps)
+    assert norm_warps(8192) == (8 if warps == "auto" else 32) and norm_warps(256) == (2 if warps == "auto" else 8)
+    x, r, w = rnd(2, 1, 5120), rnd(2, 1, 5120, seed=1), rnd(5120, seed=2, scale=0.3)
+    with poisoned():
+        y, s = TRI.add_rmsnorm(x, r, w, 1e-6, True)
+    want_y, want_s = REF.add_rmsnorm(x, r, w, 1e-6, True)
+    check(s, want_s, torch.float32)
+    check(y, want_y, torch.float32)
+
+
 def test_rmsnorm_strided_head_slice():
     """q half of the per-head [q | gate] projection, a view with row strides (total, 2D), normalised per head."""
     fused = rnd(3, 7 * 2 * 24 + 11)[:, : 7 * 2 * 24].view(3, 7, 48)

@@ -243,7 +243,8 @@ def test_gdn_chunk_prefill_gpu(dtype):
 def test_gates_branch_inline_outside_capture(monkeypatch):
     """Outside CUDA-graph capture (always on the CPU) the gates branch is the plain call: the same (g, beta) as
     the torch backend, for the fused kernel's T and for a T it composes; a bad NINFER_BRANCH (and
-    NINFER_GDN_FUSED, NINFER_ATTN_MIN_SPLIT) is a one-line error naming the variable when the backend is built."""
+    NINFER_GDN_FUSED, NINFER_ATTN_MIN_SPLIT, NINFER_NORM_WARPS) is a one-line error naming the variable when the
+    backend is built."""
     from ninfer_formats.errors import LoadError
     from ninfer_rt.backends import side_stream
     from ninfer_rt.weights import QWeight
@@ -268,6 +269,11 @@ def test_gates_branch_inline_outside_capture(monkeypatch):
     for bad in ("48", "0", "x"):
         monkeypatch.setenv("NINFER_ATTN_MIN_SPLIT", bad)
         with pytest.raises(ValueError, match=f"NINFER_ATTN_MIN_SPLIT='{bad}': expected a positive multiple of 32"):
+            TritonOps()
+    monkeypatch.delenv("NINFER_ATTN_MIN_SPLIT")
+    for bad in ("3", "64", "x"):
+        monkeypatch.setenv("NINFER_NORM_WARPS", bad)
+        with pytest.raises(ValueError, match=f"NINFER_NORM_WARPS='{bad}': expected auto or a power of two"):
             TritonOps()
 
 

@@ -66,6 +66,7 @@ class TritonOps(Ops):
         side_stream.mode()
         gdn_conv_recurrent.fused_on()
         attention_decode.min_split_keys()
+        rmsnorm.norm_warps(1024)
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
