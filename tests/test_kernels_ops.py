@@ -90,6 +90,26 @@ def test_rmsnorm_warps_switch(warps, monkeypatch):
     check(y, want_y, torch.float32)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU the benchmark runs")
+def test_bench_norm_warps_smoke(tmp_path):
+    """bench/norm_warps.py end to end on the interpreter: a record per warps setting with the named fields."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "norm_warps.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "norm_warps.py"
+    p = subprocess.run([sys.executable, str(script), "--smoke", "--warps", "auto", "32", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = json.loads(out.read_text())
+    assert [r["warps"] for r in recs] == ["auto", "32"]
+    for r in recs:
+        assert r["us_per_norm"] > 0 and r["D"] == 5120 and r["T"] == 1
+        assert r["over_floor_us"] == pytest.approx(r["us_per_norm"] - r["floor_us"], abs=2e-3)
+        assert {"pdl", "gpu"} <= set(r)
+
+
 def test_rmsnorm_strided_head_slice():
     """q half of the per-head [q | gate] projection, a view with row strides (total, 2D), normalised per head."""
     fused = rnd(3, 7 * 2 * 24 + 11)[:, : 7 * 2 * 24].view(3, 7, 48)
