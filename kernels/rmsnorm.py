@@ -79,7 +79,7 @@ NORM_WARPS_ENV = "NINFER_NORM_WARPS"   # a comparison switch for benchmarks: war
 def norm_warps(block: int) -> int:
     """NINFER_NORM_WARPS: `auto` (default: `ops_common.warps_for`) or a power of two 1..32, at most one warp per 32
     elements of the row block. Why a switch: a decode step runs ~130 of these one-CTA programs back to back
-    (~2.2 us each, bench/NOTES.md §16); more warps per row shorten each thread's share, which is untimed. Anything
+    (~2.2 us each, bench/NOTES.md §16); more warps per row shorten each thread's share (not yet timed). Anything
     else is a one-line error naming the variable."""
     v = os.environ.get(NORM_WARPS_ENV, "auto")
     if v == "auto":
