@@ -35,16 +35,8 @@ def test_gdn_recurrent_every_tile(tile):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU the benchmark runs")
 def test_bench_gdn_tiles_smoke(tmp_path):
     """bench/gdn_tiles.py end to end on the interpreter: a record per (T, tile) with the named fields."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    out = tmp_path / "gdn_tiles.json"
-    script = Path(__file__).resolve().parents[1] / "bench" / "gdn_tiles.py"
-    p = subprocess.run([sys.executable, str(script), "--smoke", "--T", "1", "3", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    recs = json.loads(out.read_text())
+    from bench_smoke import bench_smoke
+    recs, _ = bench_smoke("gdn_tiles.py", tmp_path, "--T", "1", "3")
     assert [(r["T"], r["tile"]) for r in recs] == [(t, f"{a}x{b}") for t in (1, 3) for a, b in gdn_recurrent.TILES]
     for r in recs:
         assert r["us"] > 0 and r["picked"] == "16x1" and {"gbps", "pct_copy_bw", "copy_tbps", "gpu"} <= set(r)

@@ -93,16 +93,8 @@ def test_rmsnorm_warps_switch(warps, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU the benchmark runs")
 def test_bench_norm_warps_smoke(tmp_path):
     """bench/norm_warps.py end to end on the interpreter: a record per warps setting with the named fields."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    out = tmp_path / "norm_warps.json"
-    script = Path(__file__).resolve().parents[1] / "bench" / "norm_warps.py"
-    p = subprocess.run([sys.executable, str(script), "--smoke", "--warps", "auto", "32", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    recs = json.loads(out.read_text())
+    from bench_smoke import bench_smoke
+    recs, _ = bench_smoke("norm_warps.py", tmp_path, "--warps", "auto", "32")
     assert [r["warps"] for r in recs] == ["auto", "32"]
     for r in recs:
         assert r["us_per_norm"] > 0 and r["D"] == 5120 and r["T"] == 1

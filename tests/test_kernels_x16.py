@@ -98,20 +98,12 @@ def test_prepared_gemv_input_errors():
                     "(and the device image's older Triton interpreter cannot run the f16 kernels)")
 def test_bench_xpre_smoke(tmp_path):
     """bench/xpre.py end to end on the interpreter (one tiny shape, T=1): records with the named fields."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    out = tmp_path / "xpre.json"
-    script = Path(__file__).resolve().parents[1] / "bench" / "xpre.py"
-    p = subprocess.run([sys.executable, str(script), "--smoke", "--T", "1", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    (rec,) = json.loads(out.read_text())
+    from bench_smoke import bench_smoke
+    (rec,), stdout = bench_smoke("xpre.py", tmp_path, "--T", "1")
     for k in ("format", "shape", "T", "config", "us", "us_xpre", "us_xpre_best", "us_prep", "pct_copy_bw",
               "pct_copy_bw_xpre", "copy_tbps", "gpu"):
         assert k in rec, k
-    assert rec["T"] == 1 and rec["us_xpre_best"] <= rec["us_xpre"] and "tiny" in p.stdout
+    assert rec["T"] == 1 and rec["us_xpre_best"] <= rec["us_xpre"] and "tiny" in stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU ncu drives it")
