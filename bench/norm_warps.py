@@ -1,14 +1,16 @@
-"""RMSNorm warps per row program (NINFER_NORM_WARPS) on the decode step's rows (bench/NOTES.md §20).
+"""RMSNorm warps per row program (NINFER_NORM_WARPS) and the gain's load before the PDL wait (NINFER_PDL_PRELOAD)
+on the decode step's rows (bench/NOTES.md §20, §21).
 
 A chain of `add_rmsnorm` calls on one 5120-wide row (T = 1, residual add, prepared output: the decode step's form),
 captured in one CUDA graph and launched as the runtime launches them (PDL where the device has it), per warps
 setting. The floor is a chain of as many empty PDL kernels, captured the same way in the same run: what a launch in
-the graph costs with no work in it.
+the graph costs with no work in it. The gain here stays in L2 across the chain (in the decode step ~15 GB of
+weights pass between two uses of a gain), so the preload's gain on this bench is a lower bound.
 
-    python bench/norm_warps.py [--warps auto 4 8 16 32] [--n 128] [--out bench/results/norm_warps.json]
+    python bench/norm_warps.py [--warps auto 4 8 16 32] [--preload 1 0] [--n 128] [--out bench/results/norm_warps.json]
     python bench/norm_warps.py --smoke     # CPU + Triton interpreter, one call each: exercises this script only
 
-Records: {"warps", "us_per_norm", "floor_us", "over_floor_us", "D", "T", "pdl", "gpu"}.
+Records: {"warps", "preload", "us_per_norm", "floor_us", "over_floor_us", "D", "T", "pdl", "gpu"}.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 from ninfer_kernels import gemv_timing, rmsnorm  # noqa: E402
-from ninfer_kernels.pdl import pdl_enter, pdl_kw  # noqa: E402
+from ninfer_kernels.pdl import PRELOAD_ENV, pdl_enter, pdl_kw  # noqa: E402
 from ninfer_kernels.x16 import words_per_row  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -66,6 +68,7 @@ def _us_per_call(call, n: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warps", nargs="+", default=["auto", "4", "8", "16", "32"])
+    ap.add_argument("--preload", nargs="+", default=["1", "0"], choices=["1", "0"])
     ap.add_argument("--n", type=int, default=128, help="norms per captured chain (a decode step runs ~130)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "norm_warps.json"))
@@ -77,13 +80,15 @@ def main(argv=None) -> int:
     pdl = bool(pdl_kw(torch.device(DEV)))
     floor = _us_per_call(_nop_call(), a.n)
     recs = []
-    print(f"{'warps':>6} {'us/norm':>8} {'floor':>6} {'over':>6}")
-    for wv in a.warps:
-        os.environ[rmsnorm.NORM_WARPS_ENV] = wv
-        us = _us_per_call(_norm_call(), a.n)
-        recs.append({"warps": wv, "us_per_norm": round(us, 3), "floor_us": round(floor, 3),
-                     "over_floor_us": round(us - floor, 3), "D": WIDTH, "T": 1, "pdl": pdl, "gpu": gpu})
-        print(f"{wv:>6} {us:>8.3f} {floor:>6.3f} {us - floor:>6.3f}")
+    print(f"{'warps':>6} {'preload':>7} {'us/norm':>8} {'floor':>6} {'over':>6}")
+    for pre in a.preload:
+        os.environ[PRELOAD_ENV] = pre
+        for wv in a.warps:
+            os.environ[rmsnorm.NORM_WARPS_ENV] = wv
+            us = _us_per_call(_norm_call(), a.n)
+            recs.append({"warps": wv, "preload": int(pre), "us_per_norm": round(us, 3), "floor_us": round(floor, 3),
+                         "over_floor_us": round(us - floor, 3), "D": WIDTH, "T": 1, "pdl": pdl, "gpu": gpu})
+            print(f"{wv:>6} {pre:>7} {us:>8.3f} {floor:>6.3f} {us - floor:>6.3f}")
     write_json_atomic(a.out, recs)
     print(f"{a.n} calls per graph, PDL {'on' if pdl else 'off'} ({gpu}); wrote {a.out}", file=sys.stderr)
     return 0

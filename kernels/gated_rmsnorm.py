@@ -13,21 +13,27 @@ import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
 from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
-from .pdl import pdl_enter, pdl_kw
+from .pdl import pdl_kw, pdl_trigger, pdl_wait
 
 
 @triton.jit
 def gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xp_ptr, H, so_t, so_h, sz_t, sz_h, s_xp, D, eps,
-                         XP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
+                         XP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0,
+                         PRELOAD: tl.constexpr = 0):
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    pdl_trigger(PDL)
+    if PRELOAD:      # the gain: no kernel writes it, so its load may be in flight during the wait
+        w = tl.load(w_ptr + d, mask=m, other=0.0)
+    pdl_wait(PDL)    # ninfer_kernels.pdl: before any load of an activation and any store
+    if not PRELOAD:
+        w = tl.load(w_ptr + d, mask=m, other=0.0)
+    w = w.to(tl.float32)
     row = tl.program_id(0)
     t = (row // H).to(tl.int64)
     h = (row % H).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    m = d < D
     o = tl.load(o_ptr + t * so_t + h * so_h + d, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + t * sz_t + h * sz_h + d, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(o * o, axis=0) / D + eps)
     y = o * inv * w * (z * tl.sigmoid(z))
     y = y.to(y_ptr.dtype.element_ty)
@@ -55,7 +61,7 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
         xp_ptr, s_xp = prepared_out_args(xp, y)
         gated_rmsnorm_kernel[(n_rows,)](o3, z3, w, y, xp_ptr, o3.shape[1], o3.stride(0), o3.stride(1),
                                         z3.stride(0), z3.stride(1), s_xp, d, float(eps), XP=xp is not None,
-                                        BLOCK_D=block, num_warps=warps_for(block), **pdl_kw(o3.device))
+                                        BLOCK_D=block, num_warps=warps_for(block), **pdl_kw(o3.device, preload=True))
     return y
 
 

@@ -42,6 +42,8 @@ def variants(ccs=(70, 90)):
                     warps = spec[3] if len(spec) > 3 else 4
                     if "PDL" in fn.arg_names and "PDL" not in const:   # griddepcontrol: sm_90 PTX (pdl.py)
                         const = {**const, "PDL": compile_const(cc)}
+                    if "PRELOAD" in fn.arg_names and "PRELOAD" not in const:   # as launched with PDL on
+                        const = {**const, "PRELOAD": const["PDL"]}
                     name = f"{mod_name}.{fn.__name__}#{i}-{act}"
                     out.append((name, cc, fn, sig, const, warps))
     return out
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
         try:
             c = compile_one(fn, sig, const, cc, warps)
             row = {"variant": name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2),
-                   "pdl_ok": ptx_order_ok(c.asm["ptx"], const.get("PDL", 0)),
+                   "pdl_ok": ptx_order_ok(c.asm["ptx"], const.get("PDL", 0), preload=const.get("PRELOAD", 0)),
                    **({} if args.no_summary else summarize(c))}
         except Exception as e:  # report every failing variant, not only the first
             failed += 1

@@ -16,8 +16,11 @@ Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
     counter that an earlier kernel may still read), each CTA calls `griddepcontrol.wait`, which returns once the
     kernel in front has completed and its memory is visible. Every CTA waits (no CTA returns before the wait), so
     a kernel completes only after the one in front did, and completion is transitive down the chain. Nothing is
-    loaded before the wait, not even weights: the registers that held the T = 1 GEMV's first tile cost it one CTA
-    per SM (96 -> 128 registers) and decode 17 % (§16).
+    loaded before the wait by the GEMVs, not even weights: the registers that held the T = 1 GEMV's first tile cost
+    it one CTA per SM (96 -> 128 registers) and decode 17 % (§16).
+  * preload (NINFER_PDL_PRELOAD=1, the default): the norms (`rmsnorm`, `gated_rmsnorm`) load their gains, which no
+    kernel writes, before the wait, so that load's memory latency overlaps the wait instead of following it. Their
+    launchers ask `pdl_kw(device, preload=True)`, which adds the `PRELOAD` constexpr.
 Kernels launched without the attribute (torch's, NCCL's) start after the kernel in front completes, as always, and
 never trigger early, so a PDL kernel behind them starts as it would without PDL.
 """
@@ -31,6 +34,7 @@ import triton.language as tl
 
 PDL_ENV = "NINFER_PDL"
 PDL_MODES = ("0", "1")
+PRELOAD_ENV = "NINFER_PDL_PRELOAD"
 
 
 @triton.jit
@@ -52,25 +56,35 @@ def pdl_enter(PDL: tl.constexpr):
     pdl_wait(PDL)
 
 
-def pdl_mode() -> str:
-    """NINFER_PDL: '1' (default: on where the device has it) or '0'; anything else is a one-line error naming the
-    variable."""
-    v = os.environ.get(PDL_ENV, "1")
+def _mode(name: str) -> str:
+    """'1' (the default) or '0' from the environment variable `name`; anything else is a one-line error naming it."""
+    v = os.environ.get(name, "1")
     if v not in PDL_MODES:
         from .ops_common import KernelInputError
-        raise KernelInputError(f"{PDL_ENV}={v!r}: expected one of {', '.join(PDL_MODES)}")
+        raise KernelInputError(f"{name}={v!r}: expected one of {', '.join(PDL_MODES)}")
     return v
 
 
-def pdl_kw(device) -> dict:
+def pdl_mode() -> str:
+    """NINFER_PDL: '1' (default: on where the device has it) or '0'."""
+    return _mode(PDL_ENV)
+
+
+def preload_mode() -> str:
+    """NINFER_PDL_PRELOAD: '1' (default: the norms load their gains before the wait) or '0' (a comparison switch)."""
+    return _mode(PRELOAD_ENV)
+
+
+def pdl_kw(device, preload: bool = False) -> dict:
     """The extra launch arguments of a PDL-capable kernel on `device`: {"PDL": 1, "launch_pdl": True} with
     NINFER_PDL=1 (the default) on a CUDA device of compute capability 9.0+ (griddepcontrol is sm_90 PTX), else {}
-    (sm_70 / sm_80, the interpreter, the CPU, or NINFER_PDL=0)."""
+    (sm_70 / sm_80, the interpreter, the CPU, or NINFER_PDL=0). preload: the kernel has a `PRELOAD` constexpr,
+    given as NINFER_PDL_PRELOAD says when PDL is on."""
     if pdl_mode() == "0" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return {}
     if getattr(device, "type", "cuda") != "cuda" or _capability(getattr(device, "index", None)) < (9, 0):
         return {}
-    return {"PDL": 1, "launch_pdl": True}
+    return {"PDL": 1, "launch_pdl": True, **({"PRELOAD": int(preload_mode())} if preload else {})}
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,15 +99,19 @@ def compile_const(cc: int) -> int:
     return int(cc >= 90)
 
 
-def ptx_order_ok(ptx: str, pdl: int, late_trigger: bool = False) -> bool | None:
+def ptx_order_ok(ptx: str, pdl: int, late_trigger: bool = False, preload: int = 0) -> bool | None:
     """For a compile check: None when `pdl` is 0; else whether the PTX has both griddepcontrol instructions and
-    waits before its first global load and store; with `late_trigger` (the GEMVs) also whether it triggers only
-    after a global load (after its K loop, not at its start)."""
+    waits before its first global load and store (with `preload`: before its first store, and it loads before
+    the wait); with `late_trigger` (the GEMVs) also whether it triggers only after a global load (after its K
+    loop, not at its start)."""
     if not pdl:
         return None
     wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     loads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0]   # cp.async: pipelined loads
     load = min(loads) if loads else -1
+    if preload:
+        store = ptx.find("st.global")
+        return 0 <= load < wait and trig >= 0 and (store < 0 or wait < store)
     mem = [i for i in (ptx.find("st.global"), load) if i >= 0]
     ok = wait >= 0 and trig >= 0 and (not mem or wait < min(mem))
     return ok and (not late_trigger or 0 <= load < trig)

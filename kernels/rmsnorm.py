@@ -19,22 +19,28 @@ import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
 from .x16 import check_prepared_out, prepared_out_args, store_prepared
-from .pdl import pdl_enter, pdl_kw
+from .pdl import pdl_kw, pdl_trigger, pdl_wait
 
 
 @triton.jit
 def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, xp_ptr, n_inner, sx_a, sx_b, sr_a, sr_b, s_xp, D, eps,
                    PLUS_ONE: tl.constexpr, HAS_RES: tl.constexpr, XP: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PDL: tl.constexpr = 0):
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
+                   PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    pdl_trigger(PDL)
+    # the gain is loaded up front: issued after the reduction it is a second dependent memory trip; no kernel
+    # writes it, so with PRELOAD its load is in flight during the PDL wait (ninfer_kernels.pdl)
+    if PRELOAD:
+        w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    pdl_wait(PDL)    # before any load of an activation and any store
+    if not PRELOAD:
+        w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    w = w.to(tl.float32)
     row = tl.program_id(0)
     a = (row // n_inner).to(tl.int64)
     b = (row % n_inner).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    m = offs < D
     x = tl.load(x_ptr + a * sx_a + b * sx_b + offs, mask=m, other=0.0).to(tl.float32)
-    # the gain is loaded up front: issued after the reduction it is a second dependent memory trip
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if PLUS_ONE:
         w = w + 1.0
     out_row = row.to(tl.int64) * D
@@ -69,7 +75,7 @@ def _launch(x, residual, w, eps, plus_one, xp=None):
         rmsnorm_kernel[(n_rows,)](x3, r3, w, y, rsum, xp_ptr, x3.shape[1], x3.stride(0), x3.stride(1),
                                   r3.stride(0), r3.stride(1), s_xp, d, float(eps), PLUS_ONE=bool(plus_one),
                                   HAS_RES=residual is not None, XP=xp is not None, BLOCK_D=block,
-                                  num_warps=norm_warps(block), **pdl_kw(x3.device))
+                                  num_warps=norm_warps(block), **pdl_kw(x3.device, preload=True))
     return y, rsum
 
 
@@ -78,9 +84,9 @@ NORM_WARPS_ENV = "NINFER_NORM_WARPS"   # a comparison switch for benchmarks: war
 
 def norm_warps(block: int) -> int:
     """NINFER_NORM_WARPS: `auto` (default: `ops_common.warps_for`) or a power of two 1..32, at most one warp per 32
-    elements of the row block. Why a switch: a decode step runs ~130 of these one-CTA programs back to back
-    (~2.2 us each, bench/NOTES.md §16); more warps per row shorten each thread's share (not yet timed). Anything
-    else is a one-line error naming the variable."""
+    elements of the row block. A comparison switch: a decode step runs ~130 of these one-CTA programs back to
+    back; on the H200 a chain of them took 1.92 us per norm at 8 warps (auto), 2.04 at 16 and 2.29 at 32, and
+    decode was unchanged at 32 (bench/NOTES.md §21). Anything else is a one-line error naming the variable."""
     v = os.environ.get(NORM_WARPS_ENV, "auto")
     if v == "auto":
         return warps_for(block)

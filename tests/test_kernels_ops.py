@@ -90,12 +90,31 @@ def test_rmsnorm_warps_switch(warps, monkeypatch):
     check(y, want_y, torch.float32)
 
 
+@pytest.mark.parametrize("preload", [0, 1], ids=["after-wait", "preload"])
+def test_norms_gain_preload(preload, monkeypatch):
+    """Both orders of the norms' gain load (`PRELOAD`, ninfer_kernels.pdl: before or after the PDL wait) give the
+    reference rows; the launchers get the constexpr from pdl_kw(..., preload=True), forced here."""
+    from ninfer_kernels import gated_rmsnorm, rmsnorm
+    for mod in (rmsnorm, gated_rmsnorm):   # without PDL (CPU, sm_70) the wait is a no-op and either order runs
+        monkeypatch.setattr(mod, "pdl_kw", lambda dev, real=mod.pdl_kw, **kw: {**real(dev), "PRELOAD": preload})
+    x, r, w = rnd(2, 1, 5120), rnd(2, 1, 5120, seed=1), rnd(5120, seed=2, scale=0.3)
+    o, z, wg = rnd(3, 4, 24, seed=3), rnd(3, 4, 24, seed=4), rnd(24, seed=5)
+    with poisoned():
+        y, s = TRI.add_rmsnorm(x, r, w, 1e-6, True)
+        g = TRI.gated_rmsnorm(o, z, wg, 1e-6)
+    want_y, want_s = REF.add_rmsnorm(x, r, w, 1e-6, True)
+    check(s, want_s, torch.float32)
+    check(y, want_y, torch.float32)
+    check(g, REF.gated_rmsnorm(o, z, wg, 1e-6), torch.float32)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check of the script; on a GPU the benchmark runs")
 def test_bench_norm_warps_smoke(tmp_path):
-    """bench/norm_warps.py end to end on the interpreter: a record per warps setting with the named fields."""
+    """bench/norm_warps.py end to end on the interpreter: a record per (preload, warps) setting with the named
+    fields."""
     from bench_smoke import bench_smoke
     recs, _ = bench_smoke("norm_warps.py", tmp_path, "--warps", "auto", "32")
-    assert [r["warps"] for r in recs] == ["auto", "32"]
+    assert [(r["warps"], r["preload"]) for r in recs] == [("auto", 1), ("32", 1), ("auto", 0), ("32", 0)]
     for r in recs:
         assert r["us_per_norm"] > 0 and r["D"] == 5120 and r["T"] == 1
         assert r["over_floor_us"] == pytest.approx(r["us_per_norm"] - r["floor_us"], abs=2e-3)

@@ -39,6 +39,38 @@ def test_pdl_on_sm90_only(monkeypatch):
     assert pdl.pdl_kw(torch.device("cuda", 0)) == {}
 
 
+def test_preload_constexpr_only_where_asked_and_pdl_is_on(monkeypatch):
+    """NINFER_PDL_PRELOAD (default 1) reaches the kernels that asked for it (preload=True) as PRELOAD, and only
+    when PDL itself is on: without the wait there is nothing for the early load to overlap."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    monkeypatch.delenv(pdl.PRELOAD_ENV, raising=False)
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert pdl.pdl_kw(cuda, preload=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 1}
+    assert pdl.pdl_kw(cuda) == {"PDL": 1, "launch_pdl": True}
+    monkeypatch.setenv(pdl.PRELOAD_ENV, "0")
+    assert pdl.pdl_kw(cuda, preload=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.pdl_kw(cuda, preload=True) == {}
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    monkeypatch.setenv(pdl.PRELOAD_ENV, "on")
+    with pytest.raises(KernelInputError, match="NINFER_PDL_PRELOAD='on'"):
+        pdl.pdl_kw(cuda, preload=True)
+
+
+def test_ptx_order_with_preload():
+    """The compile check's reading of the PTX: a preloading kernel loads before the wait and stores after it."""
+    trig, wait = "griddepcontrol.launch_dependents;", "griddepcontrol.wait;"
+    ld, st = "ld.global.b32 %r1, [%rd1];", "st.global.b32 [%rd2], %r1;"
+    assert pdl.ptx_order_ok("\n".join([trig, wait, ld, st]), 1) is True
+    assert pdl.ptx_order_ok("\n".join([trig, ld, wait, st]), 1) is False
+    assert pdl.ptx_order_ok("\n".join([trig, ld, wait, st]), 1, preload=1) is True
+    assert pdl.ptx_order_ok("\n".join([trig, wait, ld, st]), 1, preload=1) is False   # nothing preloaded
+    assert pdl.ptx_order_ok("\n".join([trig, ld, st, wait]), 1, preload=1) is False   # a store before the wait
+    assert pdl.ptx_order_ok("\n".join([ld, wait, st]), 1, preload=1) is False          # never triggers
+
+
 def test_bad_pdl_value_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv(pdl.PDL_ENV, "yes")
     with pytest.raises(KernelInputError, match="NINFER_PDL='yes'"):
@@ -49,6 +81,13 @@ def _jit_kernels(tree) -> dict:
     return {n.name: [a.arg for a in n.args.args] for n in tree.body
             if isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel")
             and any("jit" in ast.unparse(d) for d in n.decorator_list)}
+
+
+def _all_kernels() -> dict:
+    out = {}
+    for f in sorted(KERNELS.glob("*.py")):
+        out.update(_jit_kernels(ast.parse(f.read_text())))
+    return out
 
 
 def _launches(tree):
@@ -80,5 +119,11 @@ def test_every_kernel_takes_pdl_and_every_launch_passes_it():
                                         or (name.endswith("gemv_kernel") and ast.unparse(k.value) == "kw"))
                      for k in call.keywords)    # a GEMV variant wrapper forwards gemv_launch._launch's **kw
         assert passes, f"{f}: the launch of {name} does not pass **pdl_kw(...)"
+    for f, name, call in direct:   # a kernel with the PRELOAD constexpr is launched with pdl_kw(..., preload=True)
+        if "PRELOAD" in _all_kernels()[name]:
+            kw = [k for k in call.keywords if k.arg is None and isinstance(k.value, ast.Call)]
+            assert any(any(a.arg == "preload" for a in k.value.keywords) for k in kw), f"{f}: {name}"
+    assert {n for n, args in _all_kernels().items() if "PRELOAD" in args} == {"rmsnorm_kernel",
+                                                                              "gated_rmsnorm_kernel"}
     src = (KERNELS / "gemv_launch.py").read_text()
     assert 'if "PDL" in names:' in src and "pdl_kw(x.device)" in src
