@@ -30,7 +30,8 @@ _OP_CATEGORY = {"linear": "linear_gemm", "embedding": "embedding", "rmsnorm": "n
 # ops that compose two others on some backends (ninfer_rt/ops.py): their kernels named like the inner op's take
 # that op's category, the rest the composite's
 _COMPOSITE = {"gated_attention": ("attention", (("sigmoid", "elementwise_copies"),)),
-              "qk_norm_rope_store": ("rope", (("kv_write", "kv_write"), ("index_copy", "kv_write")))}
+              "qk_norm_rope_store": ("rope", (("kv_write", "kv_write"), ("index_copy", "kv_write"))),
+              "linear_swiglu": ("linear_gemm", (("dequant", "dequant"), ("silu_mul", "elementwise_copies")))}
 # by kernel name alone (kernels launched outside any op range)
 _BY_NAME = (("dequant", "dequant"),
             ("gated_delta", "gdn_chunk"), ("chunk_fwd", "gdn_chunk"), ("solve_tril", "gdn_chunk"),

@@ -53,7 +53,7 @@ class Variant:
     block_g: int = 16
     use_split: bool = False
     use_dot: bool = False
-    has_res: bool = False
+    epi: int = 0              # gemv_glu.EPI_*: 1 residual add, 2 SwiGLU, 3 SwiGLU + prepared copy
     num_warps: int = 4
     dequant: bool = False
     stages: int = 1           # elementwise weight-load pipeline depth (STAGES)
@@ -64,7 +64,7 @@ class Variant:
         if self.dequant:
             return f"{self.fmt}-dequant-{self.x_dtype}-n{self.block_n}-g{self.block_g}"
         return (f"{self.fmt}-{self.x_dtype}-T{self.t_tile}-n{self.block_n}-g{self.block_g}-w{self.num_warps}"
-                f"{f'-s{self.stages}' if self.stages > 1 else ''}{'-split' if self.use_split else ''}{'-dot' if self.use_dot else ''}{'-res' if self.has_res else ''}"
+                f"{f'-s{self.stages}' if self.stages > 1 else ''}{'-split' if self.use_split else ''}{'-dot' if self.use_dot else ''}{('', '-res', '-glu', '-gluxp')[self.epi]}"
                 f"{'-xpre' if self.xpre else ''}")
 
 
@@ -92,7 +92,7 @@ def compile_variant(v: Variant, cc: int):
         raise ValueError(f"{v.name}: {kernel.__name__} cannot read prepared activations")
     dot_kind = {"float16": 0, "bfloat16": 1}.get(v.x_dtype, 2)
     const = {"T_TILE": v.t_tile, "BLOCK_N": v.block_n, "BLOCK_G": v.block_g, "USE_SPLIT": v.use_split,
-             "USE_DOT": v.use_dot, "DOT_KIND": dot_kind, "HAS_RES": v.has_res, "EVEN_G": True,
+             "USE_DOT": v.use_dot, "DOT_KIND": dot_kind, "EPI": v.epi, "EVEN_G": True,
              "FOLD": v.use_dot, "STAGES": 1 if v.use_dot else v.stages, **extra}
     if "XPRE" in kernel.arg_names:
         const["XPRE"] = v.xpre
@@ -131,10 +131,11 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
         for f in FORMATS:
             if f in LANE_EXACT:   # the warp-MMA tiles (gemv_tiles._DECODE_MMA_TILES), T tiles 8 and 16
                 if cc < 80:   # sm_70 (never launched there) compiles the emulated warp steps, slowly: one tile
-                    out.append((Variant(f, xd, 8, 64, 8, use_split=True, has_res=True), cc))
+                    out.append((Variant(f, xd, 8, 64, 8, use_split=True, epi=1), cc))
                     continue
-                out += [(Variant(f, xd, 8, 128, 8, use_split=True, has_res=True, stages=2), cc),
-                        (Variant(f, xd, 16, _MMA_T16_ROWS.get(f, 256), 8), cc)]
+                out += [(Variant(f, xd, 8, 128, 8, use_split=True, epi=1, stages=2), cc),
+                        (Variant(f, xd, 16, _MMA_T16_ROWS.get(f, 256), 8), cc),
+                        (Variant(f, xd, 8, 128, 8, use_split=True, epi=3, stages=2, xpre=f in XPRE_FORMATS), cc)]
                 if f in XPRE_FORMATS:     # prepared activations, double (and where a tile has it, triple) buffered
                     out += [(Variant(f, xd, 8, 128, 8, stages=s, xpre=True), cc) for s in _MMA_STAGES.get(f, (2, 3))]
                 if full:
@@ -144,12 +145,14 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
             bg, bg_dot = 16, dot_block_g(FMA_DOT_K, _GS[f]) if cc < 80 else max(8, 64 // _GS[f])
             # the tuner's default elementwise loop (pipelined loads); `full` has the load-then-decode loop
             st, t1_tiles = _NO_DOT_TILES.get(f, _NO_DOT_TILES[None])
-            out.append((Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, stages=st), cc))
+            out.append((Variant(f, xd, 2, 64, bg, use_split=True, epi=1, stages=st), cc))
+            # the SwiGLU epilogue of a fused gate/up weight (with its prepared copy where the device reads one)
+            out.append((Variant(f, xd, 2, 64, bg, use_split=True, epi=3 if cc >= 80 else 2, stages=st), cc))
             if f in NO_DOT:
                 out += [(Variant(f, xd, 1, bn, bg, stages=s), cc) for bn, s in t1_tiles]
                 if f in XPRE_FORMATS:      # on prepared activations (bench/xpre.py), T = 1 and 2
                     out += [(Variant(f, xd, 1, 128, bg, xpre=True), cc),
-                            (Variant(f, xd, 2, 64, bg, use_split=True, has_res=True, xpre=True), cc)]
+                            (Variant(f, xd, 2, 64, bg, use_split=True, epi=1, xpre=True), cc)]
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
                 continue

@@ -29,12 +29,13 @@ import triton
 
 from .gemv_f8 import dequant_f8, gemv_f8
 from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s, unpack_iq3_s
+from .gemv_glu import EPI_RES, SwiGLUOut, epi_of, swiglu_out
 from .gemv_launch import KernelInputError, interpreting, next_pow2, tune_mode
 from .gemv_timing import time_ms
 from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4, repack_nvfp4, unpack_nvfp4
 from .gemv_plain import _WIDTH, gemv_plain
 from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k, unpack_q6_k
-from .x16 import prefer_prepared, prepared_linear, prepared_ok
+from .x16 import CHUNK, prefer_prepared, prepared_linear, prepared_ok
 
 DECODE_MAX_T = 16
 # per repacked format: the stored tensors -> the kernels' planes, and back ({key: tensor} of `rows` or all rows)
@@ -86,7 +87,7 @@ def _gemv(x, qw, out, residual):
     # much to keep one per T
     plans = _plans(qw) if x.shape[0] <= DECODE_MAX_T else None
     if plans:
-        plan = plans.get((x.shape[0], x.dtype, residual is not None))
+        plan = plans.get((x.shape[0], x.dtype, epi_of(residual)))
         if plan is not None:
             y = plan(x, out, residual)
             if y is not None:
@@ -183,7 +184,8 @@ def prefill_choices() -> dict:
 
 def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None, xp=None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T (+ residual), W = `qw` in any supported format. xp: x's prepared form
-    (`x16.x16_prep` of x as [T, K]; only where `x16.prepared_ok`), read by the h2 / MMA variants instead of x."""
+    (`x16.x16_prep` of x as [T, K]; only where `x16.prepared_ok`), read by the h2 / MMA variants instead of x.
+    residual may be a `gemv_glu.SwiGLUOut` where `linear_swiglu` says the GEMV takes it."""
     N, K = qw.shape
     if not isinstance(x, torch.Tensor) or x.shape[-1] != K:
         raise KernelInputError(f"linear {qw.name or qw.fmt}: x must end in K={K}, got "
@@ -194,7 +196,7 @@ def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None, x
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     o2 = None if out is None else out.view(-1, N)
-    r2 = None if residual is None else residual.reshape(-1, N)
+    r2 = residual if residual is None or isinstance(residual, SwiGLUOut) else residual.reshape(-1, N)
     T = x2.shape[0]
     if T == 0:
         y = x2.new_empty((0, N)) if out is None else out
@@ -209,10 +211,32 @@ def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None, x
         if not prepared_ok(qw, T, x.device) or xp.shape[0] != T:
             raise KernelInputError(f"linear {qw.name or qw.fmt}: prepared activations for {xp.shape[0]} rows do "
                                    f"not serve a {qw.fmt} weight at T={T}")
-        y = prepared_linear(xp, qw, o2, r2, x.dtype) if prefer_prepared(qw, T, x.dtype, r2 is not None, x.device) \
-            else _gemv(x2, qw, o2, r2)
+        y = prepared_linear(xp, qw, o2, r2, x.dtype) if prefer_prepared(qw, T, x.dtype, epi_of(r2) == EPI_RES,
+                                                                        x.device) else _gemv(x2, qw, o2, r2)
     elif T > DECODE_MAX_T:
         y = _prefill(x2, qw, o2, r2, prefill_path)
     else:
         y = _gemv(x2, qw, o2, r2)
     return y.view(*lead, N) if out is None else out
+
+
+def swiglu_fusable(T: int, qw) -> bool:
+    """Whether `linear_swiglu` takes T rows of the fused gate/up weight `qw` ([2I, K], gate rows first): a decode
+    GEMV (T <= 16) whose rows split into 128-column chunks of y."""
+    N, K = qw.shape
+    if not 1 <= T <= DECODE_MAX_T or N % 2 or (N // 2) % CHUNK:
+        return False
+    return qw.fmt not in ("f32", "f16", "bf16") or K % _WIDTH[qw.data["w"].dtype] == 0
+
+
+def linear_swiglu(x: torch.Tensor, qw, *, xp=None, prepared: bool = False) -> SwiGLUOut:
+    """silu(gate) * up of the fused gate/up weight `qw` for x [T, K] (`swiglu_fusable`), written by the GEMV's
+    epilogue (`gemv_glu`) instead of a silu_mul kernel: a SwiGLUOut (y [T, I], and y's prepared rows when
+    `prepared`). xp: x's prepared form, as for `linear`."""
+    T = x.shape[0]
+    if x.dim() != 2 or not swiglu_fusable(T, qw):
+        raise KernelInputError(f"linear_swiglu {qw.name or qw.fmt}: x {tuple(x.shape)} and weight {tuple(qw.shape)} "
+                               f"do not take the SwiGLU epilogue (swiglu_fusable)")
+    glu = swiglu_out(T, qw.shape[0] // 2, x.dtype, x.device, prepared)
+    linear(x, qw, residual=glu, xp=xp)
+    return glu

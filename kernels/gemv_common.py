@@ -22,7 +22,8 @@ EVEN_G) -> LOAD's state: every load of that loop must be one the pipeliner can i
 8 or 16 bytes, so NVFP4 reads its scale bytes as int32 words there).
 Grid = (row blocks, K splits, T tiles). With K splits every CTA writes an fp32 partial to a workspace, the
 last CTA of a row block (an acq_rel counter, reset by that CTA so the workspace is reusable and graph-safe)
-sums the partials in split order -- deterministic -- and runs the epilogue: * fscale, + residual, cast.
+sums the partials in split order -- deterministic -- and runs the epilogue: * fscale, + residual, cast; or, on
+a fused gate/up weight, the SwiGLU epilogue (`gemv_glu`). EPI (`gemv_glu.EPI_*`) says what the residual slot holds.
 The weight bytes of a row block are read once for all T columns of a T tile.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .gemv_glu import _EPI_RES, glu_arrive
 from .pdl import pdl_trigger
 
 
@@ -134,9 +136,9 @@ def _dot(w, xt, acc, DOT_KIND: tl.constexpr):
 
 
 @triton.jit
-def store_out(v, cols, rows, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES: tl.constexpr):
+def store_out(v, cols, rows, m, out_ptr, stride_ot, res_ptr, stride_rt, EPI: tl.constexpr):
     """out[cols, rows] = v (+ residual), masked by m; cols / rows broadcast against v."""
-    if HAS_RES:
+    if EPI == _EPI_RES:
         v += tl.load(res_ptr + cols * stride_rt + rows, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols * stride_ot + rows, v.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -172,29 +174,35 @@ def split_release(cnt_ptr):
 
 @triton.jit
 def _finish(v, t, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-            HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr, PDL: tl.constexpr = 0):
+            EPI: tl.constexpr, USE_SPLIT: tl.constexpr, PDL: tl.constexpr = 0):
     """v [BLOCK_N, T_TILE] fp32 -> out (through the split-K workspace when USE_SPLIT)."""
     finish_at(v, t[None, :], offs_n[:, None], N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr,
-              cnt_ptr, HAS_RES, USE_SPLIT, PDL)
+              cnt_ptr, EPI, USE_SPLIT, t.shape[0], offs_n.shape[0], PDL)
 
 
 @triton.jit
 def finish_at(v, cols, rows, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-              HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr, PDL: tl.constexpr = 0):
+              EPI: tl.constexpr, USE_SPLIT: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+              PDL: tl.constexpr = 0):
     """out[cols, rows] = v (+ residual) for fp32 v; cols and rows broadcast against v; through the split-K
-    workspace when USE_SPLIT (the last CTA of the row block sums the partials in split order). Every GEMV ends
-    here: its PDL trigger (`ninfer_kernels.pdl`: the kernel behind may launch once every CTA passed it) comes
-    after the K loop, so only the epilogue and the tail overlap the next kernel's start."""
+    workspace when USE_SPLIT (the last CTA of the row block sums the partials in split order); then the SwiGLU
+    epilogue (`gemv_glu`, EPI >= 2) of the CTA's BLOCK_N rows and T_TILE columns. Every GEMV ends here: its PDL
+    trigger (`ninfer_kernels.pdl`: the kernel behind may launch once every CTA passed it) comes after the K
+    loop, so only the epilogue and the tail overlap the next kernel's start."""
     pdl_trigger(PDL)
     m = (rows < N) & (cols < T)
     if USE_SPLIT:
         split_partial(v, cols, rows, m, N, T, ws_ptr)
         if split_arrive(cnt_ptr, split):
             store_out(split_total(cols, rows, m, N, T, split, ws_ptr), cols, rows, m, out_ptr, stride_ot,
-                      res_ptr, stride_rt, HAS_RES)
+                      res_ptr, stride_rt, EPI)
             split_release(cnt_ptr)
+            if EPI > _EPI_RES:
+                glu_arrive(out_ptr, stride_ot, res_ptr, cnt_ptr, N, T, T_TILE, BLOCK_N, EPI)
     else:
-        store_out(v, cols, rows, m, out_ptr, stride_ot, res_ptr, stride_rt, HAS_RES)
+        store_out(v, cols, rows, m, out_ptr, stride_ot, res_ptr, stride_rt, EPI)
+        if EPI > _EPI_RES:
+            glu_arrive(out_ptr, stride_ot, res_ptr, cnt_ptr, N, T, T_TILE, BLOCK_N, EPI)
 
 
 @triton.jit
@@ -247,7 +255,7 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
               T, N, G, split, stride_xt, stride_ot, stride_rt,
               LOAD: tl.constexpr, RAW: tl.constexpr, SCALE: tl.constexpr, GS: tl.constexpr, XS: tl.constexpr,
               SW: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr,
-              USE_DOT: tl.constexpr, DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+              USE_DOT: tl.constexpr, DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
               FOLD: tl.constexpr, STAGES: tl.constexpr = 1, VEC: tl.constexpr = 2, LOAD_DOT: tl.constexpr = None,
               PDL: tl.constexpr = 0):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -273,7 +281,7 @@ def gemv_body(x_ptr, w0, w1, w2, w3, w4, w5, out_ptr, res_ptr, ws_ptr, cnt_ptr, 
             acc = tl.where(cols[None, :] == tt, tl.sum(accs[tt], axis=1)[:, None], acc)
         acc = acc * SW * fscale
     _finish(acc, t, offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-            HAS_RES, USE_SPLIT, PDL)
+            EPI, USE_SPLIT, PDL)
 
 
 @triton.jit

@@ -194,7 +194,7 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
 def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-            USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
+            USE_SPLIT: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
             H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr):
     """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue); PDL as in
     `ninfer_kernels.pdl`: the wait comes first (loading the first weight tile before it cost the T=1 loop 32
@@ -210,7 +210,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
     acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
                 T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
     _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
-            ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT, PDL)
+            ws_ptr, cnt_ptr, EPI, USE_SPLIT, PDL)
 
 
 def h2_mode(device: torch.device) -> int:

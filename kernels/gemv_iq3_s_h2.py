@@ -129,7 +129,7 @@ def _rows_dot(tab, lds, xp, R: tl.constexpr, LOG_R: tl.constexpr, T_TILE: tl.con
 def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G,
                          split, stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                         DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                         DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                          PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
@@ -171,12 +171,12 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
         for i in tl.static_range(R * T_TILE):
             accs = accs[:i] + (accs[i] + part[i],) + accs[i + 1:]
     _epilogue(accs, backs, t0, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr, R, RB, GC,
-              T_TILE, HAS_RES, USE_SPLIT, PDL)
+              T_TILE, EPI, USE_SPLIT, PDL)
 
 
 @triton.jit
 def _epilogue(accs, backs, t0, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-              R: tl.constexpr, RB: tl.constexpr, GC: tl.constexpr, T_TILE: tl.constexpr, HAS_RES: tl.constexpr,
+              R: tl.constexpr, RB: tl.constexpr, GC: tl.constexpr, T_TILE: tl.constexpr, EPI: tl.constexpr,
               USE_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """Each row's GC partial sums added across its threads (lanes), then all values in one split-K pass."""
     rb = tl.arange(0, RB)
@@ -189,7 +189,7 @@ def _epilogue(accs, backs, t0, N, T, split, out_ptr, stride_ot, res_ptr, stride_
             cols = cols + (tl.zeros_like(rb) + (t0 + tt),)
     LOG: tl.constexpr = (R * T_TILE).bit_length() - 1
     finish_at(stack_all(vals, LOG), stack_all(cols, LOG), stack_all(rows, LOG), N, T, split, out_ptr, stride_ot,
-              res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT, PDL)
+              res_ptr, stride_rt, ws_ptr, cnt_ptr, EPI, USE_SPLIT, T_TILE, R * RB, PDL)
 
 
 h2_kernel = factory(iq3_s_h2_gemv_kernel, "iq3_s_gemv_kernel", per_thread=True)   # gemv_iq3_s registers it

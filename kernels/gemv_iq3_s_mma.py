@@ -96,14 +96,14 @@ def _row_factor(wr, base: tl.constexpr):
 def iq3_s_mma_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G,
                           split, stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                          DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                           XPRE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
     tab = tl.load(grid + _H2_TABLE + tl.arange(0, 512))
     mma_body(x_ptr, (qs, signs, qh, sc, d), tab, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _SCALE, T, N, G, split,
-             stride_xt, stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW,
+             stride_xt, stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, EPI, STAGES, H2_MODE, NW,
              XPRE, _load_row, _prep, _ROW, _row_pairs, _row_factor, True, PDL=PDL)
 
 

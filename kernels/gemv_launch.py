@@ -27,6 +27,7 @@ import triton
 from ninfer_formats.errors import NinferError
 
 from .gemv_config import GemvConfig, interpreting, next_pow2, sm_count  # noqa: F401  (callers import them here)
+from .gemv_glu import EPI_RES, SwiGLUOut, check_glu, counters, epi_of, fits
 from .gemv_h2_select import H2_STATE, checked_h2  # noqa: F401  (H2_STATE: callers reach it here)
 from .gemv_tiles import FMA_DOT_K, auto_split, candidates, fill_splits  # noqa: F401  (likewise)
 from .gemv_timing import time_ms   # module global: the tuner tests replace it here
@@ -81,14 +82,26 @@ def as_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_out(out, residual, T: int, N: int, x: torch.Tensor, what: str):
+    """out (allocated when None) after checking it and the residual slot: a tensor to add or a SwiGLUOut."""
     if out is None:
         out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (T, N) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise KernelInputError(f"{what}: out must be [{T}, {N}] {x.dtype} with unit column stride")
-    if residual is not None and (tuple(residual.shape) != (T, N) or residual.stride(1) != 1
-                                 or residual.device != x.device):
+    if isinstance(residual, SwiGLUOut):
+        bad = check_glu(residual, T, N, x.dtype, x.device)
+        if bad:
+            raise KernelInputError(f"{what}: SwiGLU epilogue: {bad}")
+    elif residual is not None and (tuple(residual.shape) != (T, N) or residual.stride(1) != 1
+                                   or residual.device != x.device):
         raise KernelInputError(f"{what}: residual must be [{T}, {N}] with unit column stride on {x.device}")
     return out
+
+
+def res_slot(residual, out) -> torch.Tensor:
+    """The tensor a launch passes as res_ptr: the residual, the SwiGLU output y, or out (unused)."""
+    if residual is None:
+        return out
+    return residual.y if isinstance(residual, SwiGLUOut) else residual
 
 
 def dot_kind(x_dtype) -> int:
@@ -168,15 +181,18 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
         tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
     grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
     split = effective_split(cfg, G)
-    if split > 1:
-        ws, cnt = workspace(x.device, split * T * N, grid_n * grid_t)
+    epi = epi_of(residual)
+    if epi > EPI_RES and not fits(cfg.block_n, N):
+        raise KernelInputError(f"SwiGLU epilogue: block_n={cfg.block_n} does not serve N={N} (gemv_glu.fits)")
+    if split > 1 or epi > EPI_RES:   # the SwiGLU chunk counters follow split-K's
+        ws, cnt = workspace(x.device, split * T * N, counters(grid_n, grid_t, N))
     else:
         ws, cnt = None, None
-    res = residual if residual is not None else out
+    res = res_slot(residual, out)
     grid = (grid_n, split, grid_t)
     scalars = (float(fscale), T, N, G, split)
     consts = {"T_TILE": tt, "BLOCK_N": cfg.block_n, "BLOCK_G": cfg.block_g, "USE_SPLIT": split > 1,
-              "USE_DOT": cfg.use_dot, "DOT_KIND": dot_kind(x.dtype), "HAS_RES": residual is not None,
+              "USE_DOT": cfg.use_dot, "DOT_KIND": dot_kind(x.dtype), "EPI": epi,
               "EVEN_G": G % cfg.block_g == 0, "FOLD": bool(fold and cfg.use_dot),
               "STAGES": 1 if cfg.use_dot else cfg.num_stages, "num_warps": cfg.num_warps,
               "num_stages": cfg.num_stages}
@@ -316,8 +332,9 @@ def choose_config(key, cands: list[GemvConfig], run, device, GS: int) -> tuple[G
 
 def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out, residual, config, what: str,
          fold: bool = True, plans: dict | None = None):
-    """Validate out/residual, pick a config (tuned on GPU), launch; returns out [T, N]. With `plans` (a dict
-    owned by the weight) a `GemvPlan` for (T, dtype, residual) is stored once the config is final."""
+    """Validate out/residual, pick a config (tuned on GPU), launch; returns out [T, N]. residual: None, a tensor
+    to add, or a `gemv_glu.SwiGLUOut` (N = 2I gate/up rows: silu(gate) * up also goes there). With `plans` (a
+    dict owned by the weight) a `GemvPlan` for (T, dtype, epilogue) is stored once the config is final."""
     T = x.shape[0]
     out = _check_out(out, residual, T, N, x, what)
     if N * G >= 2 ** 31:
@@ -331,8 +348,9 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
                                f"multiple of {config.block_g * GS}, got T={T}, K={G * GS}")
     if config is not None:
         return launch(kernel, weights, x, N, G, fscale, out, residual, config, fold=fold)
-    key = tune_key(kernel.__name__, N, G, T, x.dtype, residual is not None, x.device)
-    cands = kernel_candidates(kernel, T, N, G, GS, x.dtype, x.device)
+    epi = epi_of(residual)
+    key = tune_key(kernel.__name__, N, G, T, x.dtype, epi == EPI_RES, x.device)
+    cands = glu_candidates(kernel_candidates(kernel, T, N, G, GS, x.dtype, x.device), epi, N, what)
     scratch = []
 
     def run(c):
@@ -342,15 +360,34 @@ def gemv(kernel, weights: tuple, x, N: int, G: int, GS: int, fscale: float, out,
             scratch.append(torch.empty_like(out))
         return launch(kernel, weights, x, N, G, fscale, scratch[0], residual, c, fold=fold)
 
-    cfg, final = choose_config(key, cands, run, x.device, GS)
+    cfg, final = glu_config(choose_config(key, cands, run, x.device, GS), cands, epi, N)
     compiled, grid, ws, cnt, scalars, consts, kernel = _launch(kernel, weights, x, N, G, fscale, out, residual,
                                                                cfg, fold=fold)
     if plans is not None and final:
         from .gemv_plan import GemvPlan
-        res = residual if residual is not None else out
-        plans[(T, x.dtype, residual is not None)] = GemvPlan(kernel, grid, weights, ws, cnt, scalars, consts,
-                                                             compiled, x, out, res, residual is not None)
+        plans[(T, x.dtype, epi)] = GemvPlan(kernel, grid, weights, ws, cnt, scalars, consts, compiled, x, out,
+                                            res_slot(residual, out), epi)
     return out
+
+
+def glu_candidates(cands: list, epi: int, N: int, what: str) -> list:
+    """The candidates whose row blocks serve the SwiGLU epilogue (all of them for other epilogues). The tuner's
+    key is the plain launch's: the epilogue runs after the K loop, so the tile that wins plain wins here."""
+    if epi <= EPI_RES:
+        return cands
+    ok = [c for c in cands if fits(c.block_n, N)]
+    if not ok:
+        raise KernelInputError(f"{what}: no GEMV tile serves the SwiGLU epilogue at N={N}")
+    return ok
+
+
+def glu_config(chosen: tuple, cands: list, epi: int, N: int) -> tuple:
+    """choose_config's (config, final), with a remembered config whose row block cannot serve the SwiGLU
+    epilogue replaced by the first candidate that can."""
+    cfg, final = chosen
+    if epi > EPI_RES and not fits(cfg.block_n, N):
+        cfg = cands[0]
+    return cfg, final
 
 
 def dequant(kernel, weights: tuple, N: int, G: int, GS: int, fscale: float, dtype, device, block=(32, 8)):

@@ -187,7 +187,7 @@ def _k_loop(accs, x_ptr, wts, aux, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOC
 @triton.jit
 def mma_body(x_ptr, wts, aux, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
              stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-             USE_SPLIT: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
+             USE_SPLIT: tl.constexpr, EPI: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
              NW: tl.constexpr, XPRE: tl.constexpr, LOAD_ROW: tl.constexpr, PREP: tl.constexpr, R: tl.constexpr,
              ROW_PAIRS: tl.constexpr, ROW_FACTOR: tl.constexpr, HAS_FACTOR: tl.constexpr, PDL: tl.constexpr = 0):
     """Grid and split-K as `gemv_common.gemv_body`; fscale includes the weights' power of two. PDL: the caller
@@ -216,7 +216,7 @@ def mma_body(x_ptr, wts, aux, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G
     accs = _k_loop(accs, x_ptr, wts, aux, rows, cols, g_lo, g_hi, q, G, stride_xt, BLOCK_G, M_REP, NB, NW,
                    STAGES, MODE, XPRE, LOAD_ROW, PREP, R, ROW_PAIRS, ROW_FACTOR, HAS_FACTOR)
     _epilogue(accs, offs, t0, q, fscale, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-              M_REP, NB, HAS_RES, USE_SPLIT, PDL)
+              M_REP, NB, EPI, USE_SPLIT, BLOCK_N, PDL)
 
 
 @triton.jit
@@ -229,8 +229,8 @@ def _coords(offs, t0, q, k: tl.constexpr, NB: tl.constexpr):
 
 @triton.jit
 def _epilogue(accs, offs, t0, q, scale, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-              M_REP: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr, USE_SPLIT: tl.constexpr,
-              PDL: tl.constexpr = 0):
+              M_REP: tl.constexpr, NB: tl.constexpr, EPI: tl.constexpr, USE_SPLIT: tl.constexpr,
+              BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0):
     """All of a thread's accumulators as one [NT, V] tile, so the split-K reduction reads every value of a split
     in one step (a loop per value would chain V x split L2 round trips)."""
     vals, rows, cols = (), (), ()
@@ -239,4 +239,4 @@ def _epilogue(accs, offs, t0, q, scale, N, T, split, out_ptr, stride_ot, res_ptr
         vals, rows, cols = vals + (accs[k] * scale,), rows + (r,), cols + (c,)
     LOG: tl.constexpr = (M_REP * NB * 4).bit_length() - 1
     finish_at(stack_all(vals, LOG), stack_all(cols, LOG), stack_all(rows, LOG), N, T, split, out_ptr, stride_ot,
-              res_ptr, stride_rt, ws_ptr, cnt_ptr, HAS_RES, USE_SPLIT, PDL)
+              res_ptr, stride_rt, ws_ptr, cnt_ptr, EPI, USE_SPLIT, NB * 8, BLOCK_N, PDL)

@@ -98,12 +98,12 @@ def _scale(st):
 def nvfp4_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
                       stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                      DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                      DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                       FOLD: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     gemv_body(x_ptr, codes, scales, N, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
               T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _XS, _SW,
-              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES,
+              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, EPI, EVEN_G, FOLD, STAGES,
               LOAD_DOT=_load_dot, PDL=PDL)
 
 

@@ -76,13 +76,13 @@ def _w_pairs(words, s16, MODE: tl.constexpr):
 def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
                           stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                          DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                          DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                           XPRE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
     mma_body(x_ptr, (codes, scales, N), None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _W_EXP, T, N, G, split,
-             stride_xt, stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW,
+             stride_xt, stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, EPI, STAGES, H2_MODE, NW,
              XPRE, _load_row, no_prep, 2, _row_pairs, _no_factor, False, PDL=PDL)
 
 

@@ -69,21 +69,21 @@ def _scale(st):
 def plain_gemv_kernel(x_ptr, w, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
                       stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                      DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                      DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                       FOLD: tl.constexpr, STAGES: tl.constexpr, W_KIND: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     if W_KIND == 0:
         gemv_body(x_ptr, w, None, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
                   T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw_bf16, _scale, 4, _ONE, _ONE,
-                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES, PDL=PDL)
+                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, EPI, EVEN_G, FOLD, STAGES, PDL=PDL)
     elif W_KIND == 1:
         gemv_body(x_ptr, w, None, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
                   T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw_f16, _scale, 4, _ONE, _ONE,
-                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES, PDL=PDL)
+                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, EPI, EVEN_G, FOLD, STAGES, PDL=PDL)
     else:
         gemv_body(x_ptr, w, None, None, None, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
                   T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw_f32, _scale, 2, _ONE, _ONE,
-                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES, PDL=PDL)
+                  T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, EPI, EVEN_G, FOLD, STAGES, PDL=PDL)
 
 
 def _weights(w, K: int, device, what: str):

@@ -1,6 +1,6 @@
 """A resolved GEMV launch for one weight at one T: the decode step's per-call host path.
 
-The first call of a (weight, T, dtype, residual) goes through the checked path (`gemv_launch.gemv`: argument
+The first call of a (weight, T, dtype, epilogue) goes through the checked path (`gemv_launch.gemv`: argument
 validation, packed-word views, the tuner, the split-K workspace); once its config is final it leaves a
 `GemvPlan` in the weight's plan dict. Later calls only check what can change between calls (the activation,
 out and residual tensors), allocate the output when none is given, and launch.
@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from .gemv_glu import EPI_RES, epi_of
+
 _FIXED = ("x_ptr", "out_ptr", "res_ptr", "ws_ptr", "cnt_ptr", "fscale", "T", "N", "G", "split", "stride_xt",
           "stride_ot", "stride_rt")
 
@@ -33,15 +35,16 @@ class GemvPlan:
     """launch(x, out, residual) -> out, or None when the call does not fit the plan (caller takes the checked
     path, which raises the proper error or builds another plan)."""
 
-    __slots__ = ("K", "N", "T", "cnt", "consts", "device", "dtype", "grid", "has_res", "kernel", "out_dtype", "runner",
+    __slots__ = ("K", "N", "T", "cnt", "consts", "device", "dtype", "epi", "grid", "kernel", "out_dtype", "runner",
                  "scalars", "spec", "tail", "weights", "ws")
 
-    def __init__(self, kernel, grid, weights, ws, cnt, scalars, consts: dict, compiled, x, out, res, has_res):
+    def __init__(self, kernel, grid, weights, ws, cnt, scalars, consts: dict, compiled, x, out, res, epi: int):
+        """res: the tensor the first launch passed as res_ptr; epi: its `gemv_glu.EPI_*` mode."""
         self.kernel, self.grid, self.weights, self.ws, self.cnt = kernel, grid, tuple(weights), ws, cnt
         self.scalars, self.consts = tuple(scalars), dict(consts)   # (fscale, T, N, G, split)
         self.T, self.N, self.K = x.shape[0], out.shape[1], x.shape[1]
         # x's and out's dtypes differ for prepared activations (int32 words in, bf16 out: kernels/x16.py)
-        self.dtype, self.out_dtype, self.device, self.has_res = x.dtype, out.dtype, x.device, has_res
+        self.dtype, self.out_dtype, self.device, self.epi = x.dtype, out.dtype, x.device, int(epi)
         self.runner, self.spec, self.tail = None, _spec(x, out, res), ()
         jit = getattr(kernel, "jit", kernel)
         names = list(getattr(jit, "arg_names", ()))
@@ -56,7 +59,7 @@ class GemvPlan:
     def __call__(self, x, out, residual):
         xs = x.stride()
         if x.dtype != self.dtype or xs[1] != 1 or x.shape[0] != self.T or x.device != self.device \
-                or (residual is not None) != self.has_res:
+                or epi_of(residual) != self.epi:
             return None
         T, N = self.T, self.N
         if out is None:
@@ -68,9 +71,16 @@ class GemvPlan:
                 return None
         if residual is None:
             res, rs = out, os_
-        else:
+        elif self.epi == EPI_RES:
             res, rs = residual, residual.stride()
             if residual.shape != (T, N) or rs[1] != 1 or residual.device != self.device:
+                return None
+        else:
+            res = residual.y     # the SwiGLU outputs: the checked path's check_glu, cheaply
+            rs = res.stride()
+            if res.shape != (T, N // 2) or rs != (N // 2, 1) or res.dtype != self.out_dtype \
+                    or res.device != self.device or (residual.xp is not None and residual.xp.data_ptr()
+                                                     != res.data_ptr() + res.numel() * res.element_size()):
                 return None
         ws = out if self.ws is None else self.ws
         cnt = out if self.cnt is None else self.cnt

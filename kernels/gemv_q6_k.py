@@ -74,12 +74,12 @@ def _scale(st):
 def q6_k_gemv_kernel(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
                      stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                     DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                     DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                      FOLD: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     gemv_body(x_ptr, ql, qh, sc, d, None, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale,
               T, N, G, split, stride_xt, stride_ot, stride_rt, _load, _raw, _scale, _GS, _ONE, _ONE,
-              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, HAS_RES, EVEN_G, FOLD, STAGES, PDL=PDL)
+              T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, USE_DOT, DOT_KIND, EPI, EVEN_G, FOLD, STAGES, PDL=PDL)
 
 
 @triton.jit

@@ -69,13 +69,13 @@ def _row_factor(wr, base: tl.constexpr):
 def q6_k_mma_gemv_kernel(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
                          stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                         DOT_KIND: tl.constexpr, HAS_RES: tl.constexpr, EVEN_G: tl.constexpr,
+                         DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
                          XPRE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
     mma_body(x_ptr, (ql, qh, sc, d), None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
-             stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, HAS_RES, STAGES, H2_MODE, NW, XPRE, _load_row,
+             stride_ot, stride_rt, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT, EPI, STAGES, H2_MODE, NW, XPRE, _load_row,
              no_prep, 4, _row_pairs, _row_factor, True, PDL=PDL)
 
 

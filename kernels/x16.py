@@ -5,13 +5,7 @@ Why: in the packed-half2 T=1 NVFP4 loop ~16 % of the SASS instructions per tile 
 for T = 2..16) load bf16 activations one by one, widen, scale and pack them (Triton 3.6, sm_90; bench/NOTES.md
 §10); every CTA of a GEMV repeats that for the same K slice.
 
-Layout (int32 [T, K/2 + K/128] per activation row, K a multiple of 128):
-  words 0 .. K/2-1     f16x2 pairs, word 4o + j (o = 0 .. K/8-1, j = 0..3) = (x'[8o + j] low, x'[8o + j + 4]
-                       high): the (j, j+4) pair order of `gemv_h2_common.x_pairs` and `gemv_mma_body._x_pairs`
-  words K/2 + c        fp32 bits of back_c = 1 / up_c for chunk c (activations 128c .. 128c + 127)
-with x' = x * up_c rounded to nearest-even f16, up_c = 2**(140 - E) from E, the fp32 exponent field of the
-chunk's largest |x| clamped to [14, 253]: |x'| < 2**14 (the packed-half2 NVFP4 block sums stay below 96) and
-both factors are finite normals (an all-zero chunk gets up = 2**126, x' = 0).
+Layout and the producers' store: `x16_layout`.
 """
 from __future__ import annotations
 
@@ -24,36 +18,8 @@ import triton.language as tl
 
 from .gemv_launch import GemvConfig, KernelInputError, _launch, has_variant
 from .pdl import pdl_enter, pdl_kw
-
-CHUNK = 128                          # activations per back factor (the MMA variant's K chunk)
-UP_FIELD = 267                       # fp32 exponent field of up = UP_FIELD - E: up = 2**(140 - E), |x'| < 2**14
-E_MIN, E_MAX = 14, 253               # E's clamp: up and back = 1 / up stay finite normals
-_CHUNK, _UP, _EMIN, _EMAX = (tl.constexpr(v) for v in (CHUNK, UP_FIELD, E_MIN, E_MAX))
-
-
-def words_per_row(K: int) -> int:
-    return K // 2 + K // CHUNK
-
-
-@triton.jit
-def store_prepared(v, row_ptr, e0, n_elems, K):
-    """Store activations e0, e0 + 1, .. (e0 a multiple of 128) of one prepared row (`row_ptr`: int32 pointer to
-    its word 0) from v, fp32 [a multiple of 128] holding them as the producer's output dtype rounds them; chunks
-    past the first `n_elems` activations are not written (a producer's tail block or padding). Shared by the
-    prep kernel and the producers that write the prepared copy beside their output (rmsnorm, silu_mul,
-    sigmoid_mul, gated_rmsnorm). The back factor's fp32 exponent field is E - 13: back = 2**(E - 140)."""
-    NCH: tl.constexpr = v.shape[0] // _CHUNK
-    v2 = tl.reshape(v, [NCH, _CHUNK])
-    e = (tl.max(tl.abs(v2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.minimum(tl.maximum(e, _EMIN.value), _EMAX.value)
-    up = ((_UP.value - e) << 23).to(tl.float32, bitcast=True)
-    h = (v2 * up[:, None]).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    lo, hi = tl.split(tl.permute(tl.reshape(h, [NCH * (_CHUNK // 8), 2, 4]), (0, 2, 1)))
-    words = tl.reshape(lo | (hi << 16), [NCH * (_CHUNK // 2)])
-    w = tl.arange(0, NCH * (_CHUNK // 2))
-    tl.store(row_ptr + e0 // 2 + w, words, mask=w < n_elems // 2)
-    c = tl.arange(0, NCH)
-    tl.store(row_ptr + K // 2 + e0 // _CHUNK + c, (e + (254 - _UP.value)) << 23, mask=c < n_elems // _CHUNK)
+# the layout's names stay importable from here (callers and tests use them)
+from .x16_layout import _CHUNK, CHUNK, E_MAX, E_MIN, UP_FIELD, store_prepared, words_per_row  # noqa: F401
 
 
 @triton.jit
@@ -250,7 +216,8 @@ def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
     Once final it becomes a `GemvPlan` in the weight's plan dict: later calls skip the checks and the tuner
     (eager decode steps pay ~450 of these per step)."""
     from .dispatch import _plans
-    plans, pkey = _plans(qw), (_PLAN_TAG, xp.shape[0], dtype, residual is not None)
+    from .gemv_launch import epi_of
+    plans, pkey = _plans(qw), (_PLAN_TAG, xp.shape[0], dtype, epi_of(residual))
     plan = plans.get(pkey)
     if plan is not None:
         y = plan(xp, out, residual)
@@ -260,7 +227,8 @@ def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
 
 
 def _prepared_checked(xp, qw, out, residual, dtype, plans: dict, pkey) -> torch.Tensor:
-    from .gemv_launch import candidates, choose_config, h2_tiles, interpreting, mma_tiles, tune_key
+    from .gemv_launch import (EPI_RES, candidates, check_glu, choose_config, epi_of, glu_candidates, glu_config,
+                              h2_tiles, interpreting, mma_tiles, res_slot, tune_key)
     from .gemv_plan import GemvPlan
     T, (N, K), dev = xp.shape[0], qw.shape, xp.device
     kernel, w, fscale = _kernel_and_weights(qw, dev)
@@ -270,18 +238,23 @@ def _prepared_checked(xp, qw, out, residual, dtype, plans: dict, pkey) -> torch.
     if not cands or interpreting():      # the interpreter: one small tile of the variant
         cands = [GemvConfig(32, 16, 2, 1, h2=True) if h2 else GemvConfig(32, 8, 2, 1, mma=True)]
     out = torch.empty((T, N), dtype=dtype, device=dev) if out is None else out
-    key = tune_key(kernel.__name__ + XPRE_SUFFIX, N, K // GS, T, dtype, residual is not None, dev)
+    epi = epi_of(residual)
+    if epi > EPI_RES:
+        bad = check_glu(residual, T, N, dtype, dev)
+        if bad:
+            raise KernelInputError(f"linear (prepared): SwiGLU epilogue: {bad}")
+        cands = glu_candidates(cands, epi, N, "linear (prepared)")
+    key = tune_key(kernel.__name__ + XPRE_SUFFIX, N, K // GS, T, dtype, epi == EPI_RES, dev)
     scratch = []
 
     def run(c):     # timed into scratch: out may alias the residual
         if not scratch:
             scratch.append(torch.empty_like(out))
         return launch_prepared(kernel, w, xp, N, K, GS, fscale, scratch[0], residual, c, "linear (prepared)")
-    cfg, final = choose_config(key, cands, run, dev, GS)
+    cfg, final = glu_config(choose_config(key, cands, run, dev, GS), cands, epi, N)
     args = _checked_args(kernel, w, xp, N, K, GS, fscale, out, residual, cfg, "linear (prepared)")
     compiled, grid, ws, cnt, scalars, consts, launched = _launch(*args, extra={"XPRE": True})
     if final:
-        res = residual if residual is not None else out
-        plans[pkey] = GemvPlan(launched, grid, w, ws, cnt, scalars, consts, compiled, xp, out, res,
-                               residual is not None)
+        plans[pkey] = GemvPlan(launched, grid, w, ws, cnt, scalars, consts, compiled, xp, out,
+                               res_slot(residual, out), epi)
     return out

@@ -100,6 +100,11 @@ class Ops(ABC):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] (gate rows first, then up) -> silu(gate) * up [T, I]."""
 
+    def linear_swiglu(self, x: torch.Tensor, w) -> torch.Tensor:
+        """silu(gate) * up of the fused gate/up weight w ([2I, K], gate rows first): `silu_mul(linear(x, w))`
+        here; a backend may fuse it."""
+        return self.silu_mul(self.linear(x, w))
+
     @abstractmethod
     def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Attention output gate: o * sigmoid(gate), both [T, W] or [T, H, D] (gate may be a strided view);

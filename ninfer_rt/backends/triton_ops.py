@@ -16,6 +16,7 @@ this module is imported), which is how the CPU tests exercise them.
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 
@@ -43,6 +44,18 @@ def _dispatch():
 _DISPATCH = _dispatch()
 _LINEAR = _DISPATCH.linear if _DISPATCH is not None else None
 LINEAR_BACKEND = "ninfer_kernels.dispatch" if _LINEAR is not None else "torch-reference"
+
+
+SWIGLU_ENV = "NINFER_SWIGLU_EPILOGUE"
+
+
+def swiglu_epilogue_env() -> str:
+    """NINFER_SWIGLU_EPILOGUE: '1' (default) or '0' (gate/up GEMV, then the silu_mul kernel: a comparison
+    switch); anything else is a one-line error naming the variable."""
+    v = os.environ.get(SWIGLU_ENV, "1")
+    if v not in ("0", "1"):
+        raise LoadError(f"{SWIGLU_ENV}={v!r}: expected 0 or 1")
+    return v
 
 
 def _row_len(t: torch.Tensor) -> int:
@@ -74,6 +87,7 @@ class TritonOps(Ops):
         self.xpre = ("1" if xpre else "0") if xpre is not None else x16.xpre_env() if _DISPATCH is not None else "0"
         self._memo = PreparedMemo()
         self._ref = TorchOps()
+        self.swiglu_epilogue = _DISPATCH is not None and swiglu_epilogue_env() == "1"
 
     def _prepared_out(self, rows: int, K: int, device) -> torch.Tensor | None:
         """A buffer for a producer's prepared copy when a linear layer may read it, else None."""
@@ -87,14 +101,29 @@ class TritonOps(Ops):
         return y
 
     # ---- dense ----
-    def linear(self, x, w):
-        if _LINEAR is None:
-            return self._ref.linear(x, w)
+    def _prepared_in(self, x, w):
+        """x's prepared form when a producer left one that the linear layer `w` can read, else None."""
         if self.xpre != "0" and isinstance(w, QWeight):
             xp = self._memo.find(x)
             if xp is not None and x16.prepared_ok(w, xp.shape[0], x.device):
-                return _LINEAR(x, w, xp=xp)
-        return _LINEAR(x, w)
+                return xp
+        return None
+
+    def linear(self, x, w):
+        if _LINEAR is None:
+            return self._ref.linear(x, w)
+        xp = self._prepared_in(x, w)
+        return _LINEAR(x, w) if xp is None else _LINEAR(x, w, xp=xp)
+
+    def linear_swiglu(self, x, w):
+        """The gate/up GEMV's SwiGLU epilogue (`ninfer_kernels.gemv_glu`: no silu_mul launch) where the GEMV
+        serves the call (decode and verify rows) and NINFER_SWIGLU_EPILOGUE is on; else linear + silu_mul."""
+        if not self.swiglu_epilogue or x.dim() != 2 or not isinstance(w, QWeight) \
+                or not _DISPATCH.swiglu_fusable(x.shape[0], w):
+            return super().linear_swiglu(x, w)
+        prepared = PreparedMemo.wanted(x.shape[0], w.shape[0] // 2) and x16.xpre_on(self.xpre, x.device)
+        glu = _DISPATCH.linear_swiglu(x, w, xp=self._prepared_in(x, w), prepared=prepared)
+        return self._produced(glu.y, glu.xp)
 
     def embedding(self, ids, table, dtype):
         if isinstance(table, QWeight):

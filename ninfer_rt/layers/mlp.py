@@ -11,4 +11,4 @@ class Mlp:
         self.tp = tp
 
     def __call__(self, ops, x):
-        return self.tp.all_reduce(ops.linear(ops.silu_mul(ops.linear(x, self.gate_up)), self.down))
+        return self.tp.all_reduce(ops.linear(ops.linear_swiglu(x, self.gate_up), self.down))

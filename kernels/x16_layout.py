@@ -1,0 +1,46 @@
+"""The prepared-activation layout (`ninfer_kernels.x16`) and the store every producer of it shares: constants and
+one @triton.jit function, with no kernel-module imports, so that any kernel (the GEMV epilogues too) can write
+prepared rows.
+
+Layout (int32 [T, K/2 + K/128] per activation row, K a multiple of 128):
+  words 0 .. K/2-1     f16x2 pairs, word 4o + j (o = 0 .. K/8-1, j = 0..3) = (x'[8o + j] low, x'[8o + j + 4]
+                       high): the (j, j+4) pair order of `gemv_h2_common.x_pairs` and `gemv_mma_body._x_pairs`
+  words K/2 + c        fp32 bits of back_c = 1 / up_c for chunk c (activations 128c .. 128c + 127)
+with x' = x * up_c rounded to nearest-even f16, up_c = 2**(140 - E) from E, the fp32 exponent field of the
+chunk's largest |x| clamped to [14, 253]: |x'| < 2**14 (the packed-half2 NVFP4 block sums stay below 96) and
+both factors are finite normals (an all-zero chunk gets up = 2**126, x' = 0).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+CHUNK = 128                          # activations per back factor (the MMA variant's K chunk)
+UP_FIELD = 267                       # fp32 exponent field of up = UP_FIELD - E: up = 2**(140 - E), |x'| < 2**14
+E_MIN, E_MAX = 14, 253               # E's clamp: up and back = 1 / up stay finite normals
+_CHUNK, _UP, _EMIN, _EMAX = (tl.constexpr(v) for v in (CHUNK, UP_FIELD, E_MIN, E_MAX))
+
+
+def words_per_row(K: int) -> int:
+    return K // 2 + K // CHUNK
+
+
+@triton.jit
+def store_prepared(v, row_ptr, e0, n_elems, K):
+    """Store activations e0, e0 + 1, .. (e0 a multiple of 128) of one prepared row (`row_ptr`: int32 pointer to
+    its word 0) from v, fp32 [a multiple of 128] holding them as the producer's output dtype rounds them; chunks
+    past the first `n_elems` activations are not written (a producer's tail block or padding). Shared by the
+    prep kernel and the producers that write the prepared copy beside their output (rmsnorm, silu_mul,
+    sigmoid_mul, gated_rmsnorm). The back factor's fp32 exponent field is E - 13: back = 2**(E - 140)."""
+    NCH: tl.constexpr = v.shape[0] // _CHUNK
+    v2 = tl.reshape(v, [NCH, _CHUNK])
+    e = (tl.max(tl.abs(v2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(e, _EMIN.value), _EMAX.value)
+    up = ((_UP.value - e) << 23).to(tl.float32, bitcast=True)
+    h = (v2 * up[:, None]).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    lo, hi = tl.split(tl.permute(tl.reshape(h, [NCH * (_CHUNK // 8), 2, 4]), (0, 2, 1)))
+    words = tl.reshape(lo | (hi << 16), [NCH * (_CHUNK // 2)])
+    w = tl.arange(0, NCH * (_CHUNK // 2))
+    tl.store(row_ptr + e0 // 2 + w, words, mask=w < n_elems // 2)
+    c = tl.arange(0, NCH)
+    tl.store(row_ptr + K // 2 + e0 // _CHUNK + c, (e + (254 - _UP.value)) << 23, mask=c < n_elems // _CHUNK)
