@@ -403,7 +403,10 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "xpre": backend.startswith("triton") and _xpre_on(device),    # prepared activations (NINFER_XPRE)
             "pdl": backend.startswith("triton") and bool(_pdl_kw(device)),   # NINFER_PDL
             "branch": backend.startswith("triton") and os.environ.get("NINFER_BRANCH", "1") == "1",
-            "gdn_fused": backend.startswith("triton") and os.environ.get("NINFER_GDN_FUSED", "0") == "1"}
+            "gdn_fused": backend.startswith("triton") and os.environ.get("NINFER_GDN_FUSED", "0") == "1",
+            "swiglu_epilogue": backend.startswith("triton") and os.environ.get("NINFER_SWIGLU_EPILOGUE", "1") == "1",
+            "pdl_preload": backend.startswith("triton") and bool(_pdl_kw(device))
+            and os.environ.get("NINFER_PDL_PRELOAD", "1") == "1"}
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()
