@@ -83,10 +83,17 @@ run_sweep() {
   for v in $SWEEP_VALUES; do
     l=$(( $(left) - $(reserve decode serve) )); [ "$l" -gt 60 ] || { echo "no time for sweep $v ($l s)"; break; }
     echo "== sweep ${SWEEP_VAR}=$v" >> "$OUT/sweep_table.txt"
+    rm -f "/tmp/sweep_$i.json"   # a warm machine keeps an earlier call's file: a failed run must not merge it
     env "${SWEEP_VAR}=$v" timeout $l python3 bench/decode.py --recipes nvfp4 --parts ${SWEEP_PARTS:-decode} \
       --contexts 1024 --steps 64 ${SWEEP_ARGS:-} --keep --dir /dev/shm/ninfer-run --budget-s $(( l - 10 )) \
       --out "/tmp/sweep_$i.json" >> "$OUT/sweep_table.txt" 2> "/tmp/sweep_log_$i.txt"
-    echo "sweep ${SWEEP_VAR}=$v rc=$?"; grep -E "decode +1024|verify +1024 +K=3" "$OUT/sweep_table.txt" | tail -2
+    local rc=$?
+    echo "sweep ${SWEEP_VAR}=$v rc=$rc"
+    if [ "$rc" -ne 0 ]; then   # the failing run's own words, in the table that comes back (its log does not)
+      tail -5 "/tmp/sweep_log_$i.txt" | tee -a "$OUT/sweep_table.txt"
+    else
+      grep -E "decode +1024|verify +1024 +K=3" "$OUT/sweep_table.txt" | tail -2
+    fi
     python3 - "$SWEEP_VAR=$v" "/tmp/sweep_$i.json" "$OUT/sweep.json" <<'PY' || echo "sweep merge failed"
 import json, os, sys
 tag, src, dst = sys.argv[1:]

@@ -106,8 +106,10 @@ def test_fits_and_bad_outputs_are_one_line_errors():
         launch(qw, x, swiglu_out(1, 128, torch.float32, DEV, False), GemvConfig(512, 16, 4, 1, split=1))
     with pytest.raises(KernelInputError, match=r"y must be a contiguous \[1, 128\]"):
         launch(qw, x, swiglu_out(2, 128, torch.float32, DEV, False), GemvConfig(64, 16, 2, 1, split=1))
-    apart = SwiGLUOut(torch.empty(1, 128, device=DEV), torch.empty(1, words_per_row(128), dtype=torch.int32,
-                                                                     device=DEV))
+    # the prepared rows start 4 bytes into another allocation: never right behind y (a caching allocator may
+    # place two fresh allocations back to back)
+    words = torch.empty(words_per_row(128) + 1, dtype=torch.int32, device=DEV)[1:].view(1, -1)
+    apart = SwiGLUOut(torch.empty(1, 128, device=DEV), words)
     with pytest.raises(KernelInputError, match="directly follow y's rows"):
         launch(qw, x, apart, GemvConfig(64, 16, 2, 1, split=1))
     odd = weight("nvfp4", 2 * 96, 256)
@@ -133,14 +135,19 @@ def test_dispatch_linear_swiglu_twice(xp_in):
 
 
 def test_backend_op_switch_and_fallbacks(monkeypatch):
-    """TritonOps.linear_swiglu: the epilogue by default, linear + silu_mul with NINFER_SWIGLU_EPILOGUE=0 or where
-    the GEMV cannot take it (I not a multiple of 128, prefill rows); the same y every way; a bad switch value is a
-    one-line error at backend start."""
+    """TritonOps.linear_swiglu: linear + silu_mul by default, the epilogue with NINFER_SWIGLU_EPILOGUE=1 where the
+    GEMV can take it (not for I off a multiple of 128, nor prefill rows); the same y every way; a bad switch
+    value is a one-line error at backend start."""
     from ninfer_rt.backends.torch_ops import TorchOps
     from ninfer_rt.backends.triton_ops import TritonOps
-    fused, plain = TritonOps(), TritonOps()
-    plain.swiglu_epilogue = False
-    assert fused.swiglu_epilogue
+    monkeypatch.delenv("NINFER_SWIGLU_EPILOGUE", raising=False)
+    plain = TritonOps()
+    monkeypatch.setenv("NINFER_SWIGLU_EPILOGUE", "1")
+    fused = TritonOps()
+    assert fused.swiglu_epilogue and not plain.swiglu_epilogue
+    calls = []
+    real = dispatch.linear_swiglu
+    monkeypatch.setattr(dispatch, "linear_swiglu", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
     for I, T in ((128, 2), (96, 2), (128, 17)):
         qw = weight("q6_k", 2 * I, 256, seed=I)
         x = torch.randn(T, 256, generator=torch.Generator().manual_seed(I)).to(DEV)
@@ -148,6 +155,7 @@ def test_backend_op_switch_and_fallbacks(monkeypatch):
         assert got.shape == (T, I) and torch.equal(got, want)
         ref = TorchOps().linear_swiglu(x.cpu(), QWeight("q6_k", qw.shape, {"blocks": qw.blocks().cpu()}))
         assert float((got.cpu() - ref).norm() / ref.norm()) < 1e-4
+    assert calls == [(256, 256)], "only the fusable call (I = 128, T = 2) takes the epilogue, and only when on"
     monkeypatch.setenv("NINFER_SWIGLU_EPILOGUE", "yes")
     with pytest.raises(LoadError, match="NINFER_SWIGLU_EPILOGUE='yes'"):
         TritonOps()

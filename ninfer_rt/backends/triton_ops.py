@@ -50,9 +50,12 @@ SWIGLU_ENV = "NINFER_SWIGLU_EPILOGUE"
 
 
 def swiglu_epilogue_env() -> str:
-    """NINFER_SWIGLU_EPILOGUE: '1' (default) or '0' (gate/up GEMV, then the silu_mul kernel: a comparison
-    switch); anything else is a one-line error naming the variable."""
-    v = os.environ.get(SWIGLU_ENV, "1")
+    """NINFER_SWIGLU_EPILOGUE: '0' (default: gate/up GEMV, then the silu_mul kernel) or '1' (the GEMV's SwiGLU
+    epilogue, `ninfer_kernels.gemv_glu`). On the H200 with PDL the epilogue lost: decode +0.5 %, verify K=3
+    +3-5 % (bench/NOTES.md §21: its finishing CTAs add a dependent L2 round trip to the GEMV's tail, which PDL
+    does not hide, while the silu_mul launch it saves overlaps the GEMV's tail anyway). Anything else is a
+    one-line error naming the variable."""
+    v = os.environ.get(SWIGLU_ENV, "0")
     if v not in ("0", "1"):
         raise LoadError(f"{SWIGLU_ENV}={v!r}: expected 0 or 1")
     return v
@@ -117,7 +120,7 @@ class TritonOps(Ops):
 
     def linear_swiglu(self, x, w):
         """The gate/up GEMV's SwiGLU epilogue (`ninfer_kernels.gemv_glu`: no silu_mul launch) where the GEMV
-        serves the call (decode and verify rows) and NINFER_SWIGLU_EPILOGUE is on; else linear + silu_mul."""
+        serves the call (decode and verify rows) and NINFER_SWIGLU_EPILOGUE=1; else linear + silu_mul."""
         if not self.swiglu_epilogue or x.dim() != 2 or not isinstance(w, QWeight) \
                 or not _DISPATCH.swiglu_fusable(x.shape[0], w):
             return super().linear_swiglu(x, w)
