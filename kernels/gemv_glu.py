@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .x16_layout import CHUNK, store_prepared, words_per_row
+from .x16_layout import _CHUNK, CHUNK, store_prepared, words_per_row
 
 EPI_PLAIN, EPI_RES, EPI_GLU, EPI_GLU_XP = 0, 1, 2, 3   # the GEMV kernels' EPI constexpr: what the res slot holds
 _EPI_RES, _EPI_GLU_XP = tl.constexpr(EPI_RES), tl.constexpr(EPI_GLU_XP)
@@ -85,8 +85,9 @@ def counters(grid_n: int, grid_t: int, N: int) -> int:
 
 @triton.jit
 def _chunk(out_ptr, stride_ot, y_ptr, e0, I, T, T_TILE: tl.constexpr, EPI: tl.constexpr):
-    """y (and its prepared words) of columns e0 .. e0 + 127 for the CTA's T tile, from the stored gate/up rows."""
-    c = e0 + tl.arange(0, 128)
+    """y (and its prepared words) of columns e0 .. e0 + CHUNK - 1 for the CTA's T tile, from the stored gate/up
+    rows."""
+    c = e0 + tl.arange(0, _CHUNK)
     t0 = tl.program_id(2) * T_TILE
     for i in tl.static_range(T_TILE):
         t = t0 + i
@@ -97,21 +98,21 @@ def _chunk(out_ptr, stride_ot, y_ptr, e0, I, T, T_TILE: tl.constexpr, EPI: tl.co
             y = (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty)
             tl.store(y_ptr + t.to(tl.int64) * I + c, y)
             if EPI == _EPI_GLU_XP:
-                xp = (y_ptr + T * I).to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * (I // 2 + I // 128)
-                store_prepared(y.to(tl.float32), xp, e0, 128, I)
+                xp = (y_ptr + T * I).to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * (I // 2 + I // _CHUNK)
+                store_prepared(y.to(tl.float32), xp, e0, _CHUNK, I)
 
 
 @triton.jit
 def glu_arrive(out_ptr, stride_ot, y_ptr, cnt_ptr, N, T, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                EPI: tl.constexpr):
     """After the CTA stored its gate/up rows: arrive at each chunk it touched; finish the chunks it completes."""
-    CPB: tl.constexpr = (BLOCK_N + 127) // 128                 # chunks per row block
-    ARR: tl.constexpr = 2 * ((128 + BLOCK_N - 1) // BLOCK_N)   # arrivals that complete a chunk
+    CPB: tl.constexpr = (BLOCK_N + _CHUNK - 1) // _CHUNK            # chunks per row block
+    ARR: tl.constexpr = 2 * ((_CHUNK + BLOCK_N - 1) // BLOCK_N)     # arrivals that complete a chunk
     I = N // 2
-    c0 = (tl.program_id(0) * BLOCK_N) % I // 128               # up rows map onto the chunks of their gate rows
-    base = cnt_ptr + tl.num_programs(0) * tl.num_programs(2) + tl.program_id(2) * (I // 128)
+    c0 = (tl.program_id(0) * BLOCK_N) % I // _CHUNK                # up rows map onto the chunks of their gate rows
+    base = cnt_ptr + tl.num_programs(0) * tl.num_programs(2) + tl.program_id(2) * (I // _CHUNK)
     tl.debug_barrier()   # every thread's gate/up store is issued before the arrival
     for j in tl.static_range(CPB):
         if tl.atomic_add(base + c0 + j, 1, sem="acq_rel", scope="gpu") == ARR - 1:
-            _chunk(out_ptr, stride_ot, y_ptr, (c0 + j) * 128, I, T, T_TILE, EPI)
+            _chunk(out_ptr, stride_ot, y_ptr, (c0 + j) * _CHUNK, I, T, T_TILE, EPI)
             tl.atomic_xchg(base + c0 + j, 0, sem="relaxed", scope="gpu")   # reusable, graph-safe

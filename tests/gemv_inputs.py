@@ -1,6 +1,6 @@
 """Inputs shared by the f16-variant GEMV tests (packed-half2, warp-MMA): NVFP4 and GGML weights, wide-range
-activations, one warp-MMA case check; and `as_h200`, the launcher seen as on an H200 for candidate-list tests
-without a GPU."""
+activations, one warp-MMA case check; `as_h200`, the launcher seen as on an H200 for candidate-list tests
+without a GPU; and `run_kernel`, a weight's format GEMV called directly."""
 import numpy as np
 import torch
 
@@ -139,3 +139,22 @@ def fake_cuda(monkeypatch, cc: tuple = (9, 0), sms: int = 132) -> torch.device:
 def as_h200(monkeypatch) -> torch.device:
     """`fake_cuda` for an H200 (sm_90, 132 SMs)."""
     return fake_cuda(monkeypatch)
+
+
+def run_kernel(qw, x, out=None, residual=None, config=None):
+    """The format's GEMV entry point called directly (dispatch.linear is tested separately)."""
+    from ninfer_kernels.gemv_f8 import gemv_f8
+    from ninfer_kernels.gemv_iq3_s import gemv_iq3_s, repack_iq3_s
+    from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, repack_nvfp4
+    from ninfer_kernels.gemv_plain import gemv_plain
+    from ninfer_kernels.gemv_q6_k import gemv_q6_k, repack_q6_k
+    d = qw.data
+    if qw.fmt == "nvfp4":
+        return gemv_nvfp4(x, repack_nvfp4(d["codes"], d["scales"]), d["gscale"], out, residual, config=config)
+    if qw.fmt == "q6_k":
+        return gemv_q6_k(x, repack_q6_k(qw.blocks(), qw.shape[1]), out, residual, config=config)
+    if qw.fmt == "iq3_s":
+        return gemv_iq3_s(x, repack_iq3_s(qw.blocks(), qw.shape[1]), out, residual, config=config)
+    if qw.fmt == "f8_e4m3_row":
+        return gemv_f8(x, d["codes"], d["row_scale"], out, residual, config=config)
+    return gemv_plain(x, d["w"], out, residual, config=config)

@@ -13,6 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from gemv_inputs import run_kernel  # noqa: E402
 from ninfer_formats import codecs  # noqa: E402
 from ninfer_kernels import dispatch, randweights, reference  # noqa: E402
 from ninfer_kernels.gemv_f8 import dequant_f8, gemv_f8  # noqa: E402
@@ -58,20 +59,6 @@ def quantized(fmt: str, N: int, K: int, seed: int = 0) -> QWeight:
         data = {"w": torch.from_numpy(w).to({"bf16": torch.bfloat16, "f16": torch.float16}.get(fmt, torch.float32))}
     data = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in data.items()}
     return QWeight(fmt, (N, K), data, name=f"test.{fmt}")
-
-
-def run_kernel(qw: QWeight, x, out=None, residual=None, config=None):
-    """The format's kernel entry point called directly (dispatch.linear is tested separately)."""
-    d = qw.data
-    if qw.fmt == "nvfp4":
-        return gemv_nvfp4(x, repack_nvfp4(d["codes"], d["scales"]), d["gscale"], out, residual, config=config)
-    if qw.fmt == "q6_k":
-        return gemv_q6_k(x, repack_q6_k(qw.blocks(), qw.shape[1]), out, residual, config=config)
-    if qw.fmt == "iq3_s":
-        return gemv_iq3_s(x, repack_iq3_s(qw.blocks(), qw.shape[1]), out, residual, config=config)
-    if qw.fmt == "f8_e4m3_row":
-        return gemv_f8(x, d["codes"], d["row_scale"], out, residual, config=config)
-    return gemv_plain(x, d["w"], out, residual, config=config)
 
 
 def poisoned(T: int, N: int, dtype) -> torch.Tensor:

@@ -14,16 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from gemv_inputs import run_kernel  # noqa: E402
 from ninfer_formats.errors import LoadError  # noqa: E402
 from ninfer_kernels import dispatch, randweights, silu_mul  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
-from ninfer_kernels.gemv_f8 import gemv_f8  # noqa: E402
 from ninfer_kernels.gemv_glu import SwiGLUOut, fits, swiglu_out  # noqa: E402
-from ninfer_kernels.gemv_iq3_s import gemv_iq3_s, repack_iq3_s  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting  # noqa: E402
-from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, repack_nvfp4  # noqa: E402
-from ninfer_kernels.gemv_plain import gemv_plain  # noqa: E402
-from ninfer_kernels.gemv_q6_k import gemv_q6_k, repack_q6_k  # noqa: E402
 from ninfer_kernels.x16 import words_per_row, x16_prep  # noqa: E402
 from ninfer_rt.weights import QWeight  # noqa: E402
 
@@ -46,20 +42,6 @@ def weight(fmt: str, N: int, K: int, seed: int = 3) -> QWeight:
     data = randweights.make(fmt, N, K, seed=seed)
     return QWeight(fmt, (N, K), {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in data.items()},
                    name="mlp.gate_up")
-
-
-def launch(qw: QWeight, x, residual, cfg):
-    """The format's GEMV entry point with a fixed config."""
-    d = qw.data
-    if qw.fmt == "nvfp4":
-        return gemv_nvfp4(x, repack_nvfp4(d["codes"], d["scales"]), d["gscale"], None, residual, config=cfg)
-    if qw.fmt == "q6_k":
-        return gemv_q6_k(x, repack_q6_k(qw.blocks(), qw.shape[1]), None, residual, config=cfg)
-    if qw.fmt == "iq3_s":
-        return gemv_iq3_s(x, repack_iq3_s(qw.blocks(), qw.shape[1]), None, residual, config=cfg)
-    if qw.fmt == "f8_e4m3_row":
-        return gemv_f8(x, d["codes"], d["row_scale"], None, residual, config=cfg)
-    return gemv_plain(x, d["w"], None, residual, config=cfg)
 
 
 def unfused(gate_up, prepared: bool):
@@ -87,10 +69,10 @@ def test_swiglu_epilogue_is_the_unfused_pair(case):
     fmt, T, dtype, I, K, cfg, prepared = CASES[case]
     qw = weight(fmt, 2 * I, K)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(dtype).to(DEV)
-    want_gu = launch(qw, x, None, cfg)
+    want_gu = run_kernel(qw, x, None, None, cfg)
     want_y, want_xp = unfused(want_gu, prepared)
     glu = poisoned_out(T, I, dtype, prepared)
-    gu = launch(qw, x, glu, cfg)
+    gu = run_kernel(qw, x, None, glu, cfg)
     assert torch.equal(gu, want_gu)
     assert torch.equal(glu.y, want_y), "y differs from silu_mul of the same GEMV (or was left unwritten)"
     if prepared:
@@ -103,18 +85,18 @@ def test_fits_and_bad_outputs_are_one_line_errors():
     qw = weight("nvfp4", 256, 256)
     x = torch.randn(1, 256).to(DEV)
     with pytest.raises(KernelInputError, match="block_n=512 does not serve N=256"):
-        launch(qw, x, swiglu_out(1, 128, torch.float32, DEV, False), GemvConfig(512, 16, 4, 1, split=1))
+        run_kernel(qw, x, None, swiglu_out(1, 128, torch.float32, DEV, False), GemvConfig(512, 16, 4, 1, split=1))
     with pytest.raises(KernelInputError, match=r"y must be a contiguous \[1, 128\]"):
-        launch(qw, x, swiglu_out(2, 128, torch.float32, DEV, False), GemvConfig(64, 16, 2, 1, split=1))
+        run_kernel(qw, x, None, swiglu_out(2, 128, torch.float32, DEV, False), GemvConfig(64, 16, 2, 1, split=1))
     # the prepared rows start 4 bytes into another allocation: never right behind y (a caching allocator may
     # place two fresh allocations back to back)
     words = torch.empty(words_per_row(128) + 1, dtype=torch.int32, device=DEV)[1:].view(1, -1)
     apart = SwiGLUOut(torch.empty(1, 128, device=DEV), words)
     with pytest.raises(KernelInputError, match="directly follow y's rows"):
-        launch(qw, x, apart, GemvConfig(64, 16, 2, 1, split=1))
+        run_kernel(qw, x, None, apart, GemvConfig(64, 16, 2, 1, split=1))
     odd = weight("nvfp4", 2 * 96, 256)
     with pytest.raises(KernelInputError, match="2 \\* a multiple of 128"):
-        launch(odd, x, swiglu_out(1, 96, torch.float32, DEV, False), GemvConfig(64, 16, 2, 1, split=1))
+        run_kernel(odd, x, None, swiglu_out(1, 96, torch.float32, DEV, False), GemvConfig(64, 16, 2, 1, split=1))
 
 
 @pytest.mark.parametrize("xp_in", [False, True], ids=["bf16-in", "prepared-in"])
