@@ -103,9 +103,14 @@ def _xpre_on(device) -> bool:
     return x16.xpre_on(x16.xpre_env(), device)
 
 
-def _pdl_kw(device) -> dict:
+def _pdl_kw(device, preload: bool = False) -> dict:
     from ninfer_kernels.pdl import pdl_kw
-    return pdl_kw(device)
+    return pdl_kw(device, preload=preload)
+
+
+def _swiglu_env() -> str:
+    from ninfer_rt.backends.triton_ops import swiglu_epilogue_env
+    return swiglu_epilogue_env()
 
 
 def _runner(model, opts: BenchOptions):
@@ -404,9 +409,8 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "pdl": backend.startswith("triton") and bool(_pdl_kw(device)),   # NINFER_PDL
             "branch": backend.startswith("triton") and os.environ.get("NINFER_BRANCH", "1") == "1",
             "gdn_fused": backend.startswith("triton") and os.environ.get("NINFER_GDN_FUSED", "0") == "1",
-            "swiglu_epilogue": backend.startswith("triton") and os.environ.get("NINFER_SWIGLU_EPILOGUE", "1") == "1",
-            "pdl_preload": backend.startswith("triton") and bool(_pdl_kw(device))
-            and os.environ.get("NINFER_PDL_PRELOAD", "1") == "1"}
+            "swiglu_epilogue": backend.startswith("triton") and _swiglu_env() == "1",    # NINFER_SWIGLU_EPILOGUE
+            "pdl_preload": backend.startswith("triton") and _pdl_kw(device, preload=True).get("PRELOAD") == 1}
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()

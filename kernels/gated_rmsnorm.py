@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
 from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
-from .pdl import pdl_kw, pdl_trigger, pdl_wait
+from .pdl import pdl_enter_preloaded, pdl_kw
 
 
 @triton.jit
@@ -22,13 +22,7 @@ def gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xp_ptr, H, so_t, so_h, sz_t
                          PRELOAD: tl.constexpr = 0):
     d = tl.arange(0, BLOCK_D)
     m = d < D
-    pdl_trigger(PDL)
-    if PRELOAD:      # the gain: no kernel writes it, so its load may be in flight during the wait
-        w = tl.load(w_ptr + d, mask=m, other=0.0)
-    pdl_wait(PDL)    # ninfer_kernels.pdl: before any load of an activation and any store
-    if not PRELOAD:
-        w = tl.load(w_ptr + d, mask=m, other=0.0)
-    w = w.to(tl.float32)
+    w = pdl_enter_preloaded(w_ptr + d, m, PDL, PRELOAD)   # ninfer_kernels.pdl: the gain may load during the wait
     row = tl.program_id(0)
     t = (row // H).to(tl.int64)
     h = (row % H).to(tl.int64)

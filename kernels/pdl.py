@@ -19,8 +19,8 @@ Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
     loaded before the wait by the GEMVs, not even weights: the registers that held the T = 1 GEMV's first tile cost
     it one CTA per SM (96 -> 128 registers) and decode 17 % (§16).
   * preload (NINFER_PDL_PRELOAD=1, the default): the norms (`rmsnorm`, `gated_rmsnorm`) load their gains, which no
-    kernel writes, before the wait, so that load's memory latency overlaps the wait instead of following it. Their
-    launchers ask `pdl_kw(device, preload=True)`, which adds the `PRELOAD` constexpr.
+    kernel writes, before the wait (`pdl_enter_preloaded`), so that load's memory latency overlaps the wait instead
+    of following it. Their launchers ask `pdl_kw(device, preload=True)`, which adds the `PRELOAD` constexpr.
 Kernels launched without the attribute (torch's, NCCL's) start after the kernel in front completes, as always, and
 never trigger early, so a PDL kernel behind them starts as it would without PDL.
 """
@@ -63,6 +63,19 @@ def _mode(name: str) -> str:
         from .ops_common import KernelInputError
         raise KernelInputError(f"{name}={v!r}: expected one of {', '.join(PDL_MODES)}")
     return v
+
+
+@triton.jit
+def pdl_enter_preloaded(ptrs, mask, PDL: tl.constexpr, PRELOAD: tl.constexpr):
+    """`pdl_enter` that also loads `ptrs` (data no kernel writes, e.g. a norm's gain; masked, 0 elsewhere) as fp32:
+    issued before the wait with PRELOAD, so its memory latency overlaps the wait; after it otherwise."""
+    pdl_trigger(PDL)
+    if PRELOAD:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    pdl_wait(PDL)
+    if not PRELOAD:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v.to(tl.float32)
 
 
 def pdl_mode() -> str:

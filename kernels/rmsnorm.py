@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
 from .x16 import check_prepared_out, prepared_out_args, store_prepared
-from .pdl import pdl_kw, pdl_trigger, pdl_wait
+from .pdl import pdl_enter_preloaded, pdl_kw
 
 
 @triton.jit
@@ -28,15 +28,9 @@ def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, xp_ptr, n_inner, sx_a, 
                    PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
-    pdl_trigger(PDL)
     # the gain is loaded up front: issued after the reduction it is a second dependent memory trip; no kernel
     # writes it, so with PRELOAD its load is in flight during the PDL wait (ninfer_kernels.pdl)
-    if PRELOAD:
-        w = tl.load(w_ptr + offs, mask=m, other=0.0)
-    pdl_wait(PDL)    # before any load of an activation and any store
-    if not PRELOAD:
-        w = tl.load(w_ptr + offs, mask=m, other=0.0)
-    w = w.to(tl.float32)
+    w = pdl_enter_preloaded(w_ptr + offs, m, PDL, PRELOAD)
     row = tl.program_id(0)
     a = (row // n_inner).to(tl.int64)
     b = (row % n_inner).to(tl.int64)
