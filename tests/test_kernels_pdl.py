@@ -119,11 +119,11 @@ def test_every_kernel_takes_pdl_and_every_launch_passes_it():
                                         or (name.endswith("gemv_kernel") and ast.unparse(k.value) == "kw"))
                      for k in call.keywords)    # a GEMV variant wrapper forwards gemv_launch._launch's **kw
         assert passes, f"{f}: the launch of {name} does not pass **pdl_kw(...)"
+    kernels = _all_kernels()
     for f, name, call in direct:   # a kernel with the PRELOAD constexpr is launched with pdl_kw(..., preload=True)
-        if "PRELOAD" in _all_kernels()[name]:
+        if "PRELOAD" in kernels[name]:
             kw = [k for k in call.keywords if k.arg is None and isinstance(k.value, ast.Call)]
             assert any(any(a.arg == "preload" for a in k.value.keywords) for k in kw), f"{f}: {name}"
-    assert {n for n, args in _all_kernels().items() if "PRELOAD" in args} == {"rmsnorm_kernel",
-                                                                              "gated_rmsnorm_kernel"}
+    assert {n for n, args in kernels.items() if "PRELOAD" in args} == {"rmsnorm_kernel", "gated_rmsnorm_kernel"}
     src = (KERNELS / "gemv_launch.py").read_text()
     assert 'if "PDL" in names:' in src and "pdl_kw(x.device)" in src
