@@ -66,9 +66,14 @@ def check_glu(glu: SwiGLUOut, T: int, N: int, dtype, device) -> str | None:
         return f"y must be a contiguous [{T}, {I}] {dtype} tensor on {device}"
     xp = glu.xp
     if xp is not None and (xp.dtype != torch.int32 or tuple(xp.shape) != (T, words_per_row(I))
-                           or not xp.is_contiguous() or xp.data_ptr() != y.data_ptr() + T * I * y.element_size()):
+                           or not xp.is_contiguous() or not xp_follows_y(glu)):
         return "the prepared rows must directly follow y's rows (allocate with swiglu_out)"
     return None
+
+
+def xp_follows_y(glu: SwiGLUOut) -> bool:
+    """Whether the prepared rows (if any) start right behind y's rows: where the kernel looks for them."""
+    return glu.xp is None or glu.xp.data_ptr() == glu.y.data_ptr() + glu.y.numel() * glu.y.element_size()
 
 
 def fits(block_n: int, N: int) -> bool:

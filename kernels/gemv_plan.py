@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from .gemv_glu import EPI_RES, epi_of
+from .gemv_glu import EPI_RES, epi_of, xp_follows_y
 
 _FIXED = ("x_ptr", "out_ptr", "res_ptr", "ws_ptr", "cnt_ptr", "fscale", "T", "N", "G", "split", "stride_xt",
           "stride_ot", "stride_rt")
@@ -79,8 +79,7 @@ class GemvPlan:
             res = residual.y     # the SwiGLU outputs: the checked path's check_glu, cheaply
             rs = res.stride()
             if res.shape != (T, N // 2) or rs != (N // 2, 1) or res.dtype != self.out_dtype \
-                    or res.device != self.device or (residual.xp is not None and residual.xp.data_ptr()
-                                                     != res.data_ptr() + res.numel() * res.element_size()):
+                    or res.device != self.device or not xp_follows_y(residual):
                 return None
         ws = out if self.ws is None else self.ws
         cnt = out if self.cnt is None else self.cnt

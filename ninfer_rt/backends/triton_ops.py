@@ -92,11 +92,13 @@ class TritonOps(Ops):
         self._ref = TorchOps()
         self.swiglu_epilogue = _DISPATCH is not None and swiglu_epilogue_env() == "1"
 
+    def _wants_prepared(self, rows: int, K: int, device) -> bool:
+        """Whether a producer of [rows, K] should also write its prepared copy (a linear layer may read it)."""
+        return PreparedMemo.wanted(rows, K) and x16.xpre_on(self.xpre, device)
+
     def _prepared_out(self, rows: int, K: int, device) -> torch.Tensor | None:
         """A buffer for a producer's prepared copy when a linear layer may read it, else None."""
-        if not PreparedMemo.wanted(rows, K) or not x16.xpre_on(self.xpre, device):
-            return None
-        return PreparedMemo.buffer(rows, K, device)
+        return PreparedMemo.buffer(rows, K, device) if self._wants_prepared(rows, K, device) else None
 
     def _produced(self, y, xp):
         if xp is not None:
@@ -124,8 +126,8 @@ class TritonOps(Ops):
         if not self.swiglu_epilogue or x.dim() != 2 or not isinstance(w, QWeight) \
                 or not _DISPATCH.swiglu_fusable(x.shape[0], w):
             return super().linear_swiglu(x, w)
-        prepared = PreparedMemo.wanted(x.shape[0], w.shape[0] // 2) and x16.xpre_on(self.xpre, x.device)
-        glu = _DISPATCH.linear_swiglu(x, w, xp=self._prepared_in(x, w), prepared=prepared)
+        glu = _DISPATCH.linear_swiglu(x, w, xp=self._prepared_in(x, w),
+                                      prepared=self._wants_prepared(x.shape[0], w.shape[0] // 2, x.device))
         return self._produced(glu.y, glu.xp)
 
     def embedding(self, ids, table, dtype):
