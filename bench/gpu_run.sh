@@ -7,8 +7,9 @@
 #             case of test_kernels_gemv.py), full output kept; PYTEST_ENV: VAR=value words for pytest alone
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
 #   xpre      bench/xpre.py: the NVFP4 h2 / MMA GEMVs on prepared activations vs the production ones
-#   ncu       Nsight Compute (clocks left alone) on one T=1 NVFP4 GEMV launch per shape of $NCU_SHAPES (default
-#             attn_qkv mlp_gate_up; bench/ncu_gemv.py): speed of light, scheduler, warp state, occupancy (ncu_*.csv)
+#   ncu       Nsight Compute (clocks left alone) on one NVFP4 GEMV launch per shape of $NCU_SHAPES (default
+#             attn_qkv mlp_gate_up) and T of $NCU_TS (default 1; bench/ncu_gemv.py): speed of light, scheduler, warp
+#             state, occupancy, launch, memory workload (ncu_<shape>_T<t>.csv)
 #   kernels   re-tune + time + check NVFP4/Q6_K at the 27B shapes (--merge into bench/results/kernels.json),
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them);
 #             KXPRE=1 also times them on prepared activations (formats <fmt>+xpre); KRUNOFF (default 3) tuner
@@ -126,13 +127,14 @@ for step in "$@"; do
         --configs ${ANATOMY_CONFIGS:-128:3,64:3} > "$OUT/anatomy.txt" 2>&1
       echo "anatomy rc=$?"; tail -70 "$OUT/anatomy.txt" ;;
     ncu)
-      for s in ${NCU_SHAPES:-attn_qkv mlp_gate_up}; do
-        timeout 90 ncu --clock-control none --kernel-name regex:nvfp4_h2 --launch-skip 3 --launch-count 1 \
-          --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy --csv \
-          --page details python3 bench/ncu_gemv.py --shape "$s" > "$OUT/ncu_$s.csv" 2> "$OUT/ncu_$s.txt"
-        echo "ncu $s rc=$?"; grep -E "Duration|DRAM Throughput|SM Active|Issued Warp|Eligible Warps|Achieved Occ" \
-          "$OUT/ncu_$s.csv" | awk -F'","' '{v = $NF; sub(/",?$/, "", v); print $(NF-2)": "v" "$(NF-1)}'
-      done ;;
+      for s in ${NCU_SHAPES:-attn_qkv mlp_gate_up}; do for t in ${NCU_TS:-1}; do
+        timeout 90 ncu --clock-control none --kernel-name regex:"nvfp4_(h2|mma)" --launch-skip 3 --launch-count 1 \
+          --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy \
+          --section LaunchStats --section MemoryWorkloadAnalysis --csv --page details \
+          python3 bench/ncu_gemv.py --shape "$s" --T $t > "$OUT/ncu_${s}_T$t.csv" 2> "$OUT/ncu_${s}_T$t.txt"
+        echo "ncu $s T=$t rc=$?"; grep -E "Duration|DRAM Throughput|SM Active|Issued Warp|Eligible Warps|Achieved Occ|Theoretical Occ|Registers Per|Waves Per|Grid Size|L1/TEX Hit|Mem Busy|Max Bandwidth|Warp Cycles Per Issued" \
+          "$OUT/ncu_${s}_T$t.csv" | awk -F'","' '{v = $NF; sub(/",?$/, "", v); print $(NF-2)": "v" "$(NF-1)}'
+      done; done ;;
     xpre)
       timeout ${XPRE_S:-240} python3 bench/xpre.py --out "$OUT/xpre.json" ${XPRE_SHAPES:+--shapes $XPRE_SHAPES} \
         > "$OUT/xpre_table.txt" 2> "$OUT/xpre_log.txt"
@@ -155,6 +157,6 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
 done
-# at most 8 files come back: the text logs travel as one archive
-( cd "$OUT" && ls *.txt >/dev/null 2>&1 && tar czf logs.tgz *.txt && rm -f *.txt )
+# at most 8 files come back: the text logs (and ncu's tables) travel as one archive
+( cd "$OUT" && f=$(ls *.txt *.csv 2>/dev/null) && [ -n "$f" ] && tar czf logs.tgz $f && rm -f $f )
 echo "done at $(el) s"
