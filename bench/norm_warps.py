@@ -31,7 +31,7 @@ import triton.language as tl  # noqa: E402
 from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 from ninfer_kernels import gemv_timing, rmsnorm  # noqa: E402
 from ninfer_kernels.pdl import PRELOAD_ENV, pdl_enter, pdl_kw  # noqa: E402
-from ninfer_kernels.x16 import words_per_row  # noqa: E402
+from ninfer_kernels.x16 import empty_prepared  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 WIDTH = 5120          # Qwen3.8-27B hidden size
@@ -48,7 +48,7 @@ def _norm_call():
     dt = torch.float32 if SMOKE else torch.bfloat16
     x, r = (torch.randn(1, WIDTH, generator=g, device=DEV).to(dt) for _ in range(2))
     w = torch.randn(WIDTH, generator=g, device=DEV) * 0.1
-    xp = torch.empty((1, words_per_row(WIDTH)), dtype=torch.int32, device=DEV)
+    xp = empty_prepared(1, WIDTH, DEV)
     return lambda: rmsnorm.add_rmsnorm(x, r, w, 1e-6, True, xp=xp)
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .x16_layout import _CHUNK, CHUNK, store_prepared, words_per_row
+from .x16_layout import _CHUNK, CHUNK, row_stride, row_stride_words, store_prepared, words_per_row
 
 EPI_PLAIN, EPI_RES, EPI_GLU, EPI_GLU_XP = 0, 1, 2, 3   # the GEMV kernels' EPI constexpr: what the res slot holds
 _EPI_RES, _EPI_GLU_XP = tl.constexpr(EPI_RES), tl.constexpr(EPI_GLU_XP)
@@ -31,7 +31,7 @@ _EPI_RES, _EPI_GLU_XP = tl.constexpr(EPI_RES), tl.constexpr(EPI_GLU_XP)
 @dataclass(frozen=True)
 class SwiGLUOut:
     """Where a fused gate/up GEMV puts silu(gate) * up: y [T, I] contiguous, and xp (int32 [T, I/2 + I/128], the
-    `x16_layout` rows of y) directly behind y's rows in the same allocation, or None."""
+    `x16_layout` rows of y, `row_stride(I)` words apart) directly behind y's rows in the same allocation, or None."""
     y: torch.Tensor
     xp: torch.Tensor | None
 
@@ -43,10 +43,11 @@ class SwiGLUOut:
 def swiglu_out(T: int, I: int, dtype, device, prepared: bool) -> SwiGLUOut:
     """Allocate the outputs of a fused gate/up GEMV at T rows (I a multiple of 128 when `prepared`)."""
     size = torch.empty((), dtype=dtype).element_size()
-    extra = T * words_per_row(I) * 4 // size if prepared else 0      # int32 words in elements of `dtype`
+    extra = T * row_stride(I) * 4 // size if prepared else 0      # int32 words in elements of `dtype`
     buf = torch.empty(T * I + extra, dtype=dtype, device=device)
     y = buf[:T * I].view(T, I)
-    return SwiGLUOut(y, buf[T * I:].view(torch.int32).view(T, words_per_row(I)) if prepared else None)
+    xp = buf[T * I:].view(torch.int32).view(T, row_stride(I))[:, :words_per_row(I)] if prepared else None
+    return SwiGLUOut(y, xp)
 
 
 def epi_of(residual) -> int:
@@ -66,7 +67,7 @@ def check_glu(glu: SwiGLUOut, T: int, N: int, dtype, device) -> str | None:
         return f"y must be a contiguous [{T}, {I}] {dtype} tensor on {device}"
     xp = glu.xp
     if xp is not None and (xp.dtype != torch.int32 or tuple(xp.shape) != (T, words_per_row(I))
-                           or not xp.is_contiguous() or not xp_follows_y(glu)):
+                           or xp.stride() != (row_stride(I), 1) or not xp_follows_y(glu)):
         return "the prepared rows must directly follow y's rows (allocate with swiglu_out)"
     return None
 
@@ -103,7 +104,7 @@ def _chunk(out_ptr, stride_ot, y_ptr, e0, I, T, T_TILE: tl.constexpr, EPI: tl.co
             y = (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty)
             tl.store(y_ptr + t.to(tl.int64) * I + c, y)
             if EPI == _EPI_GLU_XP:
-                xp = (y_ptr + T * I).to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * (I // 2 + I // _CHUNK)
+                xp = (y_ptr + T * I).to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * row_stride_words(I)
                 store_prepared(y.to(tl.float32), xp, e0, _CHUNK, I)
 
 

@@ -19,7 +19,8 @@ import triton.language as tl
 from .gemv_launch import GemvConfig, KernelInputError, _launch, has_variant
 from .pdl import pdl_enter, pdl_kw
 # the layout's names stay importable from here (callers and tests use them)
-from .x16_layout import _CHUNK, CHUNK, E_MAX, E_MIN, UP_FIELD, store_prepared, words_per_row  # noqa: F401
+from .x16_layout import (_CHUNK, CHUNK, E_MAX, E_MIN, UP_FIELD, empty_prepared, row_stride,  # noqa: F401
+                         store_prepared, words_per_row)
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def x16_prep(x: torch.Tensor, out: torch.Tensor | None = None, chunks_per_progra
                          f"got {tuple(x.shape)} strides {x.stride()}")
     T, K = x.shape
     if out is None:
-        out = torch.empty((T, words_per_row(K)), dtype=torch.int32, device=x.device)
+        out = empty_prepared(T, K, x.device)
     grid = (T, triton.cdiv(K // CHUNK, chunks_per_program))
     x16_kernel[grid](x, out, K, x.stride(0), out.stride(0), CHUNKS=chunks_per_program, **pdl_kw(x.device))
     return out

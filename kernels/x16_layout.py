@@ -2,7 +2,7 @@
 one @triton.jit function, with no kernel-module imports, so that any kernel (the GEMV epilogues too) can write
 prepared rows.
 
-Layout (int32 [T, K/2 + K/128] per activation row, K a multiple of 128):
+Layout (int32 [T, K/2 + K/128] per activation row, K a multiple of 128; rows `row_stride(K)` words apart):
   words 0 .. K/2-1     f16x2 pairs, word 4o + j (o = 0 .. K/8-1, j = 0..3) = (x'[8o + j] low, x'[8o + j + 4]
                        high): the (j, j+4) pair order of `gemv_h2_common.x_pairs` and `gemv_mma_body._x_pairs`
   words K/2 + c        fp32 bits of back_c = 1 / up_c for chunk c (activations 128c .. 128c + 127)
@@ -12,17 +12,42 @@ both factors are finite normals (an all-zero chunk gets up = 2**126, x' = 0).
 """
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
 CHUNK = 128                          # activations per back factor (the MMA variant's K chunk)
 UP_FIELD = 267                       # fp32 exponent field of up = UP_FIELD - E: up = 2**(140 - E), |x'| < 2**14
 E_MIN, E_MAX = 14, 253               # E's clamp: up and back = 1 / up stay finite normals
-_CHUNK, _UP, _EMIN, _EMAX = (tl.constexpr(v) for v in (CHUNK, UP_FIELD, E_MIN, E_MAX))
+# Row strides are padded to ROW_ALIGN words: Triton specializes an integer argument divisible by 16, and with such
+# a stride a GEMV lane's activation words are provably 16-byte aligned and load as vectors. K/2 + K/128 alone is
+# not, for K = 5120 / 17408 / 3072 / 8704, and the warp-MMA tiles then took 114-194 registers instead of 72-128
+# (4 CTAs per SM instead of 7; bench/NOTES.md §22). NINFER_X16_ALIGN=1 keeps the unpadded rows (comparison runs).
+ROW_ALIGN = 1 if os.environ.get("NINFER_X16_ALIGN", "16") == "1" else 16
+_CHUNK, _UP, _EMIN, _EMAX, _ALIGN = (tl.constexpr(v) for v in (CHUNK, UP_FIELD, E_MIN, E_MAX, ROW_ALIGN))
 
 
 def words_per_row(K: int) -> int:
+    """Words of one prepared row of K activations (the layout above)."""
     return K // 2 + K // CHUNK
+
+
+def row_stride(K: int) -> int:
+    """Words from one prepared row to the next in buffers this package allocates (`empty_prepared`)."""
+    return -(-words_per_row(K) // ROW_ALIGN) * ROW_ALIGN
+
+
+def empty_prepared(rows: int, K: int, device) -> torch.Tensor:
+    """An uninitialised int32 [rows, words_per_row(K)] buffer whose rows are `row_stride(K)` words apart."""
+    return torch.empty((rows, row_stride(K)), dtype=torch.int32, device=device)[:, :words_per_row(K)]
+
+
+@triton.jit
+def row_stride_words(K):
+    """`row_stride` inside a kernel."""
+    return (K // 2 + K // _CHUNK + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 @triton.jit

@@ -53,6 +53,20 @@ def test_prep_extreme_chunks():
     assert bool(((d - x.cpu()).abs() <= HALF_ULP * amax).all())
 
 
+@pytest.mark.parametrize("K", [128, 3072, 5120, 6144, 8704, 17408])
+def test_prepared_buffers_have_16_word_row_strides(K):
+    """Every allocator of prepared rows spaces them a multiple of 16 words apart: Triton specializes a stride
+    divisible by 16, the compile checks assume it (`compile_check._DIVISIBLE`), and without it the warp-MMA tiles'
+    activation loads lose their vector width (114 instead of 72 registers, bench/NOTES.md §22)."""
+    from ninfer_kernels.gemv_glu import swiglu_out
+    from ninfer_rt.backends.prepared import PreparedMemo
+    bufs = [x16_prep(torch.zeros(3, K, device=DEV)) if K <= 640 else None, PreparedMemo.buffer(3, K, DEV),
+            swiglu_out(3, K, torch.bfloat16, DEV, True).xp]
+    for b in [b for b in bufs if b is not None]:
+        assert tuple(b.shape) == (3, words_per_row(K)) and b.stride(1) == 1
+        assert b.stride(0) % 16 == 0 and b.stride(0) - words_per_row(K) < 16 and b.data_ptr() % 64 == 0
+
+
 def test_prep_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 128"):
         x16_prep(torch.zeros(2, 200, device=DEV))

@@ -14,7 +14,7 @@ from collections import deque
 
 import torch
 
-from ninfer_kernels.x16 import CHUNK, words_per_row
+from ninfer_kernels.x16 import CHUNK, empty_prepared, words_per_row
 
 MAX_ROWS = 16       # the prepared GEMVs serve T <= 16 (decode, verify, small batches); prefill rows never match
 _KEEP = 4           # outputs remembered: a linear reads what the op just before it produced
@@ -30,7 +30,7 @@ class PreparedMemo:
 
     @staticmethod
     def buffer(rows: int, K: int, device) -> torch.Tensor:
-        return torch.empty((rows, words_per_row(K)), dtype=torch.int32, device=device)
+        return empty_prepared(rows, K, device)
 
     def remember(self, y: torch.Tensor, xp: torch.Tensor) -> None:
         """y: the producer's output (any shape, contiguous) whose rows of K = xp's K are what xp stands for."""
