@@ -108,9 +108,14 @@ def _pdl_kw(device, preload: bool = False) -> dict:
     return pdl_kw(device, preload=preload)
 
 
-def _swiglu_env() -> str:
-    from ninfer_rt.backends.triton_ops import swiglu_epilogue_env
-    return swiglu_epilogue_env()
+def _swiglu_on(device) -> bool:
+    from ninfer_rt.backends.triton_ops import swiglu_epilogue_env, swiglu_epilogue_on
+    return swiglu_epilogue_on(swiglu_epilogue_env(), device)
+
+
+def _x16_align() -> int:
+    from ninfer_kernels.x16_layout import ROW_ALIGN
+    return ROW_ALIGN
 
 
 def _runner(model, opts: BenchOptions):
@@ -409,8 +414,9 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "pdl": backend.startswith("triton") and bool(_pdl_kw(device)),   # NINFER_PDL
             "branch": backend.startswith("triton") and os.environ.get("NINFER_BRANCH", "1") == "1",
             "gdn_fused": backend.startswith("triton") and os.environ.get("NINFER_GDN_FUSED", "0") == "1",
-            "swiglu_epilogue": backend.startswith("triton") and _swiglu_env() == "1",    # NINFER_SWIGLU_EPILOGUE
-            "pdl_preload": backend.startswith("triton") and _pdl_kw(device, preload=True).get("PRELOAD") == 1}
+            "swiglu_epilogue": backend.startswith("triton") and _swiglu_on(device),    # NINFER_SWIGLU_EPILOGUE
+            "pdl_preload": backend.startswith("triton") and _pdl_kw(device, preload=True).get("PRELOAD") == 1,
+            "x16_align": _x16_align()}                                        # NINFER_X16_ALIGN
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()

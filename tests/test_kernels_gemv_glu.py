@@ -117,16 +117,18 @@ def test_dispatch_linear_swiglu_twice(xp_in):
 
 
 def test_backend_op_switch_and_fallbacks(monkeypatch):
-    """TritonOps.linear_swiglu: linear + silu_mul by default, the epilogue with NINFER_SWIGLU_EPILOGUE=1 where the
+    """TritonOps.linear_swiglu: linear + silu_mul with NINFER_SWIGLU_EPILOGUE=0, the epilogue with 1 where the
     GEMV can take it (not for I off a multiple of 128, nor prefill rows); the same y every way; a bad switch
     value is a one-line error at backend start."""
     from ninfer_rt.backends.torch_ops import TorchOps
     from ninfer_rt.backends.triton_ops import TritonOps
     monkeypatch.delenv("NINFER_SWIGLU_EPILOGUE", raising=False)
+    assert TritonOps().swiglu_epilogue == "auto"
+    monkeypatch.setenv("NINFER_SWIGLU_EPILOGUE", "0")
     plain = TritonOps()
     monkeypatch.setenv("NINFER_SWIGLU_EPILOGUE", "1")
     fused = TritonOps()
-    assert fused.swiglu_epilogue and not plain.swiglu_epilogue
+    assert (fused.swiglu_epilogue, plain.swiglu_epilogue) == ("1", "0")
     calls = []
     real = dispatch.linear_swiglu
     monkeypatch.setattr(dispatch, "linear_swiglu", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
@@ -142,4 +144,16 @@ def test_backend_op_switch_and_fallbacks(monkeypatch):
     with pytest.raises(LoadError, match="NINFER_SWIGLU_EPILOGUE='yes'"):
         TritonOps()
     monkeypatch.setenv("NINFER_SWIGLU_EPILOGUE", "0")
-    assert not TritonOps().swiglu_epilogue
+    assert TritonOps().swiglu_epilogue == "0"
+
+
+def test_epilogue_default_follows_pdl(monkeypatch):
+    """NINFER_SWIGLU_EPILOGUE=auto: on for CUDA devices whose launches do not use PDL (it won there, lost with PDL:
+    bench/NOTES.md §21-§22), off on the CPU; 0 and 1 force it."""
+    from ninfer_rt.backends import triton_ops
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(triton_ops, "pdl_kw", lambda device: {"PDL": 1, "launch_pdl": True})
+    assert not triton_ops.swiglu_epilogue_on("auto", cuda) and triton_ops.swiglu_epilogue_on("1", cuda)
+    monkeypatch.setattr(triton_ops, "pdl_kw", lambda device: {})
+    assert triton_ops.swiglu_epilogue_on("auto", cuda) and not triton_ops.swiglu_epilogue_on("0", cuda)
+    assert not triton_ops.swiglu_epilogue_on("auto", torch.device("cpu"))

@@ -24,6 +24,7 @@ from ninfer_formats.errors import LoadError
 from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_conv_recurrent, gdn_gates,
                             gdn_recurrent, kv_write, rmsnorm, rope, sampling, silu_mul, x16)
 from ninfer_kernels.ops_common import interpreting
+from ninfer_kernels.pdl import pdl_kw
 
 from ..ops import AttnMeta, Branch, GdnMeta, Ops
 from ..weights import QWeight
@@ -50,15 +51,23 @@ SWIGLU_ENV = "NINFER_SWIGLU_EPILOGUE"
 
 
 def swiglu_epilogue_env() -> str:
-    """NINFER_SWIGLU_EPILOGUE: '0' (default: gate/up GEMV, then the silu_mul kernel) or '1' (the GEMV's SwiGLU
-    epilogue, `ninfer_kernels.gemv_glu`). On the H200 with PDL the epilogue lost: decode +0.5 %, verify K=3
-    +3-5 % (bench/NOTES.md §21: its finishing CTAs add a dependent L2 round trip to the GEMV's tail, which PDL
-    does not hide, while the silu_mul launch it saves overlaps the GEMV's tail anyway). Anything else is a
-    one-line error naming the variable."""
-    v = os.environ.get(SWIGLU_ENV, "0")
-    if v not in ("0", "1"):
-        raise LoadError(f"{SWIGLU_ENV}={v!r}: expected 0 or 1")
+    """NINFER_SWIGLU_EPILOGUE: 'auto' (the default: the GEMV's SwiGLU epilogue, `ninfer_kernels.gemv_glu`, on CUDA
+    devices whose launches do not use PDL), '1' (always) or '0' (never: gate/up GEMV, then the silu_mul kernel).
+    On the H200 with PDL the epilogue lost, decode +0.5 % and verify K=3 +3-5 % (its finishing CTAs add a
+    dependent L2 round trip to the GEMV's tail, while the silu_mul launch it saves overlaps that tail anyway);
+    without PDL it won, decode -0.3 % (bench/NOTES.md §21-§22). Anything else is a one-line error naming the
+    variable."""
+    v = os.environ.get(SWIGLU_ENV, "auto")
+    if v not in ("auto", "0", "1"):
+        raise LoadError(f"{SWIGLU_ENV}={v!r}: expected auto, 0 or 1")
     return v
+
+
+def swiglu_epilogue_on(mode: str, device) -> bool:
+    """Whether NINFER_SWIGLU_EPILOGUE's `mode` turns the epilogue on for linear layers on `device`."""
+    if mode == "auto":
+        return getattr(device, "type", None) == "cuda" and not pdl_kw(device)
+    return mode == "1"
 
 
 def _row_len(t: torch.Tensor) -> int:
@@ -90,7 +99,7 @@ class TritonOps(Ops):
         self.xpre = ("1" if xpre else "0") if xpre is not None else x16.xpre_env() if _DISPATCH is not None else "0"
         self._memo = PreparedMemo()
         self._ref = TorchOps()
-        self.swiglu_epilogue = _DISPATCH is not None and swiglu_epilogue_env() == "1"
+        self.swiglu_epilogue = swiglu_epilogue_env() if _DISPATCH is not None else "0"   # a mode, as self.xpre
 
     def _wants_prepared(self, rows: int, K: int, device) -> bool:
         """Whether a producer of [rows, K] should also write its prepared copy (a linear layer may read it)."""
@@ -122,8 +131,9 @@ class TritonOps(Ops):
 
     def linear_swiglu(self, x, w):
         """The gate/up GEMV's SwiGLU epilogue (`ninfer_kernels.gemv_glu`: no silu_mul launch) where the GEMV
-        serves the call (decode and verify rows) and NINFER_SWIGLU_EPILOGUE=1; else linear + silu_mul."""
-        if not self.swiglu_epilogue or x.dim() != 2 or not isinstance(w, QWeight) \
+        serves the call (decode and verify rows) and NINFER_SWIGLU_EPILOGUE turns it on for x's device; else linear
+        + silu_mul."""
+        if not swiglu_epilogue_on(self.swiglu_epilogue, x.device) or x.dim() != 2 or not isinstance(w, QWeight) \
                 or not _DISPATCH.swiglu_fusable(x.shape[0], w):
             return super().linear_swiglu(x, w)
         glu = _DISPATCH.linear_swiglu(x, w, xp=self._prepared_in(x, w),
