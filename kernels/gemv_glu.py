@@ -67,14 +67,17 @@ def check_glu(glu: SwiGLUOut, T: int, N: int, dtype, device) -> str | None:
         return f"y must be a contiguous [{T}, {I}] {dtype} tensor on {device}"
     xp = glu.xp
     if xp is not None and (xp.dtype != torch.int32 or tuple(xp.shape) != (T, words_per_row(I))
-                           or xp.stride() != (row_stride(I), 1) or not xp_follows_y(glu)):
-        return "the prepared rows must directly follow y's rows (allocate with swiglu_out)"
+                           or xp.stride(1) != 1 or not xp_follows_y(glu)):
+        return "the prepared rows must directly follow y's rows, row_stride(I) words apart (allocate with swiglu_out)"
     return None
 
 
 def xp_follows_y(glu: SwiGLUOut) -> bool:
-    """Whether the prepared rows (if any) start right behind y's rows: where the kernel looks for them."""
-    return glu.xp is None or glu.xp.data_ptr() == glu.y.data_ptr() + glu.y.numel() * glu.y.element_size()
+    """Whether the prepared rows (if any) start right behind y's rows and lie `row_stride` words apart: where the
+    kernel looks for them."""
+    xp = glu.xp
+    return xp is None or (xp.data_ptr() == glu.y.data_ptr() + glu.y.numel() * glu.y.element_size()
+                          and xp.stride(0) == row_stride(glu.y.shape[-1]))
 
 
 def fits(block_n: int, N: int) -> bool:

@@ -1,6 +1,6 @@
-"""The prepared-activation layout (`ninfer_kernels.x16`) and the store every producer of it shares: constants and
-one @triton.jit function, with no kernel-module imports, so that any kernel (the GEMV epilogues too) can write
-prepared rows.
+"""The prepared-activation layout (`ninfer_kernels.x16`), its allocator and the store every producer of it
+shares: constants, `empty_prepared` and @triton.jit helpers, with no kernel-module imports, so that any kernel
+(the GEMV epilogues too) can write prepared rows.
 
 Layout (int32 [T, K/2 + K/128] per activation row, K a multiple of 128; rows `row_stride(K)` words apart):
   words 0 .. K/2-1     f16x2 pairs, word 4o + j (o = 0 .. K/8-1, j = 0..3) = (x'[8o + j] low, x'[8o + j + 4]

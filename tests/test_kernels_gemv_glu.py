@@ -94,6 +94,11 @@ def test_fits_and_bad_outputs_are_one_line_errors():
     apart = SwiGLUOut(torch.empty(1, 128, device=DEV), words)
     with pytest.raises(KernelInputError, match="directly follow y's rows"):
         run_kernel(qw, x, None, apart, GemvConfig(64, 16, 2, 1, split=1))
+    # right behind y but packed (K/2 + K/128 words apart): the kernel writes rows row_stride(I) words apart
+    buf = torch.empty(128 + words_per_row(128), dtype=torch.float32, device=DEV)
+    packed = SwiGLUOut(buf[:128].view(1, 128), buf[128:].view(torch.int32).view(1, -1))
+    with pytest.raises(KernelInputError, match="row_stride"):
+        run_kernel(qw, x, None, packed, GemvConfig(64, 16, 2, 1, split=1))
     odd = weight("nvfp4", 2 * 96, 256)
     with pytest.raises(KernelInputError, match="2 \\* a multiple of 128"):
         run_kernel(odd, x, None, swiglu_out(1, 96, torch.float32, DEV, False), GemvConfig(64, 16, 2, 1, split=1))
