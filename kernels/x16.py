@@ -19,8 +19,8 @@ import triton.language as tl
 from .gemv_launch import GemvConfig, KernelInputError, _launch, has_variant
 from .pdl import pdl_enter, pdl_kw
 # the layout's names stay importable from here (callers and tests use them)
-from .x16_layout import (_CHUNK, CHUNK, E_MAX, E_MIN, UP_FIELD, empty_prepared, row_stride,  # noqa: F401
-                         store_prepared, words_per_row)
+from .x16_layout import (_CHUNK, CHUNK, E_MAX, E_MIN, UP_FIELD, align_env_error, empty_prepared,  # noqa: F401
+                         row_stride, store_prepared, words_per_row)
 
 
 @triton.jit

@@ -24,9 +24,17 @@ E_MIN, E_MAX = 14, 253               # E's clamp: up and back = 1 / up stay fini
 # Row strides are padded to ROW_ALIGN words: Triton specializes an integer argument divisible by 16, and with such
 # a stride a GEMV lane's activation words are provably 16-byte aligned and load as vectors. K/2 + K/128 alone is
 # not, for K = 5120 / 17408 / 3072 / 8704, and the warp-MMA tiles then took 114-194 registers instead of 72-128
-# (4 CTAs per SM instead of 7; bench/NOTES.md §22). NINFER_X16_ALIGN=1 keeps the unpadded rows (comparison runs).
-ROW_ALIGN = 1 if os.environ.get("NINFER_X16_ALIGN", "16") == "1" else 16
+# (4 CTAs per SM instead of 7; bench/NOTES.md §22). NINFER_X16_ALIGN=1 keeps the unpadded rows (comparison runs);
+# read once, here, and checked where the runtime starts (`align_env_error`).
+ALIGN_ENV = "NINFER_X16_ALIGN"
+ROW_ALIGN = 1 if os.environ.get(ALIGN_ENV, "16") == "1" else 16
 _CHUNK, _UP, _EMIN, _EMAX, _ALIGN = (tl.constexpr(v) for v in (CHUNK, UP_FIELD, E_MIN, E_MAX, ROW_ALIGN))
+
+
+def align_env_error() -> str | None:
+    """None, or a one-line message when NINFER_X16_ALIGN holds anything but 16 or 1."""
+    v = os.environ.get(ALIGN_ENV, "16")
+    return None if v in ("16", "1") else f"{ALIGN_ENV}={v!r}: expected 16 (the default) or 1"
 
 
 def words_per_row(K: int) -> int:

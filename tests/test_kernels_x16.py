@@ -67,6 +67,14 @@ def test_prepared_buffers_have_16_word_row_strides(K):
         assert b.stride(0) % 16 == 0 and b.stride(0) - words_per_row(K) < 16 and b.data_ptr() % 64 == 0
 
 
+def test_bad_align_switch_is_a_one_line_error(monkeypatch):
+    from ninfer_formats.errors import LoadError
+    from ninfer_rt.backends.triton_ops import TritonOps
+    monkeypatch.setenv("NINFER_X16_ALIGN", "8")
+    with pytest.raises(LoadError, match="NINFER_X16_ALIGN='8': expected 16"):
+        TritonOps()
+
+
 def test_prep_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 128"):
         x16_prep(torch.zeros(2, 200, device=DEV))

@@ -97,6 +97,8 @@ class TritonOps(Ops):
             _DISPATCH.tune_mode()
         # "auto" | "1" | "0" (NINFER_XPRE's values); the GEMVs that read prepared input come with the dispatch
         self.xpre = ("1" if xpre else "0") if xpre is not None else x16.xpre_env() if _DISPATCH is not None else "0"
+        if err := x16.align_env_error():
+            raise LoadError(err)
         self._memo = PreparedMemo()
         self._ref = TorchOps()
         self.swiglu_epilogue = swiglu_epilogue_env() if _DISPATCH is not None else "0"   # a mode, as self.xpre
