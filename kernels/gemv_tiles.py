@@ -101,7 +101,8 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
         for bn, bg, w, st in (mma_tiles or _DECODE_MMA_TILES)[b]:
             if G % bg == 0:
                 n = triton.cdiv(N, bn)
-                # the double-buffered tiles hold ~72 registers: 7 CTAs per SM fit where 4 waves leave ~4
+                # the double-buffered tiles hold ~72 registers (on 16-word-aligned prepared rows, `x16_layout`: 114
+                # on unaligned ones): 7 CTAs per SM fit where 4 waves leave ~4
                 waves = (4, 7) if 2 <= b <= 8 else (4,)
                 out += [GemvConfig(bn, bg, w, st, sp, mma=True)
                         for sp in dict.fromkeys(auto_split(n, G // bg, sms, wv) for wv in waves)]
