@@ -33,8 +33,10 @@ Per (recipe, TP size), measured in this order:
   profile   the decode step's kernels under the torch profiler: count and us per step by name and group
   verify    MTP verify steps K = 1..max (GDN snapshots, commit) vs K = 0, one MTP draft step, and tok/s at a
             per-position acceptance a: tokens/round = sum_{i=0..K} a^i, tok/s = that / (verify_K + K * draft);
-            the record's tok_s is a = 0.75's (null without an MTP module: no draft step to time);
-            TP > 1 records add verify_ratio_tp1
+            the record's tok_s is a = 0.75's (null without an MTP module: no draft step to time); the same
+            steps without the per-step read-back (ms_step_gpu, ms_step_k0_gpu, verify_ratio_gpu: the GPU's time)
+            and the host's ms per step in forward + commit (host_ms, host_ms_k0); TP > 1 records add
+            verify_ratio_tp1
   decode    (TP > 1, --compare-allreduce: auto = when the peer-memory path is in use, always, off) the decode
             part again with the peer-memory path switched off on every rank, i.e. every all-reduce through the
             process group as with NINFER_ALLREDUCE=nccl, in a decode-only graph runner captured for it:

@@ -116,18 +116,26 @@ def decode_ms(runner, state, steps: int, warm: int, *, mode: str) -> float:
     return ms
 
 
-def verify_ms(runner, state, k: int, steps: int, warm: int, gen: torch.Generator) -> float:
+def verify_ms(runner, state, k: int, steps: int, warm: int, gen: torch.Generator, *, sync: bool = True,
+              host: list | None = None) -> float:
     """A target forward over [t_0, d_1..d_k] with GDN snapshots, then commit of all k+1 (k = 0: plain decode);
-    the verdict needs the logits on the host each round."""
+    the verdict needs the logits on the host each round. sync=False: nothing is read back, so the steps pipeline
+    and the time is the GPU's (unless the host's part is longer). host: gets the host's ms per step in forward +
+    commit (input copies, graph launch, bookkeeping), which with sync the GPU waits for."""
     ids = torch.randint(0, runner.model.cfg.vocab_size, (k + 1,), generator=gen)
-    base = state.length
+    base, spent = state.length, [0.0]
 
     def step():
+        t = time.perf_counter()
         out = runner.forward([SeqInput(ids, state, snapshot=k > 0)])
         if k:
             state.commit(k + 1)
-        out.logits.argmax(-1).cpu()
+        spent[0] += time.perf_counter() - t
+        if sync:
+            out.logits.argmax(-1).cpu()
     ms = _timed(step, steps, warm, runner.model.device)
+    if host is not None:
+        host.append(spent[0] / (steps + warm) * 1e3)
     rewind(state, base)
     return ms
 
@@ -136,14 +144,16 @@ VERIFY_ROUNDS = 4   # K = 0..max timed in turn this many times (bench/NOTES.md Â
 
 
 def verify_rounds(runner, state, ks, steps: int, warm: int, gen: torch.Generator,
-                  rounds: int = VERIFY_ROUNDS) -> dict[int, list[float]]:
+                  rounds: int = VERIFY_ROUNDS, *, sync: bool = True, host: dict | None = None) -> dict[int, list[float]]:
     """{k: ms per step in each round}: every round times each k in `ks` for steps / rounds steps (after `warm`
-    untimed ones), so a k's time and K = 0's come from the same minute of the machine's drift."""
+    untimed ones), so a k's time and K = 0's come from the same minute of the machine's drift. sync, host: as
+    `verify_ms` (host: {k: list} gets each round's host ms)."""
     per = max(1, steps // rounds)
     out: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(rounds):
         for k in ks:
-            out[k].append(verify_ms(runner, state, k, per, warm, gen))
+            out[k].append(verify_ms(runner, state, k, per, warm, gen, sync=sync,
+                                    host=None if host is None else host.setdefault(k, [])))
     return out
 
 

@@ -324,8 +324,12 @@ def _forced_pg_decode(model, opts, ceil, base, emit, ar) -> None:
 
 def _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb) -> None:
     """Verify steps K = 1..max_draft against K = 0, timed in interleaved rounds (`decode_measure.verify_rounds`):
-    ms_step is a K's median round, verify_ratio the median of the per-round ratios to K = 0."""
-    rounds = M.verify_rounds(runner, st, range(opts.max_draft + 1), opts.steps, opts.warm, gen)
+    ms_step is a K's median round, verify_ratio the median of the per-round ratios to K = 0. The same again
+    without the per-step read-back (`*_gpu`: the GPU's time, steps pipelined) and the host's ms per step in
+    forward + commit (`host_ms`): how much of a verify step the GPU spends waiting for the host."""
+    ks, host = range(opts.max_draft + 1), {}
+    rounds = M.verify_rounds(runner, st, ks, opts.steps, opts.warm, gen, host=host)
+    gpu = M.verify_rounds(runner, st, ks, opts.steps, opts.warm, gen, sync=False)
     times = {k: statistics.median(v) for k, v in rounds.items()}
     draft = M.draft_ms(runner, st, opts.steps, opts.warm) if model.mtp is not None else None
     for k in range(1, opts.max_draft + 1):
@@ -334,6 +338,9 @@ def _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb) -> None:
         rec = {**base, "kind": "verify", "context": ctx, "draft_tokens": k, "ms_step": times[k],
                "ms_step_k0": times[0], "verify_ratio": statistics.median(ratios), "verify_ratio_rounds": ratios,
                "ms_step_rounds": rounds[k], "ms_step_k0_rounds": rounds[0], "draft_ms": draft,
+               "ms_step_gpu": statistics.median(gpu[k]), "ms_step_k0_gpu": statistics.median(gpu[0]),
+               "verify_ratio_gpu": statistics.median(a / b for a, b in zip(gpu[k], gpu[0])),
+               "host_ms": statistics.median(host[k]), "host_ms_k0": statistics.median(host[0]),
                "bytes_step": nbytes, "tok_s": None,       # without an MTP module there is no draft to time
                "pct_roofline": 100 * nbytes / (ceil["copy_tbps"] * 1e12) * 1e3 / times[k]}
         if draft is not None:

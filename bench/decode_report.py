@@ -57,8 +57,12 @@ def row(r: dict) -> str | None:
                     f" (a={'/'.join(r['tok_s_by_acceptance'])}; draft {r['draft_ms']:.3f} ms)"
         rounds = r.get("verify_ratio_rounds") or ()
         spread = f" (rounds {min(rounds):.3f}-{max(rounds):.3f})" if len(rounds) > 1 else ""
+        gpu = ""
+        if "ms_step_gpu" in r:       # no read-back per step: the GPU's time; the host's part of a synced step
+            gpu = (f"; gpu {r['ms_step_gpu']:.3f} ms = {r['verify_ratio_gpu']:.3f} x, host {r['host_ms']:.3f} "
+                   f"(K=0 {r['host_ms_k0']:.3f}) ms")
         return (f"{head}{r['context']:>7}  K={r['draft_tokens']} {r['ms_step']:8.3f} ms = "
-                f"{r['verify_ratio']:.3f} x K=0{spread}{extra}")
+                f"{r['verify_ratio']:.3f} x K=0{spread}{extra}{gpu}")
     if k == "profile":
         if "us_by_group" not in r:
             return f"{head}{r['context']:>7}      {r.get('note', 'no kernels traced')}"

@@ -86,9 +86,13 @@ def test_both_tp_sizes_in_one_run(dry_run):
         ratios = [a / b for a, b in zip(v["ms_step_rounds"], v["ms_step_k0_rounds"])]
         assert len(ratios) == decode_measure.VERIFY_ROUNDS and v["verify_ratio_rounds"] == ratios
         assert v["verify_ratio"] == statistics.median(ratios) and v["ms_step"] == statistics.median(v["ms_step_rounds"])
+        # the same steps without a read-back each (the GPU's time), and the host's part of a synced step
+        assert v["ms_step_gpu"] > 0 and v["ms_step_k0_gpu"] > 0 and v["host_ms"] > 0 and v["host_ms_k0"] > 0
+        assert v["verify_ratio_gpu"] > 0
         want = decode_measure.spec_tok_s(v["ms_step"], v["draft_ms"], v["draft_tokens"], 0.75)[1]
         assert math.isclose(v["tok_s"], want, rel_tol=REL_TOL)
     assert "tp: bf16 TP2 @40:" in stdout
+    assert "; gpu " in stdout and "host " in stdout
     assert not list((tmp / "art").rglob("*.ninfer"))             # artifacts removed without --keep
 
 
