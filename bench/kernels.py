@@ -96,38 +96,68 @@ def _kernel_spec(fmt: str):
     return kern, wsig, mod.GS
 
 
+def _to_compile(name: str, cands: list, N: int, G: int, gs: int, T: int, res: bool, dev) -> list:
+    """What a run launches for one tuner key: the remembered config (user cache or shipped table, found as
+    `gemv_launch.choose_config` finds it) when there is one and tuning is not forced, else every candidate the
+    tuner will time."""
+    from ninfer_kernels import gemv_launch as gl
+    from ninfer_kernels import gemv_tune_cache as tc
+    if gl.tune_mode() != "force" and len(cands) > 1:
+        hit = tc.lookup(tc.make_key(gl.tune_key(name, N, G, T, torch.bfloat16, res, dev), gs, dev), gs)
+        if hit is not None:
+            return [hit]
+    return cands
+
+
+def _precompile_inputs(kern, fmt: str, N: int, K: int, T: int, gs: int, dev) -> list:
+    """(activations, extra constexprs, tuner name, candidates): the bf16 launch, and the prepared-activation one
+    (`ninfer_kernels.x16`, rows as the runtime allocates them) where the format has it at this T."""
+    from types import SimpleNamespace
+
+    from ninfer_kernels import gemv_launch as gl
+    from ninfer_kernels import x16
+    x = torch.zeros(T, K, dtype=torch.bfloat16, device=dev)
+    out = [(x, None, kern.__name__, gl.kernel_candidates(kern, T, N, K // gs, gs, x.dtype, dev))]
+    if fmt in ("nvfp4", "q6_k", "iq3_s") and x16.prepared_ok(SimpleNamespace(fmt=fmt, shape=(N, K)), T, dev):
+        out.append((x16.empty_prepared(T, K, dev), {"XPRE": True}, kern.__name__ + x16.XPRE_SUFFIX,
+                    x16.prepared_candidates(kern, fmt, T, N, K, x.dtype, dev)))
+    return out
+
+
 def _precompile_job(job) -> str:
     fmt, N, K, T = job
     from ninfer_kernels import gemv_launch as gl
     kern, wsig, gs = _kernel_spec(fmt)
     dev = torch.device(DEV)
     weights = tuple(torch.empty(64, dtype=_SIG_DTYPES[s], device=dev) for s in wsig.values())
-    x = torch.zeros(T, K, dtype=torch.bfloat16, device=dev)
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     done = 0
-    for c in gl.kernel_candidates(kern, T, N, K // gs, gs, x.dtype, dev):
-        for res in (None, out):   # --check runs with a residual: its tuner compiles those variants too
-            try:
-                gl.launch(kern, weights, x, N, K // gs, 1.0, out, res, c, warmup=True)
-                done += 1
-            except Exception as e:  # the tuner skips configs that fail; so does the precompile
-                log(f"  precompile {fmt} {N}x{K} T={T} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    for x, extra, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev):
+        for res in (None, out):   # the out-projections add the residual; --check runs with one too
+            for c in _to_compile(name, cands, N, K // gs, gs, T, res is not None, dev):
+                try:
+                    gl._launch(kern, weights, x, N, K // gs, 1.0, out, res, c, warmup=True, extra=extra)
+                    done += 1
+                except Exception as e:  # the tuner skips configs that fail; so does the precompile
+                    log(f"  precompile {fmt} {N}x{K} T={T} {name} {c}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:120]}")
     return f"{fmt} {N}x{K} T={T}: {done}"
 
 
 def precompile(jobs, workers: int) -> None:
-    """Compile in `workers` processes what the tuner will try; the main process then loads the cached
-    binaries. Jobs that differ only in values Triton does not specialize on are compiled once."""
+    """Compile in `workers` processes what a run will launch: the remembered configs, or what the tuner will try
+    where none is (`_to_compile`); the main process then loads the cached binaries. Jobs that differ only in
+    values Triton does not specialize on are compiled once."""
     from ninfer_kernels import gemv_launch as gl
     dev = torch.device(DEV)
     uniq = {}
     for fmt, N, K, T in jobs:
-        _, _, gs = _kernel_spec(fmt)
+        kern, _, gs = _kernel_spec(fmt)
         G = K // gs
-        kern = _kernel_spec(fmt)[0]
-        cands = gl.kernel_candidates(kern, T, N, G, gs, torch.bfloat16, dev)
-        sig = frozenset(((c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2, c.mma),
-                         _spec(gl.effective_split(c, G))) for c in cands)
+        sig = frozenset((name, res, (c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2,
+                                     c.mma), _spec(gl.effective_split(c, G)))
+                        for _, _, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev)
+                        for res in (False, True) for c in _to_compile(name, cands, N, G, gs, T, res, dev))
         uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))
     t0 = time.time()
     import multiprocessing as mp

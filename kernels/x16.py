@@ -227,17 +227,25 @@ def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
     return _prepared_checked(xp, qw, out, residual, dtype, plans, pkey)
 
 
-def _prepared_checked(xp, qw, out, residual, dtype, plans: dict, pkey) -> torch.Tensor:
-    from .gemv_launch import (EPI_RES, candidates, check_glu, choose_config, epi_of, glu_candidates, glu_config,
-                              h2_tiles, interpreting, mma_tiles, res_slot, tune_key)
-    from .gemv_plan import GemvPlan
-    T, (N, K), dev = xp.shape[0], qw.shape, xp.device
-    kernel, w, fscale = _kernel_and_weights(qw, dev)
-    h2 = qw.fmt == "nvfp4" and T <= 8
+def prepared_candidates(kernel, fmt: str, T: int, N: int, K: int, dtype, dev) -> list[GemvConfig]:
+    """The configs the tuner tries for a prepared launch of a `fmt` weight [N, K] at T rows (h2 for NVFP4 up to
+    T = 8, MMA on sm_80+)."""
+    from .gemv_launch import candidates, h2_tiles, interpreting, mma_tiles
+    h2 = fmt == "nvfp4" and T <= 8
     cands = [c for c in candidates(T, N, K // GS, GS, dtype, dev, h2=h2, mma=True, h2_tiles=h2_tiles(kernel),
                                    mma_tiles=mma_tiles(kernel)) if (c.h2 and h2) or (c.mma and _mma_ok(dev))]
     if not cands or interpreting():      # the interpreter: one small tile of the variant
         cands = [GemvConfig(32, 16, 2, 1, h2=True) if h2 else GemvConfig(32, 8, 2, 1, mma=True)]
+    return cands
+
+
+def _prepared_checked(xp, qw, out, residual, dtype, plans: dict, pkey) -> torch.Tensor:
+    from .gemv_launch import (EPI_RES, check_glu, choose_config, epi_of, glu_candidates, glu_config, res_slot,
+                              tune_key)
+    from .gemv_plan import GemvPlan
+    T, (N, K), dev = xp.shape[0], qw.shape, xp.device
+    kernel, w, fscale = _kernel_and_weights(qw, dev)
+    cands = prepared_candidates(kernel, qw.fmt, T, N, K, dtype, dev)
     out = torch.empty((T, N), dtype=dtype, device=dev) if out is None else out
     epi = epi_of(residual)
     if epi > EPI_RES:

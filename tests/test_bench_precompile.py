@@ -1,0 +1,99 @@
+"""bench/kernels.py's precompile: it compiles what a run will launch -- the remembered (shipped or cached) config
+of each tuner key, bf16 and prepared activations, with and without a residual -- and every candidate only where
+nothing is remembered or tuning is forced; jobs are merged only when they would compile the same binaries."""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ninfer_kernels import gemv_launch as gl  # noqa: E402
+from ninfer_kernels import gemv_tune_cache as tc  # noqa: E402
+from ninfer_kernels import x16  # noqa: E402
+from ninfer_kernels.gemv_launch import GemvConfig  # noqa: E402
+
+A, B, C = (GemvConfig(bn, 16, 4, 1, split=2, h2=True) for bn in (32, 64, 128))
+
+
+def _load_bench():
+    """bench/kernels.py as module `bench_kernels_pre`, without keeping the NINFER_GEMV_TUNE=force it sets."""
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    if str(bench) not in sys.path:
+        sys.path.append(str(bench))
+    before = os.environ.get("NINFER_GEMV_TUNE")
+    spec = importlib.util.spec_from_file_location("bench_kernels_pre", bench / "kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if before is None:
+        os.environ.pop("NINFER_GEMV_TUNE", None)
+    else:
+        os.environ["NINFER_GEMV_TUNE"] = before
+    return mod
+
+
+kb = _load_bench()
+
+
+@pytest.fixture
+def remembered(monkeypatch):
+    """tc.lookup remembers B for N = 96 and C for N = 160, nothing for other shapes; every key has A, B, C."""
+    monkeypatch.delenv("NINFER_GEMV_TUNE", raising=False)
+    picks = {96: B, 160: C}
+    monkeypatch.setattr(tc, "make_key", lambda key, gs, dev: key)      # the tuner key: (name, N, G, T, ...)
+    monkeypatch.setattr(tc, "lookup", lambda key, gs: picks.get(key[1]))
+    monkeypatch.setattr(gl, "kernel_candidates", lambda *a, **k: [A, B, C])
+    monkeypatch.setattr(x16, "prepared_candidates", lambda *a, **k: [A, B, C])
+    return picks
+
+
+def test_to_compile_takes_the_remembered_config(remembered, monkeypatch):
+    dev = torch.device("cpu")
+    assert kb._to_compile("nvfp4_gemv_kernel", [A, B, C], 96, 16, 16, 1, False, dev) == [B]
+    assert kb._to_compile("nvfp4_gemv_kernel", [A, B, C], 64, 16, 16, 1, False, dev) == [A, B, C]   # nothing kept
+    monkeypatch.setenv("NINFER_GEMV_TUNE", "force")
+    assert kb._to_compile("nvfp4_gemv_kernel", [A, B, C], 96, 16, 16, 1, False, dev) == [A, B, C]
+
+
+def test_inputs_cover_the_prepared_launch_with_runtime_strides():
+    kern, _, gs = kb._kernel_spec("nvfp4")
+    dev = torch.device("cpu")
+    got = kb._precompile_inputs(kern, "nvfp4", 96, 256, 1, gs, dev)
+    assert [name for _, _, name, _ in got] == [kern.__name__, kern.__name__ + x16.XPRE_SUFFIX]
+    (x, plain, _, _), (xp, extra, _, _) = got
+    assert x.dtype == torch.bfloat16 and plain is None and extra == {"XPRE": True}
+    assert xp.dtype == torch.int32 and xp.stride(0) == x16.row_stride(256) and xp.stride(0) % 16 == 0
+    assert [n for _, _, n, _ in kb._precompile_inputs(*kb._kernel_spec("bf16")[:1], "bf16", 96, 256, 1, 4, dev)] \
+        == [kb._kernel_spec("bf16")[0].__name__]                        # no prepared form of bf16 weights
+
+
+def test_jobs_merge_only_when_they_compile_the_same(remembered, monkeypatch):
+    ran = []
+
+    class Pool:
+        def __init__(self, workers):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def imap_unordered(self, fn, jobs):
+            ran.extend(jobs)
+            return iter(())
+
+    import multiprocessing
+    monkeypatch.setattr(multiprocessing, "get_context", lambda kind: type("Ctx", (), {"Pool": Pool}))
+    monkeypatch.setattr(kb, "DEV", "cpu")
+    kb.precompile([("nvfp4", 96, 256, 1), ("nvfp4", 160, 256, 1)], workers=2)    # B against C: both compile
+    assert sorted(j[1] for j in ran) == [96, 160]
+    ran.clear()
+    remembered[160] = B
+    kb.precompile([("nvfp4", 96, 256, 1), ("nvfp4", 160, 256, 1)], workers=2)    # the same binaries: once
+    assert len(ran) == 1
