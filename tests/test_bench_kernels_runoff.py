@@ -1,9 +1,6 @@
 """bench/kernels.py's graph runoff: the tuner's close finishers re-timed the way the records are, the fastest
 shipped; what it leaves alone (far finishers, failed candidates, a single one)."""
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,28 +8,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from bench_kernels_module import load_bench_kernels  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig  # noqa: E402
 
 
-def _load_bench():
-    """bench/kernels.py as module `bench_kernels` (not `kernels`: transformers probes for HF's package of that
-    name), without keeping the NINFER_GEMV_TUNE=force it sets for its own runs."""
-    bench = Path(__file__).resolve().parents[1] / "bench"
-    if str(bench) not in sys.path:
-        sys.path.append(str(bench))           # its sibling modules (bench_device, ...)
-    before = os.environ.get("NINFER_GEMV_TUNE")
-    spec = importlib.util.spec_from_file_location("bench_kernels", bench / "kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if before is None:
-        os.environ.pop("NINFER_GEMV_TUNE", None)
-    else:
-        os.environ["NINFER_GEMV_TUNE"] = before
-    return mod
-
-
-kb = _load_bench()
+kb = load_bench_kernels("bench_kernels")
 
 
 class Q:

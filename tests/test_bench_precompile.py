@@ -1,10 +1,7 @@
 """bench/kernels.py's precompile: it compiles what a run will launch -- the remembered (shipped or cached) config
 of each tuner key, bf16 and prepared activations, with and without a residual -- and every candidate only where
 nothing is remembered or tuning is forced; jobs are merged only when they would compile the same binaries."""
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from bench_kernels_module import load_bench_kernels  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels import gemv_tune_cache as tc  # noqa: E402
 from ninfer_kernels import x16  # noqa: E402
@@ -20,23 +18,7 @@ from ninfer_kernels.gemv_launch import GemvConfig  # noqa: E402
 A, B, C = (GemvConfig(bn, 16, 4, 1, split=2, h2=True) for bn in (32, 64, 128))
 
 
-def _load_bench():
-    """bench/kernels.py as module `bench_kernels_pre`, without keeping the NINFER_GEMV_TUNE=force it sets."""
-    bench = Path(__file__).resolve().parents[1] / "bench"
-    if str(bench) not in sys.path:
-        sys.path.append(str(bench))
-    before = os.environ.get("NINFER_GEMV_TUNE")
-    spec = importlib.util.spec_from_file_location("bench_kernels_pre", bench / "kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if before is None:
-        os.environ.pop("NINFER_GEMV_TUNE", None)
-    else:
-        os.environ["NINFER_GEMV_TUNE"] = before
-    return mod
-
-
-kb = _load_bench()
+kb = load_bench_kernels("bench_kernels_pre")
 
 
 @pytest.fixture
