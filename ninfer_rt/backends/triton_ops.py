@@ -102,6 +102,7 @@ class TritonOps(Ops):
         self._memo = PreparedMemo()
         self._ref = TorchOps()
         self.swiglu_epilogue = swiglu_epilogue_env() if _DISPATCH is not None else "0"   # a mode, as self.xpre
+        self._swiglu_on: dict = {}     # device -> the mode's answer there (pdl_kw reads the environment)
 
     def _wants_prepared(self, rows: int, K: int, device) -> bool:
         """Whether a producer of [rows, K] should also write its prepared copy (a linear layer may read it)."""
@@ -135,8 +136,10 @@ class TritonOps(Ops):
         """The gate/up GEMV's SwiGLU epilogue (`ninfer_kernels.gemv_glu`: no silu_mul launch) where the GEMV
         serves the call (decode and verify rows) and NINFER_SWIGLU_EPILOGUE turns it on for x's device; else linear
         + silu_mul."""
-        if not swiglu_epilogue_on(self.swiglu_epilogue, x.device) or x.dim() != 2 or not isinstance(w, QWeight) \
-                or not _DISPATCH.swiglu_fusable(x.shape[0], w):
+        on = self._swiglu_on.get(x.device)
+        if on is None:
+            on = self._swiglu_on[x.device] = swiglu_epilogue_on(self.swiglu_epilogue, x.device)
+        if not on or x.dim() != 2 or not isinstance(w, QWeight) or not _DISPATCH.swiglu_fusable(x.shape[0], w):
             return super().linear_swiglu(x, w)
         glu = _DISPATCH.linear_swiglu(x, w, xp=self._prepared_in(x, w),
                                       prepared=self._wants_prepared(x.shape[0], w.shape[0] // 2, x.device))
