@@ -124,6 +124,23 @@ def _precompile_inputs(kern, fmt: str, N: int, K: int, T: int, gs: int, dev) -> 
     return out
 
 
+def _launched(fmt: str, N: int, K: int, T: int, res: bool, dev) -> tuple[bool, bool]:
+    """(bf16 launch, prepared launch): which of the two a run takes for this weight, T and residual -- the
+    runtime's choice (`x16.xpre_on`, `prepared_ok`, `prefer_prepared`) unless tuning is forced, when the tuner
+    times both. Compiling the other one cost ~1 min of every fresh machine's precompile (bench/NOTES.md §23)."""
+    from types import SimpleNamespace
+
+    from ninfer_kernels import gemv_launch as gl
+    from ninfer_kernels import x16
+    qw = SimpleNamespace(fmt=fmt, shape=(N, K), cache={})
+    if fmt not in ("nvfp4", "q6_k", "iq3_s") or not x16.prepared_ok(qw, T, dev):
+        return True, False
+    if gl.tune_mode() == "force":
+        return True, True
+    prep = x16.xpre_on(x16.xpre_env(), dev) and x16.prefer_prepared(qw, T, torch.bfloat16, res, dev)
+    return not prep, prep
+
+
 def _precompile_job(job) -> str:
     fmt, N, K, T = job
     from ninfer_kernels import gemv_launch as gl
@@ -132,8 +149,11 @@ def _precompile_job(job) -> str:
     weights = tuple(torch.empty(64, dtype=_SIG_DTYPES[s], device=dev) for s in wsig.values())
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     done = 0
-    for x, extra, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev):
-        for res in (None, out):   # the out-projections add the residual; --check runs with one too
+    for res in (None, out):   # the out-projections add the residual; --check runs with one too
+        want = _launched(fmt, N, K, T, res is not None, dev)
+        for x, extra, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev):
+            if not want[extra is not None]:
+                continue
             for c in _to_compile(name, cands, N, K // gs, gs, T, res is not None, dev):
                 try:
                     gl._launch(kern, weights, x, N, K // gs, 1.0, out, res, c, warmup=True, extra=extra)
@@ -156,8 +176,10 @@ def precompile(jobs, workers: int) -> None:
         G = K // gs
         sig = frozenset((name, res, (c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2,
                                      c.mma), _spec(gl.effective_split(c, G)))
-                        for _, _, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev)
-                        for res in (False, True) for c in _to_compile(name, cands, N, G, gs, T, res, dev))
+                        for res in (False, True)
+                        for _, extra, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev)
+                        if _launched(fmt, N, K, T, res, dev)[extra is not None]
+                        for c in _to_compile(name, cands, N, G, gs, T, res, dev))
         uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))
     t0 = time.time()
     import multiprocessing as mp

@@ -79,3 +79,29 @@ def test_jobs_merge_only_when_they_compile_the_same(remembered, monkeypatch):
     remembered[160] = B
     kb.precompile([("nvfp4", 96, 256, 1), ("nvfp4", 160, 256, 1)], workers=2)    # the same binaries: once
     assert len(ran) == 1
+
+
+@pytest.mark.parametrize("xpre_on,preferred,force,fmt,T,want", [
+    (True, True, False, "nvfp4", 1, (False, True)),      # the runtime's path: prepared only
+    (True, False, False, "nvfp4", 4, (True, False)),     # the plain launch remembered faster
+    (False, True, False, "nvfp4", 1, (True, False)),     # NINFER_XPRE off (or a GPU without it)
+    (True, True, True, "nvfp4", 4, (True, True)),        # the kernels step times both
+    (True, True, False, "q6_k", 1, (True, False)),       # no prepared Q6_K launch at T = 1
+    (True, True, False, "bf16", 4, (True, False)),
+], ids=["xpre", "plain-faster", "xpre-off", "forced", "q6k-T1", "bf16"])
+def test_launched_mirrors_the_runtime_choice(monkeypatch, xpre_on, preferred, force, fmt, T, want):
+    monkeypatch.setenv("NINFER_GEMV_TUNE", "force" if force else "1")
+    monkeypatch.setattr(x16, "xpre_on", lambda mode, dev: xpre_on)
+    monkeypatch.setattr(x16, "prefer_prepared", lambda qw, T, dtype, res, dev: preferred)
+    assert kb._launched(fmt, 96, 256, T, False, torch.device("cpu")) == want
+
+
+def test_job_compiles_only_the_launched_path(remembered, monkeypatch):
+    launched = []
+    monkeypatch.setattr(kb, "DEV", "cpu")
+    monkeypatch.setattr(x16, "xpre_on", lambda mode, dev: True)
+    monkeypatch.setattr(x16, "prefer_prepared", lambda qw, T, dtype, res, dev: not res)
+    monkeypatch.setattr(gl, "_launch", lambda kern, w, x, *a, extra=None, **k: launched.append(
+        (extra is not None, a[4] is not None)))
+    kb._precompile_job(("nvfp4", 96, 256, 1))
+    assert launched == [(True, False), (False, True)]   # prepared without the residual, bf16 with it
