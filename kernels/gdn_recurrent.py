@@ -61,13 +61,20 @@ def program_coords(cu_ptr, snapidx_ptr, REP, DK, DV, BLOCK_K: tl.constexpr, BLOC
 @triton.jit
 def delta_step(S, q, k, v, g, beta, q_scale):
     """One token on this program's fp32 state tile S [dk, BLOCK_V]: q, k l2-normalised (q also scaled), then
-    S = exp(g) S; S += k (beta (v - S^T k))^T. -> (S, o = S^T q)."""
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    S = S * tl.exp(g)
-    delta = beta * (v - tl.sum(S * k[:, None], axis=0))
-    S = S + k[:, None] * delta[None, :]
-    return S, tl.sum(S * q[:, None], axis=0)
+    S = exp(g) S; S += k (beta (v - S^T k))^T. -> (S, o = S^T q).
+    Both reductions of S over dk read the state from before the token, so they do not wait for each other:
+    with d = beta (v - exp(g) S^T k), the new state's S'^T q = exp(g) S^T q + d (k . q). One reduction round
+    per token on the chain that links a verify step's tokens instead of two; the norms' scalars are applied to the
+    sums, not to the vectors, so they wait for nothing either."""
+    rq = tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
+    rk = tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    kq = tl.sum(k * q, axis=0)
+    sk = tl.sum(S * k[:, None], axis=0)
+    sq = tl.sum(S * q[:, None], axis=0)
+    eg = tl.exp(g)
+    delta = beta * (v - (eg * rk) * sk)
+    o = (eg * rq) * sq + delta * (rk * rq * kq)
+    return S * eg + (k * rk)[:, None] * delta[None, :], o
 
 
 @triton.jit
