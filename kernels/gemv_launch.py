@@ -31,7 +31,7 @@ from .gemv_glu import EPI_RES, SwiGLUOut, check_glu, counters, epi_of, fits
 from .gemv_h2_select import H2_STATE, checked_h2  # noqa: F401  (H2_STATE: callers reach it here)
 from .gemv_tiles import FMA_DOT_K, auto_split, candidates, fill_splits  # noqa: F401  (likewise)
 from .gemv_timing import time_ms   # module global: the tuner tests replace it here
-from .pdl import pdl_kw
+from .pdl import mma_mode, pdl_kw
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -167,6 +167,12 @@ def variant(kernel, kind: str, device):
     return _VARIANTS[kind][kernel.__name__](device)
 
 
+def pdl_consts(cfg: GemvConfig, device) -> dict:
+    """The PDL constexpr and launch option of a GEMV launch: `pdl_kw`'s, except for warp-MMA configs under
+    NINFER_PDL_MMA=0 (launched plainly, PDL compiled out)."""
+    return {"PDL": 0, **(pdl_kw(device) if not cfg.mma or mma_mode() == "1" else {})}
+
+
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
             warmup: bool = False, fold: bool = True, extra: dict | None = None):
     """Launch one config (extra: more constexprs for the variant, e.g. XPRE); returns (compiled kernel or None,
@@ -202,7 +208,7 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
     if "XPRE" in names:
         consts["XPRE"] = False       # the f16 variants that can read prepared activations (ninfer_kernels.x16)
     if "PDL" in names:               # always given: a plan's direct launch passes every constexpr (gemv_plan)
-        consts.update({"PDL": 0, **pdl_kw(x.device)})
+        consts.update(pdl_consts(cfg, x.device))
     consts.update(extra or {})
     run = partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
     compiled = run(x, *weights, out, res, out if ws is None else ws, out if cnt is None else cnt, *scalars,

@@ -35,6 +35,7 @@ import triton.language as tl
 PDL_ENV = "NINFER_PDL"
 PDL_MODES = ("0", "1")
 PRELOAD_ENV = "NINFER_PDL_PRELOAD"
+MMA_ENV = "NINFER_PDL_MMA"
 
 
 @triton.jit
@@ -86,6 +87,12 @@ def pdl_mode() -> str:
 def preload_mode() -> str:
     """NINFER_PDL_PRELOAD: '1' (default: the norms load their gains before the wait) or '0' (a comparison switch)."""
     return _mode(PRELOAD_ENV)
+
+
+def mma_mode() -> str:
+    """NINFER_PDL_MMA: '1' (default: the warp-MMA GEMVs launch with PDL like every other kernel) or '0' (they
+    launch plainly, after the kernel in front completes; a comparison switch, bench/NOTES.md §23)."""
+    return _mode(MMA_ENV)
 
 
 def pdl_kw(device, preload: bool = False) -> dict:

@@ -126,4 +126,22 @@ def test_every_kernel_takes_pdl_and_every_launch_passes_it():
             assert any(any(a.arg == "preload" for a in k.value.keywords) for k in kw), f"{f}: {name}"
     assert {n for n, args in kernels.items() if "PRELOAD" in args} == {"rmsnorm_kernel", "gated_rmsnorm_kernel"}
     src = (KERNELS / "gemv_launch.py").read_text()
-    assert 'if "PDL" in names:' in src and "pdl_kw(x.device)" in src
+    assert 'if "PDL" in names:' in src and "pdl_consts(cfg, x.device)" in src and "pdl_kw(device)" in src
+
+
+def test_mma_gemvs_launch_plainly_under_the_switch(monkeypatch):
+    """NINFER_PDL_MMA=0 (a comparison switch) takes PDL off the warp-MMA GEMV launches only."""
+    from ninfer_kernels.gemv_launch import GemvConfig, pdl_consts
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    monkeypatch.delenv(pdl.MMA_ENV, raising=False)
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    cuda = torch.device("cuda", 0)
+    mma, h2 = GemvConfig(128, 8, 4, 2, mma=True), GemvConfig(128, 16, 4, 1, h2=True)
+    on = {"PDL": 1, "launch_pdl": True}
+    assert pdl_consts(mma, cuda) == on and pdl_consts(h2, cuda) == on
+    monkeypatch.setenv(pdl.MMA_ENV, "0")
+    assert pdl_consts(mma, cuda) == {"PDL": 0} and pdl_consts(h2, cuda) == on
+    monkeypatch.setenv(pdl.MMA_ENV, "off")
+    with pytest.raises(KernelInputError, match="NINFER_PDL_MMA='off'"):
+        pdl_consts(mma, cuda)
