@@ -169,8 +169,12 @@ def variant(kernel, kind: str, device):
 
 def pdl_consts(cfg: GemvConfig, device) -> dict:
     """The PDL constexpr and launch option of a GEMV launch: `pdl_kw`'s, except for warp-MMA configs under
-    NINFER_PDL_MMA=0 (launched plainly, PDL compiled out)."""
-    return {"PDL": 0, **(pdl_kw(device) if not cfg.mma or mma_mode() == "1" else {})}
+    NINFER_PDL_MMA=0: launched without the attribute, so they start once the kernel in front completed (their
+    wait returns at once), but still compiled with the protocol, so their late trigger lets the next kernel in."""
+    kw = {"PDL": 0, **pdl_kw(device)}
+    if cfg.mma and mma_mode() == "0":
+        kw.pop("launch_pdl", None)
+    return kw
 
 
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,

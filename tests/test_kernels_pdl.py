@@ -141,7 +141,7 @@ def test_mma_gemvs_launch_plainly_under_the_switch(monkeypatch):
     on = {"PDL": 1, "launch_pdl": True}
     assert pdl_consts(mma, cuda) == on and pdl_consts(h2, cuda) == on
     monkeypatch.setenv(pdl.MMA_ENV, "0")
-    assert pdl_consts(mma, cuda) == {"PDL": 0} and pdl_consts(h2, cuda) == on
+    assert pdl_consts(mma, cuda) == {"PDL": 1} and pdl_consts(h2, cuda) == on   # triggers, not launched as a dependent
     monkeypatch.setenv(pdl.MMA_ENV, "off")
     with pytest.raises(KernelInputError, match="NINFER_PDL_MMA='off'"):
         pdl_consts(mma, cuda)
