@@ -162,6 +162,10 @@ def _linear_shapes(model) -> set:
 
 
 def _precompile_proc(jobs, workers: int) -> None:
+    # bench/kernels.py forces tuning when NINFER_GEMV_TUNE is unset (it times every candidate itself); a run
+    # launches the remembered configs, so this process (and its workers) must not inherit that default: under it
+    # the precompile compiled every candidate, 100-130 s on each fresh machine (bench/NOTES.md §23)
+    os.environ.setdefault("NINFER_GEMV_TUNE", "1")
     import kernels as kernel_bench
     kernel_bench.precompile(jobs, workers=workers)
 

@@ -334,3 +334,15 @@ def test_profile_line_shows_exclusive_groups():
          "excl_us_by_group": {"linear": 18.0, "norms": 7.0}, "idle_us_per_step": 2.0}
     line = report.row(r)
     assert "exclusive: linear 18, norms 7, idle 2" in line and "linear 20, norms 10" in line
+
+
+def test_precompile_process_does_not_force_tuning():
+    """bench/kernels.py makes an unset NINFER_GEMV_TUNE mean `force` (it times every candidate); the decode
+    bench's precompile process imports it, and must still compile only what the run launches."""
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); os.environ.pop('NINFER_GEMV_TUNE', None)\n"
+            "import decode_rank; decode_rank._precompile_proc([], 1)\n"
+            "from ninfer_kernels import gemv_launch; print('mode', gemv_launch.tune_mode())")
+    env = {k: v for k, v in os.environ.items() if k != "NINFER_GEMV_TUNE"}
+    out = subprocess.run([sys.executable, "-c", code, BENCH], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mode 1" in out.stdout
