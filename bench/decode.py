@@ -12,7 +12,7 @@ spawned process (fresh GPU memory; TP > 1 spawns the other ranks through ninfer_
 Per (recipe, TP size), measured in this order:
   ceilings  device copy bandwidth (one large device copy, bytes read + written) and bf16 torch.matmul n^3
   load      ninfer_rt.loader.load(rank file, cuda, bf16, checksums verified) from the page cache; Model build;
-            bench/kernels.py's parallel precompile of the GEMV configs the tuner will time (rank 0 only: the
+            bench/gemv_precompile.py's parallel precompile of the GEMV configs the run launches (rank 0 only: the
             other ranks are daemonic processes and start no children; the Triton cache is shared); CUDA-graph
             warm-up (tuning) + capture (ninfer_rt.graphs); then every rank's memory in GiB, lists in rank order:
             max_allocated_gib / allocated_gib / reserved_gib (torch) and device_used_gib (mem_get_info),
@@ -104,7 +104,7 @@ def parse_args(argv=None):
                     help="ops backend (default triton on cuda, torch on cpu unless TRITON_INTERPRET=1)")
     ap.add_argument("--eager", action="store_true", help="run the graph runner's bodies without CUDA graphs")
     ap.add_argument("--no-precompile", action="store_true",
-                    help="skip bench/kernels.py's parallel precompile of the GEMV configs (the tuner compiles lazily)")
+                    help="skip bench/gemv_precompile.py's parallel precompile of the GEMV configs (the run compiles lazily)")
     ap.add_argument("--gemv-tune", choices=("on", "off"), default="on",
                     help="off: NINFER_GEMV_TUNE=0, the kernels' default configs (far fewer Triton compiles)")
     ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm when it fits, else the temp dir)")

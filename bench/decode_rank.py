@@ -162,12 +162,8 @@ def _linear_shapes(model) -> set:
 
 
 def _precompile_proc(jobs, workers: int) -> None:
-    # bench/kernels.py forces tuning when NINFER_GEMV_TUNE is unset (it times every candidate itself); a run
-    # launches the remembered configs, so this process (and its workers) must not inherit that default: under it
-    # the precompile compiled every candidate, 100-130 s on each fresh machine (bench/NOTES.md §23)
-    os.environ.setdefault("NINFER_GEMV_TUNE", "1")
-    import kernels as kernel_bench
-    kernel_bench.precompile(jobs, workers=workers)
+    import gemv_precompile
+    gemv_precompile.precompile(jobs, workers=workers)
 
 
 def _exit_on_sigterm(*_) -> None:
@@ -199,7 +195,7 @@ def run_limited(target, args: tuple, timeout_s: float) -> int | None:
 
 
 def _precompile(model, opts: BenchOptions, device, timeout_s: float = 300.0) -> float | None:
-    """Best effort: bench/kernels.py's parallel precompile of every GEMV config the tuner will time, for the
+    """Best effort: bench/gemv_precompile.py's parallel precompile of the GEMV configs the run launches, for the
     model's shapes at the T buckets the graphs and the prefill use. Runs in its own process with a time limit
     (the binaries land in Triton's cache); None when skipped, failed or cut off."""
     if device.type != "cuda" or not opts.precompile or os.environ.get("NINFER_GEMV_TUNE", "1") == "0":

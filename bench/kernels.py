@@ -36,6 +36,7 @@ if SMOKE:  # must precede the first ninfer_kernels import
 DEV = "cpu" if SMOKE else "cuda"
 # the benchmark measures the candidates itself: bypass the shipped defaults and the user's tuner cache
 os.environ.setdefault("NINFER_GEMV_TUNE", "force")
+from gemv_precompile import kernel_spec, precompile  # noqa: E402  (after the environment above)
 # (name, tp, N, K): per-rank shapes, quant-formats.md / qwen38-architecture.md §13
 SHAPES = [("attn_qkv", 1, 14336, 5120), ("attn_o", 1, 5120, 6144), ("gdn_qkvz", 1, 16384, 5120),
           ("gdn_ab", 1, 96, 5120), ("gdn_out", 1, 5120, 6144), ("mlp_gate_up", 1, 34816, 5120),
@@ -52,9 +53,6 @@ L2_ROTATE_BYTES = 240e6   # weight copies per shape: at least 4x the 60 MB L2
 # in one graph): its flush-timed picks ran 10-19 % slower than a neighbouring split there (bench/NOTES.md §12)
 GRAPH_RUNOFF_MARGIN = 0.25
 GRAPH_RUNOFF_MAX = 3        # default of --runoff
-_SIG_DTYPES = {"*i64": torch.int64, "*i32": torch.int32, "*i16": torch.int16, "*i8": torch.int8,
-               "*u8": torch.uint8, "*fp16": torch.float16, "*fp32": torch.float32}
-_KMOD = {"nvfp4": "nvfp4", "q6_k": "q6_k", "iq3_s": "iq3_s", "f8_e4m3_row": "f8", "bf16": "plain"}
 
 
 def log(msg: str) -> None:
@@ -81,112 +79,6 @@ def copy_bandwidth(quick: bool) -> float:
     return 2 * n / (ms * 1e-3) / 1e9
 
 
-# ---- precompile: every (kernel, config) the tuner will try, in parallel worker processes ---------------------
-def _spec(v: int) -> str:
-    return "1" if v == 1 else ("D" if v % 16 == 0 else "")
-
-
-def _kernel_spec(fmt: str):
-    import importlib
-    mod = importlib.import_module(f"ninfer_kernels.gemv_{_KMOD[fmt]}")
-    if fmt == "bf16":
-        kern, wsig, _ = mod.kernel_for("plain:bf16")
-        return mod._PlainKernel(0), wsig, 4
-    kern, wsig, _ = mod.kernel_for(fmt)
-    return kern, wsig, mod.GS
-
-
-def _to_compile(name: str, cands: list, N: int, G: int, gs: int, T: int, res: bool, dev) -> list:
-    """What a run launches for one tuner key: the remembered config (user cache or shipped table, found as
-    `gemv_launch.choose_config` finds it) when there is one and tuning is not forced, else every candidate the
-    tuner will time."""
-    from ninfer_kernels import gemv_launch as gl
-    from ninfer_kernels import gemv_tune_cache as tc
-    if gl.tune_mode() != "force" and len(cands) > 1:
-        hit = tc.lookup(tc.make_key(gl.tune_key(name, N, G, T, torch.bfloat16, res, dev), gs, dev), gs)
-        if hit is not None:
-            return [hit]
-    return cands
-
-
-def _precompile_inputs(kern, fmt: str, N: int, K: int, T: int, gs: int, dev) -> list:
-    """(activations, extra constexprs, tuner name, candidates): the bf16 launch, and the prepared-activation one
-    (`ninfer_kernels.x16`, rows as the runtime allocates them) where the format has it at this T."""
-    from types import SimpleNamespace
-
-    from ninfer_kernels import gemv_launch as gl
-    from ninfer_kernels import x16
-    x = torch.zeros(T, K, dtype=torch.bfloat16, device=dev)
-    out = [(x, None, kern.__name__, gl.kernel_candidates(kern, T, N, K // gs, gs, x.dtype, dev))]
-    if fmt in ("nvfp4", "q6_k", "iq3_s") and x16.prepared_ok(SimpleNamespace(fmt=fmt, shape=(N, K)), T, dev):
-        out.append((x16.empty_prepared(T, K, dev), {"XPRE": True}, kern.__name__ + x16.XPRE_SUFFIX,
-                    x16.prepared_candidates(kern, fmt, T, N, K, x.dtype, dev)))
-    return out
-
-
-def _launched(fmt: str, N: int, K: int, T: int, res: bool, dev) -> tuple[bool, bool]:
-    """(bf16 launch, prepared launch): which of the two a run takes for this weight, T and residual -- the
-    runtime's choice (`x16.xpre_on`, `prepared_ok`, `prefer_prepared`) unless tuning is forced, when the tuner
-    times both. Compiling the other one cost ~1 min of every fresh machine's precompile (bench/NOTES.md §23)."""
-    from types import SimpleNamespace
-
-    from ninfer_kernels import gemv_launch as gl
-    from ninfer_kernels import x16
-    qw = SimpleNamespace(fmt=fmt, shape=(N, K), cache={})
-    if fmt not in ("nvfp4", "q6_k", "iq3_s") or not x16.prepared_ok(qw, T, dev):
-        return True, False
-    if gl.tune_mode() == "force":
-        return True, True
-    prep = x16.xpre_on(x16.xpre_env(), dev) and x16.prefer_prepared(qw, T, torch.bfloat16, res, dev)
-    return not prep, prep
-
-
-def _precompile_job(job) -> str:
-    fmt, N, K, T = job
-    from ninfer_kernels import gemv_launch as gl
-    kern, wsig, gs = _kernel_spec(fmt)
-    dev = torch.device(DEV)
-    weights = tuple(torch.empty(64, dtype=_SIG_DTYPES[s], device=dev) for s in wsig.values())
-    out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
-    done = 0
-    for res in (None, out):   # the out-projections add the residual; --check runs with one too
-        want = _launched(fmt, N, K, T, res is not None, dev)
-        for x, extra, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev):
-            if not want[extra is not None]:
-                continue
-            for c in _to_compile(name, cands, N, K // gs, gs, T, res is not None, dev):
-                try:
-                    gl._launch(kern, weights, x, N, K // gs, 1.0, out, res, c, warmup=True, extra=extra)
-                    done += 1
-                except Exception as e:  # the tuner skips configs that fail; so does the precompile
-                    log(f"  precompile {fmt} {N}x{K} T={T} {name} {c}: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:120]}")
-    return f"{fmt} {N}x{K} T={T}: {done}"
-
-
-def precompile(jobs, workers: int) -> None:
-    """Compile in `workers` processes what a run will launch: the remembered configs, or what the tuner will try
-    where none is (`_to_compile`); the main process then loads the cached binaries. Jobs that differ only in
-    values Triton does not specialize on are compiled once."""
-    from ninfer_kernels import gemv_launch as gl
-    dev = torch.device(DEV)
-    uniq = {}
-    for fmt, N, K, T in jobs:
-        kern, _, gs = _kernel_spec(fmt)
-        G = K // gs
-        sig = frozenset((name, res, (c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2,
-                                     c.mma), _spec(gl.effective_split(c, G)))
-                        for res in (False, True)
-                        for _, extra, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev)
-                        if _launched(fmt, N, K, T, res, dev)[extra is not None]
-                        for c in _to_compile(name, cands, N, G, gs, T, res, dev))
-        uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))
-    t0 = time.time()
-    import multiprocessing as mp
-    with mp.get_context("spawn").Pool(workers) as pool:
-        for msg in pool.imap_unordered(_precompile_job, list(uniq.values())):
-            log(f"  compiled {msg}")
-    log(f"precompiled {len(uniq)} kernel groups in {time.time() - t0:.0f} s with {workers} workers")
 
 
 # ---- one format at one shape -----------------------------------------------------------------------------
@@ -287,7 +179,7 @@ def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us, xpre: bool
                 return dispatch.linear(x, q, out=out)
         call(qws[0])                                       # the first call tunes; not timed
         kname = _KERNEL_NAME[fmt] + (x16.XPRE_SUFFIX if xpre else "")
-        key = gl.tune_key(kname, N, K // _kernel_spec(fmt)[2], T, x.dtype, False, x.device)
+        key = gl.tune_key(kname, N, K // kernel_spec(fmt)[2], T, x.dtype, False, x.device)
         finals = graph_runoff(key, qws, call, quick, runoff)
         it = iter(range(1 << 62))
         us_eager = bench_ms(lambda: call(qws[next(it) % len(qws)]), True) * 1e3

@@ -1,7 +1,9 @@
-"""bench/kernels.py's precompile: it compiles what a run will launch -- the remembered (shipped or cached) config
+"""bench/gemv_precompile.py (bench/kernels.py's and bench/decode_rank.py's precompile): it compiles what a run will launch -- the remembered (shipped or cached) config
 of each tuner key, bf16 and prepared activations, with and without a residual -- and every candidate only where
 nothing is remembered or tuning is forced; jobs are merged only when they would compile the same binaries."""
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench_kernels_module import load_bench_kernels  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels import gemv_tune_cache as tc  # noqa: E402
 from ninfer_kernels import x16  # noqa: E402
@@ -18,7 +19,8 @@ from ninfer_kernels.gemv_launch import GemvConfig  # noqa: E402
 A, B, C = (GemvConfig(bn, 16, 4, 1, split=2, h2=True) for bn in (32, 64, 128))
 
 
-kb = load_bench_kernels("bench_kernels_pre")
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+import gemv_precompile as kb  # noqa: E402
 
 
 @pytest.fixture
@@ -42,15 +44,15 @@ def test_to_compile_takes_the_remembered_config(remembered, monkeypatch):
 
 
 def test_inputs_cover_the_prepared_launch_with_runtime_strides():
-    kern, _, gs = kb._kernel_spec("nvfp4")
+    kern, _, gs = kb.kernel_spec("nvfp4")
     dev = torch.device("cpu")
     got = kb._precompile_inputs(kern, "nvfp4", 96, 256, 1, gs, dev)
     assert [name for _, _, name, _ in got] == [kern.__name__, kern.__name__ + x16.XPRE_SUFFIX]
     (x, plain, _, _), (xp, extra, _, _) = got
     assert x.dtype == torch.bfloat16 and plain is None and extra == {"XPRE": True}
     assert xp.dtype == torch.int32 and xp.stride(0) == x16.row_stride(256) and xp.stride(0) % 16 == 0
-    assert [n for _, _, n, _ in kb._precompile_inputs(*kb._kernel_spec("bf16")[:1], "bf16", 96, 256, 1, 4, dev)] \
-        == [kb._kernel_spec("bf16")[0].__name__]                        # no prepared form of bf16 weights
+    assert [n for _, _, n, _ in kb._precompile_inputs(*kb.kernel_spec("bf16")[:1], "bf16", 96, 256, 1, 4, dev)] \
+        == [kb.kernel_spec("bf16")[0].__name__]                        # no prepared form of bf16 weights
 
 
 def test_jobs_merge_only_when_they_compile_the_same(remembered, monkeypatch):
