@@ -108,6 +108,11 @@ def _pdl_kw(device, preload: bool = False) -> dict:
     return pdl_kw(device, preload=preload)
 
 
+def _pdl_mma() -> bool:
+    from ninfer_kernels.pdl import mma_mode
+    return mma_mode() == "1"
+
+
 def _swiglu_on(device) -> bool:
     from ninfer_rt.backends.triton_ops import swiglu_epilogue_env, swiglu_epilogue_on
     return swiglu_epilogue_on(swiglu_epilogue_env(), device)
@@ -423,6 +428,7 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "gdn_fused": backend.startswith("triton") and os.environ.get("NINFER_GDN_FUSED", "0") == "1",
             "swiglu_epilogue": backend.startswith("triton") and _swiglu_on(device),    # NINFER_SWIGLU_EPILOGUE
             "pdl_preload": backend.startswith("triton") and _pdl_kw(device, preload=True).get("PRELOAD") == 1,
+            "pdl_mma": backend.startswith("triton") and bool(_pdl_kw(device)) and _pdl_mma(),   # NINFER_PDL_MMA
             "x16_align": _x16_align()}                                        # NINFER_X16_ALIGN
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
