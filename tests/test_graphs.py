@@ -227,7 +227,7 @@ def test_eager_runner_equals_model_triton(tmp_path):
 
 
 @gpu
-@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
+@pytest.mark.parametrize("pdl", ["0", "1", "1-mma0"], ids=["plain", "pdl", "pdl-mma-plain"])
 def test_graph_replay_equals_eager_gpu(nvfp4_path, pdl, monkeypatch):
     """Captured graphs replayed with fresh metadata give the eager runner's tokens (bf16, Triton kernels); also
     with every kernel of the graphed model launched programmatically dependent (NINFER_PDL=1: sm_90+,
@@ -235,6 +235,9 @@ def test_graph_replay_equals_eager_gpu(nvfp4_path, pdl, monkeypatch):
     race its predecessor. The captured steps hold the GDN gates and the q/k conv-window updates as side-stream
     branches (NINFER_BRANCH default), the eager ones run them in line."""
     from ninfer_rt.backends.triton_ops import TritonOps
+    if pdl.endswith("mma0"):             # NINFER_PDL_MMA=0: the warp-MMA GEMVs triggering but launched plainly
+        monkeypatch.setenv("NINFER_PDL_MMA", "0")
+        pdl = pdl[0]
     models = [_model(nvfp4_path, TritonOps(), "cuda", torch.bfloat16) for _ in range(2)]
     cfg = {"batch_sizes": (1, 2), "tokens": (1, 3), "mtp_tokens": (1,), "kv_buckets": (32, 64)}
     runners = [GraphRunner(models[0], GraphConfig(**cfg, eager=True)), GraphRunner(models[1], GraphConfig(**cfg))]
