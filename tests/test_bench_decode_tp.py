@@ -338,7 +338,7 @@ def test_profile_line_shows_exclusive_groups():
 
 def test_precompile_process_does_not_force_tuning():
     """bench/kernels.py makes an unset NINFER_GEMV_TUNE mean `force` (it times every candidate); the decode
-    bench's precompile process imports it, and must still compile only what the run launches."""
+    bench's precompile process, which used to import it, must compile only what the run launches."""
     code = ("import os, sys; sys.path.insert(0, sys.argv[1]); os.environ.pop('NINFER_GEMV_TUNE', None)\n"
             "import decode_rank; decode_rank._precompile_proc([], 1)\n"
             "from ninfer_kernels import gemv_launch; print('mode', gemv_launch.tune_mode())")

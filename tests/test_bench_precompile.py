@@ -1,6 +1,7 @@
-"""bench/gemv_precompile.py (bench/kernels.py's and bench/decode_rank.py's precompile): it compiles what a run will launch -- the remembered (shipped or cached) config
-of each tuner key, bf16 and prepared activations, with and without a residual -- and every candidate only where
-nothing is remembered or tuning is forced; jobs are merged only when they would compile the same binaries."""
+"""bench/gemv_precompile.py (the precompile of bench/kernels.py and bench/decode_rank.py): it compiles what a run
+will launch -- the remembered (shipped or cached) config of each tuner key on the path the runtime takes (bf16 or
+prepared activations), with and without a residual -- and every candidate on both paths only where nothing is
+remembered or tuning is forced; jobs are merged only when they would compile the same binaries."""
 import os
 import sys
 from pathlib import Path

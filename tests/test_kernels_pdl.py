@@ -130,7 +130,8 @@ def test_every_kernel_takes_pdl_and_every_launch_passes_it():
 
 
 def test_mma_gemvs_launch_plainly_under_the_switch(monkeypatch):
-    """NINFER_PDL_MMA=0 (a comparison switch) takes PDL off the warp-MMA GEMV launches only."""
+    """NINFER_PDL_MMA=0 (a comparison switch) takes the PDL launch attribute off the warp-MMA GEMV launches only;
+    they keep the protocol compiled in (their late trigger)."""
     from ninfer_kernels.gemv_launch import GemvConfig, pdl_consts
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
