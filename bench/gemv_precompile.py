@@ -52,18 +52,20 @@ def _to_compile(name: str, cands: list, N: int, G: int, gs: int, T: int, res: bo
     return cands
 
 
-def _precompile_inputs(kern, fmt: str, N: int, K: int, T: int, gs: int, dev) -> list:
-    """(activations, extra constexprs, tuner name, candidates): the bf16 launch, and the prepared-activation one
-    (`ninfer_kernels.x16`, rows as the runtime allocates them) where the format has it at this T."""
-    from types import SimpleNamespace
-
+def _precompile_inputs(kern, fmt: str, N: int, K: int, T: int, gs: int, dev, res: bool) -> list:
+    """(activations, extra constexprs, tuner name, candidates) of each launch a run takes for this weight, T and
+    residual (`_launched`): the bf16 one and / or the prepared-activation one (`ninfer_kernels.x16`, rows as the
+    runtime allocates them)."""
     from ninfer_kernels import gemv_launch as gl
     from ninfer_kernels import x16
-    x = torch.zeros(T, K, dtype=torch.bfloat16, device=dev)
-    out = [(x, None, kern.__name__, gl.kernel_candidates(kern, T, N, K // gs, gs, x.dtype, dev))]
-    if fmt in ("nvfp4", "q6_k", "iq3_s") and x16.prepared_ok(SimpleNamespace(fmt=fmt, shape=(N, K)), T, dev):
+    plain, prepared = _launched(fmt, N, K, T, res, dev)
+    out = []
+    if plain:
+        out.append((torch.zeros(T, K, dtype=torch.bfloat16, device=dev), None, kern.__name__,
+                    gl.kernel_candidates(kern, T, N, K // gs, gs, torch.bfloat16, dev)))
+    if prepared:
         out.append((x16.empty_prepared(T, K, dev), {"XPRE": True}, kern.__name__ + x16.XPRE_SUFFIX,
-                    x16.prepared_candidates(kern, fmt, T, N, K, x.dtype, dev)))
+                    x16.prepared_candidates(kern, fmt, T, N, K, torch.bfloat16, dev)))
     return out
 
 
@@ -76,7 +78,7 @@ def _launched(fmt: str, N: int, K: int, T: int, res: bool, dev) -> tuple[bool, b
     from ninfer_kernels import gemv_launch as gl
     from ninfer_kernels import x16
     qw = SimpleNamespace(fmt=fmt, shape=(N, K), cache={})
-    if fmt not in ("nvfp4", "q6_k", "iq3_s") or not x16.prepared_ok(qw, T, dev):
+    if not x16.prepared_ok(qw, T, dev):          # no prepared form of this format / shape / T
         return True, False
     if gl.tune_mode() == "force":
         return True, True
@@ -93,10 +95,7 @@ def _precompile_job(job) -> str:
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     done = 0
     for res in (None, out):   # the out-projections add the residual; --check runs with one too
-        want = _launched(fmt, N, K, T, res is not None, dev)
-        for x, extra, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev):
-            if not want[extra is not None]:
-                continue
+        for x, extra, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev, res is not None):
             for c in _to_compile(name, cands, N, K // gs, gs, T, res is not None, dev):
                 try:
                     gl._launch(kern, weights, x, N, K // gs, 1.0, out, res, c, warmup=True, extra=extra)
@@ -120,8 +119,7 @@ def precompile(jobs, workers: int) -> None:
         sig = frozenset((name, res, (c.block_n, c.block_g, c.num_warps, c.num_stages, c.use_dot, c.t_tile, c.h2,
                                      c.mma), _spec(gl.effective_split(c, G)))
                         for res in (False, True)
-                        for _, extra, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev)
-                        if _launched(fmt, N, K, T, res, dev)[extra is not None]
+                        for _, _, name, cands in _precompile_inputs(kern, fmt, N, K, T, gs, dev, res)
                         for c in _to_compile(name, cands, N, G, gs, T, res, dev))
         uniq.setdefault((fmt, T, _spec(N), _spec(G), _spec(K), sig), (fmt, N, K, T))
     t0 = time.time()

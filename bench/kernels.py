@@ -36,7 +36,7 @@ if SMOKE:  # must precede the first ninfer_kernels import
 DEV = "cpu" if SMOKE else "cuda"
 # the benchmark measures the candidates itself: bypass the shipped defaults and the user's tuner cache
 os.environ.setdefault("NINFER_GEMV_TUNE", "force")
-from gemv_precompile import kernel_spec, precompile  # noqa: E402  (after the environment above)
+from gemv_precompile import kernel_spec, log, precompile  # noqa: E402  (after the environment above)
 # (name, tp, N, K): per-rank shapes, quant-formats.md / qwen38-architecture.md §13
 SHAPES = [("attn_qkv", 1, 14336, 5120), ("attn_o", 1, 5120, 6144), ("gdn_qkvz", 1, 16384, 5120),
           ("gdn_ab", 1, 96, 5120), ("gdn_out", 1, 5120, 6144), ("mlp_gate_up", 1, 34816, 5120),
@@ -53,10 +53,6 @@ L2_ROTATE_BYTES = 240e6   # weight copies per shape: at least 4x the 60 MB L2
 # in one graph): its flush-timed picks ran 10-19 % slower than a neighbouring split there (bench/NOTES.md §12)
 GRAPH_RUNOFF_MARGIN = 0.25
 GRAPH_RUNOFF_MAX = 3        # default of --runoff
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def bench_ms(fn, quick: bool) -> float:

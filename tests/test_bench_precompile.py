@@ -44,15 +44,16 @@ def test_to_compile_takes_the_remembered_config(remembered, monkeypatch):
     assert kb._to_compile("nvfp4_gemv_kernel", [A, B, C], 96, 16, 16, 1, False, dev) == [A, B, C]
 
 
-def test_inputs_cover_the_prepared_launch_with_runtime_strides():
+def test_inputs_cover_the_prepared_launch_with_runtime_strides(monkeypatch):
+    monkeypatch.setenv("NINFER_GEMV_TUNE", "force")        # both launches (the kernels step times both)
     kern, _, gs = kb.kernel_spec("nvfp4")
     dev = torch.device("cpu")
-    got = kb._precompile_inputs(kern, "nvfp4", 96, 256, 1, gs, dev)
+    got = kb._precompile_inputs(kern, "nvfp4", 96, 256, 1, gs, dev, False)
     assert [name for _, _, name, _ in got] == [kern.__name__, kern.__name__ + x16.XPRE_SUFFIX]
     (x, plain, _, _), (xp, extra, _, _) = got
     assert x.dtype == torch.bfloat16 and plain is None and extra == {"XPRE": True}
     assert xp.dtype == torch.int32 and xp.stride(0) == x16.row_stride(256) and xp.stride(0) % 16 == 0
-    assert [n for _, _, n, _ in kb._precompile_inputs(*kb.kernel_spec("bf16")[:1], "bf16", 96, 256, 1, 4, dev)] \
+    assert [n for _, _, n, _ in kb._precompile_inputs(*kb.kernel_spec("bf16")[:1], "bf16", 96, 256, 1, 4, dev, False)] \
         == [kb.kernel_spec("bf16")[0].__name__]                        # no prepared form of bf16 weights
 
 
