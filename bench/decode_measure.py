@@ -203,22 +203,47 @@ def _exclusive(events: list, steps: int) -> tuple[dict, float]:
     kernel gets (its end - max(its start, the latest end before it)), so kernels that overlap (programmatic
     dependent launch starts CTAs early; they then wait) share the timeline instead of each counting it whole;
     also the idle microseconds per step between kernels."""
+    per_event, gap = _exclusive_events(events)
     excl: dict[str, float] = {}
-    gap, last = 0.0, None
+    for e, us in per_event:
+        excl[e.name] = excl.get(e.name, 0.0) + us / steps
+    return excl, gap / steps
+
+
+def _exclusive_events(events: list) -> tuple[list, float]:
+    """[(event, its exclusive microseconds)] in start order (`_exclusive`), and the idle microseconds in all."""
+    out, gap, last = [], 0.0, None
     for e in sorted(events, key=lambda e: e.time_range.start):
         start, end = e.time_range.start, e.time_range.end
         if last is not None and start > last:
             gap += start - last
         lo = start if last is None else max(start, last)
-        excl[e.name] = excl.get(e.name, 0.0) + max(0.0, end - lo) / steps
+        out.append((e, max(0.0, end - lo)))
         last = end if last is None else max(last, end)
-    return excl, gap / steps
+    return out, gap
 
 
-def kernel_profile(step, steps: int, top: int = 15) -> dict:
+def linear_by_shape(events: list, steps: int, labels: list[str]) -> dict:
+    """The GEMV launches of a step by the weight they read: `labels` names a step's GEMV launches in launch order
+    (e.g. per layer qkv, o, gate_up, down, then lm_head); {label: [us, exclusive us, launches] per step}, or
+    {"note": ...} when the trace has a different number of GEMV launches per step."""
+    gemvs = [(e, x) for e, x in _exclusive_events(events)[0] if "gemv" in e.name.lower()]
+    if not labels or len(gemvs) != steps * len(labels):
+        return {"note": f"{len(gemvs)} GEMV launches for {steps} steps of {len(labels)} labels"}
+    out: dict[str, list] = {}
+    for i, (e, x) in enumerate(gemvs):
+        acc = out.setdefault(labels[i % len(labels)], [0.0, 0.0, 0.0])
+        acc[0] += (e.time_range.end - e.time_range.start) / steps
+        acc[1] += x / steps
+        acc[2] += 1 / steps
+    return out
+
+
+def kernel_profile(step, steps: int, top: int = 15, linear_labels: list[str] | None = None) -> dict:
     """GPU kernels of `steps` calls of step() under the torch profiler: count and microseconds per step, by
     kernel name and by coarse group (linear, attention, gdn, norms, ...), each kernel's whole duration and its
-    exclusive share of the timeline (`_exclusive`). {} if nothing was traced."""
+    exclusive share of the timeline (`_exclusive`); with linear_labels also by GEMV weight (`linear_by_shape`).
+    {} if nothing was traced."""
     from torch.profiler import ProfilerActivity, profile
     step()
     torch.cuda.synchronize()
@@ -242,7 +267,8 @@ def kernel_profile(step, steps: int, top: int = 15) -> dict:
         groups[g] = groups.get(g, 0.0) + us
         groups_x[g] = groups_x.get(g, 0.0) + excl.get(name, 0.0)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
-    return {"kernels_per_step": sum(n for _, n in by_name.values()),
+    shapes = {"linear_by_shape": linear_by_shape(events, steps, linear_labels)} if linear_labels else {}
+    return {**shapes, "kernels_per_step": sum(n for _, n in by_name.values()),
             "kernel_us_per_step": sum(us for us, _ in by_name.values()), "us_by_group": groups,
             "excl_us_by_group": groups_x, "idle_us_per_step": gap,
             "top": [[name[:80], us, n, excl.get(name, 0.0)] for name, (us, n) in ranked[:top]]}

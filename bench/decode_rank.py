@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 
 import bench_device as D
 import decode_measure as M
+import decode_profile
 import decode_tp as T
 import torch
 
@@ -227,49 +228,6 @@ def _precompile(model, opts: BenchOptions, device, timeout_s: float = 300.0) -> 
     return time.perf_counter() - t
 
 
-def _profile(model, runner, st, ctx, opts, base, emit) -> None:
-    """Where the GPU time goes: the decode step, and the two T = 4 steps: batch-4 serving (four sequences, one
-    token each; the bench captures batch 1 only, so the model's eager forward) and a K = 3 verify (one
-    sequence, four tokens, GDN snapshots). Graph replays (kernels inside graphs are traced by recent CUPTI)."""
-    from ninfer_rt.model import SeqInput
-    tok, four = torch.tensor([1]), torch.ones(4, dtype=torch.long)
-
-    def verify():
-        runner.forward([SeqInput(four, st, snapshot=True)])
-        st.commit(4)
-    _profile_one(runner, st, ctx, lambda: runner.forward([SeqInput(tok, st)]), "decode", base, emit,
-                 eager=lambda: runner.model.forward([SeqInput(tok, st)]))
-    extra = []
-    try:
-        for _ in range(3):
-            extra.append(model.new_state())
-            M.fill_context(model, extra[-1], ctx)
-        _profile_one(runner, st, ctx, lambda: runner.forward([SeqInput(tok, s) for s in (st, *extra)]), "batch 4",
-                     {**base, "batch": 4}, emit)
-    except Exception as e:                      # noqa: BLE001 - a diagnostic; never fails the run
-        emit({**base, "kind": "profile", "context": ctx, "step": "batch 4", "note": f"{type(e).__name__}: {e}"})
-    finally:
-        for s in extra:
-            s.free()
-    if "verify" in opts.parts and opts.max_draft >= 3:
-        _profile_one(runner, st, ctx, verify, "verify K=3", {**base, "draft_tokens": 3}, emit)
-
-
-def _profile_one(runner, st, ctx, step, name, base, emit, eager=None) -> None:
-    """eager: what to profile instead when the graph replays trace no kernels (older CUPTI)."""
-    try:
-        before = runner.stats.fallbacks
-        prof = M.kernel_profile(step, 8)
-        how = "graph replay" if runner.stats.fallbacks == before else "eager model.forward (no graph for it)"
-        if not prof and eager is not None:
-            prof, how = M.kernel_profile(eager, 8), "eager model.forward"
-        emit({**base, "kind": "profile", "context": ctx, "step": name, "source": how, **prof})
-    except Exception as e:                      # noqa: BLE001 - a diagnostic; never fails the run
-        emit({**base, "kind": "profile", "context": ctx, "step": name,
-              "note": f"profiler failed: {type(e).__name__}: {e}"})
-    M.rewind(st, ctx)
-
-
 def _decode_record(runner, st, ctx, opts, ceil, base, wb) -> dict:
     """Greedy decode at context `ctx`: ms/step as the engine runs it (tok_s, ms_step: run ahead at TP1, where
     the engine does, ninfer_rt/engine_ahead.py), with the token read back before each next step (`_sync`: the
@@ -305,7 +263,7 @@ def _decode_parts(model, runner, opts, ceil, base, emit, gen, ar) -> None:
             _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb)
         # the profiler last: the verify steps timed after it ran 0.2-0.9 ms slower (bench/NOTES.md §11)
         if "profile" in opts.parts and ctx == opts.contexts[0] and device.type == "cuda":
-            _profile(model, runner, st, ctx, opts, base, emit)
+            decode_profile.profile(model, runner, st, ctx, opts, base, emit)
         st.free()
 
 

@@ -72,7 +72,8 @@ def row(r: dict) -> str | None:
             excl = "; exclusive: " + ", ".join(f"{g} {us:.0f}" for g, us in sorted(
                 r["excl_us_by_group"].items(), key=lambda kv: -kv[1])) + f", idle {r['idle_us_per_step']:.0f}"
         return (f"{head}{r['context']:>7}      {r.get('step', 'decode')}: {r['kernels_per_step']:.0f} kernels, "
-                f"{r['kernel_us_per_step']:.0f} us of kernels per step ({r['source']}): {groups}{excl}")
+                f"{r['kernel_us_per_step']:.0f} us of kernels per step ({r['source']}): {groups}{excl}"
+                + _by_shape(r.get("linear_by_shape")))
     if k == "prefill":
         return (f"{head}{r['tokens']:>7}      {r['tok_s']:9.1f} tok/s {r['s']:8.3f} s  {r['tflops']:.1f} TFLOP/s "
                 f"= {r['pct_matmul_peak']:.1f}% of matmul peak")
@@ -104,6 +105,16 @@ def _mem_note(r: dict) -> str:
         return (f"; GiB per rank: max allocated {fmt(r['max_allocated_gib'])}, reserved {fmt(r['reserved_gib'])}, "
                 f"device used {fmt(r['device_used_gib'])}")
     return f"; peak RSS GiB per rank {fmt(r['peak_rss_gib'])}" if "peak_rss_gib" in r else ""
+
+
+def _by_shape(shapes: dict | None) -> str:
+    """The GEMVs per weight: us per launch, whole / exclusive, and the exclusive us per step."""
+    if not shapes:
+        return ""
+    if "note" in shapes:
+        return f"; by shape: {shapes['note']}"
+    return "; GEMV us per launch (whole/exclusive, step total): " + ", ".join(
+        f"{k} {us / n:.1f}/{x / n:.1f} ({x:.0f})" for k, (us, x, n) in sorted(shapes.items(), key=lambda kv: -kv[1][1]))
 
 
 def tp_summary(records: list) -> list[str]:

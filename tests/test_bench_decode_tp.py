@@ -21,6 +21,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(BENCH)
 import decode
 import decode_measure
+import decode_profile
 import decode_rank
 import decode_report as report
 import decode_tp
@@ -293,7 +294,8 @@ def test_profile_steps_on_cpu(monkeypatch):
                                             eager=True))
     calls = []
 
-    def fake_profile(step, steps, top=15):
+    def fake_profile(step, steps, top=15, linear_labels=None):
+        assert linear_labels[-1] == "lm_head" and len(linear_labels) == 4 * model.cfg.num_hidden_layers + 1
         for _ in range(2):
             step()
         calls.append(1)
@@ -303,7 +305,7 @@ def test_profile_steps_on_cpu(monkeypatch):
     decode_measure.fill_context(model, st, 40)
     free = model.kv_pool.free_pages()
     recs = []
-    decode_rank._profile(model, runner, st, 40, decode_rank.BenchOptions(device="cpu"), {"recipe": "x"}, recs.append)
+    decode_profile.profile(model, runner, st, 40, decode_rank.BenchOptions(device="cpu"), {"recipe": "x"}, recs.append)
     assert [r["step"] for r in recs] == ["decode", "batch 4", "verify K=3"] and len(calls) == 3
     assert recs[0]["source"] == "graph replay" and recs[1]["source"].startswith("eager")    # batch 4: no graph
     assert recs[1]["batch"] == 4 and recs[2]["draft_tokens"] == 3 and all("note" not in r for r in recs)
@@ -326,6 +328,21 @@ def test_exclusive_profile_shares_overlaps_and_counts_idle():
     assert excl == {"a": 10.0, "b": 5.0, "c": 4.0, "d": 0.0}
     assert idle == (5 + 6 + 5) / 2
     assert sum(excl.values()) + idle == (54 - 0) / 2
+
+
+def test_linear_by_shape_names_gemvs_by_launch_order():
+    """A step's GEMV launches take the labels in order (other kernels skipped); a count that does not match the
+    labels gives a note instead of a wrong attribution."""
+    evs = [_Ev("nvfp4_h2_gemv_kernel", 0, 10), _Ev("rmsnorm_kernel", 10, 12), _Ev("nvfp4_h2_gemv_kernel", 11, 20),
+           _Ev("q6_k_h2_gemv_kernel", 20, 30)]
+    evs += [_Ev(e.name, e.time_range.start + 100, e.time_range.end + 100) for e in evs]
+    by = decode_measure.linear_by_shape(list(reversed(evs)), 2, ["qkv", "o", "lm_head"])
+    assert by == {"qkv": [10.0, 10.0, 1.0], "o": [9.0, 8.0, 1.0], "lm_head": [10.0, 10.0, 1.0]}
+    assert "note" in decode_measure.linear_by_shape(evs, 2, ["qkv", "lm_head"])
+    line = report.row({"kind": "profile", "recipe": "nvfp4", "tp": 1, "context": 8, "step": "decode",
+                       "kernels_per_step": 4, "kernel_us_per_step": 30.0, "source": "graph replay",
+                       "us_by_group": {"linear": 29.0}, "linear_by_shape": by})
+    assert "qkv 10.0/10.0 (10)" in line and "o 9.0/8.0 (8)" in line
 
 
 def test_profile_line_shows_exclusive_groups():
