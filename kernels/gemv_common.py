@@ -28,11 +28,19 @@ The weight bytes of a row block are read once for all T columns of a T tile.
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from .gemv_glu import _EPI_RES, glu_arrive
 from .pdl import pdl_trigger
+
+# partials the split-K reduction loads per round before it adds them (in split order, so any value gives the same
+# bits): each round is one L2 round trip of the last CTA of a row block, at the kernel's tail. NINFER_SPLIT_UNROLL
+# (a comparison switch; 1 = one load per round) is part of every GEMV's compile key (a global constexpr).
+SPLIT_UNROLL_ENV = "NINFER_SPLIT_UNROLL"
+SPLIT_UNROLL = tl.constexpr(int(os.environ.get(SPLIT_UNROLL_ENV, "4")))
 
 
 @triton.jit
@@ -159,9 +167,17 @@ def split_arrive(cnt_ptr, split):
 
 @triton.jit
 def split_total(cols, rows, m, N, T, split, ws_ptr):
+    """The sum of the row block's `split` partials, added in split order (bitwise reproducible), loaded
+    SPLIT_UNROLL at a time."""
     tot = tl.zeros(m.shape, tl.float32)
-    for s in range(0, split):  # fixed order: bitwise reproducible
-        tot += tl.load(ws_ptr + (s * T + cols) * N + rows, mask=m, other=0.0, cache_modifier=".cg")
+    zero = tl.zeros(m.shape, tl.int32)      # the split index as a tensor: a scalar in a mask breaks the interpreter
+    for s0 in range(0, split, SPLIT_UNROLL):
+        parts = ()
+        for i in tl.static_range(SPLIT_UNROLL):
+            parts = parts + (tl.load(ws_ptr + ((s0 + i) * T + cols) * N + rows, mask=m & (zero + (s0 + i) < split),
+                                     other=0.0, cache_modifier=".cg"),)
+        for i in tl.static_range(SPLIT_UNROLL):
+            tot = tl.where(s0 + i < split, tot + parts[i], tot)
     return tot
 
 
