@@ -124,6 +124,11 @@ def _x16_align() -> int:
     return ROW_ALIGN
 
 
+def _split_unroll() -> int:
+    from ninfer_kernels.gemv_common import SPLIT_UNROLL
+    return SPLIT_UNROLL.value
+
+
 def _runner(model, opts: BenchOptions):
     from ninfer_rt.graphs import GraphConfig, GraphRunner
     verify = "verify" in opts.parts
@@ -387,7 +392,8 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "swiglu_epilogue": backend.startswith("triton") and _swiglu_on(device),    # NINFER_SWIGLU_EPILOGUE
             "pdl_preload": backend.startswith("triton") and _pdl_kw(device, preload=True).get("PRELOAD") == 1,
             "pdl_mma": backend.startswith("triton") and bool(_pdl_kw(device)) and _pdl_mma(),   # NINFER_PDL_MMA
-            "x16_align": _x16_align()}                                        # NINFER_X16_ALIGN
+            "x16_align": _x16_align(),                                        # NINFER_X16_ALIGN
+            "split_unroll": _split_unroll()}                                  # NINFER_SPLIT_UNROLL
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()
