@@ -289,6 +289,24 @@ def test_paged_attention_splits_sized_on_device(min_split):
     check(got, want, torch.float32)
 
 
+def test_paged_attention_combine_chunks():
+    """More splits than the combine loads per chunk (attention_decode.COMBINE_SPLITS): the running maximum
+    carried across chunks, rescaling the first chunk's sums (the last keys of sequence 0 score high, so the
+    second chunk holds the largest log-sum-exps); a sequence whose keys end in the first chunk (its second
+    chunk holds only keyless splits)."""
+    from ninfer_kernels.attention_decode import COMBINE_SPLITS
+    splits = COMBINE_SPLITS + 5
+    kv0 = 1200        # cut into more than COMBINE_SPLITS BLOCK_N-aligned pieces (checked: a combine without
+                      # the rescale fails here)
+    q, kc, vc, meta = _attn_case(torch.float32, (1, 2), (kv0, 70), seed=6)
+    pos = torch.arange(kv0 - 48, kv0, device=DEV)
+    slots = meta.block_tables[0, pos // kc.shape[1]].long() * kc.shape[1] + pos % kc.shape[1]
+    kc.view(-1, *kc.shape[2:])[slots] *= 6.0
+    want = REF.attention(q, torch.nan_to_num(kc), torch.nan_to_num(vc), meta, q.shape[-1] ** -0.5)
+    with poisoned():
+        check(_paged_attention(q, kc, vc, meta, splits, min_split=32, max_kv=8192), want, torch.float32)
+
+
 def test_attention_min_split_env(monkeypatch):
     """NINFER_ATTN_MIN_SPLIT reaches the kernel (7 host splits over a 4K bucket; 500 keys cut into 7 pieces of
     >= 32 keys or 4 of >= 128): the same output either way."""
