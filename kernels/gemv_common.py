@@ -37,10 +37,21 @@ from .gemv_glu import _EPI_RES, glu_arrive
 from .pdl import pdl_trigger
 
 # partials the split-K reduction loads per round before it adds them (in split order, so any value gives the same
-# bits): each round is one L2 round trip of the last CTA of a row block, at the kernel's tail. NINFER_SPLIT_UNROLL
-# (a comparison switch; 1 = one load per round) is part of every GEMV's compile key (a global constexpr).
+# bits): each round is one L2 round trip of the last CTA of a row block, at the kernel's tail (4 took the H200's
+# verify K = 3 step from 7.85 to 7.42 ms, bench/NOTES.md §24; 8 takes the warp-MMA tiles from 72 to 122+
+# registers). NINFER_SPLIT_UNROLL (a comparison switch; 1 = one load per round) is part of every GEMV's compile key
+# (a global constexpr): read once, here, and checked where the runtime starts (`split_unroll_env_error`).
 SPLIT_UNROLL_ENV = "NINFER_SPLIT_UNROLL"
-SPLIT_UNROLL = tl.constexpr(int(os.environ.get(SPLIT_UNROLL_ENV, "4")))
+_SPLIT_UNROLLS = ("4", "2", "1")
+
+
+def split_unroll_env_error() -> str | None:
+    """None, or a one-line message when NINFER_SPLIT_UNROLL holds anything but 4, 2 or 1."""
+    v = os.environ.get(SPLIT_UNROLL_ENV, _SPLIT_UNROLLS[0])
+    return None if v in _SPLIT_UNROLLS else f"{SPLIT_UNROLL_ENV}={v!r}: expected 4 (the default), 2 or 1"
+
+
+SPLIT_UNROLL = tl.constexpr(int(os.environ.get(SPLIT_UNROLL_ENV, "4")) if split_unroll_env_error() is None else 4)
 
 
 @triton.jit
