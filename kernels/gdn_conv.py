@@ -80,30 +80,34 @@ def causal_conv_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr
 def conv_step_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr, C, sx_t,
                      CK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = 0):
     """At most one new token per sequence (decode): each thread owns its channels in every window row, so the
-    window moves up in registers -- no tile of masked token rows, no barrier before the rewrite."""
+    window moves up in registers -- no tile of masked token rows, no barrier before the rewrite. The sequence's
+    offsets, slot and snapshot index are loaded together and a sequence without a token masks its loads and
+    stores (a branch on the offsets made the slot's load, and the window's behind it, wait for them: one more
+    dependent memory round trip in a kernel that is little else)."""
     pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     b = tl.program_id(0)
     s0 = tl.load(cu_ptr + b)
-    if tl.load(cu_ptr + b + 1) > s0:
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        m = c < C
-        base = tl.load(slot_ptr + b).to(tl.int64) * ((CK - 1) * C)
-        snap = tl.load(snapidx_ptr + b)
-        xv = tl.load(x_ptr + s0.to(tl.int64) * sx_t + c, mask=m, other=0.0).to(tl.float32)
-        acc = xv * tl.load(w_ptr + c * CK + (CK - 1), mask=m, other=0.0).to(tl.float32)
-        rows = ()
-        for j in tl.static_range(CK - 1):
-            p = tl.load(pool_ptr + base + j * C + c, mask=m, other=0.0)
-            acc += p * tl.load(w_ptr + c * CK + j, mask=m, other=0.0).to(tl.float32)
-            rows = rows + (p,)
-        tl.store(y_ptr + s0.to(tl.int64) * C + c, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=m)
-        if snap >= 0:
-            dst = snap_ptr + snap.to(tl.int64) * ((CK - 1) * C)
-        else:
-            dst = pool_ptr + base
-        for j in tl.static_range(CK - 2):
-            tl.store(dst + j * C + c, rows[j + 1], mask=m)
-        tl.store(dst + (CK - 2) * C + c, xv, mask=m)
+    s1 = tl.load(cu_ptr + b + 1)
+    slot = tl.load(slot_ptr + b)
+    snap = tl.load(snapidx_ptr + b)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (c < C) & (tl.zeros([BLOCK_C], tl.int32) + s1 > s0)     # a batch row without a token: nothing
+    base = slot.to(tl.int64) * ((CK - 1) * C)
+    xv = tl.load(x_ptr + s0.to(tl.int64) * sx_t + c, mask=m, other=0.0).to(tl.float32)
+    acc = xv * tl.load(w_ptr + c * CK + (CK - 1), mask=c < C, other=0.0).to(tl.float32)
+    rows = ()
+    for j in tl.static_range(CK - 1):
+        p = tl.load(pool_ptr + base + j * C + c, mask=m, other=0.0)
+        acc += p * tl.load(w_ptr + c * CK + j, mask=c < C, other=0.0).to(tl.float32)
+        rows = rows + (p,)
+    tl.store(y_ptr + s0.to(tl.int64) * C + c, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=m)
+    if snap >= 0:
+        dst = snap_ptr + snap.to(tl.int64) * ((CK - 1) * C)
+    else:
+        dst = pool_ptr + base
+    for j in tl.static_range(CK - 2):
+        tl.store(dst + j * C + c, rows[j + 1], mask=m)
+    tl.store(dst + (CK - 2) * C + c, xv, mask=m)
 
 
 def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -385,6 +385,22 @@ def test_causal_conv(dtype, lens, snapshot):
     assert torch.isnan(snaps[n_snap:]).all()
 
 
+def test_causal_conv_step_skips_a_sequence_without_tokens():
+    """The one-token step kernel with a padded batch row (no new token, as a CUDA graph's spare row): nothing of
+    its slot is read or written -- the slot here is a NaN row nobody owns -- and the others are unaffected."""
+    meta, _ = _gdn_meta((1, 0, 1), (False, False, False), slots=(2, 3, 0))
+    x = rnd(2, C, dtype=torch.float32)
+    w = rnd(C, CK, seed=1, scale=0.5)
+    pool = rnd(4, CK - 1, C, seed=2)
+    pool[[1, 3]] = float("nan")
+    want_pool = pool.clone()     # the reference has no empty sequences: the same batch without the padded row
+    want = REF.causal_conv(x, w, want_pool, _gdn_meta((1, 1), (False, False), slots=(2, 0))[0], None)
+    with poisoned():
+        got = TRI.causal_conv(x, w, pool, meta, None)
+    check(got, want, torch.float32)
+    assert torch.allclose(pool, want_pool, rtol=1e-5, atol=1e-6, equal_nan=True) and torch.isnan(pool[3]).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gdn_gates(dtype):
     ba = rnd(3, 2 * HV + 1, dtype=dtype, scale=8.0)          # strided b / a columns, softplus far into both tails
