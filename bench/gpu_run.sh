@@ -26,7 +26,8 @@
 #   sweep     bench/decode.py --parts ${SWEEP_PARTS:-decode} at 1K once per value of $SWEEP_VALUES (space list) of the
 #             environment variable $SWEEP_VAR, in that order, on one kept artifact: records tagged "sweep": "VAR=v"
 #             in sweep.json, tables in sweep_table.txt (repeat a value to see the machine's drift); $SWEEP_ARGS: more
-#             decode.py arguments (e.g. "--max-draft 3")
+#             decode.py arguments (e.g. "--max-draft 3"); a value that names a folder .ab/<value> (bench/ab_tree.sh:
+#             an earlier commit's packages; carry .ab) runs with that folder first on PYTHONPATH
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
@@ -85,7 +86,9 @@ run_sweep() {
     l=$(( $(left) - $(reserve decode serve) )); [ "$l" -gt 60 ] || { echo "no time for sweep $v ($l s)"; break; }
     echo "== sweep ${SWEEP_VAR}=$v" >> "$OUT/sweep_table.txt"
     rm -f "/tmp/sweep_$i.json"   # a warm machine keeps an earlier call's file: a failed run must not merge it
-    env "${SWEEP_VAR}=$v" timeout $l python3 bench/decode.py --recipes nvfp4 --parts ${SWEEP_PARTS:-decode} \
+    local pp=$PYTHONPATH
+    [ -d ".ab/$v" ] && pp="$PWD/.ab/$v:$PYTHONPATH"   # bench/ab_tree.sh: an earlier commit's packages first
+    env PYTHONPATH="$pp" "${SWEEP_VAR}=$v" timeout $l python3 bench/decode.py --recipes nvfp4 --parts ${SWEEP_PARTS:-decode} \
       --contexts 1024 --steps 64 ${SWEEP_ARGS:-} --keep --dir /dev/shm/ninfer-run --budget-s $(( l - 10 )) \
       --out "/tmp/sweep_$i.json" >> "$OUT/sweep_table.txt" 2> "/tmp/sweep_log_$i.txt"
     local rc=$?

@@ -74,3 +74,25 @@ def test_walk_counts_each_weight_once():
 def test_ceilings_on_cpu():
     assert D.copy_tbps("cpu", 1, reps=2) > 0 and D.matmul_tflops("cpu", 16, torch.float32, reps=2) > 0
     assert D.device_name("cpu").startswith("cpu (")
+
+
+def test_ab_tree_exports_a_commits_packages():
+    """bench/ab_tree.sh: an earlier commit's runtime packages under .ab/NAME with the import names the device's
+    PYTHONPATH needs (kernels -> ninfer_kernels), byte for byte; a bad commit or name is a one-line error."""
+    import shutil
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    script, out = os.path.join(root, "bench", "ab_tree.sh"), os.path.join(root, ".ab", "pytest-ab")
+    try:
+        p = subprocess.run(["bash", script, "HEAD", "pytest-ab", "kernels", "formats"], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        assert sorted(os.listdir(out)) == ["ninfer_formats", "ninfer_kernels"]
+        want = subprocess.run(["git", "-C", root, "show", "HEAD:kernels/pdl.py"], capture_output=True).stdout
+        assert open(os.path.join(out, "ninfer_kernels", "pdl.py"), "rb").read() == want
+        for args, msg in ((["no-such-rev", "x"], "no commit no-such-rev"), (["HEAD", "head"], "NAME must be")):
+            p = subprocess.run(["bash", script, *args], capture_output=True, text=True)
+            assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
