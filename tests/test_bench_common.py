@@ -76,23 +76,30 @@ def test_ceilings_on_cpu():
     assert D.device_name("cpu").startswith("cpu (")
 
 
-def test_ab_tree_exports_a_commits_packages():
+def test_ab_tree_exports_a_commits_packages(tmp_path):
     """bench/ab_tree.sh: an earlier commit's runtime packages under .ab/NAME with the import names the device's
-    PYTHONPATH needs (kernels -> ninfer_kernels), byte for byte; a bad commit or name is a one-line error."""
+    PYTHONPATH needs (kernels -> ninfer_kernels), byte for byte, not the working tree's; a bad commit or name is
+    a one-line error. Runs in a scratch repository holding a copy of the script."""
     import shutil
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
-        pytest.skip("not a git checkout")
-    script, out = os.path.join(root, "bench", "ab_tree.sh"), os.path.join(root, ".ab", "pytest-ab")
-    try:
-        p = subprocess.run(["bash", script, "HEAD", "pytest-ab", "kernels", "formats"], capture_output=True, text=True)
-        assert p.returncode == 0, p.stderr
-        assert sorted(os.listdir(out)) == ["ninfer_formats", "ninfer_kernels"]
-        want = subprocess.run(["git", "-C", root, "show", "HEAD:kernels/pdl.py"], capture_output=True).stdout
-        assert open(os.path.join(out, "ninfer_kernels", "pdl.py"), "rb").read() == want
-        for args, msg in ((["no-such-rev", "x"], "no commit no-such-rev"), (["HEAD", "head"], "NAME must be")):
-            p = subprocess.run(["bash", script, *args], capture_output=True, text=True)
-            assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    repo = tmp_path / "repo"
+    for d in ("bench", "kernels", "formats"):
+        (repo / d).mkdir(parents=True)
+    shutil.copy(os.path.join(root, "bench", "ab_tree.sh"), repo / "bench" / "ab_tree.sh")
+    (repo / "kernels" / "k.py").write_text("old = 1\n")
+    (repo / "formats" / "f.py").write_text("fmt = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "old"]):
+        subprocess.run(git + cmd, check=True, capture_output=True)
+    (repo / "kernels" / "k.py").write_text("new = 2\n")          # the working tree moved on; the export must not
+    script = ["bash", str(repo / "bench" / "ab_tree.sh")]
+    p = subprocess.run(script + ["HEAD", "pre", "kernels", "formats"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    out = repo / ".ab" / "pre"
+    assert sorted(os.listdir(out)) == ["ninfer_formats", "ninfer_kernels"]
+    assert (out / "ninfer_kernels" / "k.py").read_text() == "old = 1\n"
+    assert "/.ab/" in (repo / ".git" / "info" / "exclude").read_text().split()
+    for args, msg in ((["no-such-rev", "x"], "no commit no-such-rev"), (["HEAD", "head"], "NAME must be")):
+        p = subprocess.run(script + args, capture_output=True, text=True)
+        assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
