@@ -144,33 +144,32 @@ def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, g_ptr, xp_ptr, so_t, so_h, sg_t
                         Hq, D, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GATE: tl.constexpr = 0,
                         XP: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """Merge the splits of one (token, head), BLOCK_S splits per load: each chunk is one vector load of the
-    log-sum-exps and, beside it, one [BLOCK_S, BLOCK_D] load of the partials, merged with a running maximum
-    (online softmax). A split-at-a-time loop waited on two dependent loads per split (~8 us at 17 splits on the
-    H200); a maximum pass before the partials' loads added two dependent round trips to every launch."""
+    log-sum-exps and one [BLOCK_S, BLOCK_D] load of the partials (a split-at-a-time loop waited on two dependent
+    loads per split, ~8 us at 17 splits on the H200). The maximum pass stays: a one-pass online merge, which
+    also loads the partials of splits without keys, measured the same at decode and +1 us per launch at verify
+    K = 3 (bench/NOTES.md §25)."""
     pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
-    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
+    m = tl.load(plse_ptr + tok * Hq + h)        # split 0 always holds key 0, so m is finite
+    for s0 in range(0, n_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        m = tl.maximum(m, tl.max(tl.load(plse_ptr + (s * total_rows + tok) * Hq + h, mask=s < n_splits,
+                                         other=float("-inf")), axis=0))
+    den = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, n_splits, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         row = (s * total_rows + tok) * Hq + h
         lse = tl.load(plse_ptr + row, mask=s < n_splits, other=float("-inf"))
-        po = tl.load(po_ptr + (row * D)[:, None] + d[None, :], mask=(s < n_splits)[:, None] & d_ok[None, :],
-                     other=0.0)
-        # split 0 always holds key 0, so the first chunk's maximum is finite and alpha is 0 there
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        alpha = tl.exp2(m - m_new)
-        live = lse > float("-inf")
-        w = tl.where(live, tl.exp2(lse - m_new), 0.0)
-        # a split without keys for this row wrote no partial output: its rows hold stale memory (NaN, say)
-        acc = acc * alpha + tl.sum(w[:, None] * tl.where(live[:, None], po, 0.0), axis=0)
-        den = den * alpha + tl.sum(w, axis=0)
-        m = m_new
-    y = (acc / den).to(o_ptr.dtype.element_ty)
+        w = tl.exp2(lse - m)
+        den += w
+        # a split without keys for this row wrote no partial output (stale memory): not even loaded
+        live = (lse > float("-inf"))[:, None] & d_ok[None, :]
+        acc += tl.sum(w[:, None] * tl.load(po_ptr + (row * D)[:, None] + d[None, :], mask=live, other=0.0), axis=0)
+    y = (acc / tl.sum(den, axis=0)).to(o_ptr.dtype.element_ty)
     if GATE:
         y = _gated(y, g_ptr + tok * sg_t + h * sg_h + d, d_ok)
     tl.store(o_ptr + tok * so_t + h * so_h + d, y, mask=d_ok)
