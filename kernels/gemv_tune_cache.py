@@ -10,7 +10,8 @@ Timing every candidate config compiles each one; on a fresh H200 that took 28-42
 * shipped defaults: `gemv_tuned.json` beside this file, the H200 winners of `bench/results/kernels.json`
   (regenerate: `python3 -m ninfer_kernels.gemv_tune_cache bench/results/kernels.json`). They match on GPU name,
   format, N, K, T bucket and dtype; the residual only adds an epilogue, so either value uses them, and a Triton
-  upgrade keeps them (a stale winner is still a correct config).
+  upgrade keeps them (a stale winner is still a correct config). A pin in `bench/results/gemv_pins.json` replaces
+  the tuner's pick where an in-step A/B of the whole decode step measured another config faster (`apply_pins`).
 * heuristic: per (format, T bucket) the tiles that won most often there, ranked; `heuristic()` returns the
   first one among this shape's candidates (whose split was sized for this GPU), else the default candidate.
 """
@@ -33,6 +34,7 @@ from ninfer_formats.atomic import write_json_atomic
 from .gemv_launch import GemvConfig
 
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
+PINS_NAME = "gemv_pins.json"   # beside bench/results/kernels.json: in-step A/B winners (`apply_pins`)
 H2_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a packed-half2 variant (gemv_*_h2)
 MMA_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a warp-MMA variant (gemv_*_mma; sm_80+)
 _TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2", "mma")   # without the split
@@ -234,22 +236,61 @@ def parse_config(text: str) -> GemvConfig:
     return GemvConfig(**{k: v == "True" if v in ("True", "False") else int(v) for k, v in kv.items()})
 
 
-def build_shipped(records: list, source: str, dtype: str = "torch.bfloat16") -> dict:
+class PinError(ValueError):
+    """A pin that names no measured key or lacks a field."""
+
+
+def _record_key(r: dict) -> tuple:
+    return (r["gpu"], r["format"], int(r["shape"][0]), int(r["shape"][1]), int(r["T"]))
+
+
+def apply_pins(best: dict, pins: list) -> dict:
+    """`best` with each pin's record in its key's place. A pin (bench/results/gemv_pins.json) is a kernels.json
+    record whose config won an in-step A/B although the standalone tuner ranked another first; it must name a
+    measured key, a GemvConfig, its standalone us and why."""
+    out = dict(best)
+    for i, p in enumerate(pins):
+        where = f"pin {i} ({p.get('format')} {p.get('shape')} T={p.get('T')})" if isinstance(p, dict) else f"pin {i}"
+        if not isinstance(p, dict) or not {"gpu", "format", "shape", "T", "config", "us", "why"} <= p.keys():
+            raise PinError(f"{where}: needs gpu, format, shape, T, config, us and why")
+        try:
+            parse_config(p["config"])
+            k = _record_key(p)
+        except (ValueError, TypeError, IndexError) as e:
+            raise PinError(f"{where}: {e}") from None
+        if k not in best:
+            raise PinError(f"{where}: no kernels.json record for that GPU, format, shape and T")
+        out[k] = p
+    return out
+
+
+def load_pins(path: Path) -> list:
+    """The pins file's list; anything unreadable is a PinError."""
+    try:
+        pins = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise PinError(f"unreadable ({e})") from None
+    if not isinstance(pins, list):
+        raise PinError("expected a list of pins")
+    return pins
+
+
+def build_shipped(records: list, source: str, dtype: str = "torch.bfloat16", pins: list = ()) -> dict:
     """The shipped-defaults document from bench/kernels.py records: the fastest record per (GPU, format,
-    shape, T) and, per (format, T), the winners' tiles ranked by how often they won."""
+    shape, T), or its pin (`apply_pins`), and, per (format, T), the shipped tiles ranked by how often they won."""
     best: dict = {}
     for r in records:
         if not isinstance(r.get("config"), str) or not r["config"].startswith("GemvConfig(") or "us" not in r:
             continue   # prefill records and untuned ("default") ones
-        k = (r["gpu"], r["format"], int(r["shape"][0]), int(r["shape"][1]), int(r["T"]))
+        k = _record_key(r)
         if k not in best or r["us"] < best[k]["us"]:
             best[k] = r
     gpus: dict = {}
     wins: dict = {}
-    for (gpu, fmt, N, K, T), r in sorted(best.items()):
+    for (gpu, fmt, N, K, T), r in sorted(apply_pins(best, list(pins)).items()):
         cfg = parse_config(r["config"])
-        gpus.setdefault(gpu, []).append({"fmt": fmt, "N": N, "K": K, "t_bucket": T, "config": asdict(cfg),
-                                         "us": r["us"]})
+        e = {"fmt": fmt, "N": N, "K": K, "t_bucket": T, "config": asdict(cfg), "us": r["us"]}
+        gpus.setdefault(gpu, []).append({**e, "pin": r["why"]} if "why" in r else e)
         wins.setdefault(fmt, {}).setdefault(str(T), Counter())[tuple(getattr(cfg, f) for f in _TILE)] += 1
     heur = {fmt: {T: [dict(zip(_TILE, tile)) for tile, _ in c.most_common()] for T, c in per.items()}
             for fmt, per in wins.items()}
@@ -259,15 +300,19 @@ def build_shipped(records: list, source: str, dtype: str = "torch.bfloat16") -> 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Regenerate the shipped GEMV configs from bench/kernels.py results.")
     ap.add_argument("results", help="bench/results/kernels.json")
+    ap.add_argument("--pins", help="in-step winners that replace the tuner's pick (default: gemv_pins.json beside "
+                                   "the results, when it exists)")
     ap.add_argument("--out", default=str(SHIPPED_PATH))
     a = ap.parse_args(argv)
+    pins_path = Path(a.pins) if a.pins else Path(a.results).with_name(PINS_NAME)
     try:
-        doc = build_shipped(json.loads(Path(a.results).read_text()), Path(a.results).name)
+        pins = load_pins(pins_path) if a.pins or pins_path.exists() else []
+        doc = build_shipped(json.loads(Path(a.results).read_text()), Path(a.results).name, pins=pins)
         write_json_atomic(a.out, doc)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"error: {a.results}: {e}", file=sys.stderr)
+        print(f"error: {pins_path if isinstance(e, PinError) else a.results}: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"out": a.out, "entries": sum(map(len, doc["gpus"].values()))}))
+    print(json.dumps({"out": a.out, "entries": sum(map(len, doc["gpus"].values())), "pins": len(pins)}))
     return 0
 
 

@@ -131,11 +131,12 @@ def test_shipped_defaults_answer_for_an_h200():
 
 
 def test_shipped_file_matches_the_bench_results():
-    """gemv_tuned.json is build_shipped(bench/results/kernels.json): regenerate it when the results change."""
+    """gemv_tuned.json is build_shipped(bench/results/kernels.json, its pins): regenerate it when either changes."""
     results = Path(__file__).resolve().parents[1] / "bench" / "results" / "kernels.json"   # the repo's, also
     # where ninfer_kernels is imported through a link (the device machine's PYTHONPATH)
     assert results.exists(), "bench/results/kernels.json is part of the repository"
-    built = tc.build_shipped(json.loads(results.read_text()), "kernels.json")
+    pins = tc.load_pins(results.with_name(tc.PINS_NAME))   # in-step A/B winners (tests/test_gemv_pins.py)
+    built = tc.build_shipped(json.loads(results.read_text()), "kernels.json", pins=pins)
     assert built == json.loads(tc.SHIPPED_PATH.read_text())
     assert all(e["config"]["split"] >= 1 for e in built["gpus"]["NVIDIA H200"])
 
