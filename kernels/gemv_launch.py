@@ -325,7 +325,7 @@ def choose_config(key, cands: list[GemvConfig], run, device, GS: int) -> tuple[G
     from . import gemv_tune_cache as tc
     pkey = tc.make_key(key, GS, device)
     mode = tune_mode()
-    cfg = tc.lookup(pkey, GS) if mode != "force" else None
+    cfg = tc.lookup(pkey, GS) if mode != "force" else tc.pinned(pkey, GS)   # a runtime pin outranks re-timing
     if cfg is None and mode == "0":
         cfg = tc.heuristic(pkey.fmt, pkey.t_bucket, cands)
     if cfg is not None:

@@ -11,7 +11,8 @@ Timing every candidate config compiles each one; on a fresh H200 that took 28-42
   (regenerate: `python3 -m ninfer_kernels.gemv_tune_cache bench/results/kernels.json`). They match on GPU name,
   format, N, K, T bucket and dtype; the residual only adds an epilogue, so either value uses them, and a Triton
   upgrade keeps them (a stale winner is still a correct config). A pin in `bench/results/gemv_pins.json` replaces
-  the tuner's pick where an in-step A/B of the whole decode step measured another config faster (`apply_pins`).
+  the tuner's pick where an in-step A/B of the whole decode step measured another config faster; NINFER_GEMV_PINS
+  names a pins file that goes ahead of everything at run time (`gemv_pins`).
 * heuristic: per (format, T bucket) the tiles that won most often there, ranked; `heuristic()` returns the
   first one among this shape's candidates (whose split was sized for this GPU), else the default candidate.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
@@ -31,10 +31,11 @@ import triton
 
 from ninfer_formats.atomic import write_json_atomic
 
+from . import gemv_pins
 from .gemv_launch import GemvConfig
+from .gemv_pins import PINS_NAME, PinError, apply_pins, load_pins, parse_config, record_key
 
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
-PINS_NAME = "gemv_pins.json"   # beside bench/results/kernels.json: in-step A/B winners (`apply_pins`)
 H2_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a packed-half2 variant (gemv_*_h2)
 MMA_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a warp-MMA variant (gemv_*_mma; sm_80+)
 _TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2", "mma")   # without the split
@@ -136,6 +137,7 @@ def reset() -> None:
     """Forget what was read (tests; a changed NINFER_CACHE_DIR)."""
     global _USER, _SHIPPED, _WRITE_FAILED
     _USER, _SHIPPED, _WRITE_FAILED = None, None, False
+    gemv_pins.reset()
 
 
 def record(key: TuneKey, cfg: GemvConfig, ms: float | None) -> None:
@@ -188,8 +190,17 @@ def _shipped_entry(key: TuneKey) -> dict | None:
                  if (e.get("fmt"), e.get("N"), e.get("K"), e.get("t_bucket")) == want), None)
 
 
+def pinned(key: TuneKey, GS: int) -> GemvConfig | None:
+    """The runtime pin's config for `key` (NINFER_GEMV_PINS, `gemv_pins`) when it is usable here, else None."""
+    pin = gemv_pins.runtime_pins().get((key.gpu, key.fmt, key.N, key.K, key.t_bucket))
+    return pin[0] if pin is not None and _usable(pin[0], GS, key.fmt, key.t_bucket, key.cc, key.K) else None
+
+
 def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
-    """The user cache's config for `key`, else the shipped one for its GPU, else None."""
+    """The runtime pin for `key`, else the user cache's config, else the shipped one for its GPU, else None."""
+    cfg = pinned(key, GS)
+    if cfg is not None:
+        return cfg
     hit = _user().get(key)
     if hit is not None and _usable(hit[0], GS, key.fmt, key.t_bucket, key.cc, key.K):
         return hit[0]
@@ -204,8 +215,11 @@ def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
 
 
 def remembered_ms(key: TuneKey) -> float | None:
-    """The time remembered with `key`'s choice: the user cache's, else the shipped entry's for its GPU; None if
-    neither has one."""
+    """The time remembered with `key`'s choice: the runtime pin's, else the user cache's, else the shipped entry's
+    for its GPU; None if none has one."""
+    pin = gemv_pins.runtime_pins().get((key.gpu, key.fmt, key.N, key.K, key.t_bucket))
+    if pin is not None:
+        return pin[1] / 1e3
     hit = _user().get(key)
     if hit is not None and isinstance(hit[1], (int, float)):
         return float(hit[1])
@@ -227,54 +241,6 @@ def heuristic(fmt: str, t_bucket: int, cands: list[GemvConfig]) -> GemvConfig:
     return cands[0]
 
 
-def parse_config(text: str) -> GemvConfig:
-    """GemvConfig from its repr (what bench/kernels.py records)."""
-    m = re.fullmatch(r"GemvConfig\((.*)\)", text.strip())
-    if not m:
-        raise ValueError(f"not a GemvConfig repr: {text!r}")
-    kv = dict(p.split("=", 1) for p in m.group(1).split(", "))
-    return GemvConfig(**{k: v == "True" if v in ("True", "False") else int(v) for k, v in kv.items()})
-
-
-class PinError(ValueError):
-    """A pin that names no measured key or lacks a field."""
-
-
-def _record_key(r: dict) -> tuple:
-    return (r["gpu"], r["format"], int(r["shape"][0]), int(r["shape"][1]), int(r["T"]))
-
-
-def apply_pins(best: dict, pins: list) -> dict:
-    """`best` with each pin's record in its key's place. A pin (bench/results/gemv_pins.json) is a kernels.json
-    record whose config won an in-step A/B although the standalone tuner ranked another first; it must name a
-    measured key, a GemvConfig, its standalone us and why."""
-    out = dict(best)
-    for i, p in enumerate(pins):
-        where = f"pin {i} ({p.get('format')} {p.get('shape')} T={p.get('T')})" if isinstance(p, dict) else f"pin {i}"
-        if not isinstance(p, dict) or not {"gpu", "format", "shape", "T", "config", "us", "why"} <= p.keys():
-            raise PinError(f"{where}: needs gpu, format, shape, T, config, us and why")
-        try:
-            parse_config(p["config"])
-            k = _record_key(p)
-        except (ValueError, TypeError, IndexError) as e:
-            raise PinError(f"{where}: {e}") from None
-        if k not in best:
-            raise PinError(f"{where}: no kernels.json record for that GPU, format, shape and T")
-        out[k] = p
-    return out
-
-
-def load_pins(path: Path) -> list:
-    """The pins file's list; anything unreadable is a PinError."""
-    try:
-        pins = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise PinError(f"unreadable ({e})") from None
-    if not isinstance(pins, list):
-        raise PinError("expected a list of pins")
-    return pins
-
-
 def build_shipped(records: list, source: str, dtype: str = "torch.bfloat16", pins: list = ()) -> dict:
     """The shipped-defaults document from bench/kernels.py records: the fastest record per (GPU, format,
     shape, T), or its pin (`apply_pins`), and, per (format, T), the shipped tiles ranked by how often they won."""
@@ -282,7 +248,7 @@ def build_shipped(records: list, source: str, dtype: str = "torch.bfloat16", pin
     for r in records:
         if not isinstance(r.get("config"), str) or not r["config"].startswith("GemvConfig(") or "us" not in r:
             continue   # prefill records and untuned ("default") ones
-        k = _record_key(r)
+        k = record_key(r)
         if k not in best or r["us"] < best[k]["us"]:
             best[k] = r
     gpus: dict = {}
