@@ -46,9 +46,7 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
     jm = j < HALF
     axis = tl.where((j % 3 == 1) & (j < 3 * sec1), 1, tl.where((j % 3 == 2) & (j < 3 * sec2), 2, 0))
     pos = tl.load(pos_ptr + axis.to(tl.int64) * pos_row + t, mask=jm, other=0).to(tl.float32)
-    ang = pos * tl.load(inv_ptr + j, mask=jm, other=0.0)
-    cos = tl.cos(ang)[None, :]
-    sin = tl.sin(ang)[None, :]
+    freq = tl.load(inv_ptr + j, mask=jm, other=0.0)
     is_q = h < Hq
     hk = tl.where(is_q, 0, h - Hq)
     ok = h < Hq + Hk
@@ -56,25 +54,34 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
     src = tl.where(is_q, t * sq_t + h * sq_h, t * sk_t + hk * sk_h)[:, None]
     dst = tl.where(is_q, (t * Hq + h) * D, (krow * Hk + hk) * D)[:, None]
     mq = (is_q & ok)[:, None]
-    mk = ((~is_q) & ok & ((h * 0 + krow) >= 0))[:, None]       # a vector compare: negative slot, no store
+    # loads do not wait for the slot (the k rows are read whether or not they are stored): one dependent
+    # round trip fewer; only the stores are masked by a negative slot (a vector compare)
+    mkl = ((~is_q) & ok)[:, None]
+    mk = mkl & ((h * 0 + krow) >= 0)[:, None]
     m2 = jm[None, :]
     jj = j[None, :]
     p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
     pm = p < D
     # every load up front (heads, gains, v): each one issued after a reduction or a store would be one more
     # dependent memory round trip in a kernel that is nothing but latency
-    x1 = _ld(q_ptr, k_ptr, src + jj, mq & m2, mk & m2)
-    x2 = _ld(q_ptr, k_ptr, src + jj + HALF, mq & m2, mk & m2)
-    xp = _ld(q_ptr, k_ptr, src + p, mq & pm, mk & pm)
+    x1 = _ld(q_ptr, k_ptr, src + jj, mq & m2, mkl & m2)
+    x2 = _ld(q_ptr, k_ptr, src + jj + HALF, mq & m2, mkl & m2)
+    xp = _ld(q_ptr, k_ptr, src + p, mq & pm, mkl & pm)
     if STORE:
         dd = tl.arange(0, BLOCK_D)[None, :]
         mv = mk & (dd < D)
-        v = tl.load(v_ptr + (t * sv_t + hk * sv_h)[:, None] + dd, mask=mv)
+        v = tl.load(v_ptr + (t * sv_t + hk * sv_h)[:, None] + dd, mask=mkl & (dd < D))
     if NORM:
-        # the heads' (1 + w) RMSNorm, rounded to the activation dtype as the unfused norm's output is
         isq = is_q[:, None]
         g1, g2 = _gain(qw_ptr, kw_ptr, jj, isq, m2), _gain(qw_ptr, kw_ptr, jj + HALF, isq, m2)
         gp = _gain(qw_ptr, kw_ptr, p, isq, pm)
+    # cos / sin only now: libdevice's full-range versions are ~1000 instructions with branches, and ptxas
+    # does not move the loads above them (s24 SASS: the head loads came after the whole range reduction)
+    ang = pos * freq
+    cos = tl.cos(ang)[None, :]
+    sin = tl.sin(ang)[None, :]
+    if NORM:
+        # the heads' (1 + w) RMSNorm, rounded to the activation dtype as the unfused norm's output is
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
         inv = tl.rsqrt(ss / D + eps)[:, None]
         x1 = (x1 * inv * g1).to(qo_ptr.dtype.element_ty).to(tl.float32)
