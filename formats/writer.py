@@ -153,8 +153,11 @@ class RankWriter:
                 for name, h in journaled.items():
                     e = self._tensors[name]
                     start = self.payload_offset + e.offset
-                    if xxh3_hex(mv[start:start + e.length]) == h:
-                        ok[name] = h
+                    # the slice is released even when Ctrl-C lands in the hash: a traceback that kept it
+                    # would make closing the mmap raise BufferError in place of the KeyboardInterrupt
+                    with mv[start:start + e.length] as part:
+                        if xxh3_hex(part) == h:
+                            ok[name] = h
             finally:
                 mv.release()
         return ok

@@ -139,6 +139,24 @@ def test_resume_after_kill_gives_identical_bytes(tmp_path, tensors):
     assert not os.path.exists(path + ".partial") and not os.path.exists(path + ".partial.journal")
 
 
+def test_ctrl_c_while_resume_rehashes_is_a_keyboard_interrupt(tmp_path, tensors, monkeypatch):
+    """Ctrl-C inside the re-hash of journaled tensors propagates as KeyboardInterrupt (exit 130 in the CLIs),
+    not as BufferError from closing an mmap that a slice in the traceback still exports."""
+    from ninfer_formats import writer as writer_mod
+    path = str(tmp_path / "m.tp1-rank0.ninfer")
+    w = RankWriter(path, _plan(tensors))
+    for n in list(tensors)[:3]:
+        w.write(n, tensors[n][2])
+
+    def interrupted(data):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(writer_mod, "xxh3_hex", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        w.done()
+    monkeypatch.undo()
+    assert w.done() == set(list(tensors)[:3])
+
+
 def _write_then_die(path, plan, items):
     w = RankWriter(path, plan)
     for n, d in items:
