@@ -211,3 +211,33 @@ def test_parent_signals_blocked_defers_ctrl_c_and_children_inherit_the_block():
     p.join(READY_TIMEOUT_S)
     assert p.exitcode == 0
     assert handler is signal.default_int_handler
+
+
+_EXIT_HOOK_SCRIPT = """
+import atexit, os, signal, sys, time
+import click
+from ninfer_formats.cli_common import user_errors
+
+def ctrl_c_at_exit():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.3)                       # the handler runs here, inside an exit hook
+    print("hook done", file=sys.stderr)
+
+@click.command()
+@user_errors
+def cmd():
+    atexit.register(ctrl_c_at_exit)       # as weakref.finalize's own hook, registered by the first finalizer
+    click.echo("job done")
+
+cmd()
+"""
+
+
+def test_ctrl_c_during_an_exit_hook_the_command_registered_is_quiet():
+    """A Ctrl-C that lands in an exit hook registered during the command (after the CLI's own) is ignored: the
+    job is done, so exit 0 and no "Exception ignored in atexit callback" traceback."""
+    p = subprocess.run([sys.executable, "-c", _EXIT_HOOK_SCRIPT], capture_output=True, text=True, timeout=60,
+                       check=False, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert p.returncode == 0 and p.stdout == "job done\n", p.stderr
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+    assert "hook done" in p.stderr
