@@ -17,19 +17,10 @@ def _quiet_exit() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _quiet_exit_first() -> None:
-    """(Re-)register `_quiet_exit` as the last exit hook, so it runs first: hooks run last-in first-out, and the
-    command may have registered its own (weakref.finalize's, when the first finalizer is made during the
-    command: torch.library's, seen once with a Ctrl-C at exit in test_interrupt_cli)."""
-    atexit.unregister(_quiet_exit)
-    atexit.register(_quiet_exit)
-
-
 def user_errors(fn):
     """Report NinferError/OSError as `error: <message>` on stderr with exit 2; Ctrl-C as `error: interrupted`, 130."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        _quiet_exit_first()
         try:
             return fn(*args, **kwargs)
         except NinferError as e:
@@ -42,5 +33,9 @@ def user_errors(fn):
             click.echo("error: interrupted", err=True)
             sys.exit(130)
         finally:
-            _quiet_exit_first()         # after any exit hook the command registered
+            # registered (again) when the command ends, so it runs first: exit hooks run last-in first-out, and
+            # the command may have registered its own (weakref.finalize's, made by torch.library during a convert;
+            # a Ctrl-C inside it printed a traceback in test_interrupt_cli)
+            atexit.unregister(_quiet_exit)
+            atexit.register(_quiet_exit)
     return wrapper

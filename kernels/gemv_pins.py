@@ -43,9 +43,13 @@ def record_key(r: dict) -> tuple:
     return (r["gpu"], r["format"], int(r["shape"][0]), int(r["shape"][1]), int(r["T"]))
 
 
+def _where(i: int, p) -> str:
+    return f"pin {i} ({p.get('format')} {p.get('shape')} T={p.get('T')})" if isinstance(p, dict) else f"pin {i}"
+
+
 def check_pin(i: int, p) -> tuple[tuple, GemvConfig]:
     """(record key, config) of pin `i`; a PinError naming it when a field is missing or unreadable."""
-    where = f"pin {i} ({p.get('format')} {p.get('shape')} T={p.get('T')})" if isinstance(p, dict) else f"pin {i}"
+    where = _where(i, p)
     if not isinstance(p, dict) or not set(_FIELDS) <= p.keys():
         raise PinError(f"{where}: needs {', '.join(_FIELDS[:-1])} and {_FIELDS[-1]}")
     try:
@@ -77,8 +81,7 @@ def apply_pins(best: dict, pins: list) -> dict:
     for i, p in enumerate(pins):
         key, _ = check_pin(i, p)
         if key not in best:
-            raise PinError(f"pin {i} ({p['format']} {p['shape']} T={p['T']}): no kernels.json record for that GPU, "
-                           "format, shape and T")
+            raise PinError(f"{_where(i, p)}: no kernels.json record for that GPU, format, shape and T")
         out[key] = p
     return out
 

@@ -190,9 +190,14 @@ def _shipped_entry(key: TuneKey) -> dict | None:
                  if (e.get("fmt"), e.get("N"), e.get("K"), e.get("t_bucket")) == want), None)
 
 
+def _runtime_pin(key: TuneKey) -> tuple | None:
+    """(GemvConfig, us) of the runtime pin for `key`'s GPU, format, shape and T bucket (NINFER_GEMV_PINS)."""
+    return gemv_pins.runtime_pins().get((key.gpu, key.fmt, key.N, key.K, key.t_bucket))
+
+
 def pinned(key: TuneKey, GS: int) -> GemvConfig | None:
     """The runtime pin's config for `key` (NINFER_GEMV_PINS, `gemv_pins`) when it is usable here, else None."""
-    pin = gemv_pins.runtime_pins().get((key.gpu, key.fmt, key.N, key.K, key.t_bucket))
+    pin = _runtime_pin(key)
     return pin[0] if pin is not None and _usable(pin[0], GS, key.fmt, key.t_bucket, key.cc, key.K) else None
 
 
@@ -217,7 +222,7 @@ def lookup(key: TuneKey, GS: int) -> GemvConfig | None:
 def remembered_ms(key: TuneKey) -> float | None:
     """The time remembered with `key`'s choice: the runtime pin's, else the user cache's, else the shipped entry's
     for its GPU; None if none has one."""
-    pin = gemv_pins.runtime_pins().get((key.gpu, key.fmt, key.N, key.K, key.t_bucket))
+    pin = _runtime_pin(key)
     if pin is not None:
         return pin[1] / 1e3
     hit = _user().get(key)
