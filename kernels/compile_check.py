@@ -58,7 +58,6 @@ class Variant:
     dequant: bool = False
     stages: int = 1           # elementwise weight-load pipeline depth (STAGES)
     xpre: bool = False        # prepared activations (ninfer_kernels.x16): x_ptr is int32 words
-    balanced: bool = False    # the balanced T = 1 grid (ninfer_kernels.gemv_balance)
 
     @property
     def name(self) -> str:
@@ -66,7 +65,7 @@ class Variant:
             return f"{self.fmt}-dequant-{self.x_dtype}-n{self.block_n}-g{self.block_g}"
         return (f"{self.fmt}-{self.x_dtype}-T{self.t_tile}-n{self.block_n}-g{self.block_g}-w{self.num_warps}"
                 f"{f'-s{self.stages}' if self.stages > 1 else ''}{'-split' if self.use_split else ''}{'-dot' if self.use_dot else ''}{('', '-res', '-glu', '-gluxp')[self.epi]}"
-                f"{'-xpre' if self.xpre else ''}{'-bal' if self.balanced else ''}")
+                f"{'-xpre' if self.xpre else ''}")
 
 
 def _module(fmt: str):
@@ -97,10 +96,6 @@ def compile_variant(v: Variant, cc: int):
              "FOLD": v.use_dot, "STAGES": 1 if v.use_dot else v.stages, **extra}
     if "XPRE" in kernel.arg_names:
         const["XPRE"] = v.xpre
-    if "BALANCED" in kernel.arg_names:
-        const["BALANCED"] = v.balanced
-    elif v.balanced:
-        raise ValueError(f"{v.name}: {kernel.__name__} has no balanced grid")
     if "PDL" in kernel.arg_names:   # griddepcontrol is sm_90 PTX (ninfer_kernels.pdl)
         const["PDL"] = compile_const(cc)
     for k in const:
@@ -116,7 +111,6 @@ CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_m
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
 LANE_EXACT = ("nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # per-thread kernels: inline PTX must see element e in thread e
 XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # variants that also read prepared activations
-BALANCED_FORMATS = ("nvfp4_h2", "q6_k_h2")   # the h2 skeleton's balanced T = 1 grid (gemv_balance)
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
 _MMA_T16_ROWS = {"iq3_s_mma": 128}   # the T tile 16 compiled per warp-MMA variant: its largest tuner tile
@@ -159,9 +153,6 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                 if f in XPRE_FORMATS:      # on prepared activations (bench/xpre.py), T = 1 and 2
                     out += [(Variant(f, xd, 1, 128, bg, xpre=True), cc),
                             (Variant(f, xd, 2, 64, bg, use_split=True, epi=1, xpre=True), cc)]
-                if f in BALANCED_FORMATS:  # NINFER_GEMV_BALANCE's grid (with the residual: a tile's last CTA adds it)
-                    out += [(Variant(f, xd, 1, 64, bg, epi=1, balanced=True, xpre=f in XPRE_FORMATS and cc >= 80),
-                             cc)]
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
                 continue

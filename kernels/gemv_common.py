@@ -163,16 +163,16 @@ def store_out(v, cols, rows, m, out_ptr, stride_ot, res_ptr, stride_rt, EPI: tl.
 
 
 @triton.jit
-def split_partial(v, cols, rows, m, N, T, ws_ptr, slot):
-    """This CTA's fp32 partial of out[cols, rows] into workspace slice `slot` (its split)."""
-    tl.store(ws_ptr + (slot * T + cols) * N + rows, v, mask=m)
+def split_partial(v, cols, rows, m, N, T, ws_ptr):
+    """This CTA's fp32 partial of out[cols, rows] into its split's slice of the workspace."""
+    tl.store(ws_ptr + (tl.program_id(1) * T + cols) * N + rows, v, mask=m)
 
 
 @triton.jit
-def split_arrive(cnt_ptr, cidx, split):
-    """True in the last of the `split` CTAs of counter `cidx` (a row block and T tile) to arrive: every
-    partial is then visible to it."""
+def split_arrive(cnt_ptr, split):
+    """True in the last CTA of a row block (and T tile) to arrive: every partial is then visible to it."""
     tl.debug_barrier()  # every thread's partial is issued before the counter is released
+    cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
     return tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu") == split - 1
 
 
@@ -193,9 +193,10 @@ def split_total(cols, rows, m, N, T, split, ws_ptr):
 
 
 @triton.jit
-def split_release(cnt_ptr, cidx):
-    """Reset counter `cidx` (by its last CTA) so the workspace is reusable and graph-safe."""
-    tl.atomic_xchg(cnt_ptr + cidx, 0, sem="relaxed", scope="gpu")
+def split_release(cnt_ptr):
+    """Reset the row block's counter (by its last CTA) so the workspace is reusable and graph-safe."""
+    tl.atomic_xchg(cnt_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), 0, sem="relaxed",
+                   scope="gpu")
 
 
 @triton.jit
@@ -218,12 +219,11 @@ def finish_at(v, cols, rows, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt
     pdl_trigger(PDL)
     m = (rows < N) & (cols < T)
     if USE_SPLIT:
-        cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        split_partial(v, cols, rows, m, N, T, ws_ptr, tl.program_id(1))
-        if split_arrive(cnt_ptr, cidx, split):
+        split_partial(v, cols, rows, m, N, T, ws_ptr)
+        if split_arrive(cnt_ptr, split):
             store_out(split_total(cols, rows, m, N, T, split, ws_ptr), cols, rows, m, out_ptr, stride_ot,
                       res_ptr, stride_rt, EPI)
-            split_release(cnt_ptr, cidx)
+            split_release(cnt_ptr)
             if EPI > _EPI_RES:
                 glu_arrive(out_ptr, stride_ot, res_ptr, cnt_ptr, N, T, T_TILE, BLOCK_N, EPI)
     else:

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_balance import finish_shared, unit_range
 from .gemv_common import _finish, _load_tile, _tile_g, _zeros, ld
 from .pdl import pdl_wait
 
@@ -196,48 +195,22 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
             USE_SPLIT: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
-            H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr, BALANCED: tl.constexpr = False):
+            H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr):
     """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue); PDL as in
     `ninfer_kernels.pdl`: the wait comes first (loading the first weight tile before it cost the T=1 loop 32
-    registers, one CTA per SM, and decode 17 %: bench/NOTES.md §16), `finish_at` triggers. BALANCED: T = 1 on
-    `gemv_balance`'s grid instead."""
+    registers, one CTA per SM, and decode 17 %: bench/NOTES.md §16), `finish_at` triggers."""
     tl.static_assert(T_TILE <= _MAX_T)
     pdl_wait(PDL)
-    if BALANCED:
-        tl.static_assert(T_TILE == 1)
-        _balanced(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, stride_xt, stride_ot,
-                  stride_rt, LOAD, TILE, UP_BIAS, BACK_BIAS, BLOCK_N, BLOCK_G, EPI, EVEN_G, STAGES, H2_MODE, XPRE,
-                  PDL)
-    else:
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
-        t0 = tl.program_id(2) * T_TILE
-        g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
-        g_lo = tl.program_id(1) * g_per
-        g_hi = tl.minimum(G, g_lo + g_per)
-        acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
-                    T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
-        _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
-                ws_ptr, cnt_ptr, EPI, USE_SPLIT, PDL)
-
-
-@triton.jit
-def _balanced(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, stride_xt, stride_ot,
-              stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
-              STAGES: tl.constexpr, H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr):
-    """This CTA's units of the balanced grid, one row tile's K range at a time (at most a few tiles)."""
-    nc = tl.cdiv(G, BLOCK_G)
-    units = tl.cdiv(N, BLOCK_N) * nc
-    u0, u1 = unit_range(units)
-    for tile in range(u0 // nc, (u1 - 1) // nc + 1):
-        g_lo = (tl.maximum(u0, tile * nc) - tile * nc) * BLOCK_G
-        g_hi = tl.minimum((tl.minimum(u1, (tile + 1) * nc) - tile * nc) * BLOCK_G, G)
-        rows = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-        acc = _loop(x_ptr, w0, w1, w2, w3, rows, 0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS, 1,
-                    BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
-        finish_shared(acc * fscale, tile, nc, units, N, T, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr,
-                      BLOCK_N, EPI, PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
+    t0 = tl.program_id(2) * T_TILE
+    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
+    g_lo = tl.program_id(1) * g_per
+    g_hi = tl.minimum(G, g_lo + g_per)
+    acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
+                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
+    _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
+            ws_ptr, cnt_ptr, EPI, USE_SPLIT, PDL)
 
 
 def h2_mode(device: torch.device) -> int:

@@ -26,7 +26,6 @@ import triton
 
 from ninfer_formats.errors import NinferError
 
-from . import gemv_balance
 from .gemv_config import GemvConfig, interpreting, next_pow2, sm_count  # noqa: F401  (callers import them here)
 from .gemv_glu import EPI_RES, SwiGLUOut, check_glu, counters, epi_of, fits
 from .gemv_h2_select import H2_STATE, checked_h2  # noqa: F401  (H2_STATE: callers reach it here)
@@ -178,23 +177,6 @@ def pdl_consts(cfg: GemvConfig, device) -> dict:
     return kw
 
 
-def _grid(cfg: GemvConfig, x, N: int, G: int, T: int, tt: int, epi: int) -> tuple:
-    """(grid, split, workspace or None, counters or None) of a launch: row tiles x K splits x T tiles."""
-    grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
-    split = effective_split(cfg, G)
-    ws, cnt = None, None
-    if split > 1 or epi > EPI_RES:   # the SwiGLU chunk counters follow split-K's
-        ws, cnt = workspace(x.device, split * T * N, counters(grid_n, grid_t, N))
-    return (grid_n, split, grid_t), split, ws, cnt
-
-
-def _balanced_grid(cfg: GemvConfig, x, N: int, G: int, T: int, tt: int, epi: int) -> tuple:
-    """`_grid` for NINFER_GEMV_BALANCE (`gemv_balance`): k CTAs per SM, a workspace slot per CTA sharing a tile."""
-    p, slots = gemv_balance.grid(N, G, cfg.block_n, cfg.block_g, sm_count(x.device), gemv_balance.per_sm())
-    ws, cnt = workspace(x.device, slots * T * N, triton.cdiv(N, cfg.block_n))
-    return (p, 1, 1), 1, ws, cnt
-
-
 def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, residual, cfg: GemvConfig,
             warmup: bool = False, fold: bool = True, extra: dict | None = None):
     """Launch one config (extra: more constexprs for the variant, e.g. XPRE); returns (compiled kernel or None,
@@ -207,13 +189,17 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
         tt = cfg.t_tile or (8 if T <= 8 else 16)
     else:
         tt = cfg.t_tile or (max(16, next_pow2(T)) if cfg.use_dot else next_pow2(T))
+    grid_n, grid_t = triton.cdiv(N, cfg.block_n), triton.cdiv(T, tt)
+    split = effective_split(cfg, G)
     epi = epi_of(residual)
     if epi > EPI_RES and not fits(cfg.block_n, N):
         raise KernelInputError(f"SwiGLU epilogue: block_n={cfg.block_n} does not serve N={N} (gemv_glu.fits)")
-    names = getattr(getattr(kernel, "jit", kernel), "arg_names", ())
-    balanced = "BALANCED" in names and cfg.h2 and T == 1 and epi <= EPI_RES and gemv_balance.per_sm() > 0
-    grid, split, ws, cnt = (_balanced_grid if balanced else _grid)(cfg, x, N, G, T, tt, epi)
+    if split > 1 or epi > EPI_RES:   # the SwiGLU chunk counters follow split-K's
+        ws, cnt = workspace(x.device, split * T * N, counters(grid_n, grid_t, N))
+    else:
+        ws, cnt = None, None
     res = res_slot(residual, out)
+    grid = (grid_n, split, grid_t)
     scalars = (float(fscale), T, N, G, split)
     consts = {"T_TILE": tt, "BLOCK_N": cfg.block_n, "BLOCK_G": cfg.block_g, "USE_SPLIT": split > 1,
               "USE_DOT": cfg.use_dot, "DOT_KIND": dot_kind(x.dtype), "EPI": epi,
@@ -222,8 +208,7 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
               "num_stages": cfg.num_stages}
     if getattr(kernel, "per_thread", False):
         consts["NW"] = cfg.num_warps   # per-thread variants (warp-MMA, IQ3_S h2): tensors are [32 * num_warps]
-    if "BALANCED" in names:          # always given, as XPRE: a plan's direct launch passes every constexpr
-        consts["BALANCED"] = balanced
+    names = getattr(getattr(kernel, "jit", kernel), "arg_names", ())
     if "XPRE" in names:
         consts["XPRE"] = False       # the f16 variants that can read prepared activations (ninfer_kernels.x16)
     if "PDL" in names:               # always given: a plan's direct launch passes every constexpr (gemv_plan)

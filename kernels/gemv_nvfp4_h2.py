@@ -94,13 +94,12 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr,
-                         XPRE: tl.constexpr, PDL: tl.constexpr = 0, BALANCED: tl.constexpr = False):
+                         XPRE: tl.constexpr, PDL: tl.constexpr = 0):
     # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here. XPRE: x_ptr holds prepared
-    # activations (ninfer_kernels.x16, int32 words), stride_xt in words. PDL: ninfer_kernels.pdl; BALANCED:
-    # ninfer_kernels.gemv_balance
+    # activations (ninfer_kernels.x16, int32 words), stride_xt in words. PDL: ninfer_kernels.pdl
     h2_body(x_ptr, codes, scales, N, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
             stride_xt, stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G,
-            USE_SPLIT, EPI, EVEN_G, STAGES, H2_MODE, XPRE, PDL, BALANCED)
+            USE_SPLIT, EPI, EVEN_G, STAGES, H2_MODE, XPRE, PDL)
 
 
 h2_kernel = factory(nvfp4_h2_gemv_kernel, "nvfp4_gemv_kernel")   # gemv_nvfp4 registers it (lazily)

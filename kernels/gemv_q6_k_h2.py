@@ -62,13 +62,11 @@ def q6_k_h2_gemv_kernel(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr,
                         stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                         DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
-                        FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, PDL: tl.constexpr = 0,
-                        BALANCED: tl.constexpr = False):
-    # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here. PDL: ninfer_kernels.pdl;
-    # BALANCED: ninfer_kernels.gemv_balance
+                        FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, PDL: tl.constexpr = 0):
+    # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here. PDL: ninfer_kernels.pdl
     h2_body(x_ptr, ql, qh, sc, d, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split, stride_xt,
             stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G, USE_SPLIT,
-            EPI, EVEN_G, STAGES, H2_MODE, False, PDL, BALANCED)
+            EPI, EVEN_G, STAGES, H2_MODE, False, PDL)
 
 
 h2_kernel = factory(q6_k_h2_gemv_kernel, "q6_k_gemv_kernel")   # gemv_q6_k registers it (lazily)
