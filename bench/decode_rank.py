@@ -125,8 +125,13 @@ def _x16_align() -> int:
 
 
 def _split_unroll() -> int:
-    from ninfer_kernels.gemv_common import SPLIT_UNROLL
+    from ninfer_kernels.gemv_split import SPLIT_UNROLL
     return SPLIT_UNROLL.value
+
+
+def _split_arrive() -> str:
+    from ninfer_kernels.gemv_split import split_arrive_sem
+    return split_arrive_sem()
 
 
 def _runner(model, opts: BenchOptions):
@@ -393,7 +398,8 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "pdl_preload": backend.startswith("triton") and _pdl_kw(device, preload=True).get("PRELOAD") == 1,
             "pdl_mma": backend.startswith("triton") and bool(_pdl_kw(device)) and _pdl_mma(),   # NINFER_PDL_MMA
             "x16_align": _x16_align(),                                        # NINFER_X16_ALIGN
-            "split_unroll": _split_unroll()}                                  # NINFER_SPLIT_UNROLL
+            "split_unroll": _split_unroll(),                                  # NINFER_SPLIT_UNROLL
+            "split_arrive": _split_arrive()}                                  # NINFER_SPLIT_ARRIVE
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ import decode_tp
 import synth_artifact as synth
 
 from ninfer_formats.errors import NinferError
-from ninfer_kernels.gemv_common import SPLIT_UNROLL
+from ninfer_kernels.gemv_split import SPLIT_UNROLL, split_arrive_sem
 from ninfer_rt.tp_group import LocalGroup
 
 REQUIRED = ("recipe", "tp", "context", "draft_tokens", "tok_s", "ms_step", "bytes_step", "pct_roofline",
@@ -72,6 +72,7 @@ def test_both_tp_sizes_in_one_run(dry_run):
             assert k in dec, (tp, k)
         assert dec["context"] == CONTEXT and dec["draft_tokens"] == 0 and dec["recipe"] == "bf16"
         assert dec["split_unroll"] == SPLIT_UNROLL.value      # the split-K reduction the run compiled
+        assert dec["split_arrive"] == split_arrive_sem()
         assert math.isfinite(dec["tok_s"]) and dec["tok_s"] > 0 and dec["ms_step"] > 0
         assert {r["draft_tokens"] for r in records if r["kind"] == "verify" and r["tp"] == tp} == {1, 2, 3}
     tp1, tp2 = _main_decode(records, 1), _main_decode(records, 2)

@@ -81,7 +81,7 @@ def test_gemv_matches_reference(fmt, T, dtype):
 
 
 PATHS = {"split-ragged": (2, torch.float32, 64, dict(split=3)),
-         # more partials than the reduction loads per round (gemv_common.SPLIT_UNROLL), the last round partial
+         # more partials than the reduction loads per round (gemv_split.SPLIT_UNROLL), the last round partial
          "split-rounds": (3, torch.float16, 32, dict(split=6)),
          "dot-split": (5, torch.float16, 16, dict(split=2, use_dot=True)),
          "dot-ttiles": (21, torch.float32, 16, dict(use_dot=True, t_tile=16)),

@@ -1,0 +1,91 @@
+"""The split-K reduction of the GEMVs: each CTA of a row block stores its fp32 partial in its split's slice of the
+workspace and arrives at the row block's counter; the last to arrive sums the partials in split order (the same
+bits for any arrival order) and resets the counter (graph-safe). `gemv_common.finish_at` runs it; its two
+comparison switches are read once, here, and checked where the runtime starts.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# partials the split-K reduction loads per round before it adds them (in split order, so any value gives the same
+# bits): each round is one L2 round trip of the last CTA of a row block, at the kernel's tail (4 took the H200's
+# verify K = 3 step from 7.85 to 7.42 ms, bench/NOTES.md §24; 8 takes the warp-MMA tiles from 72 to 122+
+# registers). NINFER_SPLIT_UNROLL (a comparison switch; 1 = one load per round) is part of every GEMV's compile key
+# (a global constexpr): read once, here, and checked where the runtime starts (`split_unroll_env_error`).
+SPLIT_UNROLL_ENV = "NINFER_SPLIT_UNROLL"
+_SPLIT_UNROLLS = ("4", "2", "1")
+
+
+def split_unroll_env_error() -> str | None:
+    """None, or a one-line message when NINFER_SPLIT_UNROLL holds anything but 4, 2 or 1."""
+    v = os.environ.get(SPLIT_UNROLL_ENV, _SPLIT_UNROLLS[0])
+    return None if v in _SPLIT_UNROLLS else f"{SPLIT_UNROLL_ENV}={v!r}: expected 4 (the default), 2 or 1"
+
+
+SPLIT_UNROLL = tl.constexpr(int(os.environ.get(SPLIT_UNROLL_ENV, "4")) if split_unroll_env_error() is None else 4)
+
+# the ordering of a split-K CTA's arrival at its row block's counter. acq_rel (the default) puts a release fence
+# before the atomic and an acquire after it in every arriving CTA; on sm_90 the acquire is a CCTL.IVALL, which
+# drops the whole L1 of the SM, under the CTAs beside it too. release: the fence only. The last CTA still sees every
+# partial: it reads them only after its atomic returned the count (a control dependency) and with `.cg` loads,
+# served by L2, where the other CTAs' released stores are (the CUDA threadFenceReduction pattern). A comparison
+# switch until measured in the step (bench/NOTES.md §26 Next 2); part of every GEMV's compile key, like
+# NINFER_SPLIT_UNROLL, and checked where the runtime starts (`split_arrive_env_error`).
+SPLIT_ARRIVE_ENV = "NINFER_SPLIT_ARRIVE"
+_SPLIT_ARRIVES = ("acq_rel", "release")
+
+
+def split_arrive_env_error() -> str | None:
+    """None, or a one-line message when NINFER_SPLIT_ARRIVE holds anything but acq_rel or release."""
+    v = os.environ.get(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES[0])
+    return None if v in _SPLIT_ARRIVES else f"{SPLIT_ARRIVE_ENV}={v!r}: expected acq_rel (the default) or release"
+
+
+def split_arrive_sem() -> str:
+    return os.environ.get(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES[0]) if split_arrive_env_error() is None else _SPLIT_ARRIVES[0]
+
+
+SPLIT_RELEASE_ONLY = tl.constexpr(split_arrive_sem() == "release")
+
+
+@triton.jit
+def split_partial(v, cols, rows, m, N, T, ws_ptr):
+    """This CTA's fp32 partial of out[cols, rows] into its split's slice of the workspace."""
+    tl.store(ws_ptr + (tl.program_id(1) * T + cols) * N + rows, v, mask=m)
+
+
+@triton.jit
+def split_arrive(cnt_ptr, split):
+    """True in the last CTA of a row block (and T tile) to arrive: every partial is then visible to it."""
+    tl.debug_barrier()  # every thread's partial is issued before the counter is released
+    cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    if SPLIT_RELEASE_ONLY:   # NINFER_SPLIT_ARRIVE=release (above): split_total's loads are .cg
+        return tl.atomic_add(cnt_ptr + cidx, 1, sem="release", scope="gpu") == split - 1
+    else:
+        return tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu") == split - 1
+
+
+@triton.jit
+def split_total(cols, rows, m, N, T, split, ws_ptr):
+    """The sum of the row block's `split` partials, added in split order (bitwise reproducible), loaded
+    SPLIT_UNROLL at a time."""
+    tot = tl.zeros(m.shape, tl.float32)
+    zero = tl.zeros(m.shape, tl.int32)      # the split index as a tensor: a scalar in a mask breaks the interpreter
+    for s0 in range(0, split, SPLIT_UNROLL):
+        parts = ()
+        for i in tl.static_range(SPLIT_UNROLL):
+            parts = parts + (tl.load(ws_ptr + ((s0 + i) * T + cols) * N + rows, mask=m & (zero + (s0 + i) < split),
+                                     other=0.0, cache_modifier=".cg"),)
+        for i in tl.static_range(SPLIT_UNROLL):
+            tot = tl.where(s0 + i < split, tot + parts[i], tot)
+    return tot
+
+
+@triton.jit
+def split_release(cnt_ptr):
+    """Reset the row block's counter (by its last CTA) so the workspace is reusable and graph-safe."""
+    tl.atomic_xchg(cnt_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), 0, sem="relaxed",
+                   scope="gpu")
