@@ -36,7 +36,6 @@ from .gemv_split import split_arrive, split_partial, split_release, split_total
 from .pdl import pdl_trigger
 
 
-
 @triton.jit
 def ld(ptr, wm):
     """Load with an optional mask (None when the K range is a whole number of tiles)."""

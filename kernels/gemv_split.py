@@ -45,6 +45,8 @@ def split_arrive_env_error() -> str | None:
 
 
 def split_arrive_sem() -> str:
+    """The arrival's memory order this process compiles with (acq_rel when the switch is invalid: the runtime
+    refuses that value at start, `split_arrive_env_error`)."""
     return os.environ.get(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES[0]) if split_arrive_env_error() is None else _SPLIT_ARRIVES[0]
 
 
