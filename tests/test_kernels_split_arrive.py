@@ -9,8 +9,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _RUN = r"""
@@ -64,8 +62,6 @@ def _sass(arrive: str) -> str:
 def test_release_arrival_drops_only_the_acquire():
     """sm_90 SASS of a split-K warp-MMA tile: the fence and the atomic stay, the L1 invalidation goes."""
     acq, rel = _sass("acq_rel"), _sass("release")
-    if not acq.strip():
-        pytest.skip("Triton's bundled cuobjdump printed no SASS here")
     for s in (acq, rel):
         assert "MEMBAR.ALL.GPU" in s and "ATOMG.E.ADD.STRONG.GPU" in s
     assert "CCTL.IVALL" in acq and "CCTL.IVALL" not in rel
