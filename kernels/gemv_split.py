@@ -50,7 +50,7 @@ def split_arrive_sem() -> str:
     return os.environ.get(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES[0]) if split_arrive_env_error() is None else _SPLIT_ARRIVES[0]
 
 
-SPLIT_RELEASE_ONLY = tl.constexpr(split_arrive_sem() == "release")
+SPLIT_ARRIVE_SEM = tl.constexpr(split_arrive_sem())
 
 
 @triton.jit
@@ -64,10 +64,8 @@ def split_arrive(cnt_ptr, split):
     """True in the last CTA of a row block (and T tile) to arrive: every partial is then visible to it."""
     tl.debug_barrier()  # every thread's partial is issued before the counter is released
     cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-    if SPLIT_RELEASE_ONLY:   # NINFER_SPLIT_ARRIVE=release (above): split_total's loads are .cg
-        return tl.atomic_add(cnt_ptr + cidx, 1, sem="release", scope="gpu") == split - 1
-    else:
-        return tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu") == split - 1
+    # NINFER_SPLIT_ARRIVE (above): with release, split_total's loads being .cg is what makes the partials visible
+    return tl.atomic_add(cnt_ptr + cidx, 1, sem=SPLIT_ARRIVE_SEM, scope="gpu") == split - 1
 
 
 @triton.jit
