@@ -21,7 +21,7 @@ A format may give the tl.dot route its own tile load, LOAD_DOT(w0, w1, w2, rows,
 EVEN_G) -> LOAD's state: every load of that loop must be one the pipeliner can issue stages ahead (cp.async moves 4,
 8 or 16 bytes, so NVFP4 reads its scale bytes as int32 words there).
 Grid = (row blocks, K splits, T tiles). With K splits every CTA writes an fp32 partial to a workspace, the
-last CTA of a row block (an acq_rel counter, reset by that CTA so the workspace is reusable and graph-safe)
+last CTA of a row block (a counter, `gemv_split`, reset by that CTA so the workspace is reusable and graph-safe)
 sums the partials in split order -- deterministic -- and runs the epilogue: * fscale, + residual, cast; or, on
 a fused gate/up weight, the SwiGLU epilogue (`gemv_glu`). EPI (`gemv_glu.EPI_*`) says what the residual slot holds.
 The weight bytes of a row block are read once for all T columns of a T tile.

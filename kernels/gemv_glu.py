@@ -7,7 +7,8 @@ chunk of y (BLOCK_N divides 128), or of BLOCK_N / 128 whole chunks (BLOCK_N a mu
 the arrival that completes a chunk (the chunk's gate and up rows are all stored) reads them back from L2, writes
 y = silu(gate) * up rounded to the output dtype and, with the prepared form asked for, y's `x16_layout` words, and
 resets the counter. Same math and roundings as `silu_mul.silu_mul_kernel`: bit-identical to the unfused pair.
-The ordering is split-K's (`gemv_split.split_arrive`): a CTA barrier, then an acq_rel atomic at GPU scope.
+The ordering: a CTA barrier, then an acq_rel atomic at GPU scope (split-K's arrival, `gemv_split.split_arrive`,
+is release-only by default since §27 of bench/NOTES.md; this epilogue's was not measured that way and keeps acq_rel).
 
 Outputs (`swiglu_out`): one allocation holding y [T, I] and then, when asked, the prepared rows int32
 [T, I/2 + I/128]; the kernel gets y's pointer in the launch's residual slot (the epilogue mode `EPI` says what

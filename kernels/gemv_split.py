@@ -27,25 +27,26 @@ def split_unroll_env_error() -> str | None:
 
 SPLIT_UNROLL = tl.constexpr(int(os.environ.get(SPLIT_UNROLL_ENV, "4")) if split_unroll_env_error() is None else 4)
 
-# the ordering of a split-K CTA's arrival at its row block's counter. acq_rel (the default) puts a release fence
-# before the atomic and an acquire after it in every arriving CTA; on sm_90 the acquire is a CCTL.IVALL, which
-# drops the whole L1 of the SM, under the CTAs beside it too. release: the fence only. The last CTA still sees every
-# partial: it reads them only after its atomic returned the count (a control dependency) and with `.cg` loads,
-# served by L2, where the other CTAs' released stores are (the CUDA threadFenceReduction pattern). A comparison
-# switch until measured in the step (bench/NOTES.md §26 Next 2); part of every GEMV's compile key, like
-# NINFER_SPLIT_UNROLL, and checked where the runtime starts (`split_arrive_env_error`).
+# the ordering of a split-K CTA's arrival at its row block's counter. release (the default): a release fence, then
+# the atomic. The last CTA still sees every partial: it reads them only after its atomic returned the count (a
+# control dependency) and with `.cg` loads, served by L2, where the other CTAs' released stores are (the pattern of
+# the CUDA programming guide's __threadfence() example and the threadFenceReduction sample). acq_rel (the comparison
+# value) adds an acquire after the atomic in every arriving CTA; on sm_90 that is a CCTL.IVALL, which drops the
+# whole L1 of the SM under the CTAs beside it too: it cost the H200's step 28 us at decode and 46 us at verify K = 3
+# (bench/NOTES.md §27). Part of every GEMV's compile key, like NINFER_SPLIT_UNROLL, and checked where the runtime
+# starts (`split_arrive_env_error`).
 SPLIT_ARRIVE_ENV = "NINFER_SPLIT_ARRIVE"
-_SPLIT_ARRIVES = ("acq_rel", "release")
+_SPLIT_ARRIVES = ("release", "acq_rel")
 
 
 def split_arrive_env_error() -> str | None:
-    """None, or a one-line message when NINFER_SPLIT_ARRIVE holds anything but acq_rel or release."""
+    """None, or a one-line message when NINFER_SPLIT_ARRIVE holds anything but release or acq_rel."""
     v = os.environ.get(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES[0])
-    return None if v in _SPLIT_ARRIVES else f"{SPLIT_ARRIVE_ENV}={v!r}: expected acq_rel (the default) or release"
+    return None if v in _SPLIT_ARRIVES else f"{SPLIT_ARRIVE_ENV}={v!r}: expected release (the default) or acq_rel"
 
 
 def split_arrive_sem() -> str:
-    """The arrival's memory order this process compiles with (acq_rel when the switch is invalid: the runtime
+    """The arrival's memory order this process compiles with (release when the switch is invalid: the runtime
     refuses that value at start, `split_arrive_env_error`)."""
     return os.environ.get(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES[0]) if split_arrive_env_error() is None else _SPLIT_ARRIVES[0]
 
@@ -64,7 +65,7 @@ def split_arrive(cnt_ptr, split):
     """True in the last CTA of a row block (and T tile) to arrive: every partial is then visible to it."""
     tl.debug_barrier()  # every thread's partial is issued before the counter is released
     cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-    # NINFER_SPLIT_ARRIVE (above): with release, split_total's loads being .cg is what makes the partials visible
+    # NINFER_SPLIT_ARRIVE (above): with release (the default), split_total's .cg loads are what make the partials visible
     return tl.atomic_add(cnt_ptr + cidx, 1, sem=SPLIT_ARRIVE_SEM, scope="gpu") == split - 1
 
 

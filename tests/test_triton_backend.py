@@ -280,7 +280,7 @@ def test_gates_branch_inline_outside_capture(monkeypatch):
     for name, bad, want in (("NINFER_SPLIT_UNROLL", "8", "expected 4 (the default), 2 or 1"),
                             ("NINFER_X16_ALIGN", "4", "expected 16 (the default) or 1"),
                             ("NINFER_GEMV_PINS", "/no/such/pins.json", "unreadable ("),
-                            ("NINFER_SPLIT_ARRIVE", "relaxed", "expected acq_rel (the default) or release")):
+                            ("NINFER_SPLIT_ARRIVE", "relaxed", "expected release (the default) or acq_rel")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(LoadError, match=f"{name}='{bad}': {re.escape(want)}"):
             TritonOps()
