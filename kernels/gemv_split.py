@@ -32,7 +32,7 @@ SPLIT_UNROLL = tl.constexpr(int(os.environ.get(SPLIT_UNROLL_ENV, "4")) if split_
 # control dependency) and with `.cg` loads, served by L2, where the other CTAs' released stores are (the pattern of
 # the CUDA programming guide's __threadfence() example and the threadFenceReduction sample). acq_rel (the comparison
 # value) adds an acquire after the atomic in every arriving CTA; on sm_90 that is a CCTL.IVALL, which drops the
-# whole L1 of the SM under the CTAs beside it too: it cost the H200's step 28 us at decode and 46 us at verify K = 3
+# whole L1 of the SM under the CTAs beside it too: it cost the H200's step 26 us at decode and 47 us at verify K = 3
 # (bench/NOTES.md §27). Part of every GEMV's compile key, like NINFER_SPLIT_UNROLL, and checked where the runtime
 # starts (`split_arrive_env_error`).
 SPLIT_ARRIVE_ENV = "NINFER_SPLIT_ARRIVE"
@@ -65,7 +65,7 @@ def split_arrive(cnt_ptr, split):
     """True in the last CTA of a row block (and T tile) to arrive: every partial is then visible to it."""
     tl.debug_barrier()  # every thread's partial is issued before the counter is released
     cidx = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-    # NINFER_SPLIT_ARRIVE (above): with release (the default), split_total's .cg loads are what make the partials visible
+    # NINFER_SPLIT_ARRIVE (above): with release (the default), split_total's .cg loads make the partials visible
     return tl.atomic_add(cnt_ptr + cidx, 1, sem=SPLIT_ARRIVE_SEM, scope="gpu") == split - 1
 
 
