@@ -5,10 +5,10 @@ comparison switches are read once, here, and checked where the runtime starts.
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from .env_switch import switch_error, switch_value
 
 # partials the split-K reduction loads per round before it adds them (in split order, so any value gives the same
 # bits): each round is one L2 round trip of the last CTA of a row block, at the kernel's tail (4 took the H200's
@@ -21,11 +21,10 @@ _SPLIT_UNROLLS = ("4", "2", "1")
 
 def split_unroll_env_error() -> str | None:
     """None, or a one-line message when NINFER_SPLIT_UNROLL holds anything but 4, 2 or 1."""
-    v = os.environ.get(SPLIT_UNROLL_ENV, _SPLIT_UNROLLS[0])
-    return None if v in _SPLIT_UNROLLS else f"{SPLIT_UNROLL_ENV}={v!r}: expected 4 (the default), 2 or 1"
+    return switch_error(SPLIT_UNROLL_ENV, _SPLIT_UNROLLS)
 
 
-SPLIT_UNROLL = tl.constexpr(int(os.environ.get(SPLIT_UNROLL_ENV, "4")) if split_unroll_env_error() is None else 4)
+SPLIT_UNROLL = tl.constexpr(int(switch_value(SPLIT_UNROLL_ENV, _SPLIT_UNROLLS)))
 
 # the ordering of a split-K CTA's arrival at its row block's counter. release (the default): a release fence, then
 # the atomic. The last CTA still sees every partial: it reads them only after its atomic returned the count (a
@@ -41,14 +40,13 @@ _SPLIT_ARRIVES = ("release", "acq_rel")
 
 def split_arrive_env_error() -> str | None:
     """None, or a one-line message when NINFER_SPLIT_ARRIVE holds anything but release or acq_rel."""
-    v = os.environ.get(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES[0])
-    return None if v in _SPLIT_ARRIVES else f"{SPLIT_ARRIVE_ENV}={v!r}: expected release (the default) or acq_rel"
+    return switch_error(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES)
 
 
 def split_arrive_sem() -> str:
     """The arrival's memory order this process compiles with (release when the switch is invalid: the runtime
     refuses that value at start, `split_arrive_env_error`)."""
-    return os.environ.get(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES[0]) if split_arrive_env_error() is None else _SPLIT_ARRIVES[0]
+    return switch_value(SPLIT_ARRIVE_ENV, _SPLIT_ARRIVES)
 
 
 SPLIT_ARRIVE_SEM = tl.constexpr(split_arrive_sem())

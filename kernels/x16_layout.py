@@ -12,11 +12,11 @@ both factors are finite normals (an all-zero chunk gets up = 2**126, x' = 0).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .env_switch import switch_error, switch_value
 
 CHUNK = 128                          # activations per back factor (the MMA variant's K chunk)
 UP_FIELD = 267                       # fp32 exponent field of up = UP_FIELD - E: up = 2**(140 - E), |x'| < 2**14
@@ -27,14 +27,14 @@ E_MIN, E_MAX = 14, 253               # E's clamp: up and back = 1 / up stay fini
 # (4 CTAs per SM instead of 7; bench/NOTES.md §22). NINFER_X16_ALIGN=1 keeps the unpadded rows (comparison runs);
 # read once, here, and checked where the runtime starts (`align_env_error`).
 ALIGN_ENV = "NINFER_X16_ALIGN"
-ROW_ALIGN = 1 if os.environ.get(ALIGN_ENV, "16") == "1" else 16
+_ALIGNS = ("16", "1")
+ROW_ALIGN = int(switch_value(ALIGN_ENV, _ALIGNS))
 _CHUNK, _UP, _EMIN, _EMAX, _ALIGN = (tl.constexpr(v) for v in (CHUNK, UP_FIELD, E_MIN, E_MAX, ROW_ALIGN))
 
 
 def align_env_error() -> str | None:
     """None, or a one-line message when NINFER_X16_ALIGN holds anything but 16 or 1."""
-    v = os.environ.get(ALIGN_ENV, "16")
-    return None if v in ("16", "1") else f"{ALIGN_ENV}={v!r}: expected 16 (the default) or 1"
+    return switch_error(ALIGN_ENV, _ALIGNS)
 
 
 def words_per_row(K: int) -> int:
