@@ -116,7 +116,7 @@ CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_m
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
 LANE_EXACT = ("nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # per-thread kernels: inline PTX must see element e in thread e
 XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # variants that also read prepared activations
-PF_FORMATS = ("nvfp4_h2",)   # variants with an L2 prefetch before the PDL wait (ninfer_kernels.l2_prefetch)
+PF_FORMATS = ("nvfp4_h2", "nvfp4_mma")   # variants with an L2 prefetch before the PDL wait (ninfer_kernels.l2_prefetch)
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
 _MMA_T16_ROWS = {"iq3_s_mma": 128}   # the T tile 16 compiled per warp-MMA variant: its largest tuner tile
@@ -144,6 +144,8 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                         (Variant(f, xd, 8, 128, 8, use_split=True, epi=3, stages=2, xpre=f in XPRE_FORMATS), cc)]
                 if f in XPRE_FORMATS:     # prepared activations, double (and where a tile has it, triple) buffered
                     out += [(Variant(f, xd, 8, 128, 8, stages=s, xpre=True), cc) for s in _MMA_STAGES.get(f, (2, 3))]
+                if f in PF_FORMATS:       # with the L2 prefetch before the PDL wait (l2_prefetch.py)
+                    out.append((Variant(f, xd, 8, 128, 8, use_split=True, epi=1, stages=2, xpre=True, pf=2), cc))
                 if full:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue

@@ -6,7 +6,7 @@ GPU tests of the GEMV paths run with the switch on in bench/gpu_run.sh (PYTEST_E
 import pytest
 import torch
 
-from ninfer_kernels import gemv_nvfp4_h2, gemv_q6_k_h2, l2_prefetch
+from ninfer_kernels import gemv_nvfp4_h2, gemv_nvfp4_mma, gemv_q6_k_h2, l2_prefetch
 from ninfer_kernels.ops_common import KernelInputError
 
 
@@ -36,15 +36,17 @@ def test_bad_values_name_the_variable(monkeypatch, value):
         l2_prefetch.chunks_env()
 
 
-def test_nvfp4_h2_launcher_carries_the_constexpr(monkeypatch):
-    """The NVFP4 packed-half2 GEMV gets PF (0 by default) among its launch constexprs, which the plans' direct
-    launch lists; the Q6_K one has no prefetch and no PF."""
+@pytest.mark.parametrize("mod", [gemv_nvfp4_h2, gemv_nvfp4_mma], ids=["h2", "mma"])
+def test_nvfp4_launchers_carry_the_constexpr(monkeypatch, mod):
+    """The NVFP4 packed-half2 (T = 1) and warp-MMA (verify) GEMVs get PF (0 by default) among their launch
+    constexprs, which the plans' direct launch lists; the Q6_K one has no prefetch and no PF."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(l2_prefetch, "_capability", lambda index: (9, 0))
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr("ninfer_kernels.gemv_h2_common.h2_mode", lambda device: 3)
     monkeypatch.delenv(l2_prefetch.PREFETCH_ENV, raising=False)
-    assert gemv_nvfp4_h2.h2_kernel(cuda).extra_consts == {"H2_MODE": 3, "PF": 0}
+    make = mod.h2_kernel if mod is gemv_nvfp4_h2 else mod.mma_kernel
+    assert make(cuda).extra_consts == {"H2_MODE": 3, "PF": 0}
     monkeypatch.setenv(l2_prefetch.PREFETCH_ENV, "2")
-    assert gemv_nvfp4_h2.h2_kernel(cuda).extra_consts == {"H2_MODE": 3, "PF": 2}
+    assert make(cuda).extra_consts == {"H2_MODE": 3, "PF": 2}
     assert "PF" not in gemv_q6_k_h2.h2_kernel(cuda).extra_consts
