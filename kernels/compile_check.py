@@ -58,7 +58,6 @@ class Variant:
     dequant: bool = False
     stages: int = 1           # elementwise weight-load pipeline depth (STAGES)
     xpre: bool = False        # prepared activations (ninfer_kernels.x16): x_ptr is int32 words
-    pf: int = 0               # K chunks prefetched into L2 before the PDL wait (ninfer_kernels.l2_prefetch; sm_90)
 
     @property
     def name(self) -> str:
@@ -66,7 +65,7 @@ class Variant:
             return f"{self.fmt}-dequant-{self.x_dtype}-n{self.block_n}-g{self.block_g}"
         return (f"{self.fmt}-{self.x_dtype}-T{self.t_tile}-n{self.block_n}-g{self.block_g}-w{self.num_warps}"
                 f"{f'-s{self.stages}' if self.stages > 1 else ''}{'-split' if self.use_split else ''}{'-dot' if self.use_dot else ''}{('', '-res', '-glu', '-gluxp')[self.epi]}"
-                f"{'-xpre' if self.xpre else ''}{f'-pf{self.pf}' if self.pf else ''}")
+                f"{'-xpre' if self.xpre else ''}")
 
 
 def _module(fmt: str):
@@ -99,10 +98,6 @@ def compile_variant(v: Variant, cc: int):
         const["XPRE"] = v.xpre
     if "PDL" in kernel.arg_names:   # griddepcontrol is sm_90 PTX (ninfer_kernels.pdl)
         const["PDL"] = compile_const(cc)
-    if "PF" in kernel.arg_names:    # the bulk L2 prefetch is sm_90 PTX too
-        const["PF"] = v.pf if cc >= 90 else 0
-    elif v.pf:
-        raise ValueError(f"{v.name}: {kernel.__name__} has no L2 prefetch")
     for k in const:
         sig[k] = "constexpr"
     return compile_kernel(kernel, sig, const, cc, divisible=_DIVISIBLE + tuple(wsig), num_warps=v.num_warps,
@@ -116,7 +111,6 @@ CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_m
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
 LANE_EXACT = ("nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # per-thread kernels: inline PTX must see element e in thread e
 XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # variants that also read prepared activations
-PF_FORMATS = ("nvfp4_h2", "nvfp4_mma")   # variants with an L2 prefetch before the PDL wait (ninfer_kernels.l2_prefetch)
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
 _MMA_T16_ROWS = {"iq3_s_mma": 128}   # the T tile 16 compiled per warp-MMA variant: its largest tuner tile
@@ -144,8 +138,6 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                         (Variant(f, xd, 8, 128, 8, use_split=True, epi=3, stages=2, xpre=f in XPRE_FORMATS), cc)]
                 if f in XPRE_FORMATS:     # prepared activations, double (and where a tile has it, triple) buffered
                     out += [(Variant(f, xd, 8, 128, 8, stages=s, xpre=True), cc) for s in _MMA_STAGES.get(f, (2, 3))]
-                if f in PF_FORMATS:       # with the L2 prefetch before the PDL wait (l2_prefetch.py)
-                    out.append((Variant(f, xd, 8, 128, 8, use_split=True, epi=1, stages=2, xpre=True, pf=2), cc))
                 if full:
                     out += [(Variant(f, xd, 8, 256, 8, stages=2), cc), (Variant(f, xd, 16, 128, 8), cc)]
                 continue
@@ -161,8 +153,6 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
                 if f in XPRE_FORMATS:      # on prepared activations (bench/xpre.py), T = 1 and 2
                     out += [(Variant(f, xd, 1, 128, bg, xpre=True), cc),
                             (Variant(f, xd, 2, 64, bg, use_split=True, epi=1, xpre=True), cc)]
-                if f in PF_FORMATS and cc >= 90:   # the decode step's tile with its L2 prefetch (l2_prefetch.py)
-                    out.append((Variant(f, xd, 1, 128, bg, use_split=True, xpre=True, pf=2), cc))
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]
                 continue
@@ -188,19 +178,11 @@ def _compile_row(item) -> dict:
         row = {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
         pdl = 0 if v.dequant else compile_const(cc)     # every GEMV kernel has the constexpr, no dequantizer
         row["pdl_ok"] = ptx_order_ok(c.asm["ptx"], pdl, late_trigger=True)
-        row["l2_prefetch"] = l2_prefetch_order(c.asm["ptx"])
         if v.fmt in LANE_EXACT:
             row["lane_layouts_bad"] = lane_layouts_bad(c.asm["ttgir"], v.num_warps)
         return row
     except Exception as e:  # report every failing variant, not only the first
         return {"variant": v.name, "cc": cc, "ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
-
-
-def l2_prefetch_order(ptx: str) -> bool | None:
-    """None without a bulk L2 prefetch (ninfer_kernels.l2_prefetch); else whether the first one comes before the
-    PDL wait (the point of it: the copy engine fetches while the CTA waits)."""
-    pf, wait = ptx.find("cp.async.bulk.prefetch.L2"), ptx.find("griddepcontrol.wait")
-    return None if pf < 0 else 0 <= pf < wait
 
 
 def _cuda_tool(name: str, compiled, *args) -> str:

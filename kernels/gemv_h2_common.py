@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _finish, _load_tile, _tile_g, _zeros, ld
-from .l2_prefetch import chunks_for
 from .pdl import pdl_wait
 
 EMULATE, PTX_SM70, PTX_SM80 = 1, 2, 3      # H2_MODE values
@@ -196,23 +195,18 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
             USE_SPLIT: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
-            H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = None,
-            PF: tl.constexpr = 0):
+            H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr):
     """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue); PDL as in
     `ninfer_kernels.pdl`: the wait comes first (loading the first weight tile before it cost the T=1 loop 32
-    registers, one CTA per SM, and decode 17 %: bench/NOTES.md §16), `finish_at` triggers. PF > 0: before the wait
-    the format's PREFETCH(w0, w1, N, first row, g_lo, g_hi, BLOCK_N, PF) sends this CTA's first PF K chunks
-    towards L2 (`ninfer_kernels.l2_prefetch`: registers are free again once it is issued)."""
+    registers, one CTA per SM, and decode 17 %: bench/NOTES.md §16), `finish_at` triggers."""
     tl.static_assert(T_TILE <= _MAX_T)
-    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
-    g_lo = tl.program_id(1) * g_per
-    g_hi = tl.minimum(G, g_lo + g_per)
-    if PF > 0:
-        PREFETCH(w0, w1, N, tl.program_id(0) * BLOCK_N, g_lo, g_hi, BLOCK_N, PF)
     pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)      # tail rows re-read the last row and are never stored
     t0 = tl.program_id(2) * T_TILE
+    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
+    g_lo = tl.program_id(1) * g_per
+    g_hi = tl.minimum(G, g_lo + g_per)
     acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
                 T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
     _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
@@ -230,29 +224,26 @@ class H2Kernel:
     """Binds H2_MODE so the generic launcher (`gemv_launch`) treats an h2 kernel like the other kernels. Its
     __name__ is the format's own kernel's: both variants compete for the same tuner key."""
 
-    def __init__(self, jit, name: str, mode: int, per_thread: bool = False, pf: int | None = None):
-        self.__name__, self.jit, self.mode = name, jit, mode
-        # every constexpr the kernel has beyond the launcher's (GemvPlan's direct launch lists them all)
-        self.extra_consts = {"H2_MODE": mode, **({"PF": pf} if pf is not None else {})}
+    def __init__(self, jit, name: str, mode: int, per_thread: bool = False):
+        self.__name__, self.jit, self.mode, self.extra_consts = name, jit, mode, {"H2_MODE": mode}
         self.per_thread = per_thread   # [32 * NW] tensors: the launcher passes NW = num_warps
 
     def __getitem__(self, grid):
-        return lambda *a, **kw: self.jit[grid](*a, **self.extra_consts, **kw)
+        return lambda *a, **kw: self.jit[grid](*a, H2_MODE=self.mode, **kw)
 
     def warmup(self, *a, grid, **kw):
-        return self.jit.warmup(*a, grid=grid, **self.extra_consts, **kw)
+        return self.jit.warmup(*a, grid=grid, H2_MODE=self.mode, **kw)
 
 
-def factory(jit, name: str, per_thread: bool = False, prefetch: bool = False):
-    """`device -> H2Kernel` with one launcher object per (H2_MODE, prefetch chunks) (for `gemv_launch.register_h2`).
-    prefetch: the kernel takes `PF` (`ninfer_kernels.l2_prefetch`; NINFER_GEMV_PREFETCH, read per call)."""
+def factory(jit, name: str, per_thread: bool = False):
+    """`device -> H2Kernel` with one launcher object per H2_MODE (for `gemv_launch.register_h2`)."""
     made: dict = {}
 
     def make(device: torch.device) -> H2Kernel:
-        key = (h2_mode(device), chunks_for(device) if prefetch else None)
-        if key not in made:
-            made[key] = H2Kernel(jit, name, key[0], per_thread, key[1])
-        return made[key]
+        mode = h2_mode(device)
+        if mode not in made:
+            made[mode] = H2Kernel(jit, name, mode, per_thread)
+        return made[mode]
     return make
 
 

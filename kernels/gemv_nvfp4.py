@@ -25,7 +25,6 @@ import triton.language as tl
 from .gemv_common import _j4, _load_tile, _tile_g, dequant_body, e4m3_magnitude, gemv_body, ld
 from .gemv_launch import (as_words, check_weight, check_x, dequant, gemv, KernelInputError, register_h2,
                           register_variant)
-from .l2_prefetch import bulk_prefetch
 from .pdl import pdl_wait
 
 GS = 16                          # weights per block (one int64 word of codes, one E4M3 scale)
@@ -36,7 +35,6 @@ _SIGN_MAG = tl.constexpr(-0x7E400000)  # 0x81C00000 as int32: bit 31 and bits 24
 
 
 CHUNK_GROUPS = 8                 # blocks per chunk of the kernels' layout (128 weights: 64 code bytes, 8 scales)
-_CG = tl.constexpr(CHUNK_GROUPS)
 
 
 @triton.jit
@@ -46,20 +44,6 @@ def cm_offsets(rows, g, n, RUN: tl.constexpr):
     <= 8, from the tile's own alignment), which stay contiguous inside a chunk: the loads keep RUN-wide vectors."""
     off = (g // 8 * (n * 8))[None, :] + (rows * 8)[:, None] + (g % 8)[None, :]
     return tl.max_contiguous(tl.multiple_of(off, [1, RUN]), [1, RUN])
-
-
-@triton.jit
-def prefetch_head(codes, scales, n, row0, g_lo, g_hi, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
-    """L2 prefetch of a CTA's first CHUNKS K chunks (rows row0.., groups g_lo.. below g_hi): in the chunk-major planes
-    one chunk of a row tile is one contiguous run of codes (64 bytes a row) and one of scales (8 bytes a row; 16-byte
-    aligned when n is even, which every real weight is: odd n skips them)."""
-    rows = tl.minimum(n - row0, BLOCK_N)
-    for i in tl.static_range(CHUNKS):
-        c = g_lo // _CG + i
-        live = c * _CG < g_hi
-        base = (c.to(tl.int64) * n + row0) * 8
-        bulk_prefetch(codes + base, tl.where(live, rows * 64, 0))
-        bulk_prefetch(scales + base, tl.where(live & (n % 2 == 0), rows * 8 // 16 * 16, 0))
 
 
 @triton.jit

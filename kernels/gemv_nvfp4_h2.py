@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .gemv_common import _tset, e4m3_magnitude
 from .gemv_h2_common import _EMULATE, compile_consts, factory, h2_body, hfma2, lanes_f32, x16_back, x16_pairs, x_pairs
-from .gemv_nvfp4 import _load, prefetch_head
+from .gemv_nvfp4 import _load
 
 _PAIR = tl.constexpr(0x8E008E00)           # f16 bits 15 and 11..9 of both lanes
 _UP_BIAS = tl.constexpr(267)               # up = 2**(140 - E): |x'| < 2**14
@@ -94,16 +94,15 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                          FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr,
-                         XPRE: tl.constexpr, PDL: tl.constexpr = 0, PF: tl.constexpr = 0):
+                         XPRE: tl.constexpr, PDL: tl.constexpr = 0):
     # USE_DOT / DOT_KIND / FOLD are accepted for the shared launcher and unused here. XPRE: x_ptr holds prepared
-    # activations (ninfer_kernels.x16, int32 words), stride_xt in words. PDL: ninfer_kernels.pdl. PF:
-    # ninfer_kernels.l2_prefetch
+    # activations (ninfer_kernels.x16, int32 words), stride_xt in words. PDL: ninfer_kernels.pdl
     h2_body(x_ptr, codes, scales, N, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
             stride_xt, stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G,
-            USE_SPLIT, EPI, EVEN_G, STAGES, H2_MODE, XPRE, PDL, prefetch_head, PF)
+            USE_SPLIT, EPI, EVEN_G, STAGES, H2_MODE, XPRE, PDL)
 
 
-h2_kernel = factory(nvfp4_h2_gemv_kernel, "nvfp4_gemv_kernel", prefetch=True)   # gemv_nvfp4 registers it (lazily)
+h2_kernel = factory(nvfp4_h2_gemv_kernel, "nvfp4_gemv_kernel")   # gemv_nvfp4 registers it (lazily)
 
 
 def kernel_for(fmt: str = "nvfp4_h2", dequant: bool = False, cc: int = 90):

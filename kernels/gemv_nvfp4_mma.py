@@ -26,7 +26,6 @@ import triton.language as tl
 
 from .gemv_h2_common import compile_consts, factory, hmul2
 from .gemv_mma_body import mma_body, no_prep
-from .gemv_nvfp4 import prefetch_head
 from .gemv_nvfp4_h2 import _split_signs, _wpair
 from .pdl import pdl_wait
 
@@ -79,11 +78,7 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
                           BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                           DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
                           FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
-                          XPRE: tl.constexpr, PDL: tl.constexpr = 0, PF: tl.constexpr = 0):
-    if PF > 0:       # ninfer_kernels.l2_prefetch: this CTA's first PF K chunks, while it waits
-        g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
-        g_lo = tl.program_id(1) * g_per
-        prefetch_head(codes, scales, N, tl.program_id(0) * BLOCK_N, g_lo, tl.minimum(G, g_lo + g_per), BLOCK_N, PF)
+                          XPRE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     # USE_DOT / DOT_KIND / FOLD / EVEN_G are accepted for the shared launcher and unused here
     mma_body(x_ptr, (codes, scales, N), None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale * _W_EXP, T, N, G, split,
@@ -92,7 +87,7 @@ def nvfp4_mma_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_pt
 
 
 # gemv_nvfp4 registers it (lazily)
-mma_kernel = factory(nvfp4_mma_gemv_kernel, "nvfp4_gemv_kernel", per_thread=True, prefetch=True)
+mma_kernel = factory(nvfp4_mma_gemv_kernel, "nvfp4_gemv_kernel", per_thread=True)
 
 
 def kernel_for(fmt: str = "nvfp4_mma", dequant: bool = False, cc: int = 90):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 
 import triton
 import triton.language as tl
@@ -128,9 +127,7 @@ def ptx_order_ok(ptx: str, pdl: int, late_trigger: bool = False, preload: int = 
     if not pdl:
         return None
     wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    # cp.async: pipelined loads; an L2 prefetch (ninfer_kernels.l2_prefetch) reads nothing into the kernel
-    m = re.search(r"cp\.async\.(?!bulk\.prefetch)", ptx)
-    loads = [i for i in (ptx.find("ld.global"), m.start() if m else -1) if i >= 0]
+    loads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0]   # cp.async: pipelined loads
     load = min(loads) if loads else -1
     if preload:
         store = ptx.find("st.global")

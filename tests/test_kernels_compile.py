@@ -58,16 +58,6 @@ def test_gemvs_follow_the_pdl_protocol(compiled):
         assert row["pdl_ok"] is want, f"{row['variant']}@sm_{row['cc']}: {row['pdl_ok']}"
 
 
-def test_l2_prefetch_only_where_asked_and_before_the_wait(compiled):
-    """The `-pf` variants (NINFER_GEMV_PREFETCH, sm_90 only) issue their bulk L2 prefetch before griddepcontrol.wait;
-    no other variant has one (the default compiles nothing in)."""
-    pf = [row for row in compiled if "-pf" in row["variant"]]
-    assert pf and all(row["cc"] >= 90 for row in pf)
-    for row in compiled:
-        want = True if "-pf" in row["variant"] else None
-        assert row.get("l2_prefetch") is want, f"{row['variant']}@sm_{row['cc']}: {row.get('l2_prefetch')}"
-
-
 def test_no_spills_and_sane_registers(compiled):
     for row in compiled:
         # ptxas spills to the STACK (LOCAL stays 0): the sm_70 FMA tl.dot with a wide K step showed 3 KB there

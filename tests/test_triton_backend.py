@@ -245,7 +245,7 @@ def test_gates_branch_inline_outside_capture(monkeypatch):
     """Outside CUDA-graph capture (always on the CPU) the gates branch is the plain call: the same (g, beta) as
     the torch backend, for the fused kernel's T and for a T it composes; a bad NINFER_BRANCH (and
     NINFER_GDN_FUSED, NINFER_ATTN_MIN_SPLIT, NINFER_NORM_WARPS, NINFER_SPLIT_UNROLL, NINFER_X16_ALIGN,
-    NINFER_GEMV_PINS, NINFER_SPLIT_ARRIVE, NINFER_GEMV_PREFETCH) is a one-line error naming the variable when the backend is built."""
+    NINFER_GEMV_PINS, NINFER_SPLIT_ARRIVE) is a one-line error naming the variable when the backend is built."""
     from ninfer_formats.errors import LoadError
     from ninfer_rt.backends import side_stream
     from ninfer_rt.weights import QWeight
@@ -277,10 +277,6 @@ def test_gates_branch_inline_outside_capture(monkeypatch):
         with pytest.raises(ValueError, match=f"NINFER_NORM_WARPS='{bad}': expected auto or a power of two"):
             TritonOps()
     monkeypatch.delenv("NINFER_NORM_WARPS")
-    monkeypatch.setenv("NINFER_GEMV_PREFETCH", "9")
-    with pytest.raises(ValueError, match="NINFER_GEMV_PREFETCH='9': expected a number of K chunks"):
-        TritonOps()
-    monkeypatch.delenv("NINFER_GEMV_PREFETCH")
     for name, bad, want in (("NINFER_SPLIT_UNROLL", "8", "expected 4 (the default), 2 or 1"),
                             ("NINFER_X16_ALIGN", "4", "expected 16 (the default) or 1"),
                             ("NINFER_GEMV_PINS", "/no/such/pins.json", "unreadable ("),

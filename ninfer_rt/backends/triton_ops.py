@@ -22,7 +22,7 @@ import torch
 
 from ninfer_formats.errors import LoadError
 from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_conv_recurrent, gdn_gates,
-                            gdn_recurrent, gemv_pins, gemv_split, kv_write, l2_prefetch, rmsnorm, rope, sampling, silu_mul, x16)
+                            gdn_recurrent, gemv_pins, gemv_split, kv_write, rmsnorm, rope, sampling, silu_mul, x16)
 from ninfer_kernels.ops_common import interpreting
 from ninfer_kernels.pdl import pdl_kw
 
@@ -92,7 +92,6 @@ class TritonOps(Ops):
         gdn_conv_recurrent.fused_on()
         attention_decode.min_split_keys()
         rmsnorm.norm_warps(1024)
-        l2_prefetch.chunks_env()
         if _DISPATCH is not None:
             _DISPATCH.prefill_path_env()
             _DISPATCH.tune_mode()
