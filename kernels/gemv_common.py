@@ -31,9 +31,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .env_switch import switch_error, switch_value
 from .gemv_glu import _EPI_RES, glu_arrive
 from .gemv_split import split_arrive, split_partial, split_release, split_total
 from .pdl import pdl_trigger
+
+# NINFER_GEMV_EVICT, a comparison switch: `normal` (the default) or `first`, the L2 eviction priority of the decode
+# GEMVs' packed-weight loads (`ldw`: NVFP4 and Q6_K). A decode step streams ~15 GB of weights through the 50 MB L2
+# between two uses of a norm's gain, a conv weight or a gate parameter; evict-first weights would let those stay.
+WEIGHT_EVICT_ENV = "NINFER_GEMV_EVICT"
+_WEIGHT_EVICTS = ("normal", "first")
+WEIGHT_EVICT = tl.constexpr("evict_first" if switch_value(WEIGHT_EVICT_ENV, _WEIGHT_EVICTS) == "first" else "")
+
+
+def weight_evict_env_error() -> str | None:
+    """None, or a one-line message when NINFER_GEMV_EVICT holds anything but normal or first."""
+    return switch_error(WEIGHT_EVICT_ENV, _WEIGHT_EVICTS)
 
 
 @triton.jit
@@ -43,6 +56,15 @@ def ld(ptr, wm):
         return tl.load(ptr)
     else:
         return tl.load(ptr, mask=wm, other=0)
+
+
+@triton.jit
+def ldw(ptr, wm):
+    """`ld` of packed weight bytes, with NINFER_GEMV_EVICT's L2 eviction priority."""
+    if wm is None:
+        return tl.load(ptr, eviction_policy=WEIGHT_EVICT)
+    else:
+        return tl.load(ptr, mask=wm, other=0, eviction_policy=WEIGHT_EVICT)
 
 
 @triton.jit

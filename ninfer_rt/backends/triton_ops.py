@@ -22,7 +22,8 @@ import torch
 
 from ninfer_formats.errors import LoadError
 from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_conv_recurrent, gdn_gates,
-                            gdn_recurrent, gemv_pins, gemv_split, kv_write, rmsnorm, rope, sampling, silu_mul, x16)
+                            gdn_recurrent, gemv_common, gemv_pins, gemv_split, kv_write, rmsnorm, rope, sampling,
+                            silu_mul, x16)
 from ninfer_kernels.ops_common import interpreting
 from ninfer_kernels.pdl import pdl_kw
 
@@ -98,7 +99,7 @@ class TritonOps(Ops):
         # "auto" | "1" | "0" (NINFER_XPRE's values); the GEMVs that read prepared input come with the dispatch
         self.xpre = ("1" if xpre else "0") if xpre is not None else x16.xpre_env() if _DISPATCH is not None else "0"
         for err in (x16.align_env_error(), gemv_split.split_unroll_env_error(), gemv_pins.pins_env_error(),
-                    gemv_split.split_arrive_env_error()):
+                    gemv_split.split_arrive_env_error(), gemv_common.weight_evict_env_error()):
             if err:
                 raise LoadError(err)
         self._memo = PreparedMemo()
