@@ -36,12 +36,15 @@ from .gemv_glu import _EPI_RES, glu_arrive
 from .gemv_split import split_arrive, split_partial, split_release, split_total
 from .pdl import pdl_trigger
 
-# NINFER_GEMV_EVICT, a comparison switch: `normal` (the default) or `first`, the L2 eviction priority of the decode
-# GEMVs' packed-weight loads (`ldw`: NVFP4 and Q6_K). A decode step streams ~15 GB of weights through the 50 MB L2
-# between two uses of a norm's gain, a conv weight or a gate parameter; evict-first weights would let those stay.
+# NINFER_GEMV_EVICT, a comparison switch: `normal` (the default), `first` or `nvfp4`, the L2 eviction priority of
+# the GEMVs' packed-weight loads (`ldw`): evict-first for NVFP4 and Q6_K weights, or NVFP4 only. A decode step streams
+# ~15 GB of weights through the 50 MB L2 between two uses of a norm's gain, a conv weight or a gate parameter;
+# evict-first weights would let those stay.
 WEIGHT_EVICT_ENV = "NINFER_GEMV_EVICT"
-_WEIGHT_EVICTS = ("normal", "first")
-WEIGHT_EVICT = tl.constexpr("evict_first" if switch_value(WEIGHT_EVICT_ENV, _WEIGHT_EVICTS) == "first" else "")
+_WEIGHT_EVICTS = ("normal", "first", "nvfp4")
+_EVICT_MODE = switch_value(WEIGHT_EVICT_ENV, _WEIGHT_EVICTS)
+NVFP4_EVICT = tl.constexpr("" if _EVICT_MODE == "normal" else "evict_first")
+Q6_K_EVICT = tl.constexpr("evict_first" if _EVICT_MODE == "first" else "")
 
 
 def weight_evict_env_error() -> str | None:
@@ -59,12 +62,12 @@ def ld(ptr, wm):
 
 
 @triton.jit
-def ldw(ptr, wm):
-    """`ld` of packed weight bytes, with NINFER_GEMV_EVICT's L2 eviction priority."""
+def ldw(ptr, wm, POLICY: tl.constexpr):
+    """`ld` of packed weight bytes with an L2 eviction priority (NINFER_GEMV_EVICT's, per format)."""
     if wm is None:
-        return tl.load(ptr, eviction_policy=WEIGHT_EVICT)
+        return tl.load(ptr, eviction_policy=POLICY)
     else:
-        return tl.load(ptr, mask=wm, other=0, eviction_policy=WEIGHT_EVICT)
+        return tl.load(ptr, mask=wm, other=0, eviction_policy=POLICY)
 
 
 @triton.jit

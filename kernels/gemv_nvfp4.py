@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import _j4, _load_tile, _tile_g, dequant_body, e4m3_magnitude, gemv_body, ld, ldw
+from .gemv_common import (NVFP4_EVICT, _j4, _load_tile, _tile_g, dequant_body, e4m3_magnitude, gemv_body, ld,
+                          ldw)
 from .gemv_launch import (as_words, check_weight, check_x, dequant, gemv, KernelInputError, register_h2,
                           register_variant)
 from .pdl import pdl_wait
@@ -51,8 +52,8 @@ def _load(codes, scales, n, w3, w4, w5, rows, g, wm, G):
     """The tile load: g holds aligned pairs of groups (every caller's tiles start on an even group)."""
     tl.static_assert(g.shape[0] % 2 == 0)
     off = cm_offsets(rows, g, n, 2)
-    words = ldw(codes + off, wm)
-    s = ldw(scales + off, wm).to(tl.int32)
+    words = ldw(codes + off, wm, NVFP4_EVICT)
+    s = ldw(scales + off, wm, NVFP4_EVICT).to(tl.int32)
     return words.to(tl.int32), (words >> 32).to(tl.int32), s
 
 

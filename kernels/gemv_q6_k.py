@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_common import dequant_body, even_groups, gemv_body, ld, ld_pair, ldw, pairwise
+from .gemv_common import Q6_K_EVICT, dequant_body, even_groups, gemv_body, ld, ld_pair, ldw, pairwise
 from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv, register_h2, register_variant
 from .pdl import pdl_wait
 
@@ -34,13 +34,13 @@ _QH_POS = (4, 2, 12, 10, 20, 18, 28, 26, 6, 0, 14, 8, 22, 16, 30, 24)  # qh bit 
 @triton.jit
 def _load(ql, qh, sc, d, w4, w5, rows, g, wm, G):
     off = rows[:, None] * G + g[None, :]
-    q = ldw(ql + off, wm)
+    q = ldw(ql + off, wm, Q6_K_EVICT)
     a = q.to(tl.int32)
     b = (q >> 32).to(tl.int32)
-    h = ldw(qh + off, wm)
+    h = ldw(qh + off, wm, Q6_K_EVICT)
     ge = even_groups(g)
     dd = pairwise(ld_pair(d + rows[:, None] * (G // 16) + (ge // 16)[None, :], ge, wm, G).to(tl.float32))
-    s = ldw(sc + off, wm).to(tl.float32) * dd
+    s = ldw(sc + off, wm, Q6_K_EVICT).to(tl.float32) * dd
     qe_a = (a & 0x0F0F0F0F) | (h & 0x30303030)
     qo_a = ((a >> 4) & 0x0F0F0F0F) | ((h << 2) & 0x30303030)
     qe_b = (b & 0x0F0F0F0F) | ((h >> 2) & 0x30303030)
