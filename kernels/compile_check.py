@@ -178,6 +178,7 @@ def _compile_row(item) -> dict:
         row = {"variant": v.name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2), **summarize(c)}
         pdl = 0 if v.dequant else compile_const(cc)     # every GEMV kernel has the constexpr, no dequantizer
         row["pdl_ok"] = ptx_order_ok(c.asm["ptx"], pdl, late_trigger=True)
+        row["evict_first"] = "L2::evict_first" in c.asm["ptx"]   # NINFER_GEMV_EVICT (gemv_common)
         if v.fmt in LANE_EXACT:
             row["lane_layouts_bad"] = lane_layouts_bad(c.asm["ttgir"], v.num_warps)
         return row

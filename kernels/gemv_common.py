@@ -36,19 +36,21 @@ from .gemv_glu import _EPI_RES, glu_arrive
 from .gemv_split import split_arrive, split_partial, split_release, split_total
 from .pdl import pdl_trigger
 
-# NINFER_GEMV_EVICT, a comparison switch: `normal` (the default), `first` or `nvfp4`, the L2 eviction priority of
-# the GEMVs' packed-weight loads (`ldw`): evict-first for NVFP4 and Q6_K weights, or NVFP4 only. A decode step streams
-# ~15 GB of weights through the 50 MB L2 between two uses of a norm's gain, a conv weight or a gate parameter;
-# evict-first weights would let those stay.
+# NINFER_GEMV_EVICT: the L2 eviction priority of the GEMVs' packed-weight loads (`ldw`). `nvfp4` (the default):
+# NVFP4 weights evict-first, `normal`: none, `first`: NVFP4 and Q6_K. A decode step streams ~15 GB of weights through
+# the 50 MB L2 between two uses of a norm's gain, a conv weight or a gate parameter; with the weights evict-first
+# those stay. On the H200 `nvfp4` took decode 6.008 -> 5.986 ms and verify K = 3 7.338 -> 7.213 ms of GPU time
+# (the norms, the attention and the warp-MMA gate/up gained); `first` gained as much in the NVFP4 layers and lost it
+# in the Q6_K lm_head (decode +37 us, verify K = 3 +130 us), bench/NOTES.md §28.
 WEIGHT_EVICT_ENV = "NINFER_GEMV_EVICT"
-_WEIGHT_EVICTS = ("normal", "first", "nvfp4")
+_WEIGHT_EVICTS = ("nvfp4", "normal", "first")
 _EVICT_MODE = switch_value(WEIGHT_EVICT_ENV, _WEIGHT_EVICTS)
 NVFP4_EVICT = tl.constexpr("" if _EVICT_MODE == "normal" else "evict_first")
 Q6_K_EVICT = tl.constexpr("evict_first" if _EVICT_MODE == "first" else "")
 
 
 def weight_evict_env_error() -> str | None:
-    """None, or a one-line message when NINFER_GEMV_EVICT holds anything but normal or first."""
+    """None, or a one-line message when NINFER_GEMV_EVICT holds anything but nvfp4, normal or first."""
     return switch_error(WEIGHT_EVICT_ENV, _WEIGHT_EVICTS)
 
 

@@ -58,6 +58,17 @@ def test_gemvs_follow_the_pdl_protocol(compiled):
         assert row["pdl_ok"] is want, f"{row['variant']}@sm_{row['cc']}: {row['pdl_ok']}"
 
 
+def test_weight_eviction_priority(compiled):
+    """NINFER_GEMV_EVICT's default (`nvfp4`): on sm_90 the NVFP4 decode GEMVs (packed-half2 and warp-MMA) load their
+    weights evict-first; no other format does, and sm_70 compiles no eviction hint at all."""
+    for row in compiled:
+        fmt = row["variant"].split("-")[0]
+        want = row["cc"] >= 80 and fmt in ("nvfp4_h2", "nvfp4_mma")
+        if fmt == "nvfp4" and row["cc"] >= 80:
+            continue     # the fp32 loop shares the NVFP4 tile load (evict-first); its tl.dot route has its own
+        assert row["evict_first"] is want, f"{row['variant']}@sm_{row['cc']}: {row['evict_first']}"
+
+
 def test_no_spills_and_sane_registers(compiled):
     for row in compiled:
         # ptxas spills to the STACK (LOCAL stays 0): the sm_70 FMA tl.dot with a wide K step showed 3 KB there

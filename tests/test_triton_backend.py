@@ -281,7 +281,7 @@ def test_gates_branch_inline_outside_capture(monkeypatch):
                             ("NINFER_X16_ALIGN", "4", "expected 16 (the default) or 1"),
                             ("NINFER_GEMV_PINS", "/no/such/pins.json", "unreadable ("),
                             ("NINFER_SPLIT_ARRIVE", "relaxed", "expected release (the default) or acq_rel"),
-                            ("NINFER_GEMV_EVICT", "last", "expected normal (the default), first or nvfp4")):
+                            ("NINFER_GEMV_EVICT", "last", "expected nvfp4 (the default), normal or first")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(LoadError, match=f"{name}='{bad}': {re.escape(want)}"):
             TritonOps()
