@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv_common import NVFP4_EVICT
+from .gemv_common import NVFP4_EVICT, ldw
 from .gemv_h2_common import compile_consts, factory, hmul2
 from .gemv_mma_body import mma_body, no_prep
 from .gemv_nvfp4_h2 import _split_signs, _wpair
@@ -40,8 +40,8 @@ def _load_row(wts, row, gk, q, G):
     gk // 8 of the row, in `gemv_nvfp4`'s chunk-major planes, starts at word (gk // 8 * N + row) * 8."""
     codes, scales, n = wts
     off = tl.multiple_of((gk // 8 * n + row) * 8 + 2 * q, 2)
-    return (tl.load(codes + off[:, None] + tl.arange(0, 2)[None, :], eviction_policy=NVFP4_EVICT),
-            tl.load(scales.to(tl.pointer_type(tl.int16)) + off // 2, eviction_policy=NVFP4_EVICT))
+    return (ldw(codes + off[:, None] + tl.arange(0, 2)[None, :], None, NVFP4_EVICT),
+            ldw(scales.to(tl.pointer_type(tl.int16)) + off // 2, None, NVFP4_EVICT))
 
 
 @triton.jit

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv_common import Q6_K_EVICT
+from .gemv_common import Q6_K_EVICT, ldw
 from .gemv_h2_common import compile_consts, factory, hmul2
 from .gemv_mma_body import mma_body, no_prep
 from .gemv_q6_k_h2 import _pairs
@@ -28,9 +28,9 @@ def _load_row(wts, row, gk, q, G):
     int16, the row's super-block scale d (fp16) for this chunk)."""
     ql, qh, sc, d = wts
     off = tl.multiple_of(row * G + gk + 2 * q, 2)
-    return (tl.load(ql + off[:, None] + tl.arange(0, 2)[None, :], eviction_policy=Q6_K_EVICT),
-            tl.load(qh + off[:, None] + tl.arange(0, 2)[None, :], eviction_policy=Q6_K_EVICT),
-            tl.load(sc.to(tl.pointer_type(tl.int16)) + off // 2, eviction_policy=Q6_K_EVICT),
+    return (ldw(ql + off[:, None] + tl.arange(0, 2)[None, :], None, Q6_K_EVICT),
+            ldw(qh + off[:, None] + tl.arange(0, 2)[None, :], None, Q6_K_EVICT),
+            ldw(sc.to(tl.pointer_type(tl.int16)) + off // 2, None, Q6_K_EVICT),
             tl.load(d + row * (G // 16) + gk // 16))
 
 
