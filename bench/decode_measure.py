@@ -223,6 +223,22 @@ def _exclusive_events(events: list) -> tuple[list, float]:
     return out, gap
 
 
+def idle_by_transition(events: list, steps: int, top: int = 6) -> list:
+    """Where the idle time falls: [["previous kernel -> next kernel", idle us per step, gaps per step]] for the
+    `top` pairs with the most (names cut to 40 characters; the previous kernel is the one that ended last)."""
+    acc: dict[str, list] = {}
+    last, last_name = None, None
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        start, end = e.time_range.start, e.time_range.end
+        if last is not None and start > last:
+            a = acc.setdefault(f"{last_name[:40]} -> {e.name[:40]}", [0.0, 0.0])
+            a[0] += (start - last) / steps
+            a[1] += 1 / steps
+        if last is None or end >= last:
+            last, last_name = end, e.name
+    return [[k, round(us, 2), round(n, 2)] for k, (us, n) in sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
 def linear_by_shape(events: list, steps: int, labels: list[str]) -> dict:
     """The GEMV launches of a step by the weight they read: `labels` names a step's GEMV launches in launch order
     (e.g. per layer qkv, o, gate_up, down, then lm_head); {label: [us, exclusive us, launches] per step}, or
@@ -270,7 +286,7 @@ def kernel_profile(step, steps: int, top: int = 15, linear_labels: list[str] | N
     shapes = {"linear_by_shape": linear_by_shape(events, steps, linear_labels)} if linear_labels else {}
     return {**shapes, "kernels_per_step": sum(n for _, n in by_name.values()),
             "kernel_us_per_step": sum(us for us, _ in by_name.values()), "us_by_group": groups,
-            "excl_us_by_group": groups_x, "idle_us_per_step": gap,
+            "excl_us_by_group": groups_x, "idle_us_per_step": gap, "idle_top": idle_by_transition(events, steps),
             "top": [[name[:80], us, n, excl.get(name, 0.0)] for name, (us, n) in ranked[:top]]}
 
 

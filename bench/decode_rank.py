@@ -104,9 +104,14 @@ def _xpre_on(device) -> bool:
     return x16.xpre_on(x16.xpre_env(), device)
 
 
-def _pdl_kw(device, preload: bool = False) -> dict:
+def _pdl_kw(device, preload: bool = False, state: bool = False) -> dict:
     from ninfer_kernels.pdl import pdl_kw
-    return pdl_kw(device, preload=preload)
+    return pdl_kw(device, preload=preload, state=state)
+
+
+def _gemv_evict() -> str:
+    from ninfer_kernels.gemv_common import weight_evict_mode
+    return weight_evict_mode()
 
 
 def _pdl_mma() -> bool:
@@ -396,6 +401,8 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "gdn_fused": backend.startswith("triton") and os.environ.get("NINFER_GDN_FUSED", "0") == "1",
             "swiglu_epilogue": backend.startswith("triton") and _swiglu_on(device),    # NINFER_SWIGLU_EPILOGUE
             "pdl_preload": backend.startswith("triton") and _pdl_kw(device, preload=True).get("PRELOAD") == 1,
+            "pdl_state": backend.startswith("triton") and _pdl_kw(device, state=True).get("PRELOAD") == 1,
+            "gemv_evict": _gemv_evict(),                                      # NINFER_GEMV_EVICT
             "pdl_mma": backend.startswith("triton") and bool(_pdl_kw(device)) and _pdl_mma(),   # NINFER_PDL_MMA
             "x16_align": _x16_align(),                                        # NINFER_X16_ALIGN
             "split_unroll": _split_unroll(),                                  # NINFER_SPLIT_UNROLL

@@ -71,6 +71,8 @@ def row(r: dict) -> str | None:
         if "excl_us_by_group" in r:      # each kernel's share of the timeline (overlaps counted once)
             excl = "; exclusive: " + ", ".join(f"{g} {us:.0f}" for g, us in sorted(
                 r["excl_us_by_group"].items(), key=lambda kv: -kv[1])) + f", idle {r['idle_us_per_step']:.0f}"
+            if r.get("idle_top"):        # where the idle time falls, by the pair of kernels around it
+                excl += " (" + ", ".join(f"{k} {us:.0f} us/{n:g}" for k, us, n in r["idle_top"][:3]) + ")"
         return (f"{head}{r['context']:>7}      {r.get('step', 'decode')}: {r['kernels_per_step']:.0f} kernels, "
                 f"{r['kernel_us_per_step']:.0f} us of kernels per step ({r['source']}): {groups}{excl}"
                 + _by_shape(r.get("linear_by_shape")))

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError
-from .pdl import pdl_enter, pdl_kw
+from .pdl import pdl_enter, pdl_kw, pdl_trigger, pdl_wait
 
 BLOCK_T = 16
 BLOCK_C = 128
@@ -77,14 +77,9 @@ def causal_conv_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr
 
 
 @triton.jit
-def conv_step_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr, C, sx_t,
-                     CK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = 0):
-    """At most one new token per sequence (decode): each thread owns its channels in every window row, so the
-    window moves up in registers -- no tile of masked token rows, no barrier before the rewrite. The sequence's
-    offsets, slot and snapshot index are loaded together and a sequence without a token masks its loads and
-    stores (a branch on the offsets made the slot's load, and the window's behind it, wait for them: one more
-    dependent memory round trip in a kernel that is little else)."""
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
+def _step_state(w_ptr, pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, C, CK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """What `conv_step_kernel` reads that no kernel in front of it in a step writes: the sequence's offsets, slot
+    and snapshot index (loaded together), this program's channels' conv weights and window rows."""
     b = tl.program_id(0)
     s0 = tl.load(cu_ptr + b)
     s1 = tl.load(cu_ptr + b + 1)
@@ -93,13 +88,34 @@ def conv_step_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, 
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = (c < C) & (tl.zeros([BLOCK_C], tl.int32) + s1 > s0)     # a batch row without a token: nothing
     base = slot.to(tl.int64) * ((CK - 1) * C)
-    xv = tl.load(x_ptr + s0.to(tl.int64) * sx_t + c, mask=m, other=0.0).to(tl.float32)
-    acc = xv * tl.load(w_ptr + c * CK + (CK - 1), mask=c < C, other=0.0).to(tl.float32)
+    ws = ()
     rows = ()
+    for j in tl.static_range(CK):
+        ws = ws + (tl.load(w_ptr + c * CK + j, mask=c < C, other=0.0).to(tl.float32),)
     for j in tl.static_range(CK - 1):
-        p = tl.load(pool_ptr + base + j * C + c, mask=m, other=0.0)
-        acc += p * tl.load(w_ptr + c * CK + j, mask=c < C, other=0.0).to(tl.float32)
-        rows = rows + (p,)
+        rows = rows + (tl.load(pool_ptr + base + j * C + c, mask=m, other=0.0),)
+    return s0, snap, c, m, base, ws, rows
+
+
+@triton.jit
+def conv_step_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr, C, sx_t,
+                     CK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
+    """At most one new token per sequence (decode): each thread owns its channels in every window row, so the
+    window moves up in registers -- no tile of masked token rows, no barrier before the rewrite. A sequence
+    without a token masks its loads and stores (a branch on the offsets made the slot's load, and the window's
+    behind it, wait for them: one more dependent memory round trip in a kernel that is little else). With PRELOAD
+    (NINFER_PDL_STATE, ninfer_kernels.pdl) everything but the new token's row is loaded before the PDL wait, so
+    the window's DRAM read overlaps the tail of the GEMV in front, which writes that row."""
+    pdl_trigger(PDL)
+    if PRELOAD:
+        s0, snap, c, m, base, ws, rows = _step_state(w_ptr, pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, C, CK, BLOCK_C)
+    pdl_wait(PDL)
+    if not PRELOAD:
+        s0, snap, c, m, base, ws, rows = _step_state(w_ptr, pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, C, CK, BLOCK_C)
+    xv = tl.load(x_ptr + s0.to(tl.int64) * sx_t + c, mask=m, other=0.0).to(tl.float32)
+    acc = xv * ws[CK - 1]
+    for j in tl.static_range(CK - 1):
+        acc += rows[j] * ws[j]
     tl.store(y_ptr + s0.to(tl.int64) * C + c, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=m)
     if snap >= 0:
         dst = snap_ptr + snap.to(tl.int64) * ((CK - 1) * C)
@@ -130,7 +146,7 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_se
     if total and batch and max_t == 1 and ck >= 2:
         conv_step_kernel[(batch, triton.cdiv(c, STEP_BLOCK_C))](
             x, w, y, conv_pool, conv_pool if snapshots is None else snapshots, cu_seqlens, slots, snap_index, c,
-            x.stride(0), CK=ck, BLOCK_C=STEP_BLOCK_C, num_warps=1, **pdl_kw(x.device))
+            x.stride(0), CK=ck, BLOCK_C=STEP_BLOCK_C, num_warps=1, **pdl_kw(x.device, state=True))
     elif total and batch:
         # short verify steps need no 16-token tile; the tile never drops below ck-1 tokens, so programs past
         # token block 0 never read the pool rows that block 0 rewrites

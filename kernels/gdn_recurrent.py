@@ -17,7 +17,7 @@ import triton.language as tl
 
 from . import gemv_timing
 from .ops_common import KernelInputError, interpreting, pow2
-from .pdl import pdl_enter, pdl_kw
+from .pdl import pdl_kw, pdl_trigger, pdl_wait
 
 # (value columns per program, warps). With T > 1 each token's four reductions over dk chain on the previous token's
 # state, and a reduction that spans warps goes through shared memory and a CTA barrier; one warp per 16 columns
@@ -59,6 +59,20 @@ def program_coords(cu_ptr, snapidx_ptr, REP, DK, DV, BLOCK_K: tl.constexpr, BLOC
 
 
 @triton.jit
+def _state_tile(pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, Hv, REP, DK, DV, BLOCK_K: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """`program_coords`, the state tile's offsets (tile, its mask, the head's base, the slot's offset) and the
+    tile S itself, loaded from the pool: nothing here is written by the kernels in front of this one in a step."""
+    b, h, kh, s0, T, snap, dk, dv, k_ok, v_ok = program_coords(cu_ptr, snapidx_ptr, REP, DK, DV, BLOCK_K, BLOCK_V)
+    tile = dk[:, None] * DV + dv[None, :]
+    tmask = k_ok[:, None] & v_ok[None, :]
+    head_base = h.to(tl.int64) * DK * DV
+    pool_off = tl.load(slot_ptr + b).to(tl.int64) * Hv * DK * DV + head_base
+    S = tl.load(pool_ptr + pool_off + tile, mask=tmask, other=0.0)
+    return b, h, kh, s0, T, snap, dk, dv, k_ok, v_ok, tile, tmask, head_base, pool_off, S
+
+
+@triton.jit
 def delta_step(S, q, k, v, g, beta, q_scale):
     """One token on this program's fp32 state tile S [dk, BLOCK_V]: q, k l2-normalised (q also scaled), then
     S = exp(g) S; S += k (beta (v - S^T k))^T. -> (S, o = S^T q).
@@ -81,18 +95,23 @@ def delta_step(S, q, k, v, g, beta, q_scale):
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, snap_ptr,
                          cu_ptr, slot_ptr, snapidx_ptr,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv, REP, DK, DV, q_scale,
-                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0):
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
-    b, h, kh, s0, T, snap, dk, dv, k_ok, v_ok = program_coords(cu_ptr, snapidx_ptr, REP, DK, DV, BLOCK_K, BLOCK_V)
-    tile = dk[:, None] * DV + dv[None, :]
-    tmask = k_ok[:, None] & v_ok[None, :]
-    head_base = h.to(tl.int64) * DK * DV
-    pool_off = tl.load(slot_ptr + b).to(tl.int64) * Hv * DK * DV + head_base
+                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0,
+                         PRELOAD: tl.constexpr = 0):
+    # ninfer_kernels.pdl: with PRELOAD (NINFER_PDL_STATE) the state tile, the one DRAM read on this kernel's
+    # path, is in flight while the conv in front runs; the token inputs, which that conv and the gates write,
+    # are loaded after the wait either way
+    pdl_trigger(PDL)
+    if PRELOAD:
+        b, h, kh, s0, T, snap, dk, dv, k_ok, v_ok, tile, tmask, head_base, pool_off, S = _state_tile(
+            pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, Hv, REP, DK, DV, BLOCK_K, BLOCK_V)
+    pdl_wait(PDL)
+    if not PRELOAD:
+        b, h, kh, s0, T, snap, dk, dv, k_ok, v_ok, tile, tmask, head_base, pool_off, S = _state_tile(
+            pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, Hv, REP, DK, DV, BLOCK_K, BLOCK_V)
     # every input of a token is loaded one token ahead: with T > 1 (MTP verify) the next token's memory round
     # trip overlaps this token's reductions instead of following them
     nxt = _token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0.to(tl.int64), T > 0, kh, h, dk, dv, k_ok, v_ok,
                         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv)
-    S = tl.load(pool_ptr + pool_off + tile, mask=tmask, other=0.0)
     for i in range(0, T):
         tok = (s0 + i).to(tl.int64)
         q, k, v, g, beta = nxt
@@ -162,7 +181,7 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         gdn_recurrent_kernel[(batch, hv, triton.cdiv(dv, bv))](
             q, k, v, g, beta, out, pool, pool if snaps is None else snaps, cu_seqlens, slots, snap_index,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hv, hv // hk, dk, dv,
-            dk ** -0.5, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=w, **pdl_kw(q.device))
+            dk ** -0.5, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=w, **pdl_kw(q.device, state=True))
 
     if tile is None:
         # prefill chunks (the fallback without flash-linear-attention) share one key

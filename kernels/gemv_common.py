@@ -49,6 +49,11 @@ NVFP4_EVICT = tl.constexpr("" if _EVICT_MODE == "normal" else "evict_first")
 Q6_K_EVICT = tl.constexpr("evict_first" if _EVICT_MODE == "first" else "")
 
 
+def weight_evict_mode() -> str:
+    """The NINFER_GEMV_EVICT value the kernels were compiled with (read once, at import)."""
+    return _EVICT_MODE
+
+
 def weight_evict_env_error() -> str | None:
     """None, or a one-line message when NINFER_GEMV_EVICT holds anything but nvfp4, normal or first."""
     return switch_error(WEIGHT_EVICT_ENV, _WEIGHT_EVICTS)

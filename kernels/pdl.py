@@ -21,6 +21,14 @@ Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
   * preload (NINFER_PDL_PRELOAD=1, the default): the norms (`rmsnorm`, `gated_rmsnorm`) load their gains, which no
     kernel writes, before the wait (`pdl_enter_preloaded`), so that load's memory latency overlaps the wait instead
     of following it. Their launchers ask `pdl_kw(device, preload=True)`, which adds the `PRELOAD` constexpr.
+  * state (NINFER_PDL_STATE=1): the decode step's GDN conv (`gdn_conv.conv_step_kernel`) and recurrence
+    (`gdn_recurrent`) load the step metadata (offsets, slots, snapshot rows), their weights and the sequence's
+    state (the conv window, the 64 KB-per-head fp32 recurrence tile) before the wait, as `PRELOAD` too (their
+    launchers ask `pdl_kw(device, state=True)`). These are written only by host copies, torch copies and the two
+    kernels themselves in an earlier step, and a kernel placed early has a GEMV in front of it that triggers only
+    after its own wait (the conv's, or the recurrence's behind the conv, which triggers at its start): so every
+    such write has completed before the CTA exists. What still depends on the kernel in front (the projections,
+    the conv output, the gates) is loaded after the wait.
 Kernels launched without the attribute (torch's, NCCL's) start after the kernel in front completes, as always, and
 never trigger early, so a PDL kernel behind them starts as it would without PDL.
 """
@@ -35,6 +43,7 @@ import triton.language as tl
 PDL_ENV = "NINFER_PDL"
 PDL_MODES = ("0", "1")
 PRELOAD_ENV = "NINFER_PDL_PRELOAD"
+STATE_ENV = "NINFER_PDL_STATE"
 MMA_ENV = "NINFER_PDL_MMA"
 
 
@@ -57,9 +66,10 @@ def pdl_enter(PDL: tl.constexpr):
     pdl_wait(PDL)
 
 
-def _mode(name: str) -> str:
-    """'1' (the default) or '0' from the environment variable `name`; anything else is a one-line error naming it."""
-    v = os.environ.get(name, "1")
+def _mode(name: str, default: str = "1") -> str:
+    """'1' or '0' from the environment variable `name` (unset: `default`); anything else is a one-line error naming
+    it."""
+    v = os.environ.get(name, default)
     if v not in PDL_MODES:
         from .ops_common import KernelInputError
         raise KernelInputError(f"{name}={v!r}: expected one of {', '.join(PDL_MODES)}")
@@ -89,22 +99,29 @@ def preload_mode() -> str:
     return _mode(PRELOAD_ENV)
 
 
+def state_mode() -> str:
+    """NINFER_PDL_STATE: '1' (the GDN conv and recurrence load their state before the wait) or '0' (the default:
+    after it)."""
+    return _mode(STATE_ENV, "0")
+
+
 def mma_mode() -> str:
     """NINFER_PDL_MMA: '1' (default: the warp-MMA GEMVs launch with PDL like every other kernel) or '0' (they
     launch plainly, after the kernel in front completes; a comparison switch, bench/NOTES.md §23)."""
     return _mode(MMA_ENV)
 
 
-def pdl_kw(device, preload: bool = False) -> dict:
+def pdl_kw(device, preload: bool = False, state: bool = False) -> dict:
     """The extra launch arguments of a PDL-capable kernel on `device`: {"PDL": 1, "launch_pdl": True} with
     NINFER_PDL=1 (the default) on a CUDA device of compute capability 9.0+ (griddepcontrol is sm_90 PTX), else {}
-    (sm_70 / sm_80, the interpreter, the CPU, or NINFER_PDL=0). preload: the kernel has a `PRELOAD` constexpr,
-    given as NINFER_PDL_PRELOAD says when PDL is on."""
+    (sm_70 / sm_80, the interpreter, the CPU, or NINFER_PDL=0). preload / state: the kernel has a `PRELOAD`
+    constexpr, given as NINFER_PDL_PRELOAD (a norm's gain) / NINFER_PDL_STATE (the GDN state) says when PDL is on."""
     if pdl_mode() == "0" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return {}
     if getattr(device, "type", "cuda") != "cuda" or _capability(getattr(device, "index", None)) < (9, 0):
         return {}
-    return {"PDL": 1, "launch_pdl": True, **({"PRELOAD": int(preload_mode())} if preload else {})}
+    early = {"PRELOAD": int(preload_mode())} if preload else {"PRELOAD": int(state_mode())} if state else {}
+    return {"PDL": 1, "launch_pdl": True, **early}
 
 
 @functools.lru_cache(maxsize=None)

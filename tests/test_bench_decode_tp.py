@@ -333,6 +333,20 @@ def test_exclusive_profile_shares_overlaps_and_counts_idle():
     assert sum(excl.values()) + idle == (54 - 0) / 2
 
 
+def test_idle_by_transition_names_the_kernels_around_each_gap():
+    """Each gap goes to (the kernel that ended last -> the next to start), per step, largest first; d, which ends
+    inside c, is not the kernel in front of the next gap."""
+    evs = [_Ev("a", 0, 10), _Ev("b", 4, 15), _Ev("c", 20, 24), _Ev("d", 21, 23),
+           _Ev("a", 30, 40), _Ev("b", 34, 45), _Ev("c", 50, 54), _Ev("d", 51, 53)]
+    top = decode_measure.idle_by_transition(list(reversed(evs)), steps=2)
+    assert top == [["c -> a", 3.0, 0.5], ["b -> c", 5.0, 1.0]][::-1]
+    line = report.row({"kind": "profile", "recipe": "nvfp4", "tp": 1, "context": 8, "step": "decode",
+                       "kernels_per_step": 4, "kernel_us_per_step": 20.0, "source": "graph replay",
+                       "us_by_group": {"linear": 20.0}, "excl_us_by_group": {"linear": 18.0},
+                       "idle_us_per_step": 8.0, "idle_top": top})
+    assert "(b -> c 5 us/1, c -> a 3 us/0.5)" in line
+
+
 def test_linear_by_shape_names_gemvs_by_launch_order():
     """A step's GEMV launches take the labels in order (other kernels skipped); a count that does not match the
     labels gives a note instead of a wrong attribution."""

@@ -461,6 +461,39 @@ def test_gdn_recurrent(dtype, lens, snapshot):
         assert rel(snaps[:n_snap], want_snaps[:n_snap]) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("preload", [0, 1], ids=["after-wait", "preload"])
+def test_gdn_state_preload(preload, monkeypatch):
+    """Both orders of the GDN kernels' state loads (`PRELOAD`, NINFER_PDL_STATE: before or after the PDL wait)
+    give the reference: the decode conv step (window and taps early, the new row after) and the recurrence with
+    snapshot rows (the state tile early, the token inputs after); pdl_kw(..., state=True) forced here."""
+    from ninfer_kernels import gdn_conv, gdn_recurrent
+    for mod in (gdn_conv, gdn_recurrent):   # without PDL (CPU, sm_70) the wait is a no-op and either order runs
+        monkeypatch.setattr(mod, "pdl_kw", lambda dev, real=mod.pdl_kw, **kw: {**real(dev), "PRELOAD": preload}
+                            if kw.get("state") else real(dev, **kw))
+    meta, _ = _gdn_meta((1, 0, 1), (False, False, False), slots=(2, 3, 0))
+    x, w = rnd(2, C, dtype=torch.float16), rnd(C, CK, seed=1, scale=0.5)
+    pool = rnd(4, CK - 1, C, seed=2)
+    pool[[1, 3]] = float("nan")
+    want_pool = pool.clone()
+    want = REF.causal_conv(x, w, want_pool, _gdn_meta((1, 1), (False, False), slots=(2, 0))[0], None)
+    with poisoned():
+        got = TRI.causal_conv(x, w, pool, meta, None)
+    check(got, want, torch.float16)
+    assert torch.allclose(pool, want_pool, rtol=1e-5, atol=1e-6, equal_nan=True)
+    meta, n_snap = _gdn_meta((3, 1), (True, False), slots=(0, 2))
+    args = _gdn_inputs(4, torch.float16, seed=2)
+    rec = rnd(3, HV, DK, DV, seed=7, scale=0.3)
+    rec[1] = float("nan")
+    snaps = torch.full((n_snap + 1, HV, DK, DV), float("nan"), device=DEV)
+    want_rec, want_snaps = rec.clone(), snaps.clone()
+    want = REF.gdn_recurrent(*args, want_rec, meta, want_snaps)
+    with poisoned():
+        got = TRI.gdn_recurrent(*args, rec, meta, snaps)
+    check(got, want, torch.float16)
+    assert rel(rec[[0, 2]], want_rec[[0, 2]]) <= TOL[torch.float32] and torch.isnan(rec[1]).all()
+    assert rel(snaps[:n_snap], want_snaps[:n_snap]) <= TOL[torch.float32] and torch.isnan(snaps[n_snap:]).all()
+
+
 def _convrec_case(lens, snapshot, dtype, alias):
     """qkv rows (a row-strided view, as the q|k|v columns of the fused projection), conv taps, gates and both
     state pools with NaN rows nobody owns; alias: the snapshot rows are rows of the pools themselves and the

@@ -59,6 +59,27 @@ def test_preload_constexpr_only_where_asked_and_pdl_is_on(monkeypatch):
         pdl.pdl_kw(cuda, preload=True)
 
 
+def test_state_constexpr_follows_its_own_switch(monkeypatch):
+    """NINFER_PDL_STATE (default 0) reaches the GDN kernels that asked for it (state=True) as PRELOAD, independently
+    of NINFER_PDL_PRELOAD, and only when PDL is on; a bad value is a one-line error naming the variable."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for name in (pdl.PDL_ENV, pdl.PRELOAD_ENV, pdl.STATE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert pdl.pdl_kw(cuda, state=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
+    monkeypatch.setenv(pdl.STATE_ENV, "1")
+    monkeypatch.setenv(pdl.PRELOAD_ENV, "0")
+    assert pdl.pdl_kw(cuda, state=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 1}
+    assert pdl.pdl_kw(cuda, preload=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.pdl_kw(cuda, state=True) == {}
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    monkeypatch.setenv(pdl.STATE_ENV, "yes")
+    with pytest.raises(KernelInputError, match="NINFER_PDL_STATE='yes'"):
+        pdl.pdl_kw(cuda, state=True)
+
+
 def test_ptx_order_with_preload():
     """The compile check's reading of the PTX: a preloading kernel loads before the wait and stores after it."""
     trig, wait = "griddepcontrol.launch_dependents;", "griddepcontrol.wait;"
@@ -121,10 +142,11 @@ def test_every_kernel_takes_pdl_and_every_launch_passes_it():
         assert passes, f"{f}: the launch of {name} does not pass **pdl_kw(...)"
     kernels = _all_kernels()
     for f, name, call in direct:   # a kernel with the PRELOAD constexpr is launched with pdl_kw(..., preload=True)
-        if "PRELOAD" in kernels[name]:
+        if "PRELOAD" in kernels[name]:   # (a norm's gain) or pdl_kw(..., state=True) (the GDN state)
             kw = [k for k in call.keywords if k.arg is None and isinstance(k.value, ast.Call)]
-            assert any(any(a.arg == "preload" for a in k.value.keywords) for k in kw), f"{f}: {name}"
-    assert {n for n, args in kernels.items() if "PRELOAD" in args} == {"rmsnorm_kernel", "gated_rmsnorm_kernel"}
+            assert any(any(a.arg in ("preload", "state") for a in k.value.keywords) for k in kw), f"{f}: {name}"
+    assert {n for n, args in kernels.items() if "PRELOAD" in args} == {
+        "rmsnorm_kernel", "gated_rmsnorm_kernel", "conv_step_kernel", "gdn_recurrent_kernel"}
     src = (KERNELS / "gemv_launch.py").read_text()
     assert 'if "PDL" in names:' in src and "pdl_consts(cfg, x.device)" in src and "pdl_kw(device)" in src
 
