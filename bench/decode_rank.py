@@ -109,6 +109,11 @@ def _pdl_kw(device, preload: bool = False, state: bool = False) -> dict:
     return pdl_kw(device, preload=preload, state=state)
 
 
+def _gates_join() -> str:
+    from ninfer_rt.backends.side_stream import join_at
+    return join_at()
+
+
 def _gemv_evict() -> str:
     from ninfer_kernels.gemv_common import weight_evict_mode
     return weight_evict_mode()
@@ -398,6 +403,7 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "xpre": backend.startswith("triton") and _xpre_on(device),    # prepared activations (NINFER_XPRE)
             "pdl": backend.startswith("triton") and bool(_pdl_kw(device)),   # NINFER_PDL
             "branch": backend.startswith("triton") and os.environ.get("NINFER_BRANCH", "1") == "1",
+            "gates_join": _gates_join(),                                      # NINFER_GATES_JOIN
             "gdn_fused": backend.startswith("triton") and os.environ.get("NINFER_GDN_FUSED", "0") == "1",
             "swiglu_epilogue": backend.startswith("triton") and _swiglu_on(device),    # NINFER_SWIGLU_EPILOGUE
             "pdl_preload": backend.startswith("triton") and _pdl_kw(device, preload=True).get("PRELOAD") == 1,

@@ -21,14 +21,15 @@ Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
   * preload (NINFER_PDL_PRELOAD=1, the default): the norms (`rmsnorm`, `gated_rmsnorm`) load their gains, which no
     kernel writes, before the wait (`pdl_enter_preloaded`), so that load's memory latency overlaps the wait instead
     of following it. Their launchers ask `pdl_kw(device, preload=True)`, which adds the `PRELOAD` constexpr.
-  * state (NINFER_PDL_STATE=1): the decode step's GDN conv (`gdn_conv.conv_step_kernel`) and recurrence
+  * state (NINFER_PDL_STATE=1, the default): the decode step's GDN conv (`gdn_conv.conv_step_kernel`) and recurrence
     (`gdn_recurrent`) load the step metadata (offsets, slots, snapshot rows), their weights and the sequence's
     state (the conv window, the 64 KB-per-head fp32 recurrence tile) before the wait, as `PRELOAD` too (their
     launchers ask `pdl_kw(device, state=True)`). These are written only by host copies, torch copies and the two
     kernels themselves in an earlier step, and a kernel placed early has a GEMV in front of it that triggers only
     after its own wait (the conv's, or the recurrence's behind the conv, which triggers at its start): so every
     such write has completed before the CTA exists. What still depends on the kernel in front (the projections,
-    the conv output, the gates) is loaded after the wait.
+    the conv output, the gates) is loaded after the wait. On the H200: decode -30 us (the recurrence's exclusive
+    time 185 -> 158 us per step), verify K = 3 -32 us (bench/NOTES.md §29).
 Kernels launched without the attribute (torch's, NCCL's) start after the kernel in front completes, as always, and
 never trigger early, so a PDL kernel behind them starts as it would without PDL.
 """
@@ -100,9 +101,9 @@ def preload_mode() -> str:
 
 
 def state_mode() -> str:
-    """NINFER_PDL_STATE: '1' (the GDN conv and recurrence load their state before the wait) or '0' (the default:
-    after it)."""
-    return _mode(STATE_ENV, "0")
+    """NINFER_PDL_STATE: '1' (the default: the GDN conv and recurrence load their state before the wait) or '0'
+    (after it; a comparison switch)."""
+    return _mode(STATE_ENV)
 
 
 def mma_mode() -> str:

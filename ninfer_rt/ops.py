@@ -198,17 +198,19 @@ class Ops(ABC):
         Returns o [sumT, Hv, dv] in v's dtype. Snapshot rows as in `GdnMeta`.
         """
 
-    def gdn_conv_recurrent(self, qkv: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, state_pool: torch.Tensor, meta: GdnMeta,
-                           conv_snapshots: torch.Tensor | None = None,
+    def gdn_conv_recurrent(self, qkv: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, gates: Branch,
+                           state_pool: torch.Tensor, meta: GdnMeta, conv_snapshots: torch.Tensor | None = None,
                            snapshots: torch.Tensor | None = None) -> tuple[torch.Tensor, Branch]:
         """`causal_conv` of the q | k | v columns qkv [sumT, C] (C = 2 Hk dk + Hv dv, with Hv, dk, dv from
-        state_pool), then `gdn_recurrent` of its q, k, v; both states and their snapshots as in those two ops.
-        -> (o, done): a backend may finish part of the state updates in a branch; `done.join()` before anything
-        reads the conv pool again (the caller joins at the end of its layer). Composed here (done at once)."""
+        state_pool), then `gdn_recurrent` of its q, k, v with the gates g, beta = gates.join() (the branch
+        `gdn_ba_gates_branch` returned, joined only where they are first read); both states and their snapshots as
+        in those two ops. -> (o, done): a backend may finish part of the state updates in a branch; `done.join()`
+        before anything reads the conv pool again (the caller joins at the end of its layer). Composed here (done
+        at once)."""
         t, hv, dk, dv = qkv.shape[0], *state_pool.shape[1:]
         kd = (qkv.shape[1] - hv * dv) // 2
         q, k, v = self.causal_conv(qkv, conv_w, conv_pool, meta, conv_snapshots).split((kd, kd, hv * dv), dim=-1)
+        g, beta = gates.join()
         o = self.gdn_recurrent(q.reshape(t, kd // dk, dk), k.reshape(t, kd // dk, dk), v.reshape(t, hv, dv),
                                g, beta, state_pool, meta, snapshots)
         return o, Branch(None)

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from ninfer_kernels import gdn_ba_gates, sampling  # noqa: E402
 from ninfer_rt.backends.torch_ops import TorchOps  # noqa: E402
 from ninfer_rt.backends.triton_ops import TritonOps  # noqa: E402
+from ninfer_rt.ops import Branch  # noqa: E402
 from ninfer_rt.batch import attn_meta, gdn_routing  # noqa: E402
 from numerics import rel
 
@@ -494,6 +495,30 @@ def test_gdn_state_preload(preload, monkeypatch):
     assert rel(snaps[:n_snap], want_snaps[:n_snap]) <= TOL[torch.float32] and torch.isnan(snaps[n_snap:]).all()
 
 
+@pytest.mark.parametrize("join", ["conv", "recurrence"])
+def test_gdn_conv_recurrent_joins_the_gates_once(join, monkeypatch):
+    """The composed conv + recurrence (NINFER_GDN_FUSED=0) joins the gates branch exactly once, in front of the
+    conv or behind it (NINFER_GATES_JOIN), and gives the reference either way."""
+    monkeypatch.setenv("NINFER_GDN_FUSED", "0")
+    monkeypatch.setenv("NINFER_GATES_JOIN", join)
+    qkv, w, g, beta, cpool, rpool, csnap, rsnap, meta = _convrec_case((3, 1), (True, False), torch.float32, False)
+    want_c, want_r, want_cs, want_rs = cpool.clone(), rpool.clone(), csnap.clone(), rsnap.clone()
+    want, _ = REF.gdn_conv_recurrent(qkv, w, want_c, Branch((g, beta)), want_r, meta, want_cs, want_rs)
+
+    class Once(Branch):
+        joins = 0
+
+        def join(self):
+            Once.joins += 1
+            return super().join()
+    with poisoned():
+        got, done = TRI.gdn_conv_recurrent(qkv, w, cpool, Once((g, beta)), rpool, meta, csnap, rsnap)
+        done.join()
+    assert Once.joins == 1
+    check(got, want, torch.float32)
+    assert rel(torch.nan_to_num(rsnap), torch.nan_to_num(want_rs)) <= TOL[torch.float32]
+
+
 def _convrec_case(lens, snapshot, dtype, alias):
     """qkv rows (a row-strided view, as the q|k|v columns of the fused projection), conv taps, gates and both
     state pools with NaN rows nobody owns; alias: the snapshot rows are rows of the pools themselves and the
@@ -537,10 +562,10 @@ def test_gdn_conv_recurrent(dtype, lens, snapshot, alias, monkeypatch):
     qkv, w, g, beta, cpool, rpool, csnap, rsnap, meta = _convrec_case(lens, snapshot, dtype, alias)
     want_c, want_r = cpool.clone(), rpool.clone()
     want_cs, want_rs = (want_c, want_r) if alias else (csnap.clone(), rsnap.clone())
-    want, done = REF.gdn_conv_recurrent(qkv, w, want_c, g, beta, want_r, meta, want_cs, want_rs)
+    want, done = REF.gdn_conv_recurrent(qkv, w, want_c, Branch((g, beta)), want_r, meta, want_cs, want_rs)
     assert done.join() is None
     with poisoned():
-        got, done = TRI.gdn_conv_recurrent(qkv, w, cpool, g, beta, rpool, meta, csnap, rsnap)
+        got, done = TRI.gdn_conv_recurrent(qkv, w, cpool, Branch((g, beta)), rpool, meta, csnap, rsnap)
         done.join()
     check(got, want, dtype)
     for a, b in ((cpool, want_c), (rpool, want_r), (csnap, want_cs), (rsnap, want_rs)):

@@ -60,18 +60,19 @@ def test_preload_constexpr_only_where_asked_and_pdl_is_on(monkeypatch):
 
 
 def test_state_constexpr_follows_its_own_switch(monkeypatch):
-    """NINFER_PDL_STATE (default 0) reaches the GDN kernels that asked for it (state=True) as PRELOAD, independently
+    """NINFER_PDL_STATE (default 1) reaches the GDN kernels that asked for it (state=True) as PRELOAD, independently
     of NINFER_PDL_PRELOAD, and only when PDL is on; a bad value is a one-line error naming the variable."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     for name in (pdl.PDL_ENV, pdl.PRELOAD_ENV, pdl.STATE_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
     cuda = torch.device("cuda", 0)
-    assert pdl.pdl_kw(cuda, state=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
-    monkeypatch.setenv(pdl.STATE_ENV, "1")
+    assert pdl.pdl_kw(cuda, state=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 1}
     monkeypatch.setenv(pdl.PRELOAD_ENV, "0")
     assert pdl.pdl_kw(cuda, state=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 1}
     assert pdl.pdl_kw(cuda, preload=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
+    monkeypatch.setenv(pdl.STATE_ENV, "0")
+    assert pdl.pdl_kw(cuda, state=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
     monkeypatch.setenv(pdl.PDL_ENV, "0")
     assert pdl.pdl_kw(cuda, state=True) == {}
     monkeypatch.setenv(pdl.PDL_ENV, "1")

@@ -22,6 +22,7 @@ from hf_tiny import artifact_weights, build_hf_model, model_config_from_hf  # no
 from ninfer_rt.backends import get_ops  # noqa: E402
 from ninfer_rt.backends.torch_ops import TorchOps  # noqa: E402
 from ninfer_rt.backends.triton_ops import TritonOps  # noqa: E402
+from ninfer_rt.ops import Branch  # noqa: E402
 from ninfer_rt.batch import attn_meta, gdn_routing  # noqa: E402
 from ninfer_rt.model import Model, MtpInput, SeqInput  # noqa: E402
 from ninfer_rt.state import CacheConfig  # noqa: E402
@@ -212,8 +213,8 @@ def test_gdn_conv_recurrent_real_heads_gpu(dtype, lens, snap, monkeypatch):
         qkv = torch.randn(t, c + 6144, device="cuda", dtype=dtype)[:, :c]
         g, beta = ref.gdn_gates(torch.randn(t, hv, device="cuda"), torch.randn(t, hv, device="cuda"),
                                 torch.zeros(hv, device="cuda"), torch.zeros(hv, device="cuda"))
-        want = ref.gdn_conv_recurrent(qkv, w, conv[0], g, beta, rec[0], meta, cs[0], rs[0])[0]
-        got, done = tri.gdn_conv_recurrent(qkv, w, conv[1], g, beta, rec[1], meta, cs[1], rs[1])
+        want = ref.gdn_conv_recurrent(qkv, w, conv[0], Branch((g, beta)), rec[0], meta, cs[0], rs[0])[0]
+        got, done = tri.gdn_conv_recurrent(qkv, w, conv[1], Branch((g, beta)), rec[1], meta, cs[1], rs[1])
         done.join()
         assert rel(got, want) <= GPU_KERNEL_TOL[dtype], i
         assert rel(conv[1], conv[0]) <= 1e-6 and rel(cs[1], cs[0]) <= 1e-6, i     # copies of x rows: exact
@@ -244,7 +245,7 @@ def test_gdn_chunk_prefill_gpu(dtype):
 def test_gates_branch_inline_outside_capture(monkeypatch):
     """Outside CUDA-graph capture (always on the CPU) the gates branch is the plain call: the same (g, beta) as
     the torch backend, for the fused kernel's T and for a T it composes; a bad NINFER_BRANCH (and
-    NINFER_GDN_FUSED, NINFER_ATTN_MIN_SPLIT, NINFER_NORM_WARPS, NINFER_SPLIT_UNROLL, NINFER_X16_ALIGN,
+    NINFER_GATES_JOIN, NINFER_GDN_FUSED, NINFER_ATTN_MIN_SPLIT, NINFER_NORM_WARPS, NINFER_SPLIT_UNROLL, NINFER_X16_ALIGN,
     NINFER_GEMV_PINS, NINFER_SPLIT_ARRIVE, NINFER_GEMV_EVICT) is a one-line error naming the variable when the
     backend is built."""
     from ninfer_formats.errors import LoadError
@@ -264,6 +265,10 @@ def test_gates_branch_inline_outside_capture(monkeypatch):
     with pytest.raises(LoadError, match="NINFER_BRANCH='yes'"):
         TritonOps()
     monkeypatch.setenv("NINFER_BRANCH", "1")
+    monkeypatch.setenv("NINFER_GATES_JOIN", "late")
+    with pytest.raises(LoadError, match="NINFER_GATES_JOIN='late'"):
+        TritonOps()
+    monkeypatch.setenv("NINFER_GATES_JOIN", "conv")
     monkeypatch.setenv("NINFER_GDN_FUSED", "on")
     with pytest.raises(ValueError, match="NINFER_GDN_FUSED='on'"):
         TritonOps()

@@ -13,6 +13,11 @@ fn must not launch a split-K GEMV: their workspace and arrival counters are one 
 Outside capture (eager steps, prefill, the CPU interpreter) fn runs in place: ordering is the same, and an eager
 fork would cost host time for nothing. NINFER_BRANCH=0 turns branches off everywhere (default 1).
 
+Where the gates join (NINFER_GATES_JOIN, `join_at`): `conv` (default) in front of the conv; `recurrence` behind the
+conv, in front of the recurrence that first reads them. A joined node
+has two incoming edges in the graph, one of them plain, so the kernel behind the join may not be placed early by
+programmatic dependent launch.
+
 Memory: fn's outputs are allocated on the side stream; the caller frees them after use on its own stream. A
 block freed that way is reused only by later side-stream allocations, and every later fork first waits for the
 capturing stream, so no branch writes memory that an earlier consumer still reads. The caller keeps fn's inputs
@@ -31,6 +36,18 @@ from ..ops import Branch
 BRANCH_ENV = "NINFER_BRANCH"
 MODES = ("1", "0")
 _SIDE: dict = {}            # device index -> the side stream
+
+
+JOIN_ENV = "NINFER_GATES_JOIN"
+JOINS = ("conv", "recurrence")
+
+
+def join_at() -> str:
+    """NINFER_GATES_JOIN: `conv` (default) or `recurrence`, where the GDN layer joins its gates branch."""
+    v = os.environ.get(JOIN_ENV, JOINS[0])
+    if v not in JOINS:
+        raise LoadError(f"{JOIN_ENV}={v!r}: expected one of {', '.join(JOINS)}")
+    return v
 
 
 def mode() -> str:

@@ -90,6 +90,7 @@ class TritonOps(Ops):
         # the prefill switches are read per call; checking them here makes a bad value fail at startup
         prefill_attn.mode()
         side_stream.mode()
+        side_stream.join_at()
         gdn_conv_recurrent.fused_on()
         attention_decode.min_split_keys()
         rmsnorm.norm_warps(1024)
@@ -236,11 +237,14 @@ class TritonOps(Ops):
         return gdn_recurrent.gdn_recurrent(q, k, v, g, beta, state_pool, meta.cu_seqlens, meta.slots,
                                            meta.snap_index, snapshots, max(meta.seq_lens, default=1))
 
-    def gdn_conv_recurrent(self, qkv, conv_w, conv_pool, g, beta, state_pool, meta: GdnMeta, conv_snapshots=None,
-                           snapshots=None):
+    def gdn_conv_recurrent(self, qkv, conv_w, conv_pool, gates: Branch, state_pool, meta: GdnMeta,
+                           conv_snapshots=None, snapshots=None):
         if not gdn_conv_recurrent.fused_on():
-            return super().gdn_conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, meta, conv_snapshots,
+            if side_stream.join_at() == "conv":     # the gates' join in front of the conv (NINFER_GATES_JOIN)
+                gates = Branch(gates.join())
+            return super().gdn_conv_recurrent(qkv, conv_w, conv_pool, gates, state_pool, meta, conv_snapshots,
                                               snapshots)
+        g, beta = gates.join()
         o = gdn_conv_recurrent.conv_recurrent(qkv, conv_w, conv_pool, g, beta, state_pool, meta.cu_seqlens,
                                               meta.slots, meta.snap_index, conv_snapshots, snapshots)
         # the q / k conv windows, which every program of a key head read: after the fused kernel, beside the

@@ -32,8 +32,8 @@ class GatedDeltaNet:
         if len(ctx.gdn_groups) == 1 and ctx.gdn_groups[0][0] == "recurrent":     # decode / verify: fused
             meta = ctx.gdn_groups[0][1]
             snaps = None if ctx.snap_rec is None else ctx.snap_rec[self.layer]
-            o, done = ops.gdn_conv_recurrent(qkv, self.conv_w, pool.conv[self.layer], *gates.join(),
-                                             pool.rec[self.layer], meta, snap_conv, snaps)
+            o, done = ops.gdn_conv_recurrent(qkv, self.conv_w, pool.conv[self.layer], gates, pool.rec[self.layer],
+                                             meta, snap_conv, snaps)
         else:
             y = ops.causal_conv(qkv, self.conv_w, pool.conv[self.layer], ctx.gdn, snap_conv)
             q, k, v = y.split((kd, kd, vd), dim=-1)
