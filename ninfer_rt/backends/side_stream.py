@@ -13,10 +13,13 @@ fn must not launch a split-K GEMV: their workspace and arrival counters are one 
 Outside capture (eager steps, prefill, the CPU interpreter) fn runs in place: ordering is the same, and an eager
 fork would cost host time for nothing. NINFER_BRANCH=0 turns branches off everywhere (default 1).
 
-Where the gates join (NINFER_GATES_JOIN, `join_at`): `conv` (default) in front of the conv; `recurrence` behind the
-conv, in front of the recurrence that first reads them. A joined node
+Where the gates join (NINFER_GATES_JOIN, `join_at`): `recurrence` (default) behind the conv, in front of the
+recurrence that first reads them; `conv` (the comparison value) in front of the conv. A joined node
 has two incoming edges in the graph, one of them plain, so the kernel behind the join may not be placed early by
-programmatic dependent launch.
+programmatic dependent launch: the H200 profile shows a ~0.45 us gap in front of whichever kernel it is, and that
+kernel's loads before the wait (NINFER_PDL_STATE) no longer overlap anything. Behind the conv, the verify step
+(whose T > 1 conv is not preloaded) took 7.150 / 7.158 ms of GPU time against 7.221 / 7.229 with the join in front
+of it, and decode was unchanged (5.963 / 5.964 against 5.966 / 5.973 ms; bench/NOTES.md §29).
 
 Memory: fn's outputs are allocated on the side stream; the caller frees them after use on its own stream. A
 block freed that way is reused only by later side-stream allocations, and every later fork first waits for the
@@ -39,11 +42,11 @@ _SIDE: dict = {}            # device index -> the side stream
 
 
 JOIN_ENV = "NINFER_GATES_JOIN"
-JOINS = ("conv", "recurrence")
+JOINS = ("recurrence", "conv")
 
 
 def join_at() -> str:
-    """NINFER_GATES_JOIN: `conv` (default) or `recurrence`, where the GDN layer joins its gates branch."""
+    """NINFER_GATES_JOIN: `recurrence` (default) or `conv`, where the GDN layer joins its gates branch."""
     v = os.environ.get(JOIN_ENV, JOINS[0])
     if v not in JOINS:
         raise LoadError(f"{JOIN_ENV}={v!r}: expected one of {', '.join(JOINS)}")

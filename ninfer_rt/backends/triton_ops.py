@@ -240,7 +240,7 @@ class TritonOps(Ops):
     def gdn_conv_recurrent(self, qkv, conv_w, conv_pool, gates: Branch, state_pool, meta: GdnMeta,
                            conv_snapshots=None, snapshots=None):
         if not gdn_conv_recurrent.fused_on():
-            if side_stream.join_at() == "conv":     # the gates' join in front of the conv (NINFER_GATES_JOIN)
+            if side_stream.join_at() == "conv":     # the comparison order (NINFER_GATES_JOIN): join, then the conv
                 gates = Branch(gates.join())
             return super().gdn_conv_recurrent(qkv, conv_w, conv_pool, gates, state_pool, meta, conv_snapshots,
                                               snapshots)
