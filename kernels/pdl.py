@@ -28,8 +28,9 @@ Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
     kernels themselves in an earlier step, and a kernel placed early has a GEMV in front of it that triggers only
     after its own wait (the conv's, or the recurrence's behind the conv, which triggers at its start): so every
     such write has completed before the CTA exists. What still depends on the kernel in front (the projections,
-    the conv output, the gates) is loaded after the wait. On the H200: decode -30 us (the recurrence's exclusive
-    time 185 -> 158 us per step), verify K = 3 -32 us (bench/NOTES.md §29).
+    the conv output, the gates) is loaded after the wait. On the H200: decode 6.004 -> 5.935 / 5.942 ms, verify
+    K = 3 -30 us (bench/NOTES.md §29). Whichever of the two kernels is behind the GDN gates' join (a plain graph
+    edge, `ninfer_rt.backends.side_stream`) is not placed early and gains nothing from it.
 Kernels launched without the attribute (torch's, NCCL's) start after the kernel in front completes, as always, and
 never trigger early, so a PDL kernel behind them starts as it would without PDL.
 """
