@@ -386,11 +386,11 @@ def test_causal_conv(dtype, lens, snapshot):
     assert torch.isnan(snaps[n_snap:]).all()
 
 
-def test_causal_conv_step_skips_a_sequence_without_tokens():
+def _conv_step_case(dtype):
     """The one-token step kernel with a padded batch row (no new token, as a CUDA graph's spare row): nothing of
     its slot is read or written -- the slot here is a NaN row nobody owns -- and the others are unaffected."""
     meta, _ = _gdn_meta((1, 0, 1), (False, False, False), slots=(2, 3, 0))
-    x = rnd(2, C, dtype=torch.float32)
+    x = rnd(2, C, dtype=dtype)
     w = rnd(C, CK, seed=1, scale=0.5)
     pool = rnd(4, CK - 1, C, seed=2)
     pool[[1, 3]] = float("nan")
@@ -398,8 +398,12 @@ def test_causal_conv_step_skips_a_sequence_without_tokens():
     want = REF.causal_conv(x, w, want_pool, _gdn_meta((1, 1), (False, False), slots=(2, 0))[0], None)
     with poisoned():
         got = TRI.causal_conv(x, w, pool, meta, None)
-    check(got, want, torch.float32)
+    check(got, want, dtype)
     assert torch.allclose(pool, want_pool, rtol=1e-5, atol=1e-6, equal_nan=True) and torch.isnan(pool[3]).all()
+
+
+def test_causal_conv_step_skips_a_sequence_without_tokens():
+    _conv_step_case(torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -442,9 +446,9 @@ def _gdn_inputs(t, dtype, seed=0):
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lens,snapshot", SNAP_CASES, ids=SNAP_IDS)
-def test_gdn_recurrent(dtype, lens, snapshot):
+def _recurrent_case(dtype, lens, snapshot):
+    """gdn_recurrent against the reference: outputs, the two live pool slots (slot 1 is a NaN row nobody owns) and
+    the snapshot rows (a spare row stays NaN)."""
     meta, n_snap = _gdn_meta(lens, snapshot, slots=(0, 2))
     args = _gdn_inputs(sum(lens), dtype, seed=len(lens))
     pool = rnd(3, HV, DK, DV, seed=7, scale=0.3)
@@ -462,6 +466,12 @@ def test_gdn_recurrent(dtype, lens, snapshot):
         assert rel(snaps[:n_snap], want_snaps[:n_snap]) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,snapshot", SNAP_CASES, ids=SNAP_IDS)
+def test_gdn_recurrent(dtype, lens, snapshot):
+    _recurrent_case(dtype, lens, snapshot)
+
+
 @pytest.mark.parametrize("preload", [0, 1], ids=["after-wait", "preload"])
 def test_gdn_state_preload(preload, monkeypatch):
     """Both orders of the GDN kernels' state loads (`PRELOAD`, NINFER_PDL_STATE: before or after the PDL wait)
@@ -471,52 +481,8 @@ def test_gdn_state_preload(preload, monkeypatch):
     for mod in (gdn_conv, gdn_recurrent):   # without PDL (CPU, sm_70) the wait is a no-op and either order runs
         monkeypatch.setattr(mod, "pdl_kw", lambda dev, real=mod.pdl_kw, **kw: {**real(dev), "PRELOAD": preload}
                             if kw.get("state") else real(dev, **kw))
-    meta, _ = _gdn_meta((1, 0, 1), (False, False, False), slots=(2, 3, 0))
-    x, w = rnd(2, C, dtype=torch.float16), rnd(C, CK, seed=1, scale=0.5)
-    pool = rnd(4, CK - 1, C, seed=2)
-    pool[[1, 3]] = float("nan")
-    want_pool = pool.clone()
-    want = REF.causal_conv(x, w, want_pool, _gdn_meta((1, 1), (False, False), slots=(2, 0))[0], None)
-    with poisoned():
-        got = TRI.causal_conv(x, w, pool, meta, None)
-    check(got, want, torch.float16)
-    assert torch.allclose(pool, want_pool, rtol=1e-5, atol=1e-6, equal_nan=True)
-    meta, n_snap = _gdn_meta((3, 1), (True, False), slots=(0, 2))
-    args = _gdn_inputs(4, torch.float16, seed=2)
-    rec = rnd(3, HV, DK, DV, seed=7, scale=0.3)
-    rec[1] = float("nan")
-    snaps = torch.full((n_snap + 1, HV, DK, DV), float("nan"), device=DEV)
-    want_rec, want_snaps = rec.clone(), snaps.clone()
-    want = REF.gdn_recurrent(*args, want_rec, meta, want_snaps)
-    with poisoned():
-        got = TRI.gdn_recurrent(*args, rec, meta, snaps)
-    check(got, want, torch.float16)
-    assert rel(rec[[0, 2]], want_rec[[0, 2]]) <= TOL[torch.float32] and torch.isnan(rec[1]).all()
-    assert rel(snaps[:n_snap], want_snaps[:n_snap]) <= TOL[torch.float32] and torch.isnan(snaps[n_snap:]).all()
-
-
-@pytest.mark.parametrize("join", ["conv", "recurrence"])
-def test_gdn_conv_recurrent_joins_the_gates_once(join, monkeypatch):
-    """The composed conv + recurrence (NINFER_GDN_FUSED=0) joins the gates branch exactly once, in front of the
-    conv or behind it (NINFER_GATES_JOIN), and gives the reference either way."""
-    monkeypatch.setenv("NINFER_GDN_FUSED", "0")
-    monkeypatch.setenv("NINFER_GATES_JOIN", join)
-    qkv, w, g, beta, cpool, rpool, csnap, rsnap, meta = _convrec_case((3, 1), (True, False), torch.float32, False)
-    want_c, want_r, want_cs, want_rs = cpool.clone(), rpool.clone(), csnap.clone(), rsnap.clone()
-    want, _ = REF.gdn_conv_recurrent(qkv, w, want_c, Branch((g, beta)), want_r, meta, want_cs, want_rs)
-
-    class Once(Branch):
-        joins = 0
-
-        def join(self):
-            Once.joins += 1
-            return super().join()
-    with poisoned():
-        got, done = TRI.gdn_conv_recurrent(qkv, w, cpool, Once((g, beta)), rpool, meta, csnap, rsnap)
-        done.join()
-    assert Once.joins == 1
-    check(got, want, torch.float32)
-    assert rel(torch.nan_to_num(rsnap), torch.nan_to_num(want_rs)) <= TOL[torch.float32]
+    _conv_step_case(torch.float16)
+    _recurrent_case(torch.float16, (3, 1), (True, False))
 
 
 def _convrec_case(lens, snapshot, dtype, alias):

@@ -39,46 +39,30 @@ def test_pdl_on_sm90_only(monkeypatch):
     assert pdl.pdl_kw(torch.device("cuda", 0)) == {}
 
 
-def test_preload_constexpr_only_where_asked_and_pdl_is_on(monkeypatch):
-    """NINFER_PDL_PRELOAD (default 1) reaches the kernels that asked for it (preload=True) as PRELOAD, and only
-    when PDL itself is on: without the wait there is nothing for the early load to overlap."""
+@pytest.mark.parametrize("kw,env,other", [("preload", pdl.PRELOAD_ENV, pdl.STATE_ENV),
+                                           ("state", pdl.STATE_ENV, pdl.PRELOAD_ENV)], ids=["gains", "gdn-state"])
+def test_preload_constexpr_only_where_asked_and_pdl_is_on(kw, env, other, monkeypatch):
+    """NINFER_PDL_PRELOAD (a norm's gain) and NINFER_PDL_STATE (the GDN state), both default 1, reach the kernels
+    that asked for them (pdl_kw(..., preload=True) / state=True) as PRELOAD, each independently of the other, and
+    only when PDL itself is on: without the wait there is nothing for the early load to overlap. A bad value is a
+    one-line error naming the variable."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    monkeypatch.delenv(pdl.PRELOAD_ENV, raising=False)
-    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
-    cuda = torch.device("cuda", 0)
-    assert pdl.pdl_kw(cuda, preload=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 1}
-    assert pdl.pdl_kw(cuda) == {"PDL": 1, "launch_pdl": True}
-    monkeypatch.setenv(pdl.PRELOAD_ENV, "0")
-    assert pdl.pdl_kw(cuda, preload=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
-    monkeypatch.setenv(pdl.PDL_ENV, "0")
-    assert pdl.pdl_kw(cuda, preload=True) == {}
-    monkeypatch.setenv(pdl.PDL_ENV, "1")
-    monkeypatch.setenv(pdl.PRELOAD_ENV, "on")
-    with pytest.raises(KernelInputError, match="NINFER_PDL_PRELOAD='on'"):
-        pdl.pdl_kw(cuda, preload=True)
-
-
-def test_state_constexpr_follows_its_own_switch(monkeypatch):
-    """NINFER_PDL_STATE (default 1) reaches the GDN kernels that asked for it (state=True) as PRELOAD, independently
-    of NINFER_PDL_PRELOAD, and only when PDL is on; a bad value is a one-line error naming the variable."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for name in (pdl.PDL_ENV, pdl.PRELOAD_ENV, pdl.STATE_ENV):
+    for name in (pdl.PDL_ENV, env, other):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
     cuda = torch.device("cuda", 0)
-    assert pdl.pdl_kw(cuda, state=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 1}
-    monkeypatch.setenv(pdl.PRELOAD_ENV, "0")
-    assert pdl.pdl_kw(cuda, state=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 1}
-    assert pdl.pdl_kw(cuda, preload=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
-    monkeypatch.setenv(pdl.STATE_ENV, "0")
-    assert pdl.pdl_kw(cuda, state=True) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
+    assert pdl.pdl_kw(cuda, **{kw: True}) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 1}
+    assert pdl.pdl_kw(cuda) == {"PDL": 1, "launch_pdl": True}
+    monkeypatch.setenv(other, "0")
+    assert pdl.pdl_kw(cuda, **{kw: True}) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 1}
+    monkeypatch.setenv(env, "0")
+    assert pdl.pdl_kw(cuda, **{kw: True}) == {"PDL": 1, "launch_pdl": True, "PRELOAD": 0}
     monkeypatch.setenv(pdl.PDL_ENV, "0")
-    assert pdl.pdl_kw(cuda, state=True) == {}
+    assert pdl.pdl_kw(cuda, **{kw: True}) == {}
     monkeypatch.setenv(pdl.PDL_ENV, "1")
-    monkeypatch.setenv(pdl.STATE_ENV, "yes")
-    with pytest.raises(KernelInputError, match="NINFER_PDL_STATE='yes'"):
-        pdl.pdl_kw(cuda, state=True)
+    monkeypatch.setenv(env, "on")
+    with pytest.raises(KernelInputError, match=f"{env}='on'"):
+        pdl.pdl_kw(cuda, **{kw: True})
 
 
 def test_ptx_order_with_preload():
