@@ -485,6 +485,30 @@ def test_gdn_state_preload(preload, monkeypatch):
     _recurrent_case(torch.float16, (3, 1), (True, False))
 
 
+@pytest.mark.parametrize("join", ["conv", "recurrence"])
+def test_gdn_conv_recurrent_joins_the_gates_once(join, monkeypatch):
+    """The composed conv + recurrence (NINFER_GDN_FUSED=0) joins the gates branch exactly once, in front of the
+    conv or behind it (NINFER_GATES_JOIN), and gives the reference either way."""
+    monkeypatch.setenv("NINFER_GDN_FUSED", "0")
+    monkeypatch.setenv("NINFER_GATES_JOIN", join)
+    qkv, w, g, beta, cpool, rpool, csnap, rsnap, meta = _convrec_case((3, 1), (True, False), torch.float32, False)
+    want_c, want_r, want_cs, want_rs = cpool.clone(), rpool.clone(), csnap.clone(), rsnap.clone()
+    want, _ = REF.gdn_conv_recurrent(qkv, w, want_c, Branch((g, beta)), want_r, meta, want_cs, want_rs)
+
+    class Once(Branch):
+        joins = 0
+
+        def join(self):
+            Once.joins += 1
+            return super().join()
+    with poisoned():
+        got, done = TRI.gdn_conv_recurrent(qkv, w, cpool, Once((g, beta)), rpool, meta, csnap, rsnap)
+        done.join()
+    assert Once.joins == 1
+    check(got, want, torch.float32)
+    assert rel(torch.nan_to_num(rsnap), torch.nan_to_num(want_rs)) <= TOL[torch.float32]
+
+
 def _convrec_case(lens, snapshot, dtype, alias):
     """qkv rows (a row-strided view, as the q|k|v columns of the fused projection), conv taps, gates and both
     state pools with NaN rows nobody owns; alias: the snapshot rows are rows of the pools themselves and the
