@@ -245,9 +245,9 @@ def test_gdn_chunk_prefill_gpu(dtype):
 def test_gates_branch_inline_outside_capture(monkeypatch):
     """Outside CUDA-graph capture (always on the CPU) the gates branch is the plain call: the same (g, beta) as
     the torch backend, for the fused kernel's T and for a T it composes; a bad NINFER_BRANCH (and
-    NINFER_GATES_JOIN, NINFER_GDN_FUSED, NINFER_ATTN_MIN_SPLIT, NINFER_NORM_WARPS, NINFER_SPLIT_UNROLL, NINFER_X16_ALIGN,
-    NINFER_GEMV_PINS, NINFER_SPLIT_ARRIVE, NINFER_GEMV_EVICT) is a one-line error naming the variable when the
-    backend is built."""
+    NINFER_GATES_JOIN, NINFER_GDN_FUSED, NINFER_ATTN_MIN_SPLIT, NINFER_NORM_WARPS, NINFER_SPLIT_UNROLL,
+    NINFER_X16_ALIGN, NINFER_GEMV_PINS, NINFER_SPLIT_ARRIVE, NINFER_GEMV_EVICT) is a one-line error naming the
+    variable when the backend is built."""
     from ninfer_formats.errors import LoadError
     from ninfer_rt.backends import side_stream
     from ninfer_rt.weights import QWeight
