@@ -203,39 +203,36 @@ def _exclusive(events: list, steps: int) -> tuple[dict, float]:
     kernel gets (its end - max(its start, the latest end before it)), so kernels that overlap (programmatic
     dependent launch starts CTAs early; they then wait) share the timeline instead of each counting it whole;
     also the idle microseconds per step between kernels."""
-    per_event, gap = _exclusive_events(events)
+    per_event, gaps = _exclusive_events(events)
     excl: dict[str, float] = {}
     for e, us in per_event:
         excl[e.name] = excl.get(e.name, 0.0) + us / steps
-    return excl, gap / steps
+    return excl, sum(us for _, _, us in gaps) / steps
 
 
-def _exclusive_events(events: list) -> tuple[list, float]:
-    """[(event, its exclusive microseconds)] in start order (`_exclusive`), and the idle microseconds in all."""
-    out, gap, last = [], 0.0, None
+def _exclusive_events(events: list) -> tuple[list, list]:
+    """[(event, its exclusive microseconds)] in start order (`_exclusive`), and the idle gaps between kernels as
+    [(the kernel that ended last, the next to start, microseconds)]."""
+    out, gaps, last, last_name = [], [], None, None
     for e in sorted(events, key=lambda e: e.time_range.start):
         start, end = e.time_range.start, e.time_range.end
         if last is not None and start > last:
-            gap += start - last
+            gaps.append((last_name, e.name, start - last))
         lo = start if last is None else max(start, last)
         out.append((e, max(0.0, end - lo)))
-        last = end if last is None else max(last, end)
-    return out, gap
+        if last is None or end >= last:
+            last, last_name = end, e.name
+    return out, gaps
 
 
 def idle_by_transition(events: list, steps: int, top: int = 6) -> list:
     """Where the idle time falls: [["previous kernel -> next kernel", idle us per step, gaps per step]] for the
     `top` pairs with the most (names cut to 40 characters; the previous kernel is the one that ended last)."""
     acc: dict[str, list] = {}
-    last, last_name = None, None
-    for e in sorted(events, key=lambda e: e.time_range.start):
-        start, end = e.time_range.start, e.time_range.end
-        if last is not None and start > last:
-            a = acc.setdefault(f"{last_name[:40]} -> {e.name[:40]}", [0.0, 0.0])
-            a[0] += (start - last) / steps
-            a[1] += 1 / steps
-        if last is None or end >= last:
-            last, last_name = end, e.name
+    for prev, nxt, us in _exclusive_events(events)[1]:
+        a = acc.setdefault(f"{prev[:40]} -> {nxt[:40]}", [0.0, 0.0])
+        a[0] += us / steps
+        a[1] += 1 / steps
     return [[k, round(us, 2), round(n, 2)] for k, (us, n) in sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
