@@ -9,6 +9,12 @@ import sys
 import pytest
 import torch
 
+# `python -m pytest` from the repository root puts the root first on sys.path, where `kernels/` (installed as
+# ninfer_kernels) shadows Hugging Face's `kernels` package, which transformers (5.25) requires and imports at
+# once. The root stays importable (tests import `bench.*`), but after site-packages.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT] + [_ROOT]
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # flash-linear-attention, when importable on a CPU box, makes transformers route GDN to Triton
