@@ -10,6 +10,9 @@ token block 0 after a CTA barrier: it may overwrite pool rows it has just read w
 snap_index[b] >= 0 -> the window after token t goes to snapshot row snap + t; the slot row is read first, all
 of it before a CTA barrier, since it may be one of those snapshot rows (the graph runner's rows are pool rows
 and a sequence's committed state can be one of its own, `ninfer_rt.graphs`).
+
+PDL: both kernels take `PRELOAD` (NINFER_PDL_STATE, `ninfer_kernels.pdl`): the metadata, taps and pool window,
+which no kernel in front writes within a step, are loaded before the wait; the x rows and every store after it.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError
-from .pdl import pdl_enter, pdl_kw, pdl_trigger, pdl_wait
+from .pdl import pdl_kw, pdl_trigger, pdl_wait
 
 BLOCK_T = 16
 BLOCK_C = 128
@@ -35,27 +38,55 @@ def _window(x_ptr, pool_ptr, s0, sx_t, pool_base, r, c, C, mask, CK: tl.constexp
 
 
 @triton.jit
-def causal_conv_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr,
-                       C, sx_t, n_tblocks,
-                       CK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = 0):
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
-    pid = tl.program_id(0)
-    b = pid // n_tblocks
-    tb = pid % n_tblocks
+def _verify_state(w_ptr, pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, C, n_tblocks, CK: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """What `causal_conv_kernel` reads that no kernel in front of it in a step writes: the sequence's offsets, slot
+    and snapshot index, this program's channels' conv taps (fp32) and the CK-1 pool window rows, these only where
+    the program's tokens read them (its first token is one of the sequence's and is < CK-1: token block 0)."""
+    b = tl.program_id(0) // n_tblocks
+    tb = tl.program_id(0) % n_tblocks
     s0 = tl.load(cu_ptr + b)
     T = tl.load(cu_ptr + b + 1) - s0
+    pool_base = tl.load(slot_ptr + b).to(tl.int64) * ((CK - 1) * C)
+    snap = tl.load(snapidx_ptr + b)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (c < C) & (tl.zeros([BLOCK_C], tl.int32) + tb * BLOCK_T < tl.minimum(T, CK - 1))
+    ws = ()
+    rows = ()
+    for j in tl.static_range(CK):
+        ws = ws + (tl.load(w_ptr + c * CK + j, mask=c < C, other=0.0).to(tl.float32),)
+    for i in tl.static_range(CK - 1):
+        rows = rows + (tl.load(pool_ptr + pool_base + i * C + c, mask=m, other=0.0).to(tl.float32),)
+    return tb, s0, T, pool_base, snap, c, ws, rows
+
+
+@triton.jit
+def causal_conv_kernel(x_ptr, w_ptr, y_ptr, pool_ptr, snap_ptr, cu_ptr, slot_ptr, snapidx_ptr,
+                       C, sx_t, n_tblocks, CK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                       PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
+    """With PRELOAD (NINFER_PDL_STATE, ninfer_kernels.pdl) the metadata, taps and pool window are loaded before
+    the PDL wait, as in `conv_step_kernel` (the verify step's T = 4 conv lost 27 us beside the recurrence's
+    preload, bench/NOTES.md §29); the x rows after it. The first output takes its pool inputs from those rows."""
+    pdl_trigger(PDL)
+    if PRELOAD:
+        tb, s0, T, pool_base, snap, c, ws, rows = _verify_state(w_ptr, pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, C,
+                                                                n_tblocks, CK, BLOCK_T, BLOCK_C)
+    pdl_wait(PDL)
+    if not PRELOAD:
+        tb, s0, T, pool_base, snap, c, ws, rows = _verify_state(w_ptr, pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, C,
+                                                                n_tblocks, CK, BLOCK_T, BLOCK_C)
     if tb * BLOCK_T < T:
-        pool_base = tl.load(slot_ptr + b).to(tl.int64) * ((CK - 1) * C)
-        snap = tl.load(snapidx_ptr + b)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
         m2 = (t < T)[:, None] & c_ok[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for j in tl.static_range(CK):
-            val = _window(x_ptr, pool_ptr, s0, sx_t, pool_base, t[:, None] + (j - (CK - 1)), c[None, :], C,
-                          m2, CK)
-            acc += val * tl.load(w_ptr + c * CK + j, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            r = t[:, None] + (j - (CK - 1))     # relative input row; r < 0: pool row CK-1+r = t+j, preloaded
+            val = tl.load(x_ptr + (s0 + r).to(tl.int64) * sx_t + c[None, :], mask=m2 & (r >= 0),
+                          other=0.0).to(tl.float32)
+            for i in tl.static_range(CK - 1):
+                val = tl.where(t[:, None] + j == i, rows[i][None, :], val)
+            acc += val * ws[j][None, :]
         y = acc * tl.sigmoid(acc)
         tl.store(y_ptr + (s0 + t).to(tl.int64)[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
         if snap >= 0:
@@ -154,7 +185,8 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_pool: torch.Tensor, cu_se
         n_tb = triton.cdiv(max_t, block_t)
         causal_conv_kernel[(batch * n_tb, triton.cdiv(c, BLOCK_C))](
             x, w, y, conv_pool, conv_pool if snapshots is None else snapshots, cu_seqlens, slots, snap_index,
-            c, x.stride(0), n_tb, CK=ck, BLOCK_T=block_t, BLOCK_C=BLOCK_C, num_warps=4, **pdl_kw(x.device))
+            c, x.stride(0), n_tb, CK=ck, BLOCK_T=block_t, BLOCK_C=BLOCK_C, num_warps=4,
+            **pdl_kw(x.device, state=True))
     return y
 
 

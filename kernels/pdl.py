@@ -21,10 +21,11 @@ Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
   * preload (NINFER_PDL_PRELOAD=1, the default): the norms (`rmsnorm`, `gated_rmsnorm`) load their gains, which no
     kernel writes, before the wait (`pdl_enter_preloaded`), so that load's memory latency overlaps the wait instead
     of following it. Their launchers ask `pdl_kw(device, preload=True)`, which adds the `PRELOAD` constexpr.
-  * state (NINFER_PDL_STATE=1, the default): the decode step's GDN conv (`gdn_conv.conv_step_kernel`) and recurrence
-    (`gdn_recurrent`) load the step metadata (offsets, slots, snapshot rows), their weights and the sequence's
-    state (the conv window, the 64 KB-per-head fp32 recurrence tile) before the wait, as `PRELOAD` too (their
-    launchers ask `pdl_kw(device, state=True)`). These are written only by host copies, torch copies and the two
+  * state (NINFER_PDL_STATE=1, the default): the GDN convs (`gdn_conv.conv_step_kernel` for decode,
+    `gdn_conv.causal_conv_kernel` for verify and prefill chunks) and the recurrence (`gdn_recurrent`) load the step
+    metadata (offsets, slots, snapshot rows), their weights and the sequence's state (the conv window, the
+    64 KB-per-head fp32 recurrence tile) before the wait, as `PRELOAD` too (their launchers ask
+    `pdl_kw(device, state=True)`). These are written only by host copies, torch copies and the same
     kernels themselves in an earlier step, and a kernel placed early has a GEMV in front of it that triggers only
     after its own wait (the conv's, or the recurrence's behind the conv, which triggers at its start): so every
     such write has completed before the CTA exists. What still depends on the kernel in front (the projections,

@@ -370,6 +370,12 @@ SNAP_IDS = ["T3+1-inplace", "T3snap+1", "T1snap+2snap", "T20+2snap", "T1+1-inpla
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,snapshot", SNAP_CASES, ids=SNAP_IDS)
 def test_causal_conv(dtype, lens, snapshot):
+    _causal_conv_case(dtype, lens, snapshot)
+
+
+def _causal_conv_case(dtype, lens, snapshot):
+    """causal_conv against the reference: outputs, the pool (slots 1 and 3 are NaN rows nobody owns) and the
+    snapshot rows (2 spare rows stay NaN)."""
     meta, n_snap = _gdn_meta(lens, snapshot, slots=(2, 0))
     x = rnd(sum(lens), C + 7, dtype=dtype)[:, :C]     # the qkv columns of the fused qkv|z projection: strided
     w = rnd(C, CK, seed=1, scale=0.5)
@@ -475,13 +481,16 @@ def test_gdn_recurrent(dtype, lens, snapshot):
 @pytest.mark.parametrize("preload", [0, 1], ids=["after-wait", "preload"])
 def test_gdn_state_preload(preload, monkeypatch):
     """Both orders of the GDN kernels' state loads (`PRELOAD`, NINFER_PDL_STATE: before or after the PDL wait)
-    give the reference: the decode conv step (window and taps early, the new row after) and the recurrence with
-    snapshot rows (the state tile early, the token inputs after); pdl_kw(..., state=True) forced here."""
+    give the reference: the decode conv step (window and taps early, the new row after), the verify conv (T > 1:
+    taps and pool window early, the x rows after; with snapshot rows and in place) and the recurrence with snapshot
+    rows (the state tile early, the token inputs after); pdl_kw(..., state=True) forced here."""
     from ninfer_kernels import gdn_conv, gdn_recurrent
     for mod in (gdn_conv, gdn_recurrent):   # without PDL (CPU, sm_70) the wait is a no-op and either order runs
         monkeypatch.setattr(mod, "pdl_kw", lambda dev, real=mod.pdl_kw, **kw: {**real(dev), "PRELOAD": preload}
                             if kw.get("state") else real(dev, **kw))
     _conv_step_case(torch.float16)
+    _causal_conv_case(torch.float16, (4, 2), (True, False))
+    _causal_conv_case(torch.float16, (3, 1), (False, False))
     _recurrent_case(torch.float16, (3, 1), (True, False))
 
 
