@@ -22,12 +22,12 @@ from .ops_common import KernelInputError, pow2
 from .pdl import pdl_enter, pdl_kw
 
 MAX_T = 16                        # verify's widest step; longer chunks (prefill) take the unfused path
-_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+W_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _ELEMS = 8192                     # T_TILE * BLOCK_K: 32 fp32 accumulators per thread at 8 warps
 
 
 @triton.jit
-def _widen(raw, KIND: tl.constexpr):
+def widen(raw, KIND: tl.constexpr):
     if KIND == 0:
         return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     elif KIND == 1:
@@ -48,7 +48,7 @@ def gdn_ba_gates_kernel(x_ptr, w_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, K, 
     acc = tl.zeros([T_TILE, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         km = k0 + ks < K
-        w = _widen(tl.load(wrow + k0 + ks, mask=km, other=0), W_KIND)
+        w = widen(tl.load(wrow + k0 + ks, mask=km, other=0), W_KIND)
         x = tl.load(x_ptr + ts[:, None] * sx_t + (k0 + ks)[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         acc += x.to(tl.float32) * w[None, :]
     y = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -61,7 +61,7 @@ def gdn_ba_gates_kernel(x_ptr, w_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, K, 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the fused kernel takes this call (else the caller composes linear + gates)."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_T and w.dtype in _KIND and w.dim() == 2
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_T and w.dtype in W_KINDS and w.dim() == 2
             and w.stride(-1) == 1 and w.stride(0) == w.shape[1] and x.stride(-1) == 1)
 
 
@@ -80,7 +80,7 @@ def gdn_ba_gates(x: torch.Tensor, w: torch.Tensor, A_log: torch.Tensor, dt_bias:
     beta = torch.empty_like(g)
     t_tile = pow2(t)
     wv = w if w.dtype == torch.float32 else w.view(torch.int16)
-    gdn_ba_gates_kernel[(2 * h,)](x, wv, A_log, dt_bias, g, beta, t, k, h, x.stride(0), W_KIND=_KIND[w.dtype],
+    gdn_ba_gates_kernel[(2 * h,)](x, wv, A_log, dt_bias, g, beta, t, k, h, x.stride(0), W_KIND=W_KINDS[w.dtype],
                                   T_TILE=t_tile, BLOCK_K=min(pow2(k), _ELEMS // t_tile), num_warps=8,
                                   **pdl_kw(x.device))
     return g, beta

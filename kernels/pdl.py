@@ -18,9 +18,10 @@ Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
     a kernel completes only after the one in front did, and completion is transitive down the chain. Nothing is
     loaded before the wait by the GEMVs, not even weights: the registers that held the T = 1 GEMV's first tile cost
     it one CTA per SM (96 -> 128 registers) and decode 17 % (§16).
-  * preload (NINFER_PDL_PRELOAD=1, the default): the norms (`rmsnorm`, `gated_rmsnorm`) load their gains, which no
-    kernel writes, before the wait (`pdl_enter_preloaded`), so that load's memory latency overlaps the wait instead
-    of following it. Their launchers ask `pdl_kw(device, preload=True)`, which adds the `PRELOAD` constexpr.
+  * preload (NINFER_PDL_PRELOAD=1, the default): the norms (`rmsnorm`, `gated_rmsnorm`, `rmsnorm_gates`) load their
+    gains, which no kernel writes, before the wait (`pdl_enter_preloaded`; `rmsnorm_gates` also its b/a weight rows),
+    so that load's memory latency overlaps the wait instead of following it. Their launchers ask
+    `pdl_kw(device, preload=True)`, which adds the `PRELOAD` constexpr.
   * state (NINFER_PDL_STATE=1, the default): the GDN convs (`gdn_conv.conv_step_kernel` for decode,
     `gdn_conv.causal_conv_kernel` for verify and prefill chunks) and the recurrence (`gdn_recurrent`) load the step
     metadata (offsets, slots, snapshot rows), their weights and the sequence's state (the conv window, the

@@ -23,6 +23,25 @@ from .pdl import pdl_enter_preloaded, pdl_kw
 
 
 @triton.jit
+def load_summed(x_ptrs, r_ptrs, m, HAS_RES: tl.constexpr, DT: tl.constexpr):
+    """A row as fp32 -- with HAS_RES, the row plus the residual row, rounded to DT first as the unfused
+    `r = residual + x` is -- and that row in DT (the residual stream's next value)."""
+    x = tl.load(x_ptrs, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        s = (x + tl.load(r_ptrs, mask=m, other=0.0).to(tl.float32)).to(DT)
+        x = s.to(tl.float32)
+    else:
+        s = x.to(DT)
+    return x, s
+
+
+@triton.jit
+def normalized(x, w, D, eps):
+    """x * rsqrt(mean(x^2) + eps) * w over the D valid elements of the fp32 row x (0 past them)."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * w
+
+
+@triton.jit
 def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, xp_ptr, n_inner, sx_a, sx_b, sr_a, sr_b, s_xp, D, eps,
                    PLUS_ONE: tl.constexpr, HAS_RES: tl.constexpr, XP: tl.constexpr, BLOCK_D: tl.constexpr,
                    PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
@@ -34,17 +53,14 @@ def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, xp_ptr, n_inner, sx_a, 
     row = tl.program_id(0)
     a = (row // n_inner).to(tl.int64)
     b = (row % n_inner).to(tl.int64)
-    x = tl.load(x_ptr + a * sx_a + b * sx_b + offs, mask=m, other=0.0).to(tl.float32)
+    x, s = load_summed(x_ptr + a * sx_a + b * sx_b + offs, r_ptr + a * sr_a + b * sr_b + offs, m, HAS_RES,
+                       rsum_ptr.dtype.element_ty)
     if PLUS_ONE:
         w = w + 1.0
     out_row = row.to(tl.int64) * D
     if HAS_RES:
-        r = tl.load(r_ptr + a * sr_a + b * sr_b + offs, mask=m, other=0.0).to(tl.float32)
-        s = (x + r).to(rsum_ptr.dtype.element_ty)
         tl.store(rsum_ptr + out_row + offs, s, mask=m)
-        x = s.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = (x * inv * w).to(y_ptr.dtype.element_ty)
+    y = normalized(x, w, D, eps).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + out_row + offs, y, mask=m)
     if XP:
         store_prepared(y.to(tl.float32), xp_ptr + row.to(tl.int64) * s_xp, 0, D, D)

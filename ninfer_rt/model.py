@@ -80,6 +80,7 @@ class _Block:
         self.mixer = (FullAttention(cfg, weights, p, tp, kv_layer) if self.full
                       else GatedDeltaNet(cfg, weights, p, tp, gdn_layer))
         self.mlp = Mlp(weights, p, tp)
+        self.gate_params = None if self.full else self.mixer.gate_params()
 
 
 def _shape(w) -> tuple[int, ...]:
@@ -163,13 +164,27 @@ class Model:
 
     def _decoder(self, h, ctx):
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        x = ops.rmsnorm(h, self.blocks[0].in_ln, eps, True)
+        x, h, gates = self._in_norm(self.blocks[0], h, None)
         for i, blk in enumerate(self.blocks):
             pool = self.kv_pool if blk.full else self.gdn_pool
-            x, h = ops.add_rmsnorm(blk.mixer(ops, x, ctx, pool), h, blk.post_ln, eps)
-            nxt = self.blocks[i + 1].in_ln if i + 1 < len(self.blocks) else self.norm
-            x, h = ops.add_rmsnorm(blk.mlp(ops, x), h, nxt, eps)
+            mixed = blk.mixer(ops, x, ctx, pool) if blk.full else blk.mixer(ops, x, ctx, pool, gates)
+            x, h = ops.add_rmsnorm(mixed, h, blk.post_ln, eps)
+            if i + 1 < len(self.blocks):
+                x, h, gates = self._in_norm(self.blocks[i + 1], blk.mlp(ops, x), h)
+            else:
+                x, h = ops.add_rmsnorm(blk.mlp(ops, x), h, self.norm, eps)
         return x
+
+    def _in_norm(self, blk, x, residual):
+        """blk's input norm of residual + x (of x alone before the first block, whose residual stream x then
+        starts) -> (normed, residual stream, a GDN block's gates: computed with the norm where the backend can)."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        if blk.gate_params is not None:
+            y, s, gates = ops.norm_ba_gates(x, residual, blk.in_ln, eps, *blk.gate_params)
+            return y, x if residual is None else s, gates
+        if residual is None:
+            return ops.rmsnorm(x, blk.in_ln, eps, True), x, None
+        return (*ops.add_rmsnorm(x, residual, blk.in_ln, eps), None)
 
     # ---- MTP ----
     @torch.no_grad()

@@ -182,6 +182,18 @@ class Ops(ABC):
         b, a = self.linear(x, w_ba).chunk(2, dim=-1)
         return self.gdn_gates(a, b, A_log, dt_bias)
 
+    def norm_ba_gates(self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
+                      w_ba: QWeight, A_log: torch.Tensor, dt_bias: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, Branch]:
+        """A GDN layer's input norm and its b/a gates: (y, residual', gates) with y, residual' = add_rmsnorm(x,
+        residual, w, eps) (residual None: y = rmsnorm(x, w, eps, True), residual' None) and gates =
+        gdn_ba_gates_branch(y, w_ba, A_log, dt_bias). Composed here; a backend may compute the gates with the norm."""
+        if residual is None:
+            y, s = self.rmsnorm(x, w, eps, True), None
+        else:
+            y, s = self.add_rmsnorm(x, residual, w, eps)
+        return y, s, self.gdn_ba_gates_branch(y, w_ba, A_log, dt_bias)
+
     def gdn_ba_gates_branch(self, x: torch.Tensor, w_ba: QWeight, A_log: torch.Tensor, dt_bias: torch.Tensor
                             ) -> Branch:
         """`gdn_ba_gates` started so that a backend may overlap it with the caller's next ops (it reads only x);

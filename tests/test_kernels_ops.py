@@ -18,7 +18,7 @@ import contextlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-from ninfer_kernels import gdn_ba_gates, sampling  # noqa: E402
+from ninfer_kernels import gdn_ba_gates, rmsnorm_gates, sampling  # noqa: E402
 from ninfer_rt.backends.torch_ops import TorchOps  # noqa: E402
 from ninfer_rt.backends.triton_ops import TritonOps  # noqa: E402
 from ninfer_rt.ops import Branch  # noqa: E402
@@ -442,6 +442,33 @@ def test_gdn_ba_gates(dtype, t, wdtype):
     check(beta, want_beta, dtype)
 
 
+@pytest.mark.parametrize("res", [True, False], ids=["residual", "first-layer"])
+@pytest.mark.parametrize("t", [pytest.param(t, id=f"T{t}") for t in (1, 3, 17)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_ba_gates(dtype, t, res, monkeypatch):
+    """A GDN layer's input norm with its gates computed in the norm's kernel (NINFER_GATES_JOIN=norm; T = 17 takes
+    the composed path) against add_rmsnorm / rmsnorm, and the gates against linear + gates of the y it returned (a
+    one-ulp difference in bf16 y moves g by a few per cent: the interpreter truncates casts); D = 203 is no power
+    of two. The gates come as a plain Branch: nothing to join."""
+    from ninfer_rt.weights import QWeight
+    monkeypatch.setenv("NINFER_GATES_JOIN", "norm")
+    calls = []
+    monkeypatch.setattr(rmsnorm_gates, "add_rmsnorm_gates", lambda *a, real=rmsnorm_gates.add_rmsnorm_gates, **k:
+                        calls.append(1) or real(*a, **k))
+    x, r = rnd(t, 203, dtype=dtype, scale=2.0), (rnd(t, 203, dtype=dtype, seed=4) if res else None)
+    w, w_ba = rnd(203, seed=5, scale=0.3), QWeight.plain(rnd(2 * HV, 203, dtype=dtype, seed=3, scale=0.5), "in_ba")
+    A_log, dt = rnd(HV, seed=1), rnd(HV, seed=2)
+    with poisoned():
+        y, s, gates = TRI.norm_ba_gates(x, r, w, 1e-6, w_ba, A_log, dt)
+    want_y, want_s, _ = REF.norm_ba_gates(x, r, w, 1e-6, w_ba, A_log, dt)
+    assert type(gates) is Branch and (s is None) == (not res) and len(calls) == (t <= 16)
+    check(y, want_y, dtype)
+    if res:
+        check(s, want_s, dtype)
+    for got, want in zip(gates.join(), REF.gdn_ba_gates(y, w_ba, A_log, dt)):
+        check(got, want, dtype)
+
+
 def _gdn_inputs(t, dtype, seed=0):
     """q, k, v as the model hands them over: strided head views of one [T, q|k|v] conv output."""
     qkv = rnd(t, 2 * HK * DK + HV * DV, dtype=dtype, seed=seed)
@@ -622,7 +649,11 @@ def test_bad_shapes_raise_clear_errors():
              (lambda: TRI.gated_attention(rnd(2, 2, 8), *_attn_case(torch.float32, (1, 1), (3, 5))[1:], 0.3,
                                           rnd(2, 3, 8)), "attention: gate"),
              (lambda: TRI.gdn_gates(x, x, rnd(3), rnd(8)), "gdn_gates"),
-             (lambda: gdn_ba_gates.gdn_ba_gates(x, rnd(5, 8), rnd(2), rnd(2)), "gdn_ba_gates")]
+             (lambda: gdn_ba_gates.gdn_ba_gates(x, rnd(5, 8), rnd(2), rnd(2)), "gdn_ba_gates"),
+             (lambda: rmsnorm_gates.add_rmsnorm_gates(x, None, rnd(8), 1e-6, rnd(4, 8), rnd(3), rnd(2)),
+              "add_rmsnorm_gates: .*A_log \\(3,\\)"),
+             (lambda: rmsnorm_gates.add_rmsnorm_gates(rnd(17, 8), None, rnd(8), 1e-6, rnd(4, 8), rnd(2), rnd(2)),
+              "add_rmsnorm_gates: .*T must be 1..16")]
     for fn, op in cases:
         with pytest.raises(NinferError, match=op) as e:
             fn()

@@ -1,6 +1,7 @@
-"""The producing kernels' prepared copy (kernels/x16.py layout): rmsnorm / add_rmsnorm, silu_mul, sigmoid_mul and
-gated_rmsnorm write, beside their output y, exactly `x16_ref(y)` (bit for bit: the same fp32 math on y as its
-dtype rounds it), including tail column blocks, strided inputs and several rows. What they refuse."""
+"""The producing kernels' prepared copy (kernels/x16.py layout): rmsnorm / add_rmsnorm (alone and with the GDN
+gates), silu_mul, sigmoid_mul and gated_rmsnorm write, beside their output y, exactly `x16_ref(y)` (bit for bit: the
+same fp32 math on y as its dtype rounds it), including tail column blocks, strided inputs and several rows. What
+they refuse."""
 import os
 
 import pytest
@@ -10,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gemv_inputs import wide_range_x  # noqa: E402
-from ninfer_kernels import gated_rmsnorm, rmsnorm, silu_mul  # noqa: E402
+from ninfer_kernels import gated_rmsnorm, rmsnorm, rmsnorm_gates, silu_mul  # noqa: E402
 from ninfer_kernels.gemv_launch import KernelInputError, interpreting  # noqa: E402
 from ninfer_kernels.x16 import words_per_row, x16_ref  # noqa: E402
 
@@ -47,6 +48,20 @@ def test_rmsnorm_writes_prepared(dtype, T, D, res):
         y = rmsnorm.rmsnorm(x, w, 1e-6, False, xp=xp)
         y0 = rmsnorm.rmsnorm(x, w, 1e-6, False)
     assert torch.equal(y, y0)          # the prepared copy leaves the output alone
+    _check(y, xp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,D,res", [(1, 384, True), (3, 640, False)], ids=["T1-residual", "T3-first-layer"])
+def test_rmsnorm_gates_writes_prepared(dtype, T, D, res):
+    """The norm + gates kernel's norm rows are add_rmsnorm's / rmsnorm's, bit for bit, with the prepared copy."""
+    x, w = _x(T, D, dtype, T), (torch.randn(D) * 0.3).to(DEV)
+    r = _x(T, D, dtype, T + 1) if res else None
+    w_ba, h = (torch.randn(6, D) * 0.1).to(dtype).to(DEV), torch.zeros(3, device=DEV)
+    xp = _poisoned(T, D)
+    y, s, _, _ = rmsnorm_gates.add_rmsnorm_gates(x, r, w, 1e-6, w_ba, h, h, xp=xp)
+    y0, s0 = rmsnorm.add_rmsnorm(x, r, w, 1e-6, True) if res else (rmsnorm.rmsnorm(x, w, 1e-6, True), None)
+    assert torch.equal(y, y0) and (s is None if s0 is None else torch.equal(s, s0))
     _check(y, xp)
 
 

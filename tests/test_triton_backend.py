@@ -95,8 +95,11 @@ def _script(models, dtype, prompt_lens=(11, 5)):
     assert n_clear >= 0.5 * n_rows, (n_clear, n_rows)     # the token check must bite on most rows
 
 
-def test_model_triton_equals_torch_interpreter():
-    """fp32 tiny model (hidden 64, 3 GDN + 1 attention layer, MTP)."""
+@pytest.mark.parametrize("join", ["recurrence", "norm"])
+def test_model_triton_equals_torch_interpreter(join, monkeypatch):
+    """fp32 tiny model (hidden 64, 3 GDN + 1 attention layer, MTP); the GDN gates from their own kernel or from the
+    input norm's (NINFER_GATES_JOIN)."""
+    monkeypatch.setenv("NINFER_GATES_JOIN", join)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     _script(_models(torch.float32, dev), torch.float32)
 

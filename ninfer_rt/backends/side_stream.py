@@ -19,7 +19,10 @@ has two incoming edges in the graph, one of them plain, so the kernel behind the
 programmatic dependent launch: the H200 profile shows a ~0.45 us gap in front of whichever kernel it is, and that
 kernel's loads before the wait (NINFER_PDL_STATE) no longer overlap anything. Behind the conv, the verify step
 (whose T > 1 conv is not preloaded) took 7.150 / 7.158 ms of GPU time against 7.221 / 7.229 with the join in front
-of it, and decode was unchanged (5.963 / 5.964 against 5.966 / 5.973 ms; bench/NOTES.md §29).
+of it, and decode was unchanged (5.963 / 5.964 against 5.966 / 5.973 ms; bench/NOTES.md §29). `norm`: no branch
+and no join; the layer's input norm computes the gates in its own kernel (`TritonOps.norm_ba_gates`,
+`ninfer_kernels.rmsnorm_gates`) where it can (T <= 16, a plain b/a weight), and the branch as with `recurrence`
+where it cannot.
 
 Memory: fn's outputs are allocated on the side stream; the caller frees them after use on its own stream. A
 block freed that way is reused only by later side-stream allocations, and every later fork first waits for the
@@ -42,11 +45,12 @@ _SIDE: dict = {}            # device index -> the side stream
 
 
 JOIN_ENV = "NINFER_GATES_JOIN"
-JOINS = ("recurrence", "conv")
+JOINS = ("recurrence", "conv", "norm")
 
 
 def join_at() -> str:
-    """NINFER_GATES_JOIN: `recurrence` (default) or `conv`, where the GDN layer joins its gates branch."""
+    """NINFER_GATES_JOIN: `recurrence` (default), `conv` or `norm`, where the GDN layer joins its gates branch
+    (`norm`: the input norm computes them, no branch where it can)."""
     v = os.environ.get(JOIN_ENV, JOINS[0])
     if v not in JOINS:
         raise LoadError(f"{JOIN_ENV}={v!r}: expected one of {', '.join(JOINS)}")

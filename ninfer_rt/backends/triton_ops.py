@@ -22,8 +22,8 @@ import torch
 
 from ninfer_formats.errors import LoadError
 from ninfer_kernels import (attention_decode, gated_rmsnorm, gdn_ba_gates, gdn_conv, gdn_conv_recurrent, gdn_gates,
-                            gdn_recurrent, gemv_common, gemv_pins, gemv_split, kv_write, rmsnorm, rope, sampling,
-                            silu_mul, x16)
+                            gdn_recurrent, gemv_common, gemv_pins, gemv_split, kv_write, rmsnorm, rmsnorm_gates, rope,
+                            sampling, silu_mul, x16)
 from ninfer_kernels.ops_common import interpreting
 from ninfer_kernels.pdl import pdl_kw
 
@@ -225,6 +225,15 @@ class TritonOps(Ops):
         if w is not None and gdn_ba_gates.supported(x, w):       # decode / verify with a plain b/a weight
             return gdn_ba_gates.gdn_ba_gates(x, w, A_log, dt_bias)
         return super().gdn_ba_gates(x, w_ba, A_log, dt_bias)
+
+    def norm_ba_gates(self, x, residual, w, eps, w_ba, A_log, dt_bias):
+        wt = None if w_ba.quantized else w_ba.data["w"]
+        fused = side_stream.join_at() == "norm" and wt is not None and rmsnorm_gates.supported(x, wt)
+        if not fused or (residual is not None and residual.stride(-1) != 1):
+            return super().norm_ba_gates(x, residual, w, eps, w_ba, A_log, dt_bias)
+        xp = self._prepared_out(x.shape[0], x.shape[1], x.device)
+        y, s, g, beta = rmsnorm_gates.add_rmsnorm_gates(x, residual, w, eps, wt, A_log, dt_bias, xp=xp)
+        return self._produced(y, xp), s, Branch((g, beta))
 
     def gdn_ba_gates_branch(self, x, w_ba, A_log, dt_bias):
         w = None if w_ba.quantized else w_ba.data["w"]

@@ -21,11 +21,17 @@ class GatedDeltaNet:
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.cfg, self.tp, self.layer = cfg, tp, gdn_layer
 
-    def __call__(self, ops, x, ctx, pool):
+    def gate_params(self) -> tuple:
+        """What `Ops.norm_ba_gates` takes to compute this layer's gates with its input norm."""
+        return self.in_ba, self.A_log, self.dt_bias
+
+    def __call__(self, ops, x, ctx, pool, gates=None):
+        """gates: the Branch `Ops.norm_ba_gates` gave with x, else started here."""
         t, nk, nv, dk, dv = x.shape[0], self.nk, self.nv, self.dk, self.dv
         kd, vd = nk * dk, nv * dv
-        # the gates read only x: started first, so a backend can run them beside the GEMV and the conv
-        gates = ops.gdn_ba_gates_branch(x, self.in_ba, self.A_log, self.dt_bias)
+        if gates is None:
+            # the gates read only x: started first, so a backend can run them beside the GEMV and the conv
+            gates = ops.gdn_ba_gates_branch(x, *self.gate_params())
         qkv, z = ops.linear(x, self.in_qkvz).split((2 * kd + vd, vd), dim=-1)
         snap_conv = None if ctx.snap_conv is None else ctx.snap_conv[self.layer]
         done = None
