@@ -9,6 +9,11 @@ program per (b/a row, token): each recomputes its token's norm (two row reads th
 so the kernel's length is about the norm's) and takes one dot product of the rounded row with its weight row,
 which no kernel writes and so is loaded before the PDL wait with the gain. Nothing joins.
 
+The Triton backend takes it for decode steps only (T <= `BACKEND_MAX_T`): on the H200 the 27B decode step went
+5.955 / 5.970 -> 5.917 ms of GPU time, but the verify step (T = 4: 388 programs of 8 warps at ~120 registers, two
+waves, in front of a GEMV that could not be placed early beside them) lost 180 us (bench/NOTES.md §30). The kernel
+itself takes T <= MAX_T.
+
 Programs 0..T-1 are the norm rows (outputs as `add_rmsnorm`'s, with the prepared form when asked); program
 T + j T + t is b/a row j (b rows 0..H-1, a rows H..2H-1) for token t. The dot products are rounded to the
 activation dtype before the gate, as the unfused projection's output is.
@@ -25,6 +30,9 @@ from .ops_common import KernelInputError, pow2
 from .pdl import pdl_kw, pdl_trigger, pdl_wait
 from .rmsnorm import load_summed, norm_warps, normalized
 from .x16 import check_prepared_out, prepared_out_args, store_prepared
+
+
+BACKEND_MAX_T = 1
 
 
 @triton.jit

@@ -20,9 +20,9 @@ programmatic dependent launch: the H200 profile shows a ~0.45 us gap in front of
 kernel's loads before the wait (NINFER_PDL_STATE) no longer overlap anything. Behind the conv, the verify step
 (whose T > 1 conv is not preloaded) took 7.150 / 7.158 ms of GPU time against 7.221 / 7.229 with the join in front
 of it, and decode was unchanged (5.963 / 5.964 against 5.966 / 5.973 ms; bench/NOTES.md §29). `norm`: no branch
-and no join; the layer's input norm computes the gates in its own kernel (`TritonOps.norm_ba_gates`,
-`ninfer_kernels.rmsnorm_gates`) where it can (T <= 16, a plain b/a weight), and the branch as with `recurrence`
-where it cannot.
+and no join in decode steps; the layer's input norm computes the gates in its own kernel
+(`TritonOps.norm_ba_gates`, `ninfer_kernels.rmsnorm_gates`) where it can (one token per step, a plain b/a weight),
+and the branch as with `recurrence` elsewhere (verify steps included).
 
 Memory: fn's outputs are allocated on the side stream; the caller frees them after use on its own stream. A
 block freed that way is reused only by later side-stream allocations, and every later fork first waits for the
