@@ -4,7 +4,8 @@ layers and ops so the profiler's kernels can be attributed (bench/prefill_breakd
 Instrumentation wraps, for the duration of one run only: `model.ops` (a proxy that puts each backend call in
 an "§op:<method>" range), `model._embed` / `model._output` and every block's mixer (section boundaries
 "embed", "layer:<i>:<gdn|attn>", "head"). A layer's section runs from its mixer call to the next section,
-so it holds the layer's mixer, both residual norms and the MLP. Nothing in ninfer_rt is modified.
+so it holds the layer's mixer, both residual norms and the MLP; the second norm is the next layer's input norm,
+and with it that layer's b/a gates when it is a GDN layer (`Ops.norm_ba_gates`). Nothing in ninfer_rt is modified.
 """
 from __future__ import annotations
 

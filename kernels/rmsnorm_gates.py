@@ -10,9 +10,9 @@ so the kernel's length is about the norm's) and takes one dot product of the rou
 which no kernel writes and so is loaded before the PDL wait with the gain. Nothing joins.
 
 The Triton backend takes it for decode steps only (T <= `BACKEND_MAX_T`): on the H200 the 27B decode step went
-5.955 / 5.970 -> 5.917 ms of GPU time, but the verify step (T = 4: 388 programs of 8 warps at ~120 registers, two
-waves, in front of a GEMV that could not be placed early beside them) lost 180 us (bench/NOTES.md §30). The kernel
-itself takes T <= MAX_T.
+5.948 / 5.948 -> 5.909 / 5.917 ms of GPU time, while with every T <= 16 the verify step (T = 4: 388 programs of 8
+warps at ~120 registers, two waves, in front of a GEMV that could not be placed early beside them) lost 180 us
+(bench/NOTES.md §30). The kernel itself takes T <= MAX_T.
 
 Programs 0..T-1 are the norm rows (outputs as `add_rmsnorm`'s, with the prepared form when asked); program
 T + j T + t is b/a row j (b rows 0..H-1, a rows H..2H-1) for token t. The dot products are rounded to the
