@@ -79,10 +79,11 @@ def add_rmsnorm_gates_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, xp_ptr, wba_p
             store_prepared(y.to(tl.float32), xp_ptr + row * s_xp, 0, D, D)
 
 
-def supported(x: torch.Tensor, w_ba: torch.Tensor) -> bool:
+def supported(x: torch.Tensor, w_ba: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether the fused kernel takes this call (else the caller composes the norm and the gates)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_T and x.stride(-1) == 1 and w_ba.dtype in W_KINDS
-            and w_ba.dim() == 2 and w_ba.shape[1] == x.shape[1] and w_ba.is_contiguous())
+            and w_ba.dim() == 2 and w_ba.shape[1] == x.shape[1] and w_ba.is_contiguous()
+            and (residual is None or residual.stride(-1) == 1))
 
 
 def add_rmsnorm_gates(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
@@ -97,7 +98,7 @@ def add_rmsnorm_gates(x: torch.Tensor, residual: torch.Tensor | None, w: torch.T
         raise KernelInputError(f"add_rmsnorm_gates: x {tuple(x.shape)} residual "
                                f"{None if residual is None else tuple(residual.shape)} w {tuple(w.shape)} w_ba "
                                f"{tuple(w_ba.shape)} A_log {tuple(A_log.shape)} dt_bias {tuple(dt_bias.shape)}")
-    if not supported(x, w_ba) or (residual is not None and residual.stride(-1) != 1):
+    if not supported(x, w_ba, residual):
         raise KernelInputError(f"add_rmsnorm_gates: x {tuple(x.shape)} {x.dtype} / w_ba {w_ba.dtype} not handled "
                                f"(T must be 1..{MAX_T}, w_ba a contiguous bf16/f16/f32 matrix, unit last strides)")
     if xp is not None:

@@ -229,8 +229,8 @@ class TritonOps(Ops):
     def norm_ba_gates(self, x, residual, w, eps, w_ba, A_log, dt_bias):
         wt = None if w_ba.quantized else w_ba.data["w"]
         fused = (side_stream.join_at() == "norm" and wt is not None and x.shape[0] <= rmsnorm_gates.BACKEND_MAX_T
-                 and rmsnorm_gates.supported(x, wt))
-        if not fused or (residual is not None and residual.stride(-1) != 1):
+                 and rmsnorm_gates.supported(x, wt, residual))
+        if not fused:
             return super().norm_ba_gates(x, residual, w, eps, w_ba, A_log, dt_bias)
         xp = self._prepared_out(x.shape[0], x.shape[1], x.device)
         y, s, g, beta = rmsnorm_gates.add_rmsnorm_gates(x, residual, w, eps, wt, A_log, dt_bias, xp=xp)
