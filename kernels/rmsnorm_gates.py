@@ -4,20 +4,19 @@
 
 Why: the gates read only the norm's output. As a kernel of their own they ran on a side stream beside the
 q/k/v/z GEMV and joined the step in front of the recurrence; a join is a plain graph edge, which cost a ~0.45 us
-gap and the recurrence's early placement under PDL (bench/NOTES.md §29). Here the norm's grid grows by gate
-programs: each recomputes its token's norm (two row reads that the norm programs make too, so the kernel's
-length is about the norm's) and takes R dot products of the rounded row with its R weight rows, which no kernel
-writes and so are loaded before the PDL wait with the gain. Nothing joins.
+gap and the recurrence's early placement under PDL (bench/NOTES.md §29). Here the norm's grid grows by one
+program per (b/a row, token): each recomputes its token's norm (two row reads that the norm programs make too,
+so the kernel's length is about the norm's) and takes one dot product of the rounded row with its weight row,
+which no kernel writes and so is loaded before the PDL wait with the gain. Nothing joins.
 
-R grows with T (`rows_per_program`) so that the grid stays about 2 Hv programs: with one row per program the
-T = 4 verify step had 388 programs of 8 warps, two waves, in front of a GEMV that could not be placed early beside
-them, and lost 180 us on the H200 (bench/NOTES.md §30); decode steps (T = 1) keep one row per program, which took
-the 27B decode step from 5.948 to 5.909-5.917 ms of GPU time. The Triton backend takes T <= `BACKEND_MAX_T`, the
-kernel itself T <= MAX_T.
+The Triton backend takes it for decode steps only (T <= `BACKEND_MAX_T`): on the H200 the 27B decode step went
+5.948 / 5.948 -> 5.909 / 5.917 ms of GPU time, while with every T <= 16 the verify step (T = 4: 388 programs of 8
+warps at ~120 registers, two waves, in front of a GEMV that could not be placed early beside them) lost 180 us
+(bench/NOTES.md §30). The kernel itself takes T <= MAX_T.
 
 Programs 0..T-1 are the norm rows (outputs as `add_rmsnorm`'s, with the prepared form when asked); program
-T + i T + t holds b/a rows i R .. i R + R - 1 (b rows 0..H-1, a rows H..2H-1) for token t. The dot products are
-rounded to the activation dtype before the gate, as the unfused projection's output is.
+T + j T + t is b/a row j (b rows 0..H-1, a rows H..2H-1) for token t. The dot products are rounded to the
+activation dtype before the gate, as the unfused projection's output is.
 """
 from __future__ import annotations
 
@@ -33,58 +32,51 @@ from .rmsnorm import load_summed, norm_warps, normalized
 from .x16 import check_prepared_out, prepared_out_args, store_prepared
 
 
-BACKEND_MAX_T = 8
-MAX_ROWS = 8
+BACKEND_MAX_T = 1
 
 
 @triton.jit
-def _params(w_ptr, wba_ptr, alog_ptr, dtb_ptr, rows, rm, offs, m, D, H, W_KIND: tl.constexpr):
-    """What no kernel writes: the gain (+1), and for a gate program its b/a rows, their dt_bias and A_log."""
+def _params(w_ptr, wba_ptr, alog_ptr, dtb_ptr, j, gate, offs, m, D, H, W_KIND: tl.constexpr):
+    """What no kernel writes: the gain (+1), and for a gate program its b/a row, dt_bias and A_log."""
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32) + 1.0
-    wr = widen(tl.load(wba_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], mask=rm[:, None] & m[None, :],
-                       other=0), W_KIND)
-    h = tl.minimum(tl.maximum(rows - H, 0), H - 1)       # a valid head in every lane: no mask needed
+    wr = widen(tl.load(wba_ptr + j.to(tl.int64) * D + offs, mask=offs < tl.where(gate, D, 0), other=0), W_KIND)
+    h = tl.minimum(tl.maximum(j - H, 0), H - 1)          # a valid head in every program: no mask needed
     return w, wr, tl.load(dtb_ptr + h), tl.load(alog_ptr + h)
 
 
 @triton.jit
 def add_rmsnorm_gates_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rsum_ptr, xp_ptr, wba_ptr, alog_ptr, dtb_ptr, g_ptr,
                              beta_ptr, T, D, H, sx, sr, s_xp, eps, HAS_RES: tl.constexpr, XP: tl.constexpr,
-                             W_KIND: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = 0,
+                             W_KIND: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0,
                              PRELOAD: tl.constexpr = 0):
     pid = tl.program_id(0)
     gate = pid >= T
     q = tl.maximum(pid - T, 0)
-    rows = (q // T) * R + tl.arange(0, R)        # the gate program's b/a rows
-    rm = rows < tl.where(gate, 2 * H, 0)
+    j = q // T                                   # the gate program's b/a row
     row = tl.where(gate, q % T, pid).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
-    # ninfer_kernels.pdl: with PRELOAD the gain and the b/a rows are in flight during the wait
+    # ninfer_kernels.pdl: with PRELOAD the gain and the b/a row are in flight during the wait
     pdl_trigger(PDL)
     if PRELOAD:
-        w, wr, dtb, alog = _params(w_ptr, wba_ptr, alog_ptr, dtb_ptr, rows, rm, offs, m, D, H, W_KIND)
+        w, wr, dtb, alog = _params(w_ptr, wba_ptr, alog_ptr, dtb_ptr, j, gate, offs, m, D, H, W_KIND)
     pdl_wait(PDL)
     if not PRELOAD:
-        w, wr, dtb, alog = _params(w_ptr, wba_ptr, alog_ptr, dtb_ptr, rows, rm, offs, m, D, H, W_KIND)
+        w, wr, dtb, alog = _params(w_ptr, wba_ptr, alog_ptr, dtb_ptr, j, gate, offs, m, D, H, W_KIND)
     x, s = load_summed(x_ptr + row * sx + offs, r_ptr + row * sr + offs, m, HAS_RES, y_ptr.dtype.element_ty)
     y = normalized(x, w, D, eps).to(y_ptr.dtype.element_ty)
     if gate:
-        d = tl.sum(y.to(tl.float32)[None, :] * wr, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
-        is_b = rows < H
-        tl.store(beta_ptr + row * H + rows, tl.sigmoid(d), mask=rm & is_b)
-        tl.store(g_ptr + row * H + (rows - H), log_decay(d + dtb, alog), mask=rm & (rows >= H))
+        d = tl.sum(y.to(tl.float32) * wr, axis=0).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if j < H:
+            tl.store(beta_ptr + row * H + j, tl.sigmoid(d))
+        else:
+            tl.store(g_ptr + row * H + (j - H), log_decay(d + dtb, alog))
     else:
         if HAS_RES:
             tl.store(rsum_ptr + row * D + offs, s, mask=m)
         tl.store(y_ptr + row * D + offs, y, mask=m)
         if XP:
             store_prepared(y.to(tl.float32), xp_ptr + row * s_xp, 0, D, D)
-
-
-def rows_per_program(t: int) -> int:
-    """b/a rows per gate program: T's power of two up to MAX_ROWS, so T x 2Hv / R programs stay about 2Hv."""
-    return min(MAX_ROWS, pow2(t))
 
 
 def supported(x: torch.Tensor, w_ba: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
@@ -118,11 +110,11 @@ def add_rmsnorm_gates(x: torch.Tensor, residual: torch.Tensor | None, w: torch.T
     r = x if residual is None else residual
     xp_ptr, s_xp = prepared_out_args(xp, y)
     wv = w_ba if w_ba.dtype == torch.float32 else w_ba.view(torch.int16)
-    block, rows = pow2(d), rows_per_program(t)
-    add_rmsnorm_gates_kernel[(t + triton.cdiv(2 * h, rows) * t,)](
+    block = pow2(d)
+    add_rmsnorm_gates_kernel[(t + 2 * h * t,)](
         x, r, w, y, y if s is None else s, xp_ptr, wv, A_log, dt_bias, g, beta, t, d, h, x.stride(0), r.stride(0),
         s_xp, float(eps), HAS_RES=residual is not None, XP=xp is not None, W_KIND=W_KINDS[w_ba.dtype],
-        BLOCK_D=block, R=rows, num_warps=norm_warps(block), **pdl_kw(x.device, preload=True))
+        BLOCK_D=block, num_warps=norm_warps(block), **pdl_kw(x.device, preload=True))
     return y, s, g, beta
 
 
@@ -134,6 +126,5 @@ def compile_specs(act: str):
            "xp_ptr": "*i32", "wba_ptr": "*fp32" if kind == 2 else "*i16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32",
            "g_ptr": "*fp32", "beta_ptr": "*fp32", "T": "i32", "D": "i32", "H": "i32", "sx": "i64", "sr": "i64",
            "s_xp": "i64", "eps": "fp32"}
-    return [(add_rmsnorm_gates_kernel, sig, {"HAS_RES": r, "XP": xp, "W_KIND": kind, "BLOCK_D": 8192, "R": rows}, 8)
-            for r, xp, rows in ((True, True, 1), (False, True, 1), (True, False, 1), (True, True, 4),
-                                (True, True, MAX_ROWS))]
+    return [(add_rmsnorm_gates_kernel, sig, {"HAS_RES": r, "XP": xp, "W_KIND": kind, "BLOCK_D": 8192}, 8)
+            for r, xp in ((True, True), (False, True), (True, False))]
