@@ -144,6 +144,11 @@ def _split_arrive() -> str:
     return split_arrive_sem()
 
 
+def _pdl_late() -> str:
+    from ninfer_kernels.pdl import late_kernels
+    return ",".join(sorted(late_kernels())) or "none"
+
+
 def _runner(model, opts: BenchOptions):
     from ninfer_rt.graphs import GraphConfig, GraphRunner
     verify = "verify" in opts.parts
@@ -412,7 +417,8 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "pdl_mma": backend.startswith("triton") and bool(_pdl_kw(device)) and _pdl_mma(),   # NINFER_PDL_MMA
             "x16_align": _x16_align(),                                        # NINFER_X16_ALIGN
             "split_unroll": _split_unroll(),                                  # NINFER_SPLIT_UNROLL
-            "split_arrive": _split_arrive()}                                  # NINFER_SPLIT_ARRIVE
+            "split_arrive": _split_arrive(),                                  # NINFER_SPLIT_ARRIVE
+            "pdl_late": _pdl_late()}                                          # NINFER_PDL_LATE
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, dot_precision, num_sms, pow2
-from .pdl import pdl_enter, pdl_kw
+from .pdl import pdl_enter, pdl_kw, pdl_trigger, pdl_wait
 from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
 
 BLOCK_N = 32              # keys per inner step (tensor-core tiles; split lengths are multiples of it)
@@ -142,13 +142,15 @@ def _gated(y, g_ptrs, mask):
 @triton.jit
 def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, g_ptr, xp_ptr, so_t, so_h, sg_t, sg_h, s_xp, n_splits, total_rows,
                         Hq, D, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GATE: tl.constexpr = 0,
-                        XP: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                        XP: tl.constexpr = 0, PDL: tl.constexpr = 0, LATE: tl.constexpr = 0):
     """Merge the splits of one (token, head), BLOCK_S splits per load: each chunk is one vector load of the
     log-sum-exps and one [BLOCK_S, BLOCK_D] load of the partials (a split-at-a-time loop waited on two dependent
     loads per split, ~8 us at 17 splits on the H200). The maximum pass stays: a one-pass online merge, which
     also loads the partials of splits without keys, measured the same at decode and +1 us per launch at verify
-    K = 3 (bench/NOTES.md §25)."""
-    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
+    K = 3 (bench/NOTES.md §25). LATE (NINFER_PDL_LATE): the trigger follows the merge."""
+    if not LATE:
+        pdl_trigger(PDL)
+    pdl_wait(PDL)   # ninfer_kernels.pdl: before any load or store
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -172,6 +174,8 @@ def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, g_ptr, xp_ptr, so_t, so_h, sg_t
     y = (acc / tl.sum(den, axis=0)).to(o_ptr.dtype.element_ty)
     if GATE:
         y = _gated(y, g_ptr + tok * sg_t + h * sg_h + d, d_ok)
+    if LATE:
+        pdl_trigger(PDL)
     tl.store(o_ptr + tok * so_t + h * so_h + d, y, mask=d_ok)
     if XP:          # the token's row of the o_proj input is its Hq heads' D outputs; this program owns D of them
         store_prepared(y.to(tl.float32), xp_ptr + tok * s_xp, h * D, D, Hq * D)
@@ -299,7 +303,7 @@ def _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scal
     attn_combine_kernel[(total, hq)](po, plse, out, gt, xp_ptr, out.stride(0), out.stride(1), sg[0], sg[1], s_xp,
                                      splits, total, hq, d, BLOCK_D=block_d, BLOCK_S=COMBINE_SPLITS,
                                      GATE=gate is not None, XP=xp is not None,
-                                     num_warps=max(1, min(4, block_d // 64)), **pdl_kw(out.device))
+                                     num_warps=max(1, min(4, block_d // 64)), **pdl_kw(out.device, late="combine"))
     return out, xp
 
 

@@ -13,16 +13,16 @@ import triton.language as tl
 
 from .ops_common import KernelInputError, pow2, rows3, warps_for
 from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
-from .pdl import pdl_enter_preloaded, pdl_kw
+from .pdl import pdl_enter_preloaded, pdl_kw, pdl_trigger
 
 
 @triton.jit
 def gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xp_ptr, H, so_t, so_h, sz_t, sz_h, s_xp, D, eps,
                          XP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0,
-                         PRELOAD: tl.constexpr = 0):
+                         PRELOAD: tl.constexpr = 0, LATE: tl.constexpr = 0):
     d = tl.arange(0, BLOCK_D)
     m = d < D
-    w = pdl_enter_preloaded(w_ptr + d, m, PDL, PRELOAD)   # ninfer_kernels.pdl: the gain may load during the wait
+    w = pdl_enter_preloaded(w_ptr + d, m, PDL, PRELOAD, LATE)   # ninfer_kernels.pdl: the gain may load during the wait
     row = tl.program_id(0)
     t = (row // H).to(tl.int64)
     h = (row % H).to(tl.int64)
@@ -31,6 +31,8 @@ def gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xp_ptr, H, so_t, so_h, sz_t
     inv = tl.rsqrt(tl.sum(o * o, axis=0) / D + eps)
     y = o * inv * w * (z * tl.sigmoid(z))
     y = y.to(y_ptr.dtype.element_ty)
+    if LATE:                  # NINFER_PDL_LATE: the out GEMV behind is placed only now
+        pdl_trigger(PDL)
     tl.store(y_ptr + row.to(tl.int64) * D + d, y, mask=m)
     if XP:
         store_prepared(y.to(tl.float32), xp_ptr + t * s_xp, h * D, D, H * D)
@@ -55,7 +57,7 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
         xp_ptr, s_xp = prepared_out_args(xp, y)
         gated_rmsnorm_kernel[(n_rows,)](o3, z3, w, y, xp_ptr, o3.shape[1], o3.stride(0), o3.stride(1),
                                         z3.stride(0), z3.stride(1), s_xp, d, float(eps), XP=xp is not None,
-                                        BLOCK_D=block, num_warps=warps_for(block), **pdl_kw(o3.device, preload=True))
+                                        BLOCK_D=block, num_warps=warps_for(block), **pdl_kw(o3.device, preload=True, late="gated_norm"))
     return y
 
 

@@ -96,11 +96,12 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, 
                          cu_ptr, slot_ptr, snapidx_ptr,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hv, REP, DK, DV, q_scale,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0,
-                         PRELOAD: tl.constexpr = 0):
+                         PRELOAD: tl.constexpr = 0, LATE: tl.constexpr = 0):
     # ninfer_kernels.pdl: with PRELOAD (NINFER_PDL_STATE) the state tile, the one DRAM read on this kernel's
     # path, is in flight while the conv in front runs; the token inputs, which that conv and the gates write,
-    # are loaded after the wait either way
-    pdl_trigger(PDL)
+    # are loaded after the wait either way; LATE (NINFER_PDL_LATE): the trigger follows the token loop
+    if not LATE:
+        pdl_trigger(PDL)
     if PRELOAD:
         b, h, kh, s0, T, snap, dk, dv, k_ok, v_ok, tile, tmask, head_base, pool_off, S = _state_tile(
             pool_ptr, cu_ptr, slot_ptr, snapidx_ptr, Hv, REP, DK, DV, BLOCK_K, BLOCK_V)
@@ -122,6 +123,8 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, 
         tl.store(o_ptr + (tok * Hv + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
         if snap >= 0:
             tl.store(snap_ptr + (snap + i).to(tl.int64) * Hv * DK * DV + head_base + tile, S, mask=tmask)
+    if LATE:
+        pdl_trigger(PDL)
     if snap < 0:
         tl.store(pool_ptr + pool_off + tile, S, mask=tmask)
 
@@ -181,7 +184,7 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         gdn_recurrent_kernel[(batch, hv, triton.cdiv(dv, bv))](
             q, k, v, g, beta, out, pool, pool if snaps is None else snaps, cu_seqlens, slots, snap_index,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hv, hv // hk, dk, dv,
-            dk ** -0.5, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=w, **pdl_kw(q.device, state=True))
+            dk ** -0.5, BLOCK_K=pow2(dk), BLOCK_V=bv, num_warps=w, **pdl_kw(q.device, state=True, late="recurrence"))
 
     if tile is None:
         # prefill chunks (the fallback without flash-linear-attention) share one key

@@ -49,6 +49,8 @@ PDL_MODES = ("0", "1")
 PRELOAD_ENV = "NINFER_PDL_PRELOAD"
 STATE_ENV = "NINFER_PDL_STATE"
 MMA_ENV = "NINFER_PDL_MMA"
+LATE_ENV = "NINFER_PDL_LATE"
+LATE_KERNELS = ("recurrence", "combine", "gated_norm")
 
 
 @triton.jit
@@ -81,10 +83,12 @@ def _mode(name: str, default: str = "1") -> str:
 
 
 @triton.jit
-def pdl_enter_preloaded(ptrs, mask, PDL: tl.constexpr, PRELOAD: tl.constexpr):
+def pdl_enter_preloaded(ptrs, mask, PDL: tl.constexpr, PRELOAD: tl.constexpr, LATE: tl.constexpr = 0):
     """`pdl_enter` that also loads `ptrs` (data no kernel writes, e.g. a norm's gain; masked, 0 elsewhere) as fp32:
-    issued before the wait with PRELOAD, so its memory latency overlaps the wait; after it otherwise."""
-    pdl_trigger(PDL)
+    issued before the wait with PRELOAD, so its memory latency overlaps the wait; after it otherwise. LATE: no
+    trigger here (the kernel triggers at its end, NINFER_PDL_LATE)."""
+    if not LATE:
+        pdl_trigger(PDL)
     if PRELOAD:
         v = tl.load(ptrs, mask=mask, other=0.0)
     pdl_wait(PDL)
@@ -115,16 +119,30 @@ def mma_mode() -> str:
     return _mode(MMA_ENV)
 
 
-def pdl_kw(device, preload: bool = False, state: bool = False) -> dict:
+def late_kernels() -> frozenset:
+    """NINFER_PDL_LATE: a comma list of LATE_KERNELS that trigger their dependents at their end instead of their
+    start ("" or "none", the default: every short kernel triggers at its start); a comparison switch."""
+    v = os.environ.get(LATE_ENV, "").strip()
+    names = frozenset(n.strip() for n in v.split(",") if n.strip()) if v not in ("", "none") else frozenset()
+    if not names <= set(LATE_KERNELS):
+        from .ops_common import KernelInputError
+        raise KernelInputError(f"{LATE_ENV}={v!r}: expected 'none' or a comma list of {', '.join(LATE_KERNELS)}")
+    return names
+
+
+def pdl_kw(device, preload: bool = False, state: bool = False, late: str = "") -> dict:
     """The extra launch arguments of a PDL-capable kernel on `device`: {"PDL": 1, "launch_pdl": True} with
     NINFER_PDL=1 (the default) on a CUDA device of compute capability 9.0+ (griddepcontrol is sm_90 PTX), else {}
     (sm_70 / sm_80, the interpreter, the CPU, or NINFER_PDL=0). preload / state: the kernel has a `PRELOAD`
-    constexpr, given as NINFER_PDL_PRELOAD (a norm's gain) / NINFER_PDL_STATE (the GDN state) says when PDL is on."""
+    constexpr, given as NINFER_PDL_PRELOAD (a norm's gain) / NINFER_PDL_STATE (the GDN state) says when PDL is on.
+    late: the kernel's name in LATE_KERNELS; its `LATE` constexpr is 1 when NINFER_PDL_LATE names it."""
     if pdl_mode() == "0" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return {}
     if getattr(device, "type", "cuda") != "cuda" or _capability(getattr(device, "index", None)) < (9, 0):
         return {}
     early = {"PRELOAD": int(preload_mode())} if preload else {"PRELOAD": int(state_mode())} if state else {}
+    if late:
+        early["LATE"] = int(late in late_kernels())
     return {"PDL": 1, "launch_pdl": True, **early}
 
 

@@ -65,6 +65,41 @@ def test_preload_constexpr_only_where_asked_and_pdl_is_on(kw, env, other, monkey
         pdl.pdl_kw(cuda, **{kw: True})
 
 
+def test_late_trigger_constexpr_for_the_named_kernels_only(monkeypatch):
+    """NINFER_PDL_LATE names the short kernels that trigger at their end (a comparison switch, default none): the
+    launch of a named one gets LATE 1, another LATE 0, a launch that asks for nothing no LATE; off without PDL;
+    an unknown name is a one-line error naming the variable."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    monkeypatch.delenv(pdl.LATE_ENV, raising=False)
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert pdl.late_kernels() == frozenset() and pdl.pdl_kw(cuda, late="combine")["LATE"] == 0
+    monkeypatch.setenv(pdl.LATE_ENV, "recurrence, combine")
+    assert pdl.late_kernels() == {"recurrence", "combine"}
+    assert pdl.pdl_kw(cuda, late="combine")["LATE"] == 1 and pdl.pdl_kw(cuda, late="gated_norm")["LATE"] == 0
+    assert "LATE" not in pdl.pdl_kw(cuda)
+    monkeypatch.setenv(pdl.LATE_ENV, "none")
+    assert pdl.late_kernels() == frozenset()
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.pdl_kw(cuda, late="combine") == {}
+    monkeypatch.setenv(pdl.LATE_ENV, "recurrence,norm")
+    with pytest.raises(KernelInputError, match="NINFER_PDL_LATE='recurrence,norm'"):
+        pdl.late_kernels()
+
+
+def test_late_kernels_are_the_ones_launched_with_late():
+    """Every kernel with a LATE constexpr is launched with pdl_kw(..., late=<its LATE_KERNELS name>), one each."""
+    kernels, named = _all_kernels(), {}
+    for f in sorted(KERNELS.glob("*.py")):
+        for name, call in _launches(ast.parse(f.read_text())):
+            for k in call.keywords:
+                if k.arg is None and isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl_kw":
+                    named.update({a.value.value: name for a in k.value.keywords if a.arg == "late"})
+    assert set(named) == set(pdl.LATE_KERNELS)
+    assert {n for n, args in kernels.items() if "LATE" in args} == set(named.values())
+
+
 def test_ptx_order_with_preload():
     """The compile check's reading of the PTX: a preloading kernel loads before the wait and stores after it."""
     trig, wait = "griddepcontrol.launch_dependents;", "griddepcontrol.wait;"
