@@ -66,7 +66,7 @@ def test_preload_constexpr_only_where_asked_and_pdl_is_on(kw, env, other, monkey
 
 
 def test_late_trigger_constexpr_for_the_named_kernels_only(monkeypatch):
-    """NINFER_PDL_LATE names the short kernels that trigger at their end (a comparison switch, default none): the
+    """NINFER_PDL_LATE names the short kernels that trigger at their end (default: the attention combine): the
     launch of a named one gets LATE 1, another LATE 0, a launch that asks for nothing no LATE; off without PDL;
     an unknown name is a one-line error naming the variable."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -74,7 +74,8 @@ def test_late_trigger_constexpr_for_the_named_kernels_only(monkeypatch):
     monkeypatch.delenv(pdl.LATE_ENV, raising=False)
     monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
     cuda = torch.device("cuda", 0)
-    assert pdl.late_kernels() == frozenset() and pdl.pdl_kw(cuda, late="combine")["LATE"] == 0
+    assert pdl.late_kernels() == {"combine"} and pdl.pdl_kw(cuda, late="combine")["LATE"] == 1
+    assert pdl.pdl_kw(cuda, late="recurrence")["LATE"] == 0
     monkeypatch.setenv(pdl.LATE_ENV, "recurrence, combine")
     assert pdl.late_kernels() == {"recurrence", "combine"}
     assert pdl.pdl_kw(cuda, late="combine")["LATE"] == 1 and pdl.pdl_kw(cuda, late="gated_norm")["LATE"] == 0
