@@ -147,7 +147,7 @@ def attn_combine_kernel(po_ptr, plse_ptr, o_ptr, g_ptr, xp_ptr, so_t, so_h, sg_t
     log-sum-exps and one [BLOCK_S, BLOCK_D] load of the partials (a split-at-a-time loop waited on two dependent
     loads per split, ~8 us at 17 splits on the H200). The maximum pass stays: a one-pass online merge, which
     also loads the partials of splits without keys, measured the same at decode and +1 us per launch at verify
-    K = 3 (bench/NOTES.md §25). LATE (NINFER_PDL_LATE): the trigger follows the merge."""
+    K = 3 (bench/NOTES.md §25). LATE (NINFER_PDL_LATE, verify steps): the trigger follows the merge."""
     if not LATE:
         pdl_trigger(PDL)
     pdl_wait(PDL)   # ninfer_kernels.pdl: before any load or store
@@ -303,7 +303,8 @@ def _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scal
     attn_combine_kernel[(total, hq)](po, plse, out, gt, xp_ptr, out.stride(0), out.stride(1), sg[0], sg[1], s_xp,
                                      splits, total, hq, d, BLOCK_D=block_d, BLOCK_S=COMBINE_SPLITS,
                                      GATE=gate is not None, XP=xp is not None,
-                                     num_warps=max(1, min(4, block_d // 64)), **pdl_kw(out.device, late="combine"))
+                                     num_warps=max(1, min(4, block_d // 64)),
+                                     **pdl_kw(out.device, late="combine" if max_q_len > 1 else ""))
     return out, xp
 
 

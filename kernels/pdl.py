@@ -124,10 +124,12 @@ LATE_DEFAULT = "combine"
 
 def late_kernels() -> frozenset:
     """NINFER_PDL_LATE: a comma list of LATE_KERNELS that trigger their dependents at their end instead of their
-    start, or "none". Default `combine`: the attention combine lets the o_proj GEMV in only once it has merged,
-    instead of during the attention kernel in front; on the H200 verify K = 3 took 7.052 ms of GPU time against
-    7.110 / 7.114 with none, decode unchanged (5.910 against 5.909 ms); the recurrence and the gated norm late
-    did not help decode (bench/NOTES.md §31)."""
+    start, or "none". Default `combine`: in verify steps (more than one query row per sequence) the attention
+    combine lets the o_proj GEMV in only once it has merged, instead of during the attention kernel in front. On
+    the H200, verify K = 3 took 7.052 / 7.085 / 7.087 ms of GPU time against 7.110 / 7.114 / 7.117 / 7.137 with
+    none, on two machines; decode steps keep the early trigger, since their K = 0 time did not gain (5.910 against
+    5.909 on one machine, 5.945 / 5.951 against 5.918 / 5.932 on the other); the recurrence and the gated norm
+    late did not help decode either (bench/NOTES.md §31)."""
     v = os.environ.get(LATE_ENV, LATE_DEFAULT).strip()
     names = frozenset(n.strip() for n in v.split(",") if n.strip()) if v not in ("", "none") else frozenset()
     if not names <= set(LATE_KERNELS):

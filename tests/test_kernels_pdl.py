@@ -90,13 +90,16 @@ def test_late_trigger_constexpr_for_the_named_kernels_only(monkeypatch):
 
 
 def test_late_kernels_are_the_ones_launched_with_late():
-    """Every kernel with a LATE constexpr is launched with pdl_kw(..., late=<its LATE_KERNELS name>), one each."""
+    """Every kernel with a LATE constexpr is launched with pdl_kw(..., late=<its LATE_KERNELS name>) (the combine
+    only in verify steps: late="combine" if max_q_len > 1 else ""), one each."""
     kernels, named = _all_kernels(), {}
     for f in sorted(KERNELS.glob("*.py")):
         for name, call in _launches(ast.parse(f.read_text())):
             for k in call.keywords:
                 if k.arg is None and isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl_kw":
-                    named.update({a.value.value: name for a in k.value.keywords if a.arg == "late"})
+                    late = [a.value for a in k.value.keywords if a.arg == "late"]
+                    named.update({c.value: name for v in late for c in ast.walk(v)
+                                  if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value})
     assert set(named) == set(pdl.LATE_KERNELS)
     assert {n for n, args in kernels.items() if "LATE" in args} == set(named.values())
 
