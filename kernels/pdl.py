@@ -12,6 +12,9 @@ Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
     kernels, each triggering at its start, be placed on the SMs one after another while it ran, each where room
     happened to be, and decode lost 16 % (bench/NOTES.md §16); a late trigger lets at most the short kernels
     behind a GEMV and the next GEMV in.
+    Behind a chain of short kernels the same cascade places the next GEMV's CTAs during the first of them:
+    the kernels named in NINFER_PDL_LATE (`late_kernels`: by default the attention combine, in verify steps)
+    trigger at their end instead.
   * before it reads anything an earlier kernel wrote, and before it writes anything (its outputs, a workspace or a
     counter that an earlier kernel may still read), each CTA calls `griddepcontrol.wait`, which returns once the
     kernel in front has completed and its memory is visible. Every CTA waits (no CTA returns before the wait), so
