@@ -324,6 +324,7 @@ def compile_specs(act: str, cc: int = 90):
                                     "SPLIT": sp, "PREC": prec, "GATE": gt, "D_CHUNK": tiles.d_chunk},
              tiles.num_warps(bm, 256))
             for bm, sp, gt in ((16, True, False), (tiles.max_block_m, False, False), (tiles.max_block_m, False, True))] + \
-           [(attn_combine_kernel, comb, {"BLOCK_D": 256, "BLOCK_S": COMBINE_SPLITS, "GATE": gt, "XP": gt})
-            for gt in (False, True)]
+           [(attn_combine_kernel, comb, {"BLOCK_D": 256, "BLOCK_S": COMBINE_SPLITS, "GATE": gt, "XP": gt,
+                                         "LATE": late})                # LATE: verify steps (NINFER_PDL_LATE)
+            for gt, late in ((False, 0), (True, 0), (True, 1))]
 

@@ -22,7 +22,7 @@ def gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xp_ptr, H, so_t, so_h, sz_t
                          PRELOAD: tl.constexpr = 0, LATE: tl.constexpr = 0):
     d = tl.arange(0, BLOCK_D)
     m = d < D
-    w = pdl_enter_preloaded(w_ptr + d, m, PDL, PRELOAD, LATE)   # ninfer_kernels.pdl: the gain may load during the wait
+    w = pdl_enter_preloaded(w_ptr + d, m, PDL, PRELOAD, LATE)   # ninfer_kernels.pdl: the gain loads in the wait
     row = tl.program_id(0)
     t = (row // H).to(tl.int64)
     h = (row % H).to(tl.int64)
@@ -57,7 +57,8 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
         xp_ptr, s_xp = prepared_out_args(xp, y)
         gated_rmsnorm_kernel[(n_rows,)](o3, z3, w, y, xp_ptr, o3.shape[1], o3.stride(0), o3.stride(1),
                                         z3.stride(0), z3.stride(1), s_xp, d, float(eps), XP=xp is not None,
-                                        BLOCK_D=block, num_warps=warps_for(block), **pdl_kw(o3.device, preload=True, late="gated_norm"))
+                                        BLOCK_D=block, num_warps=warps_for(block),
+                                        **pdl_kw(o3.device, preload=True, late="gated_norm"))
     return y
 
 
@@ -65,4 +66,5 @@ def compile_specs(act: str):
     sig = {"o_ptr": f"*{act}", "z_ptr": f"*{act}", "w_ptr": "*fp32", "y_ptr": f"*{act}", "xp_ptr": "*i32",
            "H": "i32", "so_t": "i64", "so_h": "i64", "sz_t": "i64", "sz_h": "i64", "s_xp": "i64", "D": "i32",
            "eps": "fp32"}
-    return [(gated_rmsnorm_kernel, sig, {"XP": xp, "BLOCK_D": 128}) for xp in (False, True)]
+    return [(gated_rmsnorm_kernel, sig, {"XP": xp, "BLOCK_D": 128, "LATE": late})
+            for xp, late in ((False, 0), (True, 0), (True, 1))]          # LATE: NINFER_PDL_LATE's comparison value

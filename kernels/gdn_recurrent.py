@@ -209,4 +209,5 @@ def compile_specs(act: str):
            "o_ptr": f"*{act}", "pool_ptr": "*fp32", "snap_ptr": "*fp32", "cu_ptr": "*i32", "slot_ptr": "*i64",
            "snapidx_ptr": "*i64", **{n: "i64" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")},
            "Hv": "i32", "REP": "i32", "DK": "i32", "DV": "i32", "q_scale": "fp32"}
-    return [(gdn_recurrent_kernel, sig, {"BLOCK_K": 128, "BLOCK_V": bv}, w) for bv, w in TILES]
+    return [(gdn_recurrent_kernel, sig, {"BLOCK_K": 128, "BLOCK_V": bv, "LATE": 0}, w) for bv, w in TILES] + \
+        [(gdn_recurrent_kernel, sig, {"BLOCK_K": 128, "BLOCK_V": TILES[0][0], "LATE": 1}, TILES[0][1])]

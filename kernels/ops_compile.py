@@ -78,7 +78,8 @@ def main(argv=None) -> int:
         try:
             c = compile_one(fn, sig, const, cc, warps)
             row = {"variant": name, "cc": cc, "ok": True, "seconds": round(time.time() - t0, 2),
-                   "pdl_ok": ptx_order_ok(c.asm["ptx"], const.get("PDL", 0), preload=const.get("PRELOAD", 0)),
+                   "pdl_ok": ptx_order_ok(c.asm["ptx"], const.get("PDL", 0), preload=const.get("PRELOAD", 0),
+                                          late_trigger=bool(const.get("LATE", 0))),
                    **({} if args.no_summary else summarize(c))}
         except Exception as e:  # report every failing variant, not only the first
             failed += 1

@@ -54,6 +54,7 @@ STATE_ENV = "NINFER_PDL_STATE"
 MMA_ENV = "NINFER_PDL_MMA"
 LATE_ENV = "NINFER_PDL_LATE"
 LATE_KERNELS = ("recurrence", "combine", "gated_norm")
+LATE_DEFAULT = "combine"
 
 
 @triton.jit
@@ -120,9 +121,6 @@ def mma_mode() -> str:
     """NINFER_PDL_MMA: '1' (default: the warp-MMA GEMVs launch with PDL like every other kernel) or '0' (they
     launch plainly, after the kernel in front completes; a comparison switch, bench/NOTES.md §23)."""
     return _mode(MMA_ENV)
-
-
-LATE_DEFAULT = "combine"
 
 
 def late_kernels() -> frozenset:
