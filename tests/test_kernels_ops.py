@@ -290,6 +290,21 @@ def test_paged_attention_splits_sized_on_device(min_split):
     check(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("seq_lens,kv_lens,late", [((1, 1), (40, 33), ""), ((3, 1), (40, 16), "combine")],
+                         ids=["decode", "verify"])
+def test_attention_combine_triggers_late_in_verify_steps_only(seq_lens, kv_lens, late, monkeypatch):
+    """The split-KV combine asks pdl_kw for NINFER_PDL_LATE's `combine` when a sequence has more than one query
+    row (verify), not in decode steps, where the late trigger measured no gain (bench/NOTES.md §31)."""
+    from ninfer_kernels import attention_decode
+    asked = []
+    monkeypatch.setattr(attention_decode, "pdl_kw", lambda device, **kw: asked.append(kw.get("late")) or {})
+    q, kc, vc, meta = _attn_case(torch.float32, seq_lens, kv_lens, seed=3)
+    want = REF.attention(q, torch.nan_to_num(kc), torch.nan_to_num(vc), meta, q.shape[-1] ** -0.5)
+    with poisoned():
+        check(_paged_attention(q, kc, vc, meta, 3), want, torch.float32)
+    assert asked == [None, late]          # the forward kernel, then the combine
+
+
 def test_paged_attention_combine_chunks():
     """More splits than the combine loads per chunk (attention_decode.COMBINE_SPLITS): the running maximum
     carried across chunks, rescaling the first chunk's sums (the last keys of sequence 0 score high, so the
