@@ -130,7 +130,8 @@ def late_kernels() -> frozenset:
     the H200, verify K = 3 took 7.052 / 7.085 / 7.087 ms of GPU time against 7.110 / 7.114 / 7.117 / 7.137 with
     none, on two machines; decode steps keep the early trigger, since their K = 0 time did not gain (5.910 against
     5.909 on one machine, 5.945 / 5.951 against 5.918 / 5.932 on the other); the recurrence and the gated norm
-    late did not help decode either (bench/NOTES.md §31)."""
+    late did not help decode either (bench/NOTES.md §31). So `combine` acts in verify steps only (its launcher,
+    `attention_decode._run`, asks for it there), while `recurrence` and `gated_norm` act in every step."""
     v = os.environ.get(LATE_ENV, LATE_DEFAULT).strip()
     names = frozenset(n.strip() for n in v.split(",") if n.strip()) if v not in ("", "none") else frozenset()
     if not names <= set(LATE_KERNELS):
