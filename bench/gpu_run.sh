@@ -6,6 +6,8 @@
 #   pytests   GPU pytest of $PYTEST_FILES -k "$PYTEST_K" (default: the IQ3_S h2 file and every IQ3_S / Q6_K
 #             case of test_kernels_gemv.py), full output kept; PYTEST_ENV: VAR=value words for pytest alone
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
+#   floor     bench/step_floor.py: the 27B step's weight reads as pure streaming reads, one launch per GEMV (the
+#             floor of a kernel-per-op step), then each GEMV shape alone (step_floor.json, step_floor.txt)
 #   xpre      bench/xpre.py: the NVFP4 h2 / MMA GEMVs on prepared activations vs the production ones
 #   ncu       Nsight Compute (clocks left alone) on one NVFP4 GEMV launch per shape of $NCU_SHAPES (default
 #             attn_qkv mlp_gate_up) and T of $NCU_TS (default 1; bench/ncu_gemv.py): speed of light, scheduler, warp
@@ -30,7 +32,7 @@
 #             an earlier commit's packages; carry .ab) runs with that folder first on PYTHONPATH
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
-# Env: ANATOMY_S, XPRE_S, XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
+# Env: ANATOMY_S, FLOOR_S, XPRE_S, XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
 # and PARTS (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS, KTS, KTP and KSHAPES (space lists: kernels'
 # formats, T values and TP degrees), KCHECK=0 (kernels without --check: its probes compile T = 8/16/64 variants
 # in-process, ~30 s per format).
@@ -129,6 +131,9 @@ for step in "$@"; do
         --shapes ${ANATOMY_SHAPES:-attn_qkv mlp_gate_up mlp_down attn_qkv_tp2} \
         --configs ${ANATOMY_CONFIGS:-128:3,64:3} > "$OUT/anatomy.txt" 2>&1
       echo "anatomy rc=$?"; tail -70 "$OUT/anatomy.txt" ;;
+    floor)
+      timeout ${FLOOR_S:-120} python3 bench/step_floor.py --out "$OUT/step_floor.json" > "$OUT/step_floor.txt" 2>&1
+      echo "floor rc=$?"; tail -20 "$OUT/step_floor.txt" ;;
     ncu)
       for s in ${NCU_SHAPES:-attn_qkv mlp_gate_up}; do for t in ${NCU_TS:-1}; do
         timeout 90 ncu --clock-control none --kernel-name regex:"nvfp4_(h2|mma)" --launch-skip 3 --launch-count 1 \
