@@ -8,6 +8,8 @@
 #   anatomy   bench/gemv_anatomy.py (where a T=1 NVFP4 GEMV's time goes; pinned vs unpinned loads)
 #   floor     bench/step_floor.py: the 27B step's weight reads as pure streaming reads, one launch per GEMV (the
 #             floor of a kernel-per-op step), then each GEMV shape alone (step_floor.json, step_floor.txt)
+#   pattern   bench/read_pattern.py: the T = 1 GEMV's weight walk without the decode, chunk-major against
+#             row-blocked planes, and a plain read (read_pattern.json, read_pattern.txt)
 #   xpre      bench/xpre.py: the NVFP4 h2 / MMA GEMVs on prepared activations vs the production ones
 #   ncu       Nsight Compute (clocks left alone) on one NVFP4 GEMV launch per shape of $NCU_SHAPES (default
 #             attn_qkv mlp_gate_up) and T of $NCU_TS (default 1; bench/ncu_gemv.py): speed of light, scheduler, warp
@@ -32,7 +34,7 @@
 #             an earlier commit's packages; carry .ab) runs with that folder first on PYTHONPATH
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
-# Env: ANATOMY_S, FLOOR_S, XPRE_S, XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
+# Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
 # and PARTS (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS, KTS, KTP and KSHAPES (space lists: kernels'
 # formats, T values and TP degrees), KCHECK=0 (kernels without --check: its probes compile T = 8/16/64 variants
 # in-process, ~30 s per format).
@@ -134,6 +136,9 @@ for step in "$@"; do
     floor)
       timeout ${FLOOR_S:-120} python3 bench/step_floor.py --out "$OUT/step_floor.json" > "$OUT/step_floor.txt" 2>&1
       echo "floor rc=$?"; tail -20 "$OUT/step_floor.txt" ;;
+    pattern)
+      timeout ${PATTERN_S:-150} python3 bench/read_pattern.py --out "$OUT/read_pattern.json" > "$OUT/read_pattern.txt" 2>&1
+      echo "pattern rc=$?"; tail -50 "$OUT/read_pattern.txt" ;;
     ncu)
       for s in ${NCU_SHAPES:-attn_qkv mlp_gate_up}; do for t in ${NCU_TS:-1}; do
         timeout 90 ncu --clock-control none --kernel-name regex:"nvfp4_(h2|mma)" --launch-skip 3 --launch-count 1 \

@@ -45,3 +45,36 @@ def test_read_kernel_reads_every_vector_once(n_vec, sms, wait):
         want = np.bitwise_xor.reduce(part.reshape(-1, step_floor.BLOCK, 2), axis=0).sum()
         assert out[p].item() == np.float32(want), p
     assert torch.isnan(out[grid[0]])
+
+
+@pytest.mark.parametrize("n,k,bn,split,unroll", [(256, 640, 64, 2, 2), (384, 512, 128, 1, 1), (128, 1152, 32, 4, 2)],
+                         ids=["256x640-n64-s2-u2", "384x512-n128-u1", "128x1152-n32-s4-u2"])
+def test_read_pattern_walks_the_same_words_in_both_layouts(n, k, bn, split, unroll, monkeypatch):
+    """bench/read_pattern.py: each CTA reads its rows' chunks once, whether the planes are chunk-major or
+    row-blocked (the same logical words, laid out two ways)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the walk kernel runs on the interpreter here (GPU: bench/read_pattern.py itself)")
+    import read_pattern as rp
+    C, rb = k // 128, min(rp.RB, n)
+    rng = np.random.default_rng(n + k)
+    codes = rng.integers(0, 1 << 20, size=(n, C, 8), dtype=np.int64)          # logical [row, chunk, word]
+    scales = rng.integers(0, 256, size=(n, C, 8), dtype=np.uint8)
+    lay = {"chunk": lambda a: a.transpose(1, 0, 2),
+           "blocked": lambda a: a.reshape(n // rb, rb, C, 8).transpose(0, 2, 1, 3)}
+    c_per = -(-C // split)
+    nb, ns = -(-n // bn), -(-C // c_per)
+    want = np.zeros(nb * ns, np.float32)
+    for b in range(nb):
+        for s in range(ns):
+            part = codes[b * bn:(b + 1) * bn, s * c_per:(s + 1) * c_per] ^ scales[b * bn:(b + 1) * bn,
+                                                                                 s * c_per:(s + 1) * c_per]
+            want[b * ns + s] = np.float32(np.bitwise_xor.reduce(part, axis=1).sum())
+    monkeypatch.setattr(rp, "RB", rb)
+    for layout, f in lay.items():
+        out = torch.zeros(nb * ns + 1)
+        out[-1] = float("nan")
+        c_t = torch.from_numpy(np.ascontiguousarray(f(codes)).reshape(-1))
+        s_t = torch.from_numpy(np.ascontiguousarray(f(scales)).reshape(-1))
+        rp.walk_launcher(c_t, s_t, out, n, k, layout, bn, split, unroll)()
+        assert np.array_equal(out[:-1].numpy(), want), layout
+        assert torch.isnan(out[-1])
