@@ -34,7 +34,7 @@
 #             an earlier commit's packages; carry .ab) runs with that folder first on PYTHONPATH
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
-# Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
+# Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_TS and XPRE_EXTRA (xpre.py --T / --extra), XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
 # and PARTS (comma lists), SERVE_C, ANATOMY_SHAPES, ANATOMY_CONFIGS, KFORMATS, KTS, KTP and KSHAPES (space lists: kernels'
 # formats, T values and TP degrees), KCHECK=0 (kernels without --check: its probes compile T = 8/16/64 variants
 # in-process, ~30 s per format).
@@ -150,8 +150,9 @@ for step in "$@"; do
       done; done ;;
     xpre)
       timeout ${XPRE_S:-240} python3 bench/xpre.py --out "$OUT/xpre.json" ${XPRE_SHAPES:+--shapes $XPRE_SHAPES} \
+        ${XPRE_TS:+--T $XPRE_TS} ${XPRE_EXTRA:+--extra $XPRE_EXTRA} \
         > "$OUT/xpre_table.txt" 2> "$OUT/xpre_log.txt"
-      echo "xpre rc=$?"; cat "$OUT/xpre_table.txt"; tail -3 "$OUT/xpre_log.txt" ;;
+      echo "xpre rc=$?"; cat "$OUT/xpre_table.txt"; grep prepared "$OUT/xpre_log.txt"; tail -3 "$OUT/xpre_log.txt" ;;
     kernels)
       timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp ${KTP:-1 2} $([ -n "${KSHAPES:-}" ] && echo --shapes $KSHAPES) \
         --T ${KTS:-1 2 4 8} --merge $([ "${KXPRE:-0}" = 1 ] && echo --xpre) --runoff ${KRUNOFF:-3} \

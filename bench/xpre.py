@@ -13,7 +13,7 @@ Timing as bench/kernels.py: calls over rotating weight copies (>= 240 MB) captur
     python bench/xpre.py --smoke      # CPU + Triton interpreter, one tiny shape: exercises this script only
 
 Records: {"format", "name", "tp", "shape", "T", "config", "us", "us_xpre", "us_xpre_best", "config_xpre_best",
-"us_prep", "pct_copy_bw", "pct_copy_bw_xpre", "copy_tbps", "gpu"}.
+"us_prep", "tried" ([config, us] of every prepared tile timed), "pct_copy_bw", "pct_copy_bw_xpre", "copy_tbps", "gpu"}.
 """
 from __future__ import annotations
 
@@ -98,7 +98,30 @@ def neighbours(cfg) -> list:
     return out
 
 
-def measure(name: str, tp: int, N: int, K: int, ts, copy: float, gpu: str) -> list[dict]:
+def extra_configs(text: str, T: int) -> list:
+    """--extra "bn:bg:warps:split,..." as packed-half2 GemvConfigs (T <= 2, where the h2 loop runs)."""
+    from ninfer_kernels.gemv_launch import GemvConfig
+    if not text or T > 2:
+        return []
+    out = []
+    for item in text.split(","):
+        bn, bg, w, sp = (int(v) for v in item.split(":"))
+        out.append(GemvConfig(bn, bg, w, 1, sp, h2=True))
+    return out
+
+
+def parse_extra(text: str) -> str:
+    """argparse type of --extra: the text itself once every item reads as four positive integers."""
+    try:
+        ok = all(len(i.split(":")) == 4 and min(int(v) for v in i.split(":")) > 0 for i in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bn:bg:warps:split[,...], e.g. 32:16:4:1")
+    return text
+
+
+def measure(name: str, tp: int, N: int, K: int, ts, copy: float, gpu: str, extra: str = "") -> list[dict]:
     from ninfer_kernels import randweights
     from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, gemv_nvfp4_prepared, repack_nvfp4
     from ninfer_kernels.x16 import x16_prep
@@ -119,7 +142,7 @@ def measure(name: str, tp: int, N: int, K: int, ts, copy: float, gpu: str) -> li
         xp = x16_prep(x)
         us = graph_us([lambda w=w: gemv_nvfp4(x, w["planes"], w["gscale"], out, config=cfg) for w in ws])
         tried = []
-        for c in neighbours(cfg):
+        for c in neighbours(cfg) + [c for c in extra_configs(extra, T) if c not in neighbours(cfg)]:
             try:
                 tried.append((graph_us([lambda w=w, c=c: gemv_nvfp4_prepared(xp, w["planes"], w["gscale"], out,
                                                                              config=c) for w in ws]), c))
@@ -128,10 +151,13 @@ def measure(name: str, tp: int, N: int, K: int, ts, copy: float, gpu: str) -> li
         if not tried or tried[0][1] != cfg:
             continue
         best = min(tried, key=lambda t: t[0])
+        for t, c in tried:
+            log(f"{name} T={T} prepared {t:8.2f} us  {c}")
         us_prep = graph_us([lambda: x16_prep(x, xp)])
         rec = {"format": "nvfp4", "name": name, "tp": tp, "shape": [N, K], "T": T, "config": str(cfg),
                "us": round(us, 2), "us_xpre": round(tried[0][0], 2), "us_xpre_best": round(best[0], 2),
                "config_xpre_best": str(best[1]), "us_prep": round(us_prep, 2),
+               "tried": [[str(c), round(t, 2)] for t, c in tried],
                "pct_copy_bw": round(100 * nbytes / (us * 1e-6) / (copy * 1e12), 1),
                "pct_copy_bw_xpre": round(100 * nbytes / (best[0] * 1e-6) / (copy * 1e12), 1),
                "copy_tbps": round(copy, 3), "gpu": gpu}
@@ -155,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--out", default="")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--extra", type=parse_extra, default="",
+                    help="more packed-half2 tiles to time at T <= 2, bn:bg:warps:split[,...]")
     args = ap.parse_args(argv)
     if not SMOKE and not torch.cuda.is_available():
         print("error: bench/xpre.py needs a CUDA device (or --smoke)", file=sys.stderr)
@@ -168,7 +196,7 @@ def main(argv=None) -> int:
     recs = []
     for s in shapes:
         tp, N, K = SHAPES[s]
-        recs += measure(s, tp, N, K, args.T, copy, gpu)
+        recs += measure(s, tp, N, K, args.T, copy, gpu, args.extra)
         if args.out:                      # after every shape: a timeout keeps what was measured
             write_json_atomic(args.out, recs)
     print(f"copy {copy:.2f} TB/s, {gpu}")
