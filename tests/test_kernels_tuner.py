@@ -246,6 +246,18 @@ def test_h2_candidates_follow_the_switch(monkeypatch):
     assert not any(c.h2 for c in gl.candidates(1, 5120, 320, 16, torch.bfloat16, cuda, h2=True))
 
 
+def test_h2_candidates_reach_several_waves(monkeypatch):
+    """T <= 2: the first two h2 tiles also get the split that gives ~16 CTAs per SM, which for the 34816-row gate/up
+    at 128 rows (272 row blocks, 4 CTAs of that tile fit an SM) is 8 (bench/NOTES.md §32: 7-8 won, 1-4 were tried)."""
+    cuda = as_h200(monkeypatch)
+    monkeypatch.setitem(gl.H2_STATE, "off", False)
+    splits = {c.split for c in gl.candidates(1, 34816, 320, 16, torch.bfloat16, cuda, h2=True)
+              if c.h2 and c.block_n == 128 and c.num_stages == 1 and c.num_warps == 4}
+    assert {1, 2, 3, 4, 8} <= splits
+    t4 = {c.split for c in gl.candidates(4, 34816, 320, 16, torch.bfloat16, cuda, h2=True) if c.h2}
+    assert 8 not in t4                                             # verify-size tiles keep their one split
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times a real launch: needs CUDA")
 def test_time_ms_graph_and_eager_agree_on_order():
     """The graph timer (flush graph subtracted) ranks a 4x larger copy as slower, like the eager timer, and
@@ -289,11 +301,12 @@ def test_candidates_few_rows_get_a_wide_split(monkeypatch):
 
 def test_candidates_h2_include_one_wave_splits(monkeypatch):
     """T <= 2: the first h2 tiles also get the largest splits whose CTAs all fit one wave at 4 or 8 per SM
-    (attn_qkv: 112 row blocks of 128 rows -> 4 and 9 splits, besides auto_split's 5, 3 and 10)."""
+    (attn_qkv: 112 row blocks of 128 rows -> 4 and 9 splits, besides auto_split's 5, 3, 10 and, for ~16 CTAs per
+    SM, its cap of 16)."""
     dev = as_h200(monkeypatch)
     n128 = {c.split for c in gl.candidates(1, 14336, 320, 16, torch.bfloat16, dev, h2=True)
             if c.h2 and c.block_n == 128 and c.num_stages == 1}
-    assert n128 == {3, 4, 5, 9, 10}
+    assert n128 == {3, 4, 5, 9, 10, 16}
     assert gl.fill_splits(112, 320, 132) == {4, 9} and gl.fill_splits(2000, 320, 132) == {1}
     t4 = [c for c in gl.candidates(4, 14336, 320, 16, torch.bfloat16, dev, h2=True) if c.h2]
     assert t4 and all(c.split == gl.auto_split(-(-14336 // c.block_n), 320 // c.block_g, 132) for c in t4)
