@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from step_floor import COPY_MB, graph_us, read_kernel, read_plan  # noqa: E402
 

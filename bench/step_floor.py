@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from ninfer_formats.constants import FORMATS  # noqa: E402
 from ninfer_kernels.gemv_timing import replay_ms  # noqa: E402
