@@ -111,7 +111,10 @@ def extra_configs(text: str, T: int) -> list:
 
 
 def parse_extra(text: str) -> str:
-    """argparse type of --extra: the text itself once every item reads as four positive integers."""
+    """argparse type of --extra: the text itself once every item reads as four positive integers ("" is none;
+    argparse passes the default through here too)."""
+    if not text:
+        return text
     try:
         ok = all(len(i.split(":")) == 4 and min(int(v) for v in i.split(":")) > 0 for i in text.split(","))
     except ValueError:

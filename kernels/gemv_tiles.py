@@ -91,8 +91,8 @@ def candidates(T: int, N: int, G: int, GS: int, x_dtype, device: torch.device, h
            for bn, bg, w, st in _DECODE_TILES[b]]
     if h2 and not H2_STATE["off"] and x_dtype != torch.float32:   # fp32 activations keep fp32 products
         # T <= 2: with 1-3 resident CTAs per SM the default's ~4 CTAs per SM can leave a partial last wave; and
-        # ~16 per SM (several waves of the 128-row tile): the 34816-row gate/up ran 5.4 % faster split 7-8 ways
-        # than at the 1-4 splits the others give, and the decode step 120 us faster (bench/NOTES.md §32)
+        # ~16 per SM (several waves of the 128-row tile): the 34816-row gate/up ran 5 % faster split 7-8 ways than
+        # the unsplit 64-row tile (the others gave it 1-4 splits), and the decode step ~120 us faster (NOTES §32)
         for i, (bn, bg, w, st) in enumerate((h2_tiles or _DECODE_H2_TILES)[b]):
             n, g = triton.cdiv(N, bn), triton.cdiv(G, bg)
             splits = [auto_split(n, g, sms, wv) for wv in ((4, 2, 8, 16) if b <= 2 and i < 2 else (4,))]
