@@ -17,7 +17,6 @@ Records to --out: {"name", "shape", "layout", "block_n", "split", "unroll", "us"
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,6 +26,8 @@ import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import bench_device as D  # noqa: E402  (bench/: the script's folder, or a test's path)
+from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 from step_floor import COPY_MB, graph_us, read_kernel, read_plan  # noqa: E402
 
 RB = 128                     # the row block of the blocked layout
@@ -107,18 +108,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: bench/read_pattern.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from bench_device import copy_tbps, device_name
     dev = torch.device("cuda")
-    copy, gpu = copy_tbps(dev, COPY_MB), device_name(dev)
+    copy, gpu = D.copy_tbps(dev, COPY_MB), D.device_name(dev)
     print(f"{gpu}: copy {copy:.2f} TB/s (read + write)")
     recs = []
     for s in a.shapes:
         recs += measure(s, *SHAPES[s], copy, gpu)
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out + ".partial", "w") as f:
-        json.dump(recs, f, indent=1)
-    os.replace(a.out + ".partial", a.out)
+    write_json_atomic(a.out, recs)
     return 0
 
 

@@ -21,7 +21,6 @@ Table on stdout; records to --out: {"kind": "step_floor", "mode", "launches", "b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -32,8 +31,9 @@ import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import bench_device as D  # noqa: E402  (bench/: the script's folder, or a test's path)
+from ninfer_formats.atomic import write_json_atomic  # noqa: E402
 from ninfer_formats.constants import FORMATS  # noqa: E402
-from ninfer_kernels.gemv_timing import replay_ms  # noqa: E402
 from ninfer_kernels.pdl import pdl_trigger, pdl_wait  # noqa: E402
 
 # tensor name suffix -> the runtime launch that reads it (the runtime fuses q/k/v, qkv/z and gate/up)
@@ -110,18 +110,10 @@ def _launcher(buf: torch.Tensor, out: torch.Tensor, off: int, nbytes: int, mode:
                                      WAIT=wait, num_warps=8, **kw)
 
 
-def graph_us(fns, reps: int = 10) -> float:
-    """us of one replay of a CUDA graph of `fns` in order (median of `reps`), after an eager warm-up."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for f in fns:
-            f()
-    return replay_ms(g, reps) * 1e3
+def graph_us(fns) -> float:
+    """us of `fns` run once in order: `bench_device.graph_us` captures max(20, len) calls of them in turn in one CUDA
+    graph and gives the median replay's us per call."""
+    return D.graph_us(fns, lambda fn: triton.testing.do_bench(fn, warmup=3, rep=60, return_mode="median")) * len(fns)
 
 
 def _aligned(nbytes: int) -> int:
@@ -168,16 +160,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         print("error: bench/step_floor.py needs a CUDA GPU of capability 9.0+ (PDL)", file=sys.stderr)
         return 2
-    from bench_device import copy_tbps, device_name
     dev = torch.device("cuda")
-    copy = copy_tbps(dev, COPY_MB)
-    gpu = device_name(dev)
+    copy, gpu = D.copy_tbps(dev, COPY_MB), D.device_name(dev)
     print(f"{gpu}: copy {copy:.2f} TB/s (read + write)")
-    recs = [dict(r, recipe=a.recipe) for r in measure(step_launches(a.recipe), copy, gpu)]
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out + ".partial", "w") as f:
-        json.dump(recs, f, indent=1)
-    os.replace(a.out + ".partial", a.out)
+    write_json_atomic(a.out, [dict(r, recipe=a.recipe) for r in measure(step_launches(a.recipe), copy, gpu)])
     return 0
 
 
