@@ -77,12 +77,12 @@ def measure(name: str, N: int, K: int, grids, copy: float, gpu: str) -> list[dic
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     recs = []
 
-    def rec(layout, bn, split, unroll, fns):
+    def rec(layout, bn, split, unroll, fns, byts=nbytes):
         us = graph_us(fns) / len(fns)
-        pct = 100 * nbytes / (us * 1e-6) / (copy * 1e12)
+        pct = 100 * byts / (us * 1e-6) / (copy * 1e12)
         recs.append({"name": name, "shape": [N, K], "layout": layout, "block_n": bn, "split": split,
                      "unroll": unroll, "us": round(us, 2), "pct_copy_bw": round(pct, 1), "copy_tbps": round(copy, 3),
-                     "gpu": gpu})
+                     "gpu": gpu, **({} if byts == nbytes else {"bytes_read": byts})})
         print(f"{name:12} {layout:8} n{bn:<4} split{split:<3} unroll{unroll} {us:8.2f} us {pct:5.1f} %", flush=True)
     for bn, split in grids:
         for unroll in (1, 2):
@@ -94,9 +94,7 @@ def measure(name: str, N: int, K: int, grids, copy: float, gpu: str) -> list[dic
     per, grid = read_plan(n_vec, sms)
     rec("read", 0, 0, 0, [lambda f=flat[i % copies]: read_kernel[grid](f, out, n_vec, per, BLOCK=256, UNROLL=4,
                                                                          PDL=0, LATE=0, WAIT=0, num_warps=8)
-                          for i in range(LAUNCHES)])
-    recs[-1]["bytes_read"] = C * N * 64      # codes only: its pct is of those bytes
-    recs[-1]["pct_copy_bw"] = round(100 * C * N * 64 / (recs[-1]["us"] * 1e-6) / (copy * 1e12), 1)
+                          for i in range(LAUNCHES)], byts=C * N * 64)       # codes only: its pct is of those bytes
     return recs
 
 

@@ -132,9 +132,9 @@ def measure(launches, copy: float, gpu: str) -> list[dict]:
     recs = []
 
     def rec(kind, name, n, byts, us):
-        r = {"kind": kind, "name": name, "launches": n, "bytes": byts, "us": round(us, 2),
-             "pct_copy_bw": round(100 * byts / (us * 1e-6) / (copy * 1e12), 1), "copy_tbps": round(copy, 3),
-             "gpu": gpu}
+        r = {"kind": kind, "name": name, **({"mode": name} if kind == "step_floor" else {}), "launches": n,
+             "bytes": byts, "us": round(us, 2), "pct_copy_bw": round(100 * byts / (us * 1e-6) / (copy * 1e12), 1),
+             "copy_tbps": round(copy, 3), "gpu": gpu}
         print(f"{kind:10} {name:12} {n:4d} launches {byts / 1e6:9.1f} MB {us:9.1f} us {r['pct_copy_bw']:5.1f} %",
               flush=True)
         recs.append(r)
@@ -142,8 +142,6 @@ def measure(launches, copy: float, gpu: str) -> list[dict]:
     for mode in MODES:
         fns = [_launcher(buf, out, o, b, mode, sms) for o, (_, b) in zip(offs, launches)]
         rec("step_floor", mode, len(fns), nbytes, graph_us(fns))
-    recs[-len(MODES):] = [dict(r, mode=r["name"]) for r in recs[-len(MODES):]]
-    recs[0]["mode"] = "one"
     for name in dict.fromkeys(n for n, _ in launches):
         b = next(b for n, b in launches if n == name)
         span = max(1, min(SHAPE_LAUNCHES, total // _aligned(b)))    # rotating slices, >> L2 in all

@@ -98,34 +98,22 @@ def neighbours(cfg) -> list:
     return out
 
 
-def extra_configs(text: str, T: int) -> list:
-    """--extra "bn:bg:warps:split,..." as packed-half2 GemvConfigs (T <= 2, where the h2 loop runs)."""
-    from ninfer_kernels.gemv_launch import GemvConfig
-    if not text or T > 2:
-        return []
-    out = []
-    for item in text.split(","):
-        bn, bg, w, sp = (int(v) for v in item.split(":"))
-        out.append(GemvConfig(bn, bg, w, 1, sp, h2=True))
-    return out
-
-
-def parse_extra(text: str) -> str:
-    """argparse type of --extra: the text itself once every item reads as four positive integers ("" is none;
-    argparse passes the default through here too)."""
-    if not text:
-        return text
+def parse_extra(text: str) -> tuple:
+    """argparse type of --extra "bn:bg:warps:split,...": ((bn, bg, warps, split), ...) of positive integers ("" is
+    none; argparse passes the default through here too)."""
     try:
-        ok = all(len(i.split(":")) == 4 and min(int(v) for v in i.split(":")) > 0 for i in text.split(","))
+        tiles = tuple(tuple(int(v) for v in item.split(":")) for item in text.split(",")) if text else ()
+        ok = all(len(t) == 4 and min(t) > 0 for t in tiles)
     except ValueError:
         ok = False
     if not ok:
         raise argparse.ArgumentTypeError(f"{text!r}: expected bn:bg:warps:split[,...], e.g. 32:16:4:1")
-    return text
+    return tiles
 
 
-def measure(name: str, tp: int, N: int, K: int, ts, copy: float, gpu: str, extra: str = "") -> list[dict]:
+def measure(name: str, tp: int, N: int, K: int, ts, copy: float, gpu: str, extra: tuple = ()) -> list[dict]:
     from ninfer_kernels import randweights
+    from ninfer_kernels.gemv_launch import GemvConfig
     from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4, gemv_nvfp4_prepared, repack_nvfp4
     from ninfer_kernels.x16 import x16_prep
     nbytes = N * K // 2 + N * K // 16
@@ -145,7 +133,10 @@ def measure(name: str, tp: int, N: int, K: int, ts, copy: float, gpu: str, extra
         xp = x16_prep(x)
         us = graph_us([lambda w=w: gemv_nvfp4(x, w["planes"], w["gscale"], out, config=cfg) for w in ws])
         tried = []
-        for c in neighbours(cfg) + [c for c in extra_configs(extra, T) if c not in neighbours(cfg)]:
+        near = neighbours(cfg)
+        # --extra: packed-half2 tiles, timed at T <= 2 where the h2 loop runs
+        more = [GemvConfig(bn, bg, w, 1, sp, h2=True) for bn, bg, w, sp in extra] if T <= 2 else []
+        for c in near + [c for c in more if c not in near]:
             try:
                 tried.append((graph_us([lambda w=w, c=c: gemv_nvfp4_prepared(xp, w["planes"], w["gscale"], out,
                                                                              config=c) for w in ws]), c))
@@ -184,7 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--out", default="")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--extra", type=parse_extra, default="",
+    ap.add_argument("--extra", type=parse_extra, default=(),
                     help="more packed-half2 tiles to time at T <= 2, bn:bg:warps:split[,...]")
     args = ap.parse_args(argv)
     if not SMOKE and not torch.cuda.is_available():
