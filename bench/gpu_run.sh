@@ -27,8 +27,9 @@
 #             written as decode_recipes.json; nothing kept
 #   decodex   the same with NINFER_XPRE=${DECODEX_XPRE:-0} (the comparison run: prepared activations are on by default
 #             on sm_80+), written as decode_xpre.json
-#   sweep     bench/decode.py --parts ${SWEEP_PARTS:-decode} at 1K once per value of $SWEEP_VALUES (space list) of the
-#             environment variable $SWEEP_VAR, in that order, on one kept artifact: records tagged "sweep": "VAR=v"
+#   sweep     bench/decode.py --recipes ${SWEEP_RECIPE:-nvfp4} --parts ${SWEEP_PARTS:-decode} at 1K once per value of
+#             $SWEEP_VALUES (space list) of the environment variable $SWEEP_VAR, in that order, on one kept
+#             artifact: records tagged "sweep": "VAR=v"
 #             in sweep.json, tables in sweep_table.txt (repeat a value to see the machine's drift); $SWEEP_ARGS: more
 #             decode.py arguments (e.g. "--max-draft 3"); a value that names a folder .ab/<value> (bench/ab_tree.sh:
 #             an earlier commit's packages; carry .ab) runs with that folder first on PYTHONPATH
@@ -92,7 +93,7 @@ run_sweep() {
     rm -f "/tmp/sweep_$i.json"   # a warm machine keeps an earlier call's file: a failed run must not merge it
     local pp=$PYTHONPATH
     [ -d ".ab/$v" ] && pp="$PWD/.ab/$v:$PYTHONPATH"   # bench/ab_tree.sh: an earlier commit's packages first
-    env PYTHONPATH="$pp" "${SWEEP_VAR}=$v" timeout $l python3 bench/decode.py --recipes nvfp4 --parts ${SWEEP_PARTS:-decode} \
+    env PYTHONPATH="$pp" "${SWEEP_VAR}=$v" timeout $l python3 bench/decode.py --recipes ${SWEEP_RECIPE:-nvfp4} --parts ${SWEEP_PARTS:-decode} \
       --contexts 1024 --steps 64 ${SWEEP_ARGS:-} --keep --dir /dev/shm/ninfer-run --budget-s $(( l - 10 )) \
       --out "/tmp/sweep_$i.json" >> "$OUT/sweep_table.txt" 2> "/tmp/sweep_log_$i.txt"
     local rc=$?
