@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .ops_common import KernelInputError, dot_precision, num_sms, pow2
-from .pdl import pdl_kw, pdl_trigger, pdl_wait
+from .pdl import pdl_enter, pdl_kw, pdl_trigger, pdl_wait
 from .x16 import CHUNK, check_prepared_out, prepared_out_args, store_prepared
 
 BLOCK_N = 32              # keys per inner step (tensor-core tiles; split lengths are multiples of it)
@@ -44,14 +44,9 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
                     Hk, G, n_mblocks, min_split, scale_log2, D,
                     PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr = 0,
-                    PDL: tl.constexpr = 0, D_CHUNK: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
-    # D_CHUNK (0 = BLOCK_D): head-dim columns per tl.dot (`d_chunk`: narrower where tl.dot runs on FMAs).
-    # PRELOAD (ninfer_kernels.pdl, NINFER_PDL_STATE): the step metadata, the first tile's block-table pages and its
-    # cached K / V rows of earlier tokens (keys below L - T) are loaded before the PDL wait; the rows of this
-    # step's tokens (written by the rope kernel in front) and q after it.
-    pdl_trigger(PDL)
-    if not PRELOAD:
-        pdl_wait(PDL)   # ninfer_kernels.pdl: before any load or store
+                    PDL: tl.constexpr = 0, D_CHUNK: tl.constexpr = 0):
+    # D_CHUNK (0 = BLOCK_D): head-dim columns per tl.dot (`d_chunk`: narrower where tl.dot runs on FMAs)
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mb = pid % n_mblocks
@@ -71,6 +66,10 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
         tl.static_assert(NC * DC == BLOCK_D)
         d = tl.arange(0, DC)
         tok = (q0 + t).to(tl.int64)
+        qs = ()
+        for c in tl.static_range(NC):
+            qs = qs + (tl.load(q_ptr + (tok * sq_t + head * sq_h)[:, None] + (c * DC + d)[None, :],
+                               mask=row_ok[:, None] & (c * DC + d < D)[None, :], other=0.0),)
         t_last = tl.minimum(T - 1, (mb * BLOCK_M + BLOCK_M - 1) // G)
         keys = L - T + t_last + 1                 # keys the block's last row sees (>= 1)
         if SPLIT:
@@ -81,39 +80,38 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
         else:
             lo = 0
             hi = keys
-        bt_row = bt_ptr + b.to(tl.int64) * bt_stride
-        if PRELOAD:
-            n0 = lo + tl.arange(0, BLOCK_N)
-            n0_ok = n0 < hi
-            slot0 = _slots(bt_row, n0, n0_ok, PAGE)
-            old = n0_ok & (n0 < L - T)            # written by earlier steps: complete before this CTA exists
-            ks0 = _tile(k_ptr, slot0, kvh, sk_s, sk_h, old, d, D, DC, NC)
-            vs0 = _tile(v_ptr, slot0, kvh, sv_s, sv_h, old, d, D, DC, NC)
-            pdl_wait(PDL)
-            new = n0_ok & (n0 >= L - T)
-            ks0 = _merge(ks0, _tile(k_ptr, slot0, kvh, sk_s, sk_h, new, d, D, DC, NC), new, NC)
-            vs0 = _merge(vs0, _tile(v_ptr, slot0, kvh, sv_s, sv_h, new, d, D, DC, NC), new, NC)
-        qs = ()
-        for c in tl.static_range(NC):
-            qs = qs + (tl.load(q_ptr + (tok * sq_t + head * sq_h)[:, None] + (c * DC + d)[None, :],
-                               mask=row_ok[:, None] & (c * DC + d < D)[None, :], other=0.0),)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         accs = ()
         for c in tl.static_range(NC):
             accs = accs + (tl.zeros([BLOCK_M, DC], tl.float32),)
-        first = lo
-        if PRELOAD:
-            p, alpha, m_i, l_i = _scores(qs, ks0, n0, n0_ok, qpos, m_i, l_i, scale_log2, PREC, NC)
-            accs = _accumulate(accs, alpha, p, vs0, PREC, NC)
-            first = lo + BLOCK_N
-        for start in range(first, hi, BLOCK_N):
+        bt_row = bt_ptr + b.to(tl.int64) * bt_stride
+        for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
-            slot = _slots(bt_row, n, n_ok, PAGE)
-            ks = _tile(k_ptr, slot, kvh, sk_s, sk_h, n_ok, d, D, DC, NC)
-            p, alpha, m_i, l_i = _scores(qs, ks, n, n_ok, qpos, m_i, l_i, scale_log2, PREC, NC)
-            accs = _accumulate(accs, alpha, p, _tile(v_ptr, slot, kvh, sv_s, sv_h, n_ok, d, D, DC, NC), PREC, NC)
+            page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            slot = page * PAGE + n % PAGE
+            for c in tl.static_range(NC):
+                k = tl.load(k_ptr + (slot * sk_s + kvh * sk_h)[:, None] + (c * DC + d)[None, :],
+                            mask=n_ok[:, None] & (c * DC + d < D)[None, :], other=0.0)
+                if c == 0:
+                    s = tl.dot(qs[0], tl.trans(k), input_precision=PREC)
+                else:
+                    s += tl.dot(qs[c], tl.trans(k), input_precision=PREC)
+            s = s * scale_log2
+            s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # rows with no visible key yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            new = ()
+            for c in tl.static_range(NC):
+                v = tl.load(v_ptr + (slot * sv_s + kvh * sv_h)[:, None] + (c * DC + d)[None, :],
+                            mask=n_ok[:, None] & (c * DC + d < D)[None, :], other=0.0)
+                new = new + (accs[c] * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC),)
+            accs = new
+            m_i = m_new
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         if SPLIT:
@@ -132,58 +130,6 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, cu_ptr, kvlen_
                 if GATE:
                     y = _gated(y, g_ptr + (tok * sg_t + head * sg_h)[:, None] + (c * DC + d)[None, :], omask)
                 tl.store(o_ptr + (tok * so_t + head * so_h)[:, None] + (c * DC + d)[None, :], y, mask=omask)
-    elif PRELOAD:
-        pdl_wait(PDL)   # every CTA waits (pdl.py): completion stays transitive down the chain
-
-
-@triton.jit
-def _slots(bt_row, n, n_ok, PAGE: tl.constexpr):
-    """The flat cache slots of keys n (through the sequence's block-table row)."""
-    page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-    return page * PAGE + n % PAGE
-
-
-@triton.jit
-def _tile(ptr, slot, kvh, s_s, s_h, n_ok, d, D, DC: tl.constexpr, NC: tl.constexpr):
-    """The NC head-dim chunks [BLOCK_N, DC] of one K or V tile (rows outside n_ok: 0)."""
-    out = ()
-    for c in tl.static_range(NC):
-        out = out + (tl.load(ptr + (slot * s_s + kvh * s_h)[:, None] + (c * DC + d)[None, :],
-                             mask=n_ok[:, None] & (c * DC + d < D)[None, :], other=0.0),)
-    return out
-
-
-@triton.jit
-def _merge(a, b, take_b, NC: tl.constexpr):
-    """Chunk-wise where(take_b, b, a) over two tiles from `_tile`."""
-    out = ()
-    for c in tl.static_range(NC):
-        out = out + (tl.where(take_b[:, None], b[c], a[c]),)
-    return out
-
-
-@triton.jit
-def _scores(qs, ks, n, n_ok, qpos, m_i, l_i, scale_log2, PREC: tl.constexpr, NC: tl.constexpr):
-    """One key tile's causal scores into the online softmax: -> (p, alpha, the new maximum, the new sum)."""
-    s = tl.dot(qs[0], tl.trans(ks[0]), input_precision=PREC)
-    for c in tl.static_range(1, NC):
-        s += tl.dot(qs[c], tl.trans(ks[c]), input_precision=PREC)
-    s = s * scale_log2
-    s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # rows with no visible key yet
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
-def _accumulate(accs, alpha, p, vs, PREC: tl.constexpr, NC: tl.constexpr):
-    """accs * alpha + p @ V, chunk by chunk."""
-    new = ()
-    for c in tl.static_range(NC):
-        new = new + (accs[c] * alpha[:, None] + tl.dot(p.to(vs[c].dtype), vs[c], input_precision=PREC),)
-    return new
 
 
 @triton.jit
@@ -347,7 +293,7 @@ def _run(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scal
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), sg[0], sg[1], total, hk, g, n_mblocks,
         min_split, float(scale) * LOG2E, d, PAGE=page_size, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, SPLIT=splits > 1, PREC=dot_precision(q.dtype), GATE=gate is not None,
-        D_CHUNK=min(tiles.d_chunk, block_d), num_warps=tiles.num_warps(block_m, block_d), **pdl_kw(q.device, state=True))
+        D_CHUNK=min(tiles.d_chunk, block_d), num_warps=tiles.num_warps(block_m, block_d), **pdl_kw(q.device))
     if splits == 1:
         return out, None
     xp = xp if d % CHUNK == 0 else None

@@ -35,10 +35,7 @@ Protocol, for every kernel with a `PDL` constexpr (0 = off; `pdl_kw` decides):
     such write has completed before the CTA exists. What still depends on the kernel in front (the projections,
     the conv output, the gates) is loaded after the wait. On the H200: decode 6.004 -> 5.935 / 5.942 ms, verify
     K = 3 -30 us (bench/NOTES.md §29). Whichever of the two kernels is behind the GDN gates' join (a plain graph
-    edge, `ninfer_rt.backends.side_stream`) is not placed early and gains nothing from it. The same switch covers
-    the attention layer's rope with its cache store (its slots, positions and gains loaded, and its cos / sin
-    computed, before the wait) and `attn_fwd` (the metadata, the first key tile's block-table pages and the K / V rows of the tokens of
-    earlier steps, keys below L - T, before it; the keys the rope in front writes this step after it).
+    edge, `ninfer_rt.backends.side_stream`) is not placed early and gains nothing from it.
 Kernels launched without the attribute (torch's, NCCL's) start after the kernel in front completes, as always, and
 never trigger early, so a PDL kernel behind them starts as it would without PDL.
 """

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .kv_write import check_store
 from .ops_common import KernelInputError, pow2
-from .pdl import pdl_kw, pdl_trigger, pdl_wait
+from .pdl import pdl_enter, pdl_kw
 
 HEADS_PER_PROGRAM = 4
 _INV_FREQ: dict = {}
@@ -33,14 +33,9 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, pos_row, sec1, sec2, D, eps,
                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
                 BLOCK_H: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_D: tl.constexpr = 16,
-                PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
-    """STORE: ko_ptr is the K cache [slots, Hk, D], vc_ptr the V cache, k head rows go to slot_ptr[t].
-    PRELOAD (ninfer_kernels.pdl, NINFER_PDL_STATE; asked with STORE, the decode path's variant): the slots,
-    positions, frequencies and gains (host copies and weights) are loaded, and cos / sin computed, before the PDL
-    wait; the heads and v after it."""
-    pdl_trigger(PDL)
-    if not PRELOAD:
-        pdl_wait(PDL)   # ninfer_kernels.pdl: before any load or store
+                PDL: tl.constexpr = 0):
+    """STORE: ko_ptr is the K cache [slots, Hk, D], vc_ptr the V cache, k head rows go to slot_ptr[t]."""
+    pdl_enter(PDL)   # ninfer_kernels.pdl: before any load or store
     t = tl.program_id(0).to(tl.int64)
     if STORE:
         krow = tl.load(slot_ptr + t).to(tl.int64)
@@ -67,12 +62,6 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
     jj = j[None, :]
     p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
     pm = p < D
-    if PRELOAD:
-        # nothing here depends on the kernel in front: the trigonometry runs while it finishes
-        if NORM:
-            g1, g2, gp = _gains(qw_ptr, kw_ptr, jj, p, HALF, is_q[:, None], m2, pm)
-        cos, sin = _cos_sin(pos * freq)
-        pdl_wait(PDL)
     # every load up front (heads, gains, v): each one issued after a reduction or a store would be one more
     # dependent memory round trip in a kernel that is nothing but latency
     x1 = _ld(q_ptr, k_ptr, src + jj, mq & m2, mkl & m2)
@@ -82,12 +71,15 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
         dd = tl.arange(0, BLOCK_D)[None, :]
         mv = mk & (dd < D)
         v = tl.load(v_ptr + (t * sv_t + hk * sv_h)[:, None] + dd, mask=mkl & (dd < D))
-    if not PRELOAD:
-        if NORM:
-            g1, g2, gp = _gains(qw_ptr, kw_ptr, jj, p, HALF, is_q[:, None], m2, pm)
-        # cos / sin only now: libdevice's full-range versions are ~1000 instructions with branches, and ptxas
-        # does not move the loads above them (s24 SASS: the head loads came after the whole range reduction)
-        cos, sin = _cos_sin(pos * freq)
+    if NORM:
+        isq = is_q[:, None]
+        g1, g2 = _gain(qw_ptr, kw_ptr, jj, isq, m2), _gain(qw_ptr, kw_ptr, jj + HALF, isq, m2)
+        gp = _gain(qw_ptr, kw_ptr, p, isq, pm)
+    # cos / sin only now: libdevice's full-range versions are ~1000 instructions with branches, and ptxas
+    # does not move the loads above them (s24 SASS: the head loads came after the whole range reduction)
+    ang = pos * freq
+    cos = tl.cos(ang)[None, :]
+    sin = tl.sin(ang)[None, :]
     if NORM:
         # the heads' (1 + w) RMSNorm, rounded to the activation dtype as the unfused norm's output is
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
@@ -100,18 +92,6 @@ def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, qw_ptr, kw_ptr, 
     _st(qo_ptr, k_ptr, ko_ptr, dst + p, xp, mq & pm, mk & pm)
     if STORE:
         tl.store(vc_ptr + dst + dd, v.to(vc_ptr.dtype.element_ty), mask=mv)
-
-
-@triton.jit
-def _cos_sin(ang):
-    return tl.cos(ang)[None, :], tl.sin(ang)[None, :]
-
-
-@triton.jit
-def _gains(qw_ptr, kw_ptr, jj, p, HALF: tl.constexpr, isq, m2, pm):
-    """The (1 + w) gains of the rotated halves and the passed-through columns."""
-    return (_gain(qw_ptr, kw_ptr, jj, isq, m2), _gain(qw_ptr, kw_ptr, jj + HALF, isq, m2),
-            _gain(qw_ptr, kw_ptr, p, isq, pm))
 
 
 @triton.jit
@@ -204,8 +184,7 @@ def _launch(q, k, positions, rotary_dim, theta, mrope_section, norm, store):
             q, k, qo, ko, pos, inv, qw, kw, v, vc, slots, hq, hk, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), row, sec[0], sec[1], d, float(eps), HALF=rotary_dim // 2,
             BLOCK_HALF=pow2(rotary_dim // 2), BLOCK_PASS=pow2(d - rotary_dim), BLOCK_H=block_h,
-            NORM=norm is not None, STORE=store is not None, BLOCK_D=pow2(d), num_warps=4,
-            **pdl_kw(q.device, state=store is not None))   # the early trigonometry: the decode path's variant only
+            NORM=norm is not None, STORE=store is not None, BLOCK_D=pow2(d), num_warps=4, **pdl_kw(q.device))
     return qo, (ko if store is None else None)
 
 
@@ -214,7 +193,6 @@ def compile_specs(act: str):
            "inv_ptr": "*fp32", "qw_ptr": "*fp32", "kw_ptr": "*fp32", "v_ptr": f"*{act}", "vc_ptr": f"*{act}",
            "slot_ptr": "*i64", "Hq": "i32", "Hk": "i32", "sq_t": "i64", "sq_h": "i64", "sk_t": "i64", "sk_h": "i64",
            "sv_t": "i64", "sv_h": "i64", "pos_row": "i64", "sec1": "i32", "sec2": "i32", "D": "i32", "eps": "fp32"}
-    # PRELOAD as launched: with STORE only (the variant without it held 4 spilled bytes on sm_90 with it)
     return [(rope_kernel, sig, {"HALF": 32, "BLOCK_HALF": 32, "BLOCK_PASS": 256, "BLOCK_H": HEADS_PER_PROGRAM,
-                                "NORM": n, "STORE": st, "BLOCK_D": 256, **({} if st else {"PRELOAD": 0})})
-            for n, st in ((False, False), (True, False), (True, True))]
+                                "NORM": n, "STORE": st, "BLOCK_D": 256}) for n, st in ((False, False), (True, False),
+                                                                                      (True, True))]

@@ -343,26 +343,6 @@ def test_attention_prefill_chunk_through_backend():
     check(got, want, torch.float32)
 
 
-@pytest.mark.parametrize("preload", [0, 1], ids=["after-wait", "preload"])
-def test_rope_and_attention_preload(preload, monkeypatch):
-    """Both orders of the rope's and the attention's early loads (`PRELOAD`, NINFER_PDL_STATE: before or after
-    the PDL wait) give the reference: the rope's (with the cache store) positions, gains and cos / sin early; the
-    attention's first key tile early for the keys of earlier tokens and after the wait for this step's (a first
-    tile of old keys only, of new keys only, and of both: decode at 1 and 300 keys, verify at 17 keys with 3 new,
-    splits past the keys); pdl_kw(..., state=True) forced here."""
-    from ninfer_kernels import attention_decode, rope
-    for mod in (attention_decode, rope):   # without PDL (CPU, sm_70) the wait is a no-op and either order runs
-        monkeypatch.setattr(mod, "pdl_kw", lambda dev, real=mod.pdl_kw, **kw: {**real(dev), "PRELOAD": preload}
-                            if kw.get("state") else real(dev, **kw))
-    test_qk_norm_rope_store(torch.float16, True)
-    test_qk_norm_rope_store(torch.float32, False)
-    test_paged_attention(torch.float32, (3, 1), (17, 1), 3)
-    test_paged_attention(torch.float16, (1, 1), (1, 40), None)
-    test_paged_attention_splits_sized_on_device(32)
-    test_gated_attention(torch.float16, (1, 1), (300, 140), 3)
-    test_paged_attention_fma_tiles(monkeypatch, (9, 2), (30, 51), 8, 160, 1)
-
-
 @pytest.mark.parametrize("dtype", DTYPES[:2])
 @pytest.mark.parametrize("seq_lens,kv_lens,splits", [((1, 1), (300, 140), 3), ((3, 1), (17, 33), 1)],
                          ids=["decode-combine", "verify-one-split"])

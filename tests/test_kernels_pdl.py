@@ -171,7 +171,7 @@ def test_every_kernel_takes_pdl_and_every_launch_passes_it():
             assert any(any(a.arg in ("preload", "state") for a in k.value.keywords) for k in kw), f"{f}: {name}"
     assert {n for n, args in kernels.items() if "PRELOAD" in args} == {
         "rmsnorm_kernel", "gated_rmsnorm_kernel", "add_rmsnorm_gates_kernel", "conv_step_kernel",
-        "causal_conv_kernel", "gdn_recurrent_kernel", "rope_kernel", "attn_fwd_kernel"}
+        "causal_conv_kernel", "gdn_recurrent_kernel"}
     src = (KERNELS / "gemv_launch.py").read_text()
     assert 'if "PDL" in names:' in src and "pdl_consts(cfg, x.device)" in src and "pdl_kw(device)" in src
 
