@@ -29,10 +29,10 @@
 #             on sm_80+), written as decode_xpre.json
 #   sweep     bench/decode.py --recipes ${SWEEP_RECIPE:-nvfp4} --parts ${SWEEP_PARTS:-decode} at 1K once per value of
 #             $SWEEP_VALUES (space list) of the environment variable $SWEEP_VAR, in that order, on one kept
-#             artifact: records tagged "sweep": "VAR=v"
-#             in sweep.json, tables in sweep_table.txt (repeat a value to see the machine's drift); $SWEEP_ARGS: more
-#             decode.py arguments (e.g. "--max-draft 3"); a value that names a folder .ab/<value> (bench/ab_tree.sh:
-#             an earlier commit's packages; carry .ab) runs with that folder first on PYTHONPATH
+#             artifact: records tagged "sweep": "VAR=v" in sweep.json, tables in sweep_table.txt (repeat a value to
+#             see the machine's drift); $SWEEP_ARGS: more decode.py arguments (e.g. "--max-draft 3"); a value that
+#             names a folder .ab/<value> (bench/ab_tree.sh: an earlier commit's packages; carry .ab) runs with that
+#             folder first on PYTHONPATH
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_TS and XPRE_EXTRA (xpre.py --T / --extra), XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
