@@ -194,7 +194,10 @@ def test_parent_signals_blocked_defers_ctrl_c_and_children_inherit_the_block():
     raised = started = False
     try:
         with parent_signals_blocked():
-            os.kill(os.getpid(), signal.SIGINT)
+            # at the main thread, which has it blocked: a process-directed kill may go to another thread of the
+            # test process (one an earlier test left), whose handler can run only after this test has returned
+            # on a loaded machine, and a KeyboardInterrupt then ends the whole pytest session
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             p = ctx.Process(target=_child_mask, args=(q,))
             p.start()
             started = True
