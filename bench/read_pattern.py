@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import bench_device as D  # noqa: E402  (bench/: the script's folder, or a test's path)
 from ninfer_formats.atomic import write_json_atomic  # noqa: E402
-from step_floor import COPY_MB, graph_us, read_kernel, read_plan  # noqa: E402
+from step_floor import COPY_MB, graph_us, read_launcher  # noqa: E402
 
 RB = 128                     # the row block of the blocked layout
 # name: (N, K, [(block_n, split)]) -- the T = 1 grids the shipped table uses and their neighbours
@@ -89,12 +89,9 @@ def measure(name: str, N: int, K: int, grids, copy: float, gpu: str) -> list[dic
             for layout in ("chunk", "blocked"):
                 rec(layout, bn, split, unroll, [walk_launcher(*planes[i % copies], out, N, K, layout, bn, split,
                                                               unroll) for i in range(LAUNCHES)])
-    flat = [p[0] for p in planes]            # the code plane alone, read as a plain stream
-    n_vec = C * N * 64 // 16
-    per, grid = read_plan(n_vec, sms)
-    rec("read", 0, 0, 0, [lambda f=flat[i % copies]: read_kernel[grid](f, out, n_vec, per, BLOCK=256, UNROLL=4,
-                                                                         PDL=0, LATE=0, WAIT=0, num_warps=8)
-                          for i in range(LAUNCHES)], byts=C * N * 64)       # codes only: its pct is of those bytes
+    # the code plane alone, read as a plain stream (step_floor's kernel): its pct is of those bytes
+    rec("read", 0, 0, 0, [read_launcher(planes[i % copies][0], out, 0, C * N * 64, "plain", sms)
+                          for i in range(LAUNCHES)], byts=C * N * 64)
     return recs
 
 

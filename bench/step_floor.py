@@ -97,7 +97,7 @@ def read_plan(n_vec: int, sms: int) -> tuple[int, tuple]:
     return per, (triton.cdiv(n_vec, per),)
 
 
-def _launcher(buf: torch.Tensor, out: torch.Tensor, off: int, nbytes: int, mode: str, sms: int):
+def read_launcher(buf: torch.Tensor, out: torch.Tensor, off: int, nbytes: int, mode: str, sms: int):
     """A no-argument call that reads bytes [off, off + nbytes) of `buf` (16-byte aligned) under `mode`."""
     pdl, late, wait = MODES.get(mode, (0, 0, 0))
     n_vec = nbytes // VEC_BYTES
@@ -138,14 +138,14 @@ def measure(launches, copy: float, gpu: str) -> list[dict]:
         print(f"{kind:10} {name:12} {n:4d} launches {byts / 1e6:9.1f} MB {us:9.1f} us {r['pct_copy_bw']:5.1f} %",
               flush=True)
         recs.append(r)
-    rec("step_floor", "one", 1, total, graph_us([_launcher(buf, out, 0, total, "plain", sms)]))
+    rec("step_floor", "one", 1, total, graph_us([read_launcher(buf, out, 0, total, "plain", sms)]))
     for mode in MODES:
-        fns = [_launcher(buf, out, o, b, mode, sms) for o, (_, b) in zip(offs, launches)]
+        fns = [read_launcher(buf, out, o, b, mode, sms) for o, (_, b) in zip(offs, launches)]
         rec("step_floor", mode, len(fns), nbytes, graph_us(fns))
     for name in dict.fromkeys(n for n, _ in launches):
         b = next(b for n, b in launches if n == name)
         span = max(1, min(SHAPE_LAUNCHES, total // _aligned(b)))    # rotating slices, >> L2 in all
-        fns = [_launcher(buf, out, (i % span) * _aligned(b), b, "chained", sms) for i in range(SHAPE_LAUNCHES)]
+        fns = [read_launcher(buf, out, (i % span) * _aligned(b), b, "chained", sms) for i in range(SHAPE_LAUNCHES)]
         rec("read_shape", name, SHAPE_LAUNCHES, b * SHAPE_LAUNCHES, graph_us(fns))
     return recs
 
