@@ -110,7 +110,8 @@ FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "q6_k_mma", "iq3
 CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
 LANE_EXACT = ("nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # per-thread kernels: inline PTX must see element e in thread e
-XPRE_FORMATS = ("nvfp4_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # variants that also read prepared activations
+# variants that also read prepared activations
+XPRE_FORMATS = ("nvfp4_h2", "q6_k_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
 _MMA_T16_ROWS = {"iq3_s_mma": 128}   # the T tile 16 compiled per warp-MMA variant: its largest tuner tile

@@ -9,7 +9,9 @@ and UP_BIAS / BACK_BIAS for `row_scale`: activations are scaled by a power of tw
 that the f16 block sums cannot overflow, and the fp32 result is multiplied back at the end.
 XPRE: x_ptr holds prepared activations (`ninfer_kernels.x16`: f16 pairs already scaled per 128-chunk, |x'| <
 2**14, and each chunk's back factor): the tile loads its pairs (`x16_pairs`) and folds the chunk's back into the
-block scale (`x16_back`); only formats whose f16 path takes |x'| < 2**14 (UP_BIAS 267: NVFP4) accept it.
+block scale (`x16_back`). A format's f16 weights must then keep a 16-weight block sum of |x'| < 2**14 products in f16
+range (NVFP4's carry 2**-14; Q6_K's are scaled by 2**-8 on prepared input), and XPRE_BACK is the power of two that
+undoes that scaling at the end.
 
 The f16x2 FMA, the f32 -> f16x2 pack and the f16 lane sum are inline PTX (sm_53+, so the V100 path too;
 `cvt.rn.f16x2.f32` is sm_80+, two `cvt.rn.f16.f32` below). The interpreter cannot run PTX: H2_MODE = EMULATE
@@ -148,13 +150,12 @@ def _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE: tl.constexpr, 
 
 @triton.jit
 def _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr,
-                T_TILE: tl.constexpr, XPRE: tl.constexpr):
+                T_TILE: tl.constexpr, XPRE: tl.constexpr, XPRE_BACK: tl.constexpr):
     """(ups, backs): per T column the activation scaling into f16 and its inverse (`row_scale`)."""
     ups, backs = (), ()
     for tt in tl.static_range(T_TILE):
         if XPRE:   # the chunks' backs are in the block scales; what is left is the weights' power of two
-            tl.static_assert(UP_BIAS == 267)
-            w = tl.full([], (UP_BIAS + BACK_BIAS - 127) << 23, tl.int32).to(tl.float32, bitcast=True)
+            w = tl.full([], (XPRE_BACK + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
             ups, backs = ups + (w,), backs + (w,)
         else:
             up, back = row_scale(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g_lo * 16, g_hi * 16, 512,
@@ -167,7 +168,7 @@ def _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS: tl.constexpr, BACK
 def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl.constexpr, TILE: tl.constexpr,
           UP_BIAS: tl.constexpr, BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr,
-          XPRE: tl.constexpr):
+          XPRE: tl.constexpr, XPRE_BACK: tl.constexpr):
     """acc [BLOCK_N, T_TILE] fp32 in true units (before the per-tensor scale). At T_TILE = 1 (one stage) a
     barrier after each tile's loads keeps them issued together: without it ptxas spreads a tile's 16-byte
     loads over the decode to save registers and the memory latency is exposed several times per tile. On the
@@ -175,7 +176,7 @@ def _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD: tl
     (bench/NOTES.md §5; the fp32 loop of gemv_common, used at T=1 only by IQ3_S, was not measured pinned).
     STAGES: 1 load then decode; > 1 Triton's cp.async pipeline that deep (an L2 prefetch of the next tile
     instead was never the tuner's pick on the H200: bench/NOTES.md §9)."""
-    ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE)
+    ups, backs = _row_scales(x_ptr, t0, T, stride_xt, g_lo, g_hi, UP_BIAS, BACK_BIAS, T_TILE, XPRE, XPRE_BACK)
     accs = _zeros(T_TILE, BLOCK_N, BLOCK_G)
     for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):   # as gemv_common._fma_loop
         st = _load_tile(w0, w1, w2, w3, None, None, rows, _tile_g(g0, BLOCK_G, 2), g_hi, G, LOAD, EVEN_G)
@@ -195,7 +196,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
             stride_ot, stride_rt, LOAD: tl.constexpr, TILE: tl.constexpr, UP_BIAS: tl.constexpr,
             BACK_BIAS: tl.constexpr, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
             USE_SPLIT: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr, STAGES: tl.constexpr,
-            H2_MODE: tl.constexpr, XPRE: tl.constexpr, PDL: tl.constexpr):
+            H2_MODE: tl.constexpr, XPRE: tl.constexpr, XPRE_BACK: tl.constexpr, PDL: tl.constexpr):
     """Grid and split-K exactly as `gemv_common.gemv_body` (same launcher, workspace and epilogue); PDL as in
     `ninfer_kernels.pdl`: the wait comes first (loading the first weight tile before it cost the T=1 loop 32
     registers, one CTA per SM, and decode 17 %: bench/NOTES.md §16), `finish_at` triggers."""
@@ -208,7 +209,7 @@ def h2_body(x_ptr, w0, w1, w2, w3, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T,
     g_lo = tl.program_id(1) * g_per
     g_hi = tl.minimum(G, g_lo + g_per)
     acc = _loop(x_ptr, w0, w1, w2, w3, rows, t0, g_lo, g_hi, G, T, stride_xt, LOAD, TILE, UP_BIAS, BACK_BIAS,
-                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE)
+                T_TILE, BLOCK_N, BLOCK_G, EVEN_G, STAGES, H2_MODE, XPRE, XPRE_BACK)
     _finish(acc * fscale, t0 + tl.arange(0, T_TILE), offs_n, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt,
             ws_ptr, cnt_ptr, EPI, USE_SPLIT, PDL)
 

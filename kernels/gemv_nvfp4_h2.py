@@ -30,6 +30,7 @@ from .gemv_nvfp4 import _load
 _PAIR = tl.constexpr(0x8E008E00)           # f16 bits 15 and 11..9 of both lanes
 _UP_BIAS = tl.constexpr(267)               # up = 2**(140 - E): |x'| < 2**14
 _BACK_BIAS = tl.constexpr(1)               # back = 2**(E - 126) = 2**14 / up (the weights carry 2**-14)
+_XPRE_BACK = tl.constexpr(14)              # on prepared input: the weights' 2**-14 undone
 
 
 @triton.jit
@@ -99,7 +100,7 @@ def nvfp4_h2_gemv_kernel(x_ptr, codes, scales, out_ptr, res_ptr, ws_ptr, cnt_ptr
     # activations (ninfer_kernels.x16, int32 words), stride_xt in words. PDL: ninfer_kernels.pdl
     h2_body(x_ptr, codes, scales, N, None, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G, split,
             stride_xt, stride_ot, stride_rt, _load, _tile, _UP_BIAS, _BACK_BIAS, T_TILE, BLOCK_N, BLOCK_G,
-            USE_SPLIT, EPI, EVEN_G, STAGES, H2_MODE, XPRE, PDL)
+            USE_SPLIT, EPI, EVEN_G, STAGES, H2_MODE, XPRE, _XPRE_BACK, PDL)
 
 
 h2_kernel = factory(nvfp4_h2_gemv_kernel, "nvfp4_gemv_kernel")   # gemv_nvfp4 registers it (lazily)

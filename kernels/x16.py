@@ -156,14 +156,17 @@ def _capability(index) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
+_H2_FORMATS = ("nvfp4", "q6_k")    # formats whose packed-half2 GEMV (T <= 8) reads prepared activations too
+
+
 def prepared_ok(qw, T: int, device) -> bool:
-    """Whether a prepared launch serves weight `qw` at T rows: NVFP4 (h2 up to T = 8, MMA up to 16 on sm_80+),
-    Q6_K and IQ3_S (MMA, T = 2..16, sm_80+); K a multiple of 128."""
+    """Whether a prepared launch serves weight `qw` at T rows: NVFP4 and Q6_K (h2 up to T = 8, MMA up to 16 on
+    sm_80+), IQ3_S (MMA, T = 2..16, sm_80+); K a multiple of 128."""
     if qw.shape[1] % CHUNK or not 1 <= T <= 16:
         return False
-    if qw.fmt == "nvfp4":
+    if qw.fmt in _H2_FORMATS:
         return T <= 8 or _mma_ok(torch.device(device))
-    return qw.fmt in ("q6_k", "iq3_s") and T >= 2 and _mma_ok(torch.device(device))
+    return qw.fmt == "iq3_s" and T >= 2 and _mma_ok(torch.device(device))
 
 
 PREFER_MARGIN = 0.02     # the plain launch must be remembered this much faster to be taken over the prepared one
@@ -228,10 +231,10 @@ def prepared_linear(xp: torch.Tensor, qw, out, residual, dtype) -> torch.Tensor:
 
 
 def prepared_candidates(kernel, fmt: str, T: int, N: int, K: int, dtype, dev) -> list[GemvConfig]:
-    """The configs the tuner tries for a prepared launch of a `fmt` weight [N, K] at T rows (h2 for NVFP4 up to
-    T = 8, MMA on sm_80+)."""
+    """The configs the tuner tries for a prepared launch of a `fmt` weight [N, K] at T rows (h2 for NVFP4 and Q6_K
+    up to T = 8, MMA on sm_80+)."""
     from .gemv_launch import candidates, h2_tiles, interpreting, mma_tiles
-    h2 = fmt == "nvfp4" and T <= 8
+    h2 = fmt in _H2_FORMATS and T <= 8
     cands = [c for c in candidates(T, N, K // GS, GS, dtype, dev, h2=h2, mma=True, h2_tiles=h2_tiles(kernel),
                                    mma_tiles=mma_tiles(kernel)) if (c.h2 and h2) or (c.mma and _mma_ok(dev))]
     if not cands or interpreting():      # the interpreter: one small tile of the variant

@@ -103,6 +103,32 @@ def test_q6_k_h2_every_code():
     assert torch.isfinite(y).all() and rel_l2(y, ref) < RTOL_H2
 
 
+@pytest.mark.parametrize("T,split,has_res,stages", [(1, 1, False, 1), (1, 3, True, 3), (3, 2, True, 1)],
+                         ids=["T1", "T1-ragged-split-res-stages", "T3-split-res"])
+def test_q6_k_h2_on_prepared_activations(T, split, has_res, stages):
+    """Q6_K codes scaled by 2**-8 against prepared pairs (|x'| < 2**14): every code, activations spanning 2**32,
+    an all-zero chunk and a huge one; bf16 out."""
+    from ninfer_kernels.x16 import launch_prepared, x16_prep
+    K = 768
+    raw = (np.arange(N * K // 256 * 210) * 37 % 251).astype(np.uint8).reshape(N, -1)
+    raw.reshape(N, K // 256, 210)[..., 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    blocks = torch.from_numpy(raw).to(DEV)
+    x = wide_range_x(T, K, seed=T)
+    x[0, :128] = 0.0
+    x[-1, 256:384] *= 1e30
+    x = x.to(torch.bfloat16).to(DEV)
+    res = torch.randn(T, N).to(torch.bfloat16).to(DEV) if has_res else None
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    packed = repack_q6_k(blocks, K)
+    w = (packed["ql"], packed["qh"], packed["sc"], packed["d"])
+    cfg = GemvConfig(32, 4, num_stages=stages, split=split, h2=True)
+    launch_prepared(q6_k_gemv_kernel, w, x16_prep(x), N, K, 16, 1.0, out, res, cfg, "test")
+    ref = reference.ref_q6_k(x, blocks, residual=res)
+    assert torch.isfinite(out).all()
+    for t in range(T):
+        assert rel_l2(out[t], ref[t]) < RTOL_HALF, t
+
+
 def test_h2_config_rules():
     assert gl.has_h2(q6_k_gemv_kernel) and gl.has_h2(nvfp4_gemv_kernel)
     codes, scales, gs = weights(N, 64, seed=1)

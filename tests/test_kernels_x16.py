@@ -168,14 +168,16 @@ def test_launch_passes_every_constexpr_of_the_variant(monkeypatch, fmt, kind):
     gl._launch(base, (x,) * n_w, x, 32, 16, 1.0, out, None, cfg)
     consts = names[len(_FIXED) + n_w:]
     assert names[names.index("stride_rt") + 1:] == consts
-    assert ("XPRE" in consts) == (fmt == "nvfp4" or kind == "mma")      # the variants that read prepared x
+    assert ("XPRE" in consts) == (fmt != "iq3_s" or kind == "mma")      # the variants that read prepared x
     # launch options, not parameters (launch_pdl: on sm_90, ninfer_kernels.pdl)
     given = {k for k in seen if k not in ("num_warps", "num_stages", "launch_pdl")} | set(Stub.extra_consts)
     assert set(consts) == given and len(consts) == len(given)
 
 
-@pytest.mark.parametrize("fmt,T", [("nvfp4", 1), ("nvfp4", 3), ("nvfp4", 11), ("q6_k", 4), ("iq3_s", 3)],
-                         ids=["nvfp4-T1-h2", "nvfp4-T3-h2", "nvfp4-T11-mma", "q6_k-T4-mma", "iq3_s-T3-mma"])
+@pytest.mark.parametrize("fmt,T", [("nvfp4", 1), ("nvfp4", 3), ("nvfp4", 11), ("q6_k", 1), ("q6_k", 4),
+                                   ("iq3_s", 3)],
+                         ids=["nvfp4-T1-h2", "nvfp4-T3-h2", "nvfp4-T11-mma", "q6_k-T1-h2", "q6_k-T4-h2",
+                              "iq3_s-T3-mma"])
 def test_linear_on_prepared_activations(fmt, T):
     """dispatch.linear(x, qw, xp=x16_prep(x)) against the codec reference, with a residual; what it refuses."""
     import numpy as np
@@ -205,7 +207,7 @@ def test_linear_on_prepared_activations(fmt, T):
     assert rel_l2(y0 + res, y) < 1e-6 and ("xpre", T, x.dtype, False) in qw.cache["triton.plans"]
     with pytest.raises(KernelInputError, match="prepared activations"):
         dispatch.linear(x, qw, xp=x16_prep(torch.cat([x, x])))             # rows do not match
-    assert not prepared_ok(qw, 17, x.device) and (fmt == "nvfp4" or not prepared_ok(qw, 1, x.device))
+    assert not prepared_ok(qw, 17, x.device) and (fmt != "iq3_s" or not prepared_ok(qw, 1, x.device))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter takes minutes over a model; "
