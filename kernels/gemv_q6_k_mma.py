@@ -43,10 +43,10 @@ def _group_pairs(q, h, s, MODE: tl.constexpr):
     qo_a = ((a >> 4) & 0x0F0F0F0F) | ((h << 2) & 0x30303030)
     qe_b = (b & 0x0F0F0F0F) | ((h >> 2) & 0x30303030)
     qo_b = ((b >> 4) & 0x0F0F0F0F) | ((h << 4) & 0x30303030)
-    e0, e2 = _pairs(qe_a, MODE)
-    o1, o3 = _pairs(qo_a, MODE)
-    e8, e10 = _pairs(qe_b, MODE)
-    o9, o11 = _pairs(qo_b, MODE)
+    e0, e2 = _pairs(qe_a, MODE, False)      # unscaled: the MMA accumulates in fp32
+    o1, o3 = _pairs(qo_a, MODE, False)
+    e8, e10 = _pairs(qe_b, MODE, False)
+    o9, o11 = _pairs(qo_b, MODE, False)
     s16 = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     s2 = s16 | (s16 << 16)
     return (hmul2(e0, s2, MODE), hmul2(o1, s2, MODE), hmul2(e2, s2, MODE), hmul2(o3, s2, MODE),
