@@ -139,6 +139,16 @@ def x16_back(x_ptr, row, g, xm, G):
 
 
 @triton.jit
+def column_pairs(x_ptr, row, g, xm, up, scale, G, H2_MODE: tl.constexpr, XPRE: tl.constexpr):
+    """(the 8 f16x2 activation pairs of group g of one T column, the block scale times what the pairs need):
+    XPRE: the prepared pairs and their chunk's back; else x scaled by this CTA's `up` (`x_pairs`)."""
+    if XPRE:
+        return x16_pairs(x_ptr, row, g, xm), scale * x16_back(x_ptr, row, g, xm, G)[None, :]
+    else:
+        return x_pairs(x_ptr, row, g, xm, up, H2_MODE), scale
+
+
+@triton.jit
 def _step(accs, ups, st, g0, g_hi, t0, T, x_ptr, stride_xt, TILE: tl.constexpr, T_TILE: tl.constexpr,
           BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, H2_MODE: tl.constexpr, XPRE: tl.constexpr, G):
     g = _tile_g(g0, BLOCK_G, 2)

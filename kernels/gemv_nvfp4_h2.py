@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _tset, e4m3_magnitude
-from .gemv_h2_common import _EMULATE, compile_consts, factory, h2_body, hfma2, lanes_f32, x16_back, x16_pairs, x_pairs
+from .gemv_h2_common import _EMULATE, column_pairs, compile_consts, factory, h2_body, hfma2, lanes_f32
 from .gemv_nvfp4 import _load
 
 _PAIR = tl.constexpr(0x8E008E00)           # f16 bits 15 and 11..9 of both lanes
@@ -73,13 +73,7 @@ def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H
     le, lo_odd = _split_signs(lo, H2_MODE)
     he, hi_odd = _split_signs(hi, H2_MODE)
     for tt in tl.static_range(T_TILE):
-        row = tl.minimum(t0 + tt, T - 1) * stride_xt
-        if XPRE:
-            p = x16_pairs(x_ptr, row, g, xm)
-            s = sc * x16_back(x_ptr, row, g, xm, G)[None, :]
-        else:
-            p = x_pairs(x_ptr, row, g, xm, ups[tt], H2_MODE)
-            s = sc
+        p, s = column_pairs(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g, xm, ups[tt], sc, G, H2_MODE, XPRE)
         acc = hfma2(_wpair(le, lo_odd, 0), p[0][None, :], tl.zeros_like(lo), H2_MODE)
         for j in tl.static_range(1, 4):
             acc = hfma2(_wpair(le, lo_odd, j), p[j][None, :], acc, H2_MODE)

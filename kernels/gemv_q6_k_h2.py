@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import _tset
-from .gemv_h2_common import compile_consts, factory, h2_body, hfma2, lanes_f32, x16_back, x16_pairs, x_pairs
+from .gemv_h2_common import column_pairs, compile_consts, factory, h2_body, hfma2, lanes_f32
 from .gemv_q6_k import _load
 
 _LOW = tl.constexpr(0x00FF00FF)            # bytes 0 and 2 of a word, one per f16 lane
@@ -52,13 +52,7 @@ def _tile(accs, ups, st, g, xm, t0, T, x_ptr, stride_xt, T_TILE: tl.constexpr, H
     e8, e10 = _pairs(qe_b, H2_MODE, XPRE)    # (8,12), (10,14)
     o9, o11 = _pairs(qo_b, H2_MODE, XPRE)    # (9,13), (11,15)
     for tt in tl.static_range(T_TILE):
-        row = tl.minimum(t0 + tt, T - 1) * stride_xt
-        if XPRE:
-            p = x16_pairs(x_ptr, row, g, xm)
-            s = sw * x16_back(x_ptr, row, g, xm, G)[None, :]
-        else:
-            p = x_pairs(x_ptr, row, g, xm, ups[tt], H2_MODE)
-            s = sw
+        p, s = column_pairs(x_ptr, tl.minimum(t0 + tt, T - 1) * stride_xt, g, xm, ups[tt], sw, G, H2_MODE, XPRE)
         acc = hfma2(e0, p[0][None, :], tl.zeros_like(qe_a), H2_MODE)
         acc = hfma2(o1, p[1][None, :], acc, H2_MODE)
         acc = hfma2(e2, p[2][None, :], acc, H2_MODE)
