@@ -156,7 +156,7 @@ def _capability(index) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
-_H2_FORMATS = ("nvfp4", "q6_k")    # formats whose packed-half2 GEMV (T <= 8) reads prepared activations too
+H2_FORMATS = ("nvfp4", "q6_k")    # formats whose packed-half2 GEMV (T <= 8) reads prepared activations too
 
 
 def prepared_ok(qw, T: int, device) -> bool:
@@ -164,7 +164,7 @@ def prepared_ok(qw, T: int, device) -> bool:
     sm_80+), IQ3_S (MMA, T = 2..16, sm_80+); K a multiple of 128."""
     if qw.shape[1] % CHUNK or not 1 <= T <= 16:
         return False
-    if qw.fmt in _H2_FORMATS:
+    if qw.fmt in H2_FORMATS:
         return T <= 8 or _mma_ok(torch.device(device))
     return qw.fmt == "iq3_s" and T >= 2 and _mma_ok(torch.device(device))
 
@@ -234,7 +234,7 @@ def prepared_candidates(kernel, fmt: str, T: int, N: int, K: int, dtype, dev) ->
     """The configs the tuner tries for a prepared launch of a `fmt` weight [N, K] at T rows (h2 for NVFP4 and Q6_K
     up to T = 8, MMA on sm_80+)."""
     from .gemv_launch import candidates, h2_tiles, interpreting, mma_tiles
-    h2 = fmt in _H2_FORMATS and T <= 8
+    h2 = fmt in H2_FORMATS and T <= 8
     cands = [c for c in candidates(T, N, K // GS, GS, dtype, dev, h2=h2, mma=True, h2_tiles=h2_tiles(kernel),
                                    mma_tiles=mma_tiles(kernel)) if (c.h2 and h2) or (c.mma and _mma_ok(dev))]
     if not cands or interpreting():      # the interpreter: one small tile of the variant

@@ -18,7 +18,7 @@ from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting  # noqa: E402
 from ninfer_kernels.gemv_nvfp4 import gemv_nvfp4_prepared, repack_nvfp4  # noqa: E402
-from ninfer_kernels.x16 import CHUNK, words_per_row, x16_decode, x16_prep, x16_ref  # noqa: E402
+from ninfer_kernels.x16 import CHUNK, H2_FORMATS, words_per_row, x16_decode, x16_prep, x16_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 GPU_MMA = DEV != "cuda" or torch.cuda.get_device_capability() >= (8, 0)
@@ -168,7 +168,8 @@ def test_launch_passes_every_constexpr_of_the_variant(monkeypatch, fmt, kind):
     gl._launch(base, (x,) * n_w, x, 32, 16, 1.0, out, None, cfg)
     consts = names[len(_FIXED) + n_w:]
     assert names[names.index("stride_rt") + 1:] == consts
-    assert ("XPRE" in consts) == (fmt != "iq3_s" or kind == "mma")      # the variants that read prepared x
+    # the variants that read prepared x: every warp-MMA one, and the h2 ones that x16.prepared_ok routes there
+    assert ("XPRE" in consts) == (fmt in H2_FORMATS or kind == "mma")
     # launch options, not parameters (launch_pdl: on sm_90, ninfer_kernels.pdl)
     given = {k for k in seen if k not in ("num_warps", "num_stages", "launch_pdl")} | set(Stub.extra_consts)
     assert set(consts) == given and len(consts) == len(given)
@@ -207,7 +208,7 @@ def test_linear_on_prepared_activations(fmt, T):
     assert rel_l2(y0 + res, y) < 1e-6 and ("xpre", T, x.dtype, False) in qw.cache["triton.plans"]
     with pytest.raises(KernelInputError, match="prepared activations"):
         dispatch.linear(x, qw, xp=x16_prep(torch.cat([x, x])))             # rows do not match
-    assert not prepared_ok(qw, 17, x.device) and (fmt != "iq3_s" or not prepared_ok(qw, 1, x.device))
+    assert not prepared_ok(qw, 17, x.device) and (fmt in H2_FORMATS or not prepared_ok(qw, 1, x.device))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter takes minutes over a model; "
