@@ -111,7 +111,7 @@ CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_m
 NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
 LANE_EXACT = ("nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # per-thread kernels: inline PTX must see element e in thread e
 # variants that also read prepared activations
-XPRE_FORMATS = ("nvfp4_h2", "q6_k_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")
+XPRE_FORMATS = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
 _MMA_T16_ROWS = {"iq3_s_mma": 128}   # the T tile 16 compiled per warp-MMA variant: its largest tuner tile
@@ -152,7 +152,7 @@ def variants(ccs=(70, 90), full: bool = False) -> list[tuple[Variant, int]]:
             if f in NO_DOT:
                 out += [(Variant(f, xd, 1, bn, bg, stages=s), cc) for bn, s in t1_tiles]
                 if f in XPRE_FORMATS:      # on prepared activations (bench/xpre.py), T = 1 and 2
-                    out += [(Variant(f, xd, 1, 128, bg, xpre=True), cc),
+                    out += [(Variant(f, xd, 1, t1_tiles[0][0], bg, xpre=True), cc),
                             (Variant(f, xd, 2, 64, bg, use_split=True, epi=1, xpre=True), cc)]
                 if full:
                     out += [(Variant(f, xd, t, bn, bg, num_warps=w), cc) for t, bn, w in ((4, 64, 4), (8, 64, 4))]

@@ -15,7 +15,11 @@ indices there touch ~30 distinct 128-byte lines, one L1 wavefront each, so the g
   are junk that no shift reads);
 * activations: as `gemv_nvfp4_h2` (|x'| < 2**14 per CTA and T column), in the pair order of the weights;
   16 HFMA2 per 32-weight sub-block accumulate in f16 (|sum| < 32 * 15 * 2**-4), then one fp32 FMA by the
-  sub-block scale d * (1 + 2 * s4) * 2**18, and 1 / up at the end.
+  sub-block scale d * (1 + 2 * s4) * 2**18, and 1 / up at the end;
+* XPRE (prepared activations, `ninfer_kernels.x16`: |x'| < 2**14 per 128-chunk, so the weights need no other
+  scaling and no CTA makes a pass over x): the prepared words pair (j, j + 4) and the weights (4m + lo,
+  4m + lo + 2), so each of a sub-block's 16 pairs is the low or the high halves of two of its 16 words (one
+  byte permute); the chunk's back joins the sub-block scale.
 
 Written per thread, like `gemv_nvfp4_mma` (every tensor [NT] = [32 * NW], element e = thread e): a tile-wide
 [BN, BG] layout would not survive the flattening that `tl.gather` needs (Triton re-lays the whole loop out
@@ -31,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .gemv_common import finish_at
-from .gemv_h2_common import compile_consts, factory, hfma2, lanes_f32, pack2, row_scale
+from .gemv_h2_common import _EMULATE, compile_consts, factory, hfma2, lanes_f32, pack2, row_scale
 from .gemv_iq3_s import SIGNED_WORDS
 from .gemv_mma_common import join_tree, split_tree, stack_all
 from .pdl import pdl_wait
@@ -106,8 +110,51 @@ def _x_pairs(x_ptr, row, k0, up, H2_MODE: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(tab, lds, xp, R: tl.constexpr, LOG_R: tl.constexpr, T_TILE: tl.constexpr, H2_MODE: tl.constexpr):
-    """Per row and T column: the sub-block's f16 dot product as fp32 times its scale (row-major tuple)."""
+def _halves(a, b, HI: tl.constexpr, H2_MODE: tl.constexpr):
+    """(a's low half, b's low half) as one word, or (HI) their high halves: one `prmt` (ptxas made two
+    instructions of the bit operations)."""
+    if H2_MODE == _EMULATE:
+        if HI:
+            return ((a >> 16) & 0xFFFF) | (b & -65536)
+        else:
+            return (a & 0xFFFF) | (b << 16)
+    else:
+        sel: tl.constexpr = "0x7632" if HI else "0x5410"
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, " + sel + ";", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _x16_pairs(x_ptr, row, h, G, H2_MODE: tl.constexpr):
+    """(`_x_pairs` from a prepared row, the chunk's back factor): word 4o + j of the row holds activations
+    (8o + j, 8o + j + 4), so pair 2m + lo of m = 2c + hi is the low (hi = 0) or high (hi = 1) halves of words
+    4c + lo and 4c + lo + 2 of the sub-block's 16 (four 16-byte loads)."""
+    NT: tl.constexpr = h.shape[0]
+    p = ()
+    for c in tl.static_range(4):
+        wv = tl.load(x_ptr + row + h[:, None] * 16 + (4 * c + tl.arange(0, 4))[None, :])
+        e, o = tl.split(tl.reshape(wv, [NT, 2, 2]))      # words (4c, 4c + 2), (4c + 1, 4c + 3)
+        w0, w2 = tl.split(e)
+        w1, w3 = tl.split(o)
+        p = p + (_halves(w0, w2, False, H2_MODE), _halves(w1, w3, False, H2_MODE), _halves(w0, w2, True, H2_MODE),
+                 _halves(w1, w3, True, H2_MODE))
+    return p, tl.load(x_ptr + row + G * 8 + h // 4).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _column_pairs(x_ptr, row, h, up, G, H2_MODE: tl.constexpr, XPRE: tl.constexpr):
+    """(the 16 pairs of one T column, with XPRE the chunk's back: `_rows_dot` reads it only then)."""
+    if XPRE:
+        return _x16_pairs(x_ptr, row, h, G, H2_MODE)
+    else:
+        return _x_pairs(x_ptr, row, h * 32, up, H2_MODE), up
+
+
+@triton.jit
+def _rows_dot(tab, lds, xp, xb, R: tl.constexpr, LOG_R: tl.constexpr, T_TILE: tl.constexpr,
+              H2_MODE: tl.constexpr, XPRE: tl.constexpr):
+    """Per row and T column: the sub-block's f16 dot product as fp32 times its scale (and, XPRE, the column's
+    chunk back xb; row-major tuple)."""
     idx = ()
     for j in tl.static_range(R):
         idx = idx + lds[j][0]
@@ -121,7 +168,10 @@ def _rows_dot(tab, lds, xp, R: tl.constexpr, LOG_R: tl.constexpr, T_TILE: tl.con
             acc = hfma2(w[0], xp[tt][0], tl.zeros_like(lds[j][0][0]), H2_MODE)
             for i in tl.static_range(1, 16):
                 acc = hfma2(w[i], xp[tt][i], acc, H2_MODE)
-            out = out + (lanes_f32(acc, H2_MODE) * lds[j][2],)
+            if XPRE:
+                out = out + (lanes_f32(acc, H2_MODE) * (lds[j][2] * xb[tt]),)
+            else:
+                out = out + (lanes_f32(acc, H2_MODE) * lds[j][2],)
     return out
 
 
@@ -130,13 +180,13 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
                          split, stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          DOT_KIND: tl.constexpr, EPI: tl.constexpr, EVEN_G: tl.constexpr,
-                         FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, NW: tl.constexpr,
-                         PDL: tl.constexpr = 0):
+                         FOLD: tl.constexpr, STAGES: tl.constexpr, H2_MODE: tl.constexpr, XPRE: tl.constexpr,
+                         NW: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_wait(PDL)    # ninfer_kernels.pdl: before any load or store; finish_at triggers after the K loop
     # USE_DOT / DOT_KIND / FOLD / STAGES are accepted for the shared launcher and unused here; every K range is
     # whole tiles (K % 256 == 0, BLOCK_G divides 16), so EVEN_G is too. One mode, load then decode: a register
     # double buffer (191 registers) lost 25-30 % on the H200; an L2 prefetch of the next tile was never the
-    # tuner's pick (bench/NOTES.md §8, §9)
+    # tuner's pick (bench/NOTES.md §8, §9). XPRE: x_ptr holds prepared activations (`ninfer_kernels.x16`)
     GC: tl.constexpr = BLOCK_G // 2       # threads per row: one sub-block (2 groups) each
     RB: tl.constexpr = 32 * NW // GC      # rows per pass of the CTA's threads
     R: tl.constexpr = BLOCK_N // RB       # rows per thread
@@ -155,8 +205,11 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
     xrows, ups, backs = (), (), ()
     for tt in tl.static_range(T_TILE):
         xr = tl.minimum(t0 + tt, T - 1) * stride_xt
-        up, back = row_scale(x_ptr, xr, g_lo * 16, g_hi * 16, 512, _UP_BIAS, _BACK_BIAS)
-        xrows, ups, backs = xrows + (xr,), ups + (up,), backs + (back * fscale,)
+        if XPRE:          # each chunk's back is in its sub-blocks' scales
+            xrows, ups, backs = xrows + (xr,), ups + (fscale,), backs + (fscale,)
+        else:
+            up, back = row_scale(x_ptr, xr, g_lo * 16, g_hi * 16, 512, _UP_BIAS, _BACK_BIAS)
+            xrows, ups, backs = xrows + (xr,), ups + (up,), backs + (back * fscale,)
     tab = tl.load(grid + _H2_TABLE + tl.arange(0, 512))
     accs = ()
     for _ in tl.static_range(R * T_TILE):
@@ -164,10 +217,11 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
     for g0 in range(g_lo, g_hi, BLOCK_G):
         h = g0 // 2 + gc                  # the thread's sub-block
         lds = _load_tile(qs, signs, qh, sc, d, rows, h, G, R)
-        xp = ()
+        xp, xb = (), ()
         for tt in tl.static_range(T_TILE):
-            xp = xp + (_x_pairs(x_ptr, xrows[tt], h * 32, ups[tt], H2_MODE),)
-        part = _rows_dot(tab, lds, xp, R, LOG_R, T_TILE, H2_MODE)
+            p, b = _column_pairs(x_ptr, xrows[tt], h, ups[tt], G, H2_MODE, XPRE)
+            xp, xb = xp + (p,), xb + (b,)
+        part = _rows_dot(tab, lds, xp, xb, R, LOG_R, T_TILE, H2_MODE, XPRE)
         for i in tl.static_range(R * T_TILE):
             accs = accs[:i] + (accs[i] + part[i],) + accs[i + 1:]
     _epilogue(accs, backs, t0, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr, R, RB, GC,

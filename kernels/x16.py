@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .gemv_launch import GemvConfig, KernelInputError, _launch, has_variant
+from .gemv_tune_cache import H2_FORMATS   # every format's packed-half2 GEMV (T <= 8) reads prepared input too
 from .pdl import pdl_enter, pdl_kw
 # the layout's names stay importable from here (callers and tests use them)
 from .x16_layout import (_CHUNK, CHUNK, E_MAX, E_MIN, UP_FIELD, align_env_error, empty_prepared,  # noqa: F401
@@ -113,6 +114,9 @@ def _checked_args(kernel, weights, xp, N, K, GS, fscale, out, residual, cfg, wha
     if kind is None or not has_variant(kernel, kind) or T > (8 if cfg.h2 else 16) or (cfg.mma and G % cfg.block_g):
         raise KernelInputError(f"{what}: needs an h2 config (T <= 8) or an mma config (T <= 16, K a multiple of "
                                f"block_g * {GS}) of a variant this format has, got {cfg} at T={T}, K={K}")
+    if cfg.h2 and kernel.__name__ == "iq3_s_gemv_kernel":     # its per-thread tile rule
+        from .gemv_iq3_s import _check_h2_tile
+        _check_h2_tile(cfg)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, N) or out.stride(1) != 1 \
             or out.device != xp.device:
         raise KernelInputError(f"{what}: out must be [{T}, {N}] with unit column stride on {xp.device}")
@@ -156,17 +160,14 @@ def _capability(index) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
-H2_FORMATS = ("nvfp4", "q6_k")    # formats whose packed-half2 GEMV (T <= 8) reads prepared activations too
 
 
 def prepared_ok(qw, T: int, device) -> bool:
-    """Whether a prepared launch serves weight `qw` at T rows: NVFP4 and Q6_K (h2 up to T = 8, MMA up to 16 on
-    sm_80+), IQ3_S (MMA, T = 2..16, sm_80+); K a multiple of 128."""
-    if qw.shape[1] % CHUNK or not 1 <= T <= 16:
+    """Whether a prepared launch serves weight `qw` at T rows: NVFP4, Q6_K and IQ3_S (h2 up to T = 8, MMA up to
+    16 on sm_80+); K a multiple of 128."""
+    if qw.shape[1] % CHUNK or not 1 <= T <= 16 or qw.fmt not in H2_FORMATS:
         return False
-    if qw.fmt in H2_FORMATS:
-        return T <= 8 or _mma_ok(torch.device(device))
-    return qw.fmt == "iq3_s" and T >= 2 and _mma_ok(torch.device(device))
+    return T <= 8 or _mma_ok(torch.device(device))
 
 
 PREFER_MARGIN = 0.02     # the plain launch must be remembered this much faster to be taken over the prepared one

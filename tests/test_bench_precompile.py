@@ -91,9 +91,10 @@ def test_jobs_merge_only_when_they_compile_the_same(remembered, monkeypatch):
     (False, True, False, "nvfp4", 1, (True, False)),     # NINFER_XPRE off (or a GPU without it)
     (True, True, True, "nvfp4", 4, (True, True)),        # the kernels step times both
     (True, True, False, "q6_k", 1, (False, True)),       # the Q6_K h2 variant reads prepared input too
-    (True, True, False, "iq3_s", 1, (True, False)),      # no prepared IQ3_S launch at T = 1
+    (True, True, False, "iq3_s", 1, (False, True)),      # and the IQ3_S one
+    (True, True, False, "iq3_s", 17, (True, False)),     # no prepared launch past T = 16
     (True, True, False, "bf16", 4, (True, False)),
-], ids=["xpre", "plain-faster", "xpre-off", "forced", "q6k-T1", "iq3s-T1", "bf16"])
+], ids=["xpre", "plain-faster", "xpre-off", "forced", "q6k-T1", "iq3s-T1", "iq3s-T17", "bf16"])
 def test_launched_mirrors_the_runtime_choice(monkeypatch, xpre_on, preferred, force, fmt, T, want):
     monkeypatch.setenv("NINFER_GEMV_TUNE", "force" if force else "1")
     monkeypatch.setattr(x16, "xpre_on", lambda mode, dev: xpre_on)

@@ -73,6 +73,33 @@ def test_iq3_s_h2_every_grid_point_and_sign():
     assert rel_l2(y[0::2], ref[0::2]) < RTOL_H2
 
 
+@pytest.mark.parametrize("T,split,has_res", [(1, 1, False), (1, 3, True), (3, 2, True)],
+                         ids=["T1", "T1-split-res", "T3-split-res"])
+def test_iq3_s_h2_on_prepared_activations(T, split, has_res):
+    """Prepared pairs (|x'| < 2**14 per 128-chunk, their (j, j + 4) order permuted into the weights'): every grid
+    index, sign and scale nibble, activations spanning 2**32, an all-zero chunk and a huge one; bf16 out."""
+    from ninfer_kernels.x16 import launch_prepared, x16_prep
+    K = 768
+    blocks = iq3_s_every_index_blocks(N * K // 256, DEV).reshape(N, -1)
+    x = wide_range_x(T, K, seed=T)
+    x[0, :128] = 0.0
+    x[-1, 256:384] *= 1e30
+    x = x.to(torch.bfloat16).to(DEV)
+    res = torch.randn(T, N).to(torch.bfloat16).to(DEV) if has_res else None
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    p = repack_iq3_s(blocks, K)
+    w = tuple(p[k] for k in ("qs", "signs", "qh", "sc", "d", "grid"))
+    cfg = GemvConfig(32, 8, num_warps=1, num_stages=1, split=split, h2=True)
+    launch_prepared(iq3_s_gemv_kernel, w, x16_prep(x), N, K, 16, 1.0, out, res, cfg, "test")
+    ref = reference.ref_iq3_s(x, blocks, residual=res)
+    assert torch.isfinite(out).all()
+    for t in range(T):
+        assert rel_l2(out[t], ref[t]) < RTOL_HALF, t
+    with pytest.raises(KernelInputError, match="h2 variant needs"):
+        launch_prepared(iq3_s_gemv_kernel, w, x16_prep(x), N, K, 16, 1.0, out, res,
+                        GemvConfig(16, 16, 8, h2=True), "test")
+
+
 def test_sign_permutation():
     """Bit i of a GGML sign word lands at SIGN_BITS[i // 4][i % 4] (one bit at a time, and all at once)."""
     for i in range(16):

@@ -176,9 +176,9 @@ def test_launch_passes_every_constexpr_of_the_variant(monkeypatch, fmt, kind):
 
 
 @pytest.mark.parametrize("fmt,T", [("nvfp4", 1), ("nvfp4", 3), ("nvfp4", 11), ("q6_k", 1), ("q6_k", 4),
-                                   ("iq3_s", 3)],
+                                   ("iq3_s", 1), ("iq3_s", 3), ("iq3_s", 11)],
                          ids=["nvfp4-T1-h2", "nvfp4-T3-h2", "nvfp4-T11-mma", "q6_k-T1", "q6_k-T4",
-                              "iq3_s-T3-mma"])
+                              "iq3_s-T1-h2", "iq3_s-T3-h2", "iq3_s-T11-mma"])
 def test_linear_on_prepared_activations(fmt, T):
     """dispatch.linear(x, qw, xp=x16_prep(x)) against the codec reference, with a residual; what it refuses."""
     import numpy as np
