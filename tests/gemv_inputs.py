@@ -107,6 +107,16 @@ def wide_range_x(T: int, K: int, seed: int) -> torch.Tensor:
     return torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-20, 13, (T, K), generator=g).float())
 
 
+def prepared_inputs(T: int, K: int, N: int, has_res: bool, dev):
+    """(x, residual or None, NaN-poisoned out), bf16, for a GEMV on prepared activations: `wide_range_x`, with an
+    all-zero 128-chunk in the first row and a huge one (activations 256..383) in the last."""
+    x = wide_range_x(T, K, seed=T)
+    x[0, :128] = 0.0
+    x[-1, 256:384] *= 1e30
+    res = torch.randn(T, N).to(torch.bfloat16).to(dev) if has_res else None
+    return x.to(torch.bfloat16).to(dev), res, torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev)
+
+
 def every_code_nvfp4(N: int, K: int, dev):
     """(codes, scales): every code byte at every position; E4M3 scales from subnormal (0x01, 0x07) to 448 (0x7E)."""
     codes = torch.from_numpy((np.arange(N * K // 2) % 256).astype(np.uint8).reshape(N, K // 2)).to(dev)

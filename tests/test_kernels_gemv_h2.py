@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ninfer_formats import codecs  # noqa: E402
-from gemv_inputs import every_code_nvfp4, extreme_x, nvfp4_weights, rel_l2, wide_range_x  # noqa: E402
+from gemv_inputs import (every_code_nvfp4, extreme_x, nvfp4_weights, prepared_inputs, rel_l2,  # noqa: E402
+                         wide_range_x)
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_launch import GemvConfig, KernelInputError, interpreting, workspace  # noqa: E402
@@ -113,12 +114,7 @@ def test_q6_k_h2_on_prepared_activations(T, split, has_res, stages):
     raw = (np.arange(N * K // 256 * 210) * 37 % 251).astype(np.uint8).reshape(N, -1)
     raw.reshape(N, K // 256, 210)[..., 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     blocks = torch.from_numpy(raw).to(DEV)
-    x = wide_range_x(T, K, seed=T)
-    x[0, :128] = 0.0
-    x[-1, 256:384] *= 1e30
-    x = x.to(torch.bfloat16).to(DEV)
-    res = torch.randn(T, N).to(torch.bfloat16).to(DEV) if has_res else None
-    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    x, res, out = prepared_inputs(T, K, N, has_res, DEV)
     packed = repack_q6_k(blocks, K)
     w = (packed["ql"], packed["qh"], packed["sc"], packed["d"])
     cfg = GemvConfig(32, 4, num_stages=stages, split=split, h2=True)

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ninfer_formats import codecs  # noqa: E402
-from gemv_inputs import (as_h200, iq3_s_every_index_blocks, random_ggml_blocks, rel_l2, tuner_tiles,  # noqa: E402
-                         wide_range_x)
+from gemv_inputs import (as_h200, iq3_s_every_index_blocks, prepared_inputs, random_ggml_blocks, rel_l2,  # noqa: E402
+                         tuner_tiles, wide_range_x)
 from ninfer_kernels import reference  # noqa: E402
 from ninfer_kernels import gemv_launch as gl  # noqa: E402
 from ninfer_kernels.gemv_iq3_s import (H2_TILES, SIGN_BITS, gemv_iq3_s, iq3_s_gemv_kernel, permute_signs,  # noqa: E402
@@ -81,12 +81,7 @@ def test_iq3_s_h2_on_prepared_activations(T, split, has_res):
     from ninfer_kernels.x16 import launch_prepared, x16_prep
     K = 768
     blocks = iq3_s_every_index_blocks(N * K // 256, DEV).reshape(N, -1)
-    x = wide_range_x(T, K, seed=T)
-    x[0, :128] = 0.0
-    x[-1, 256:384] *= 1e30
-    x = x.to(torch.bfloat16).to(DEV)
-    res = torch.randn(T, N).to(torch.bfloat16).to(DEV) if has_res else None
-    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    x, res, out = prepared_inputs(T, K, N, has_res, DEV)
     p = repack_iq3_s(blocks, K)
     w = tuple(p[k] for k in ("qs", "signs", "qh", "sc", "d", "grid"))
     cfg = GemvConfig(32, 8, num_warps=1, num_stages=1, split=split, h2=True)
