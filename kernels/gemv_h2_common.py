@@ -233,11 +233,13 @@ def h2_mode(device: torch.device) -> int:
 
 class H2Kernel:
     """Binds H2_MODE so the generic launcher (`gemv_launch`) treats an h2 kernel like the other kernels. Its
-    __name__ is the format's own kernel's: both variants compete for the same tuner key."""
+    __name__ is the format's own kernel's: both variants compete for the same tuner key. `check(cfg)`, if given,
+    raises KernelInputError for a tile the variant cannot run (the launcher calls it before every launch)."""
 
-    def __init__(self, jit, name: str, mode: int, per_thread: bool = False):
+    def __init__(self, jit, name: str, mode: int, per_thread: bool = False, check=None):
         self.__name__, self.jit, self.mode, self.extra_consts = name, jit, mode, {"H2_MODE": mode}
         self.per_thread = per_thread   # [32 * NW] tensors: the launcher passes NW = num_warps
+        self.check = check
 
     def __getitem__(self, grid):
         return lambda *a, **kw: self.jit[grid](*a, H2_MODE=self.mode, **kw)
@@ -246,14 +248,14 @@ class H2Kernel:
         return self.jit.warmup(*a, grid=grid, H2_MODE=self.mode, **kw)
 
 
-def factory(jit, name: str, per_thread: bool = False):
+def factory(jit, name: str, per_thread: bool = False, check=None):
     """`device -> H2Kernel` with one launcher object per H2_MODE (for `gemv_launch.register_h2`)."""
     made: dict = {}
 
     def make(device: torch.device) -> H2Kernel:
         mode = h2_mode(device)
         if mode not in made:
-            made[mode] = H2Kernel(jit, name, mode, per_thread)
+            made[mode] = H2Kernel(jit, name, mode, per_thread, check)
         return made[mode]
     return make
 

@@ -229,12 +229,10 @@ def gemv_iq3_s(x, packed: dict, out=None, residual=None, *, config=None, plans=N
     x = check_x(x, None, "gemv_iq3_s")
     K = x.shape[1]
     n, w = _weights(packed, K, x.device, "gemv_iq3_s")
-    if config is not None and config.h2:
-        _check_h2_tile(config)
     return gemv(iq3_s_gemv_kernel, w, x, n, K // GS, GS, 1.0, out, residual, config, "gemv_iq3_s", plans=plans)
 
 
-def _check_h2_tile(cfg) -> None:
+def check_h2_tile(cfg) -> None:
     """The per-thread h2 kernel holds one 32-weight sub-block column per thread: block_g in 2..16 and a whole,
     power-of-two number of rows per thread (block_n * block_g / (64 * num_warps))."""
     rows, rem = divmod(cfg.block_n * cfg.block_g, 64 * cfg.num_warps)

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .gemv_common import finish_at
 from .gemv_h2_common import _EMULATE, compile_consts, factory, hfma2, lanes_f32, pack2, row_scale
-from .gemv_iq3_s import SIGNED_WORDS
+from .gemv_iq3_s import SIGNED_WORDS, check_h2_tile
 from .gemv_mma_common import join_tree, split_tree, stack_all
 from .pdl import pdl_wait
 
@@ -246,7 +246,8 @@ def _epilogue(accs, backs, t0, N, T, split, out_ptr, stride_ot, res_ptr, stride_
               res_ptr, stride_rt, ws_ptr, cnt_ptr, EPI, USE_SPLIT, T_TILE, R * RB, PDL)
 
 
-h2_kernel = factory(iq3_s_h2_gemv_kernel, "iq3_s_gemv_kernel", per_thread=True)   # gemv_iq3_s registers it
+h2_kernel = factory(iq3_s_h2_gemv_kernel, "iq3_s_gemv_kernel", per_thread=True,   # gemv_iq3_s registers it
+                    check=check_h2_tile)
 
 
 def kernel_for(fmt: str = "iq3_s_h2", dequant: bool = False, cc: int = 90):

@@ -185,6 +185,8 @@ def _launch(kernel, weights: tuple, x, N: int, G: int, fscale: float, out, resid
     T = x.shape[0]
     kind = "h2" if cfg.h2 else "mma" if cfg.mma else None
     kernel = variant(kernel, kind, x.device) if kind else kernel
+    if getattr(kernel, "check", None) is not None:     # a variant's own tile rule (e.g. IQ3_S h2's rows per thread)
+        kernel.check(cfg)
     if cfg.mma:
         tt = cfg.t_tile or (8 if T <= 8 else 16)
     else:

@@ -114,9 +114,6 @@ def _checked_args(kernel, weights, xp, N, K, GS, fscale, out, residual, cfg, wha
     if kind is None or not has_variant(kernel, kind) or T > (8 if cfg.h2 else 16) or (cfg.mma and G % cfg.block_g):
         raise KernelInputError(f"{what}: needs an h2 config (T <= 8) or an mma config (T <= 16, K a multiple of "
                                f"block_g * {GS}) of a variant this format has, got {cfg} at T={T}, K={K}")
-    if cfg.h2 and kernel.__name__ == "iq3_s_gemv_kernel":     # its per-thread tile rule
-        from .gemv_iq3_s import _check_h2_tile
-        _check_h2_tile(cfg)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, N) or out.stride(1) != 1 \
             or out.device != xp.device:
         raise KernelInputError(f"{what}: out must be [{T}, {N}] with unit column stride on {xp.device}")
@@ -158,8 +155,6 @@ def _mma_ok(device: torch.device) -> bool:
 def _capability(index) -> tuple:
     """Cached: `prepared_ok` runs on every linear call of a decode step."""
     return torch.cuda.get_device_capability(index)
-
-
 
 
 def prepared_ok(qw, T: int, device) -> bool:
