@@ -36,6 +36,7 @@ from .gemv_nvfp4 import dequant_nvfp4, gemv_nvfp4, repack_nvfp4, unpack_nvfp4
 from .gemv_plain import _WIDTH, gemv_plain
 from .gemv_q6_k import dequant_q6_k, gemv_q6_k, repack_q6_k, unpack_q6_k
 from .x16 import CHUNK, prefer_prepared, prepared_linear, prepared_ok
+from .x16_check import PreparedDisagrees
 
 DECODE_MAX_T = 16
 # per repacked format: the stored tensors -> the kernels' planes, and back ({key: tensor} of `rows` or all rows)
@@ -211,13 +212,23 @@ def linear(x: torch.Tensor, qw, out=None, residual=None, *, prefill_path=None, x
         if not prepared_ok(qw, T, x.device) or xp.shape[0] != T:
             raise KernelInputError(f"linear {qw.name or qw.fmt}: prepared activations for {xp.shape[0]} rows do "
                                    f"not serve a {qw.fmt} weight at T={T}")
-        y = prepared_linear(xp, qw, o2, r2, x.dtype) if prefer_prepared(qw, T, x.dtype, epi_of(r2) == EPI_RES,
-                                                                        x.device) else _gemv(x2, qw, o2, r2)
+        y = _prepared_or_plain(x2, xp, qw, o2, r2, T)
     elif T > DECODE_MAX_T:
         y = _prefill(x2, qw, o2, r2, prefill_path)
     else:
         y = _gemv(x2, qw, o2, r2)
     return y.view(*lead, N) if out is None else out
+
+
+def _prepared_or_plain(x2, xp, qw, o2, r2, T: int) -> torch.Tensor:
+    """The prepared launch where `prefer_prepared` takes it, else (and where its variant failed `x16_check`: this
+    call, and through prefer_prepared every later one) the GEMV on plain x."""
+    if prefer_prepared(qw, T, x2.dtype, epi_of(r2) == EPI_RES, x2.device):
+        try:
+            return prepared_linear(xp, qw, o2, r2, x2.dtype)
+        except PreparedDisagrees:
+            qw.cache.pop("xpre.prefer", None)    # decided again, now against
+    return _gemv(x2, qw, o2, r2)
 
 
 def swiglu_fusable(T: int, qw) -> bool:

@@ -19,6 +19,7 @@ import triton.language as tl
 from .gemv_launch import GemvConfig, KernelInputError, _launch, has_variant
 from .gemv_tune_cache import H2_FORMATS   # every format's packed-half2 GEMV (T <= 8) reads prepared input too
 from .pdl import pdl_enter, pdl_kw
+from .x16_check import PreparedDisagrees, agrees, disagreed
 # the layout's names stay importable from here (callers and tests use them)
 from .x16_layout import (_CHUNK, CHUNK, E_MAX, E_MIN, UP_FIELD, align_env_error, empty_prepared,  # noqa: F401
                          row_stride, store_prepared, words_per_row)
@@ -66,7 +67,7 @@ def x16_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def x16_decode(p: torch.Tensor, K: int) -> torch.Tensor:
-    """fp32 [T, K] that the prepared rows stand for (x' * back): for tests."""
+    """fp32 [T, K] that the prepared rows stand for (x' * back): for tests and `x16_check`."""
     T = p.shape[0]
     w = p[:, :K // 2].reshape(T, K // 8, 4)
     lo = (w & 0xFFFF).to(torch.int16).view(torch.float16).float()
@@ -182,6 +183,9 @@ def prefer_prepared(qw, T: int, dtype, residual: bool, device) -> bool:
         return hit
     from .gemv_launch import interpreting, tune_key
     device = torch.device(device)
+    if disagreed(qw.fmt):                    # its prepared launch failed `x16_check` in this process
+        memo[k] = False
+        return False
     if device.type != "cuda" or interpreting():
         return True
     from . import gemv_tune_cache as tc
@@ -260,6 +264,9 @@ def _prepared_checked(xp, qw, out, residual, dtype, plans: dict, pkey) -> torch.
             scratch.append(torch.empty_like(out))
         return launch_prepared(kernel, w, xp, N, K, GS, fscale, scratch[0], residual, c, "linear (prepared)")
     cfg, final = glu_config(choose_config(key, cands, run, dev, GS), cands, epi, N)
+    if not agrees(lambda c, o: launch_prepared(kernel, w, xp, N, K, GS, fscale, o, None, c, "linear (prepared check)"),
+                  kernel, w, xp, N, K, GS, fscale, cfg, qw.fmt):
+        raise PreparedDisagrees(qw.fmt)
     args = _checked_args(kernel, w, xp, N, K, GS, fscale, out, residual, cfg, "linear (prepared)")
     compiled, grid, ws, cnt, scalars, consts, launched = _launch(*args, extra={"XPRE": True})
     if final:

@@ -278,3 +278,38 @@ def test_bench_kernels_xpre_smoke(tmp_path):
             for r in recs]
     built = tc.build_shipped(fake, "kernels.json")
     assert {e["fmt"] for e in next(iter(built["gpus"].values()))} == {"nvfp4", "nvfp4+xpre"}
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["agrees", "disagrees"])
+def test_prepared_variant_is_checked_against_the_fp32_kernel(monkeypatch, capsys, broken):
+    """The first prepared plan of a format and variant is compared with the fp32 kernel on the activations the
+    prepared rows stand for (on CUDA; forced here). A variant that disagrees (simulated: its launches add 1) turns
+    prepared input off for that format: this call and later ones, other weights too, come from plain x."""
+    import numpy as np
+
+    from ninfer_formats import codecs
+    from ninfer_kernels import dispatch, x16, x16_check
+    from ninfer_rt.weights import QWeight
+    monkeypatch.setattr(x16_check, "_CHECKED", {})
+    monkeypatch.setattr(x16_check, "checkable", lambda device: True)
+    if broken:
+        real = x16.launch_prepared
+
+        def launch_wrong(*a, **k):
+            return real(*a, **k).add_(1.0)
+        monkeypatch.setattr(x16, "launch_prepared", launch_wrong)
+    N, K, T = 37, 256, 1
+
+    def weight(seed):
+        w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+        return QWeight("iq3_s", (N, K), {"blocks": torch.from_numpy(codecs.quantize("iq3_s", w)).to(DEV)},
+                       name=f"test.{seed}")
+    qw, other = weight(0), weight(1)
+    x = torch.randn(T, K).to(DEV)
+    y = dispatch.linear(x, qw, xp=x16_prep(x))
+    assert rel_l2(y, reference.ref_linear(x, "iq3_s", qw)) < RTOL_F32
+    assert x16_check._CHECKED == {("iq3_s", "h2", x.device): not broken}
+    assert x16_check.disagreed("iq3_s") == broken and not x16_check.disagreed("nvfp4")
+    assert ("disagrees with the fp32 kernel" in capsys.readouterr().err) == broken
+    assert x16.prefer_prepared(other, T, x.dtype, False, x.device) == (not broken)
+    assert (("xpre", T, x.dtype, False) in qw.cache["triton.plans"]) == (not broken)
