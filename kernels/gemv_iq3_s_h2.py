@@ -143,18 +143,19 @@ def _x16_pairs(x_ptr, row, h, G, H2_MODE: tl.constexpr):
 
 @triton.jit
 def _column_pairs(x_ptr, row, h, up, G, H2_MODE: tl.constexpr, XPRE: tl.constexpr):
-    """(the 16 pairs of one T column, with XPRE the chunk's back: `_rows_dot` reads it only then)."""
+    """(the 16 pairs of one T column, what the sub-block scale is multiplied by: XPRE the chunk's back, else 1,
+    which the compiler folds)."""
     if XPRE:
         return _x16_pairs(x_ptr, row, h, G, H2_MODE)
     else:
-        return _x_pairs(x_ptr, row, h * 32, up, H2_MODE), up
+        return _x_pairs(x_ptr, row, h * 32, up, H2_MODE), 1.0
 
 
 @triton.jit
 def _rows_dot(tab, lds, xp, xb, R: tl.constexpr, LOG_R: tl.constexpr, T_TILE: tl.constexpr,
-              H2_MODE: tl.constexpr, XPRE: tl.constexpr):
-    """Per row and T column: the sub-block's f16 dot product as fp32 times its scale (and, XPRE, the column's
-    chunk back xb; row-major tuple)."""
+              H2_MODE: tl.constexpr):
+    """Per row and T column: the sub-block's f16 dot product as fp32 times its scale and the column's factor xb
+    (`_column_pairs`; row-major tuple)."""
     idx = ()
     for j in tl.static_range(R):
         idx = idx + lds[j][0]
@@ -168,10 +169,7 @@ def _rows_dot(tab, lds, xp, xb, R: tl.constexpr, LOG_R: tl.constexpr, T_TILE: tl
             acc = hfma2(w[0], xp[tt][0], tl.zeros_like(lds[j][0][0]), H2_MODE)
             for i in tl.static_range(1, 16):
                 acc = hfma2(w[i], xp[tt][i], acc, H2_MODE)
-            if XPRE:
-                out = out + (lanes_f32(acc, H2_MODE) * (lds[j][2] * xb[tt]),)
-            else:
-                out = out + (lanes_f32(acc, H2_MODE) * lds[j][2],)
+            out = out + (lanes_f32(acc, H2_MODE) * (lds[j][2] * xb[tt]),)
     return out
 
 
@@ -221,7 +219,7 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
         for tt in tl.static_range(T_TILE):
             p, b = _column_pairs(x_ptr, xrows[tt], h, ups[tt], G, H2_MODE, XPRE)
             xp, xb = xp + (p,), xb + (b,)
-        part = _rows_dot(tab, lds, xp, xb, R, LOG_R, T_TILE, H2_MODE, XPRE)
+        part = _rows_dot(tab, lds, xp, xb, R, LOG_R, T_TILE, H2_MODE)
         for i in tl.static_range(R * T_TILE):
             accs = accs[:i] + (accs[i] + part[i],) + accs[i + 1:]
     _epilogue(accs, backs, t0, N, T, split, out_ptr, stride_ot, res_ptr, stride_rt, ws_ptr, cnt_ptr, R, RB, GC,

@@ -35,17 +35,16 @@ def checkable(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and not _capturing()
 
 
-def agrees(run_prepared, kernel, weights: tuple, xp: torch.Tensor, N: int, K: int, GS: int, fscale: float,
-           cfg, fmt: str) -> bool:
-    """Whether `run_prepared(cfg, out)` (the prepared launch of `cfg` into out, no residual) matches the format's
-    fp32 kernel within H2_CHECK_RTOL. Once per format, variant and device where `checkable`; elsewhere what is
-    known, else True."""
-    from .x16 import x16_decode
+def agrees(kernel, weights: tuple, xp: torch.Tensor, N: int, K: int, GS: int, fscale: float, cfg, fmt: str) -> bool:
+    """Whether the prepared launch of `cfg` (no residual) matches the format's fp32 kernel within H2_CHECK_RTOL.
+    Once per format, variant and device where `checkable`; elsewhere what is known, else True."""
+    from .x16 import launch_prepared, x16_decode
     key = (fmt, "mma" if cfg.mma else "h2", xp.device)
     if key in _CHECKED or not checkable(xp.device):
         return _CHECKED.get(key, True)
     T, G = xp.shape[0], K // GS
-    got = run_prepared(cfg, torch.empty((T, N), dtype=torch.float32, device=xp.device))
+    got = launch_prepared(kernel, weights, xp, N, K, GS, fscale, torch.empty((T, N), device=xp.device), None, cfg,
+                          "linear (prepared check)")
     ref = candidates(T, N, G, GS, torch.float32, xp.device)[0]       # fp32 activations: a plain config
     want = launch(kernel, weights, x16_decode(xp, K), N, G, fscale, torch.empty_like(got), None, ref)
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
