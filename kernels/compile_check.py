@@ -105,19 +105,22 @@ def compile_variant(v: Variant, cc: int):
 
 
 FORMATS = ("nvfp4", "nvfp4_h2", "nvfp4_mma", "q6_k", "q6_k_h2", "q6_k_mma", "iq3_s", "iq3_s_h2", "iq3_s_mma",
-           "f8", "plain:bf16", "plain:f16", "plain:f32")
+           "iq3_s4", "iq3_s4_h2", "iq3_s4_mma", "f8", "plain:bf16", "plain:f16", "plain:f32")
 # kernel_for(..., cc=) picks the target PTX of these
-CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")
-NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2")   # elementwise-only variants (T <= 8), no dequantizer of their own
-LANE_EXACT = ("nvfp4_mma", "q6_k_mma", "iq3_s_mma")   # per-thread kernels: inline PTX must see element e in thread e
+CC_AWARE = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "iq3_s4_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma", "iq3_s4_mma")
+# elementwise-only variants (T <= 8), no dequantizer of their own
+NO_DOT = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "iq3_s4_h2")
+# per-thread kernels: inline PTX must see element e in thread e
+LANE_EXACT = ("nvfp4_mma", "q6_k_mma", "iq3_s_mma", "iq3_s4_mma")
 # variants that also read prepared activations
-XPRE_FORMATS = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma")
+XPRE_FORMATS = ("nvfp4_h2", "q6_k_h2", "iq3_s_h2", "iq3_s4_h2", "nvfp4_mma", "q6_k_mma", "iq3_s_mma", "iq3_s4_mma")
 # (stages of the T=2 split/residual variant, T=1 (block_n, stages) tiles): the shared h2 skeleton's pipelined
 # and plain loops; the per-thread IQ3_S h2 kernel's winning tile (one mode)
 _MMA_T16_ROWS = {"iq3_s_mma": 128}   # the T tile 16 compiled per warp-MMA variant: its largest tuner tile
 _MMA_STAGES = {"iq3_s_mma": (2,)}      # load depths of a warp-MMA variant's tuner tiles (gemv_iq3_s.MMA_TILES)
-_NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 1),)), None: (3, ((128, 3), (128, 1)))}
-_GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "iq3_s_h2": 16, "f8": 8,
+_NO_DOT_TILES = {"iq3_s_h2": (1, ((64, 1),)), "iq3_s4_h2": (1, ((64, 1),)), None: (3, ((128, 3), (128, 1)))}
+_GS = {"nvfp4": 16, "nvfp4_h2": 16, "q6_k_h2": 16, "q6_k": 16, "iq3_s": 16, "iq3_s_h2": 16, "iq3_s4": 16,
+       "iq3_s4_h2": 16, "f8": 8,
        "plain:bf16": 4, "plain:f16": 4, "plain:f32": 2}
 
 

@@ -174,6 +174,40 @@ def _rows_dot(tab, lds, xp, xb, R: tl.constexpr, LOG_R: tl.constexpr, T_TILE: tl
 
 
 @triton.jit
+def thread_rows(N, BLOCK_N: tl.constexpr, GC: tl.constexpr, RB: tl.constexpr, R: tl.constexpr,
+                NW: tl.constexpr):
+    """(thread index e [NT], its sub-block column gc in the tile, its R rows, RB apart): GC threads per row. Tail
+    rows re-read the last row and are never stored."""
+    e = tl.arange(0, 32 * NW)
+    gc, rb = e % GC, e // GC
+    rows = ()
+    for j in tl.static_range(R):
+        rows = rows + (tl.minimum(tl.program_id(0) * BLOCK_N + rb + j * RB, N - 1),)
+    return e, gc, rows
+
+
+@triton.jit
+def column_scales(x_ptr, T, G, split, stride_xt, fscale, T_TILE: tl.constexpr, BLOCK_G: tl.constexpr,
+                  XPRE: tl.constexpr):
+    """(t0, the CTA's group range g_lo..g_hi, and per T column its row offset, up and back): plain activations are
+    scaled to |x'| < 2**14 over the CTA's K range (`row_scale`) and back * fscale undoes it; prepared ones carry
+    each chunk's back into the sub-block scales, so up is 1 and back is fscale."""
+    t0 = tl.program_id(2) * T_TILE
+    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
+    g_lo = tl.program_id(1) * g_per
+    g_hi = tl.minimum(G, g_lo + g_per)
+    xrows, ups, backs = (), (), ()
+    for tt in tl.static_range(T_TILE):
+        xr = tl.minimum(t0 + tt, T - 1) * stride_xt
+        if XPRE:
+            xrows, ups, backs = xrows + (xr,), ups + (1.0,), backs + (fscale,)
+        else:
+            up, back = row_scale(x_ptr, xr, g_lo * 16, g_hi * 16, 512, _UP_BIAS, _BACK_BIAS)
+            xrows, ups, backs = xrows + (xr,), ups + (up,), backs + (back * fscale,)
+    return t0, g_lo, g_hi, xrows, ups, backs
+
+
+@triton.jit
 def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws_ptr, cnt_ptr, fscale, T, N, G,
                          split, stride_xt, stride_ot, stride_rt, T_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
@@ -191,23 +225,9 @@ def iq3_s_h2_gemv_kernel(x_ptr, qs, signs, qh, sc, d, grid, out_ptr, res_ptr, ws
     LOG_R: tl.constexpr = R.bit_length() - 1
     tl.static_assert(BLOCK_G >= 2 and BLOCK_G <= 16 and R >= 1 and R * RB == BLOCK_N and (1 << LOG_R) == R)
     tl.static_assert(T_TILE <= 8)
-    e = tl.arange(0, 32 * NW)
-    gc, rb = e % GC, e // GC
-    rows = ()
-    for j in tl.static_range(R):          # tail rows re-read the last row and are never stored
-        rows = rows + (tl.minimum(tl.program_id(0) * BLOCK_N + rb + j * RB, N - 1),)
-    t0 = tl.program_id(2) * T_TILE
-    g_per = tl.cdiv(tl.cdiv(G, split), BLOCK_G) * BLOCK_G
-    g_lo = tl.program_id(1) * g_per
-    g_hi = tl.minimum(G, g_lo + g_per)
-    xrows, ups, backs = (), (), ()
-    for tt in tl.static_range(T_TILE):
-        xr = tl.minimum(t0 + tt, T - 1) * stride_xt
-        if XPRE:          # each chunk's back is in its sub-blocks' scales
-            xrows, ups, backs = xrows + (xr,), ups + (fscale,), backs + (fscale,)
-        else:
-            up, back = row_scale(x_ptr, xr, g_lo * 16, g_hi * 16, 512, _UP_BIAS, _BACK_BIAS)
-            xrows, ups, backs = xrows + (xr,), ups + (up,), backs + (back * fscale,)
+    e, gc, rows = thread_rows(N, BLOCK_N, GC, RB, R, NW)
+    t0, g_lo, g_hi, xrows, ups, backs = column_scales(x_ptr, T, G, split, stride_xt, fscale, T_TILE, BLOCK_G,
+                                                      XPRE)
     tab = tl.load(grid + _H2_TABLE + tl.arange(0, 512))
     accs = ()
     for _ in tl.static_range(R * T_TILE):

@@ -36,8 +36,10 @@ from .gemv_launch import GemvConfig
 from .gemv_pins import PINS_NAME, PinError, apply_pins, load_pins, parse_config, record_key
 
 SHIPPED_PATH = Path(__file__).with_name("gemv_tuned.json")
-H2_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a packed-half2 variant (gemv_*_h2)
-MMA_FORMATS = ("nvfp4", "q6_k", "iq3_s")   # formats with a warp-MMA variant (gemv_*_mma; sm_80+)
+# kernel formats with a packed-half2 variant (gemv_*_h2) and with a warp-MMA variant (gemv_*_mma; sm_80+); iq3_s4:
+# IQ3_S weights in the 4-bit code planes (gemv_iq3_s4, NINFER_IQ3S_LAYOUT=codes4)
+H2_FORMATS = ("nvfp4", "q6_k", "iq3_s", "iq3_s4")
+MMA_FORMATS = ("nvfp4", "q6_k", "iq3_s", "iq3_s4")
 _TILE = ("block_n", "block_g", "num_warps", "num_stages", "use_dot", "t_tile", "h2", "mma")   # without the split
 
 

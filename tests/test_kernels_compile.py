@@ -32,7 +32,7 @@ def test_every_variant_compiles(compiled):
 @pytest.mark.parametrize("cc", CCS)
 def test_all_kernels_and_paths_covered(compiled, cc):
     names = {row["variant"] for row in compiled if row["cc"] == cc}
-    for fmt in ("nvfp4", "q6_k", "iq3_s", "f8", "plain:bf16", "plain:f16", "plain:f32"):
+    for fmt in ("nvfp4", "q6_k", "iq3_s", "iq3_s4", "f8", "plain:bf16", "plain:f16", "plain:f32"):
         mine = {n for n in names if n.startswith(fmt + "-")}
         assert any(n.endswith("-split-res") for n in mine), (fmt, cc)   # elementwise + split-K + residual
         assert any(n.endswith("-dot") for n in mine), (fmt, cc)         # tl.dot path

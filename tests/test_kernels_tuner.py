@@ -325,7 +325,7 @@ def test_variant_format_lists_match_the_registered_kernels():
     """The cache's H2_FORMATS / MMA_FORMATS decide which remembered configs are usable: they must name exactly the
     formats with that variant (a format missing from MMA_FORMATS silently re-tunes in every process)."""
     import importlib
-    for fmt in ("nvfp4", "q6_k", "iq3_s"):
+    for fmt in ("nvfp4", "q6_k", "iq3_s", "iq3_s4"):
         kernel = getattr(importlib.import_module(f"ninfer_kernels.gemv_{fmt}"), f"{fmt}_gemv_kernel")
         assert gl.has_variant(kernel, "h2") == (fmt in tc.H2_FORMATS), fmt
         assert gl.has_variant(kernel, "mma") == (fmt in tc.MMA_FORMATS), fmt

@@ -143,7 +143,7 @@ def test_bench_ncu_gemv_smoke():
 
 
 @pytest.mark.parametrize("fmt,kind", [("nvfp4", "h2"), ("nvfp4", "mma"), ("q6_k", "h2"), ("q6_k", "mma"),
-                                      ("iq3_s", "h2"), ("iq3_s", "mma")])
+                                      ("iq3_s", "h2"), ("iq3_s", "mma"), ("iq3_s4", "h2"), ("iq3_s4", "mma")])
 def test_launch_passes_every_constexpr_of_the_variant(monkeypatch, fmt, kind):
     """GemvPlan's direct launch (kernels/gemv_plan.py) needs the launcher's constexprs to be exactly the kernel's
     constexpr parameters; a defaulted one (XPRE) left out would silently disable it."""
