@@ -31,7 +31,9 @@ def _spec(v: int) -> str:
 
 def kernel_spec(fmt: str):
     import importlib
-    mod = importlib.import_module(f"ninfer_kernels.gemv_{_KMOD[fmt]}")
+    from ninfer_kernels.gemv_iq3_s4 import layout
+    kmod = "iq3_s4" if fmt == "iq3_s" and layout() == "codes4" else _KMOD[fmt]   # NINFER_IQ3S_LAYOUT's planes
+    mod = importlib.import_module(f"ninfer_kernels.gemv_{kmod}")
     if fmt == "bf16":
         kern, wsig, _ = mod.kernel_for("plain:bf16")
         return mod._PlainKernel(0), wsig, 4

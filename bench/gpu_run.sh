@@ -18,6 +18,8 @@
 #             then ship the winners into kernels/gemv_tuned.json of this working tree (later steps use them);
 #             KXPRE=1 also times them on prepared activations (formats <fmt>+xpre); KRUNOFF (default 3) tuner
 #             finishers re-timed over rotating copies in one graph before one ships (0: the tuner's pick)
+#   kernels4  the same with NINFER_IQ3S_LAYOUT=codes4: KFORMATS=iq3_s gives records "iq3_s4" (IQ3_S read from the
+#             4-bit code planes, kernels/gemv_iq3_s4.py), merged into the same kernels.json
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
 #   decodenopdl the same with NINFER_PDL=0 (no programmatic dependent launch; on by default on sm_90+), written
 #             as decode_nopdl.json; run it before decode to compare both on one machine
@@ -85,6 +87,15 @@ run_serve() {
   echo "$name rc=$?"; tail -15 "$OUT/${name}_table.txt"
 }
 # run_sweep: one decode.py per value of $SWEEP_VALUES under $SWEEP_VAR=value (see the step list above)
+run_kernels() {   # $1: the step's name (its table and log files)
+  timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp ${KTP:-1 2} $([ -n "${KSHAPES:-}" ] && echo --shapes $KSHAPES) \
+    --T ${KTS:-1 2 4 8} --merge $([ "${KXPRE:-0}" = 1 ] && echo --xpre) --runoff ${KRUNOFF:-3} \
+    --out bench/results/kernels.json > "$OUT/$1_table.txt" 2> "$OUT/$1_log.txt"
+  echo "$1 rc=$?"; tail -2 "$OUT/$1_log.txt"
+  cp bench/results/kernels.json bench/results/kernels_check.json "$OUT/" 2>/dev/null
+  python3 -m ninfer_kernels.gemv_tune_cache bench/results/kernels.json && cp kernels/gemv_tuned.json "$OUT/"
+}
+
 run_sweep() {
   local v i=0 l
   for v in $SWEEP_VALUES; do
@@ -154,13 +165,8 @@ for step in "$@"; do
         ${XPRE_TS:+--T $XPRE_TS} ${XPRE_EXTRA:+--extra $XPRE_EXTRA} \
         > "$OUT/xpre_table.txt" 2> "$OUT/xpre_log.txt"
       echo "xpre rc=$?"; cat "$OUT/xpre_table.txt"; grep prepared "$OUT/xpre_log.txt"; tail -3 "$OUT/xpre_log.txt" ;;
-    kernels)
-      timeout ${KERNELS_S:-300} python3 bench/kernels.py $([ "${KCHECK:-1}" = 0 ] || echo --check) --formats ${KFORMATS:-nvfp4 q6_k} --tp ${KTP:-1 2} $([ -n "${KSHAPES:-}" ] && echo --shapes $KSHAPES) \
-        --T ${KTS:-1 2 4 8} --merge $([ "${KXPRE:-0}" = 1 ] && echo --xpre) --runoff ${KRUNOFF:-3} \
-        --out bench/results/kernels.json > "$OUT/kernels_table.txt" 2> "$OUT/kernels_log.txt"
-      echo "kernels rc=$?"; tail -2 "$OUT/kernels_log.txt"
-      cp bench/results/kernels.json bench/results/kernels_check.json "$OUT/" 2>/dev/null
-      python3 -m ninfer_kernels.gemv_tune_cache bench/results/kernels.json && cp kernels/gemv_tuned.json "$OUT/" ;;
+    kernels) run_kernels kernels ;;
+    kernels4) NINFER_IQ3S_LAYOUT=codes4 run_kernels kernels4 ;;
     decode) run_decode decode "${NINFER_XPRE:-auto}" "$(reserve decodex serve servex)" ;;
     decodex) run_decode decodex "${DECODEX_XPRE:-0}" "$(reserve serve servex)" ;;
     decodenopdl) run_decode decodenopdl "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" 0 ;;

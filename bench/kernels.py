@@ -13,6 +13,9 @@ device run both validates and times. Prefill (T > 16): fused tl.dot GEMM vs dequ
 
 --xpre also times NVFP4 / Q6_K / IQ3_S on prepared activations (`ninfer_kernels.x16`, what the norms and gates hand the
 decode step's linear layers), as formats "<fmt>+xpre"; their winners ship like the others.
+With NINFER_IQ3S_LAYOUT=codes4 the IQ3_S weights are read from 4-bit code planes (`ninfer_kernels.gemv_iq3_s4`):
+records "iq3_s4", whose gbps / pct_copy_bw count the IQ3_S blocks' bytes (so they compare with "iq3_s" by time)
+and pct_copy_bw_read the 22 % more bytes the kernel reads.
 
 Table on stdout, progress on stderr, records to --out: a list of {"format", "name", "tp", "shape": [N, K],
 "T", "us", "us_eager", "gbps", "pct_copy_bw", "torch_bf16_us", "gpu", ...}.
@@ -141,8 +144,13 @@ def _h2_runner(fmt: str, qw, K: int):
     return lambda x, res: gemv_nvfp4(x, planes, qw.data["gscale"], residual=res, config=cfg)
 
 
-_KERNEL_NAME = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel", "iq3_s": "iq3_s_gemv_kernel",
-                "f8_e4m3_row": "f8_gemv_kernel", "bf16": "plain_gemv_kernel[0]"}
+# bytes an IQ3_S GEMV reads per byte of blocks with NINFER_IQ3S_LAYOUT=codes4 (ninfer_kernels.gemv_iq3_s4)
+CODES4_READ = 134 / 110
+
+
+def record_format(fmt: str) -> str:
+    """The records' format: IQ3_S weights in the 4-bit code planes are "iq3_s4" (the tuner's name for them too)."""
+    return "iq3_s4" if kernel_spec(fmt)[0].__name__ == "iq3_s4_gemv_kernel" else fmt
 
 
 def graph_us(fns, quick: bool) -> float | None:
@@ -174,7 +182,7 @@ def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us, xpre: bool
             def call(q):
                 return dispatch.linear(x, q, out=out)
         call(qws[0])                                       # the first call tunes; not timed
-        kname = _KERNEL_NAME[fmt] + (x16.XPRE_SUFFIX if xpre else "")
+        kname = kernel_spec(fmt)[0].__name__ + (x16.XPRE_SUFFIX if xpre else "")
         key = gl.tune_key(kname, N, K // kernel_spec(fmt)[2], T, x.dtype, False, x.device)
         finals = graph_runoff(key, qws, call, quick, runoff)
         it = iter(range(1 << 62))
@@ -185,9 +193,12 @@ def time_format(fmt, qws, nbytes, N, K, ts, quick, copy_bw, torch_us, xpre: bool
         cfg = gl.tuned_configs().get(key)
         cands = [[str(c), None if t is None else round(t * 1e3, 2)] for c, t in gl.tuning_log().get(key, [])]
         gbps = nbytes / (us * 1e-6) / 1e9
-        recs.append({"format": fmt + (x16.XPRE_SUFFIX if xpre else ""), "T": T, "us": round(us, 2),
+        rfmt = record_format(fmt)
+        recs.append({"format": rfmt + (x16.XPRE_SUFFIX if xpre else ""), "T": T, "us": round(us, 2),
                      "us_eager": round(us_eager, 2), "gbps": round(gbps, 1),
                      "pct_copy_bw": round(100 * gbps / copy_bw, 1),
+                     **({"pct_copy_bw_read": round(100 * gbps * CODES4_READ / copy_bw, 1)}
+                        if rfmt == "iq3_s4" else {}),
                      "torch_bf16_us": torch_us.get(T), "t_over_t1": round(us / t1, 3) if t1 else None,
                      "config": str(cfg) if cfg else "default", "candidates_us": cands,
                      "runoff_us": [[str(c), round(u, 2)] for c, u in finals]})

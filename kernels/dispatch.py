@@ -11,7 +11,8 @@
   `prefill_path=` one call.
 * plain bf16/f16/f32 weights: the plain GEMV for T <= 16, torch.matmul for prefill and for K that the
   plain kernel cannot read as 8-byte words.
-Repacked forms (NVFP4 chunk-major planes, Q6_K / IQ3_S planar arrays) are built once per weight and kept in
+Repacked forms (NVFP4 chunk-major planes, Q6_K / IQ3_S planar arrays; IQ3_S in 4-bit code planes instead with
+NINFER_IQ3S_LAYOUT=codes4, `gemv_iq3_s4`) are built once per weight and kept in
 `qw.cache` under "triton.<fmt>"; on CUDA the stored tensors are then released (`QWeight.release`); `prepare(qw)`
 builds them eagerly (call it at load time, before CUDA-graph capture).
 Decode calls (T <= 16) keep a resolved launch per (T, dtype, residual) in `qw.cache["triton.plans"]`
@@ -28,7 +29,8 @@ import torch
 import triton
 
 from .gemv_f8 import dequant_f8, gemv_f8
-from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s, repack_iq3_s, unpack_iq3_s
+from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s
+from .gemv_iq3_s4 import dequant_iq3_s4, gemv_iq3_s4, is_codes4, repack_iq3_s_any, unpack_iq3_s_any
 from .gemv_glu import EPI_RES, SwiGLUOut, epi_of, swiglu_out
 from .gemv_launch import KernelInputError, interpreting, next_pow2, tune_mode
 from .gemv_timing import time_ms
@@ -42,10 +44,10 @@ DECODE_MAX_T = 16
 # per repacked format: the stored tensors -> the kernels' planes, and back ({key: tensor} of `rows` or all rows)
 _REPACK = {"nvfp4": lambda qw: repack_nvfp4(qw.data["codes"], qw.data["scales"]),
            "q6_k": lambda qw: repack_q6_k(qw.blocks(), qw.shape[1]),
-           "iq3_s": lambda qw: repack_iq3_s(qw.blocks(), qw.shape[1])}
+           "iq3_s": lambda qw: repack_iq3_s_any(qw.blocks(), qw.shape[1])}
 _UNPACK = {"nvfp4": lambda planes, K, rows=None: unpack_nvfp4(planes, K, rows),
            "q6_k": lambda planes, K, rows=None: {"blocks": unpack_q6_k(planes, rows)},
-           "iq3_s": lambda planes, K, rows=None: {"blocks": unpack_iq3_s(planes, rows)}}
+           "iq3_s": lambda planes, K, rows=None: {"blocks": unpack_iq3_s_any(planes, rows)}}
 REPACKED = tuple(_REPACK)
 _PREFILL: dict = {}
 PREFILL_PATHS = ("fused", "dequant")
@@ -99,7 +101,8 @@ def _gemv(x, qw, out, residual):
     if qw.fmt == "q6_k":
         return gemv_q6_k(x, _packed(qw), out, residual, plans=plans)
     if qw.fmt == "iq3_s":
-        return gemv_iq3_s(x, _packed(qw), out, residual, plans=plans)
+        p = _packed(qw)
+        return (gemv_iq3_s4 if is_codes4(p) else gemv_iq3_s)(x, p, out, residual, plans=plans)
     if qw.fmt == "f8_e4m3_row":
         return gemv_f8(x, d["codes"], d["row_scale"], out, residual, plans=plans)
     return gemv_plain(x, d["w"], out, residual, plans=plans)
@@ -113,7 +116,8 @@ def dense_weight(qw, dtype) -> torch.Tensor:
     if qw.fmt == "q6_k":
         return dequant_q6_k(_packed(qw), qw.shape[1], dtype)
     if qw.fmt == "iq3_s":
-        return dequant_iq3_s(_packed(qw), qw.shape[1], dtype)
+        p = _packed(qw)
+        return (dequant_iq3_s4 if is_codes4(p) else dequant_iq3_s)(p, qw.shape[1], dtype)
     if qw.fmt == "f8_e4m3_row":
         return dequant_f8(d["codes"], d["row_scale"], dtype)
     return d["w"].to(dtype)

@@ -168,7 +168,6 @@ def prepared_ok(qw, T: int, device) -> bool:
 
 PREFER_MARGIN = 0.02     # the plain launch must be remembered this much faster to be taken over the prepared one
 GS = 16                  # weights per group of the formats' GEMVs (NVFP4 blocks; Q6_K sub-blocks; IQ3_S groups)
-_KERNEL_NAMES = {"nvfp4": "nvfp4_gemv_kernel", "q6_k": "q6_k_gemv_kernel", "iq3_s": "iq3_s_gemv_kernel"}
 
 
 def prefer_prepared(qw, T: int, dtype, residual: bool, device) -> bool:
@@ -189,11 +188,20 @@ def prefer_prepared(qw, T: int, dtype, residual: bool, device) -> bool:
     if device.type != "cuda" or interpreting():
         return True
     from . import gemv_tune_cache as tc
-    name = _KERNEL_NAMES[qw.fmt]
+    name = _kernel_name(qw)
     plain, prep = (tc.remembered_ms(tc.make_key(tune_key(n, qw.shape[0], qw.shape[1] // GS, T, dtype, residual,
                                                          device), GS, device)) for n in (name, name + XPRE_SUFFIX))
     memo[k] = plain is None or prep is None or prep <= plain * (1 + PREFER_MARGIN)
     return memo[k]
+
+
+def _kernel_name(qw) -> str:
+    """The tuner name of `qw`'s GEMV (IQ3_S: of the planes it was repacked into, else of those it will be)."""
+    if qw.fmt != "iq3_s":
+        return f"{qw.fmt}_gemv_kernel"
+    from .gemv_iq3_s4 import is_codes4, layout
+    planes = qw.cache.get("triton.iq3_s")
+    return "iq3_s4_gemv_kernel" if (is_codes4(planes) if planes else layout() == "codes4") else "iq3_s_gemv_kernel"
 
 
 def _kernel_and_weights(qw, device):
@@ -204,8 +212,11 @@ def _kernel_and_weights(qw, device):
         from .gemv_nvfp4 import _weights, nvfp4_gemv_kernel
         return nvfp4_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], qw.data["gscale"]
     if qw.fmt == "iq3_s":
-        from .gemv_iq3_s import _weights, iq3_s_gemv_kernel
-        return iq3_s_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], 1.0
+        from . import gemv_iq3_s, gemv_iq3_s4
+        p = dispatch._packed(qw)
+        if gemv_iq3_s4.is_codes4(p):      # NINFER_IQ3S_LAYOUT=codes4
+            return gemv_iq3_s4.iq3_s4_gemv_kernel, gemv_iq3_s4._weights(p, K, device, "linear (prepared)")[1], 1.0
+        return gemv_iq3_s.iq3_s_gemv_kernel, gemv_iq3_s._weights(p, K, device, "linear (prepared)")[1], 1.0
     from .gemv_q6_k import _weights, q6_k_gemv_kernel
     return q6_k_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], 1.0
 
