@@ -237,7 +237,7 @@ def check_h2_tile(cfg) -> None:
     power-of-two number of rows per thread (block_n * block_g / (64 * num_warps))."""
     rows, rem = divmod(cfg.block_n * cfg.block_g, 64 * cfg.num_warps)
     if not 2 <= cfg.block_g <= 16 or rem or rows < 1 or rows & (rows - 1):
-        raise KernelInputError(f"gemv_iq3_s: the h2 variant needs block_g in 2..16 and block_n * block_g a "
+        raise KernelInputError(f"IQ3_S GEMV: the h2 variant needs block_g in 2..16 and block_n * block_g a "
                                f"power-of-two multiple of 64 * num_warps, got block_n={cfg.block_n}, "
                                f"block_g={cfg.block_g}, num_warps={cfg.num_warps}")
 

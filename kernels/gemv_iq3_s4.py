@@ -133,9 +133,9 @@ def _code_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
     from ninfer_formats.codecs.iq3_s_tables import grid_values
     g = grid_values().astype(np.int64)
     key = ((g - 1) // 2 << (3 * np.arange(4))).sum(axis=1)
+    assert len(np.unique(key)) == 512, "IQ3_S grid points must be distinct"
     inv = np.full(4096, -1, np.int64)
     inv[key] = np.arange(512)
-    assert len(np.unique(key)) == 512, "IQ3_S grid points must be distinct"
     return torch.from_numpy(g).to(device), torch.from_numpy(inv).to(device)
 
 
@@ -145,8 +145,7 @@ def _words(v: torch.Tensor) -> torch.Tensor:
     nib = (v.reshape(n, K // 8, 8) << (4 * torch.arange(8, device=v.device))).sum(dim=-1)   # disjoint: sum == or
     rot = ((nib << 1) | (nib >> 31)) & 0xFFFFFFFF
     w = rot.reshape(n, K // 16, 2)
-    u = w[..., 0] | (w[..., 1] << 32)                     # < 2**64: wraps into int64's sign as the bytes want
-    return u
+    return w[..., 0] | (w[..., 1] << 32)                  # the high word's top bit lands in int64's sign bit
 
 
 def _repack_rows(b: torch.Tensor, grid: torch.Tensor) -> tuple:
@@ -184,12 +183,9 @@ def _codes(codes: torch.Tensor) -> torch.Tensor:
     return ((nib[..., None] >> (4 * torch.arange(8, device=codes.device))) & 0xF).reshape(n, -1)
 
 
-def unpack_iq3_s4(packed: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The inverse of `repack_iq3_s4`: GGML blocks u8 [N, K/256*110] (or only `rows`, int64) on the planes' device."""
-    codes, sc, d = (packed[k] if rows is None else packed[k].index_select(0, rows) for k in ("codes", "sc", "d"))
+def _unpack_rows(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     n = codes.shape[0]
     c = 2 * _codes(codes) - 15                                                 # signed coordinates [n, K]
-    inv = _code_tables(codes.device)[1]
     mag = ((c.abs() - 1) // 2).reshape(n, -1, 4)
     idx = inv[(mag << (3 * torch.arange(4, device=c.device))).sum(dim=-1)]      # [n, K/4] 9-bit grid indices
     if bool((idx < 0).any()):
@@ -200,7 +196,18 @@ def unpack_iq3_s4(packed: dict, rows: torch.Tensor | None = None) -> torch.Tenso
     neg = (c < 0).to(torch.int64).reshape(n, -1, 16)
     s16 = (neg << torch.arange(16, device=c.device)).sum(dim=-1)
     signs = permute_signs(torch.where(s16 >= 32768, s16 - 65536, s16).to(torch.int16))
-    return unpack_iq3_s({"qs": qs, "signs": signs, "qh": qh, "sc": sc, "d": d, "grid": None})
+    return unpack_iq3_s({"qs": qs, "signs": signs, "qh": qh, "sc": sc, "d": d})
+
+
+def unpack_iq3_s4(packed: dict, rows: torch.Tensor | None = None, *, chunk_rows: int = 1024) -> torch.Tensor:
+    """The inverse of `repack_iq3_s4`: GGML blocks u8 [N, K/256*110] (or only `rows`, int64) on the planes' device,
+    built `chunk_rows` rows at a time (its int64 temporaries are 8 bytes per weight)."""
+    codes, sc, d = (packed[k] if rows is None else packed[k].index_select(0, rows) for k in ("codes", "sc", "d"))
+    inv = _code_tables(codes.device)[1]
+    parts = [_unpack_rows(codes[r:r + chunk_rows], sc[r:r + chunk_rows], d[r:r + chunk_rows], inv)
+             for r in range(0, codes.shape[0], chunk_rows)]
+    return torch.cat(parts) if parts else torch.empty((0, d.shape[1] * BLOCK_BYTES), dtype=torch.uint8,
+                                                      device=codes.device)
 
 
 def repack_iq3_s_any(blocks: torch.Tensor, K: int) -> dict:

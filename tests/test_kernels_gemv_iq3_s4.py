@@ -36,7 +36,7 @@ def test_repack_round_trip_and_size():
     134 bytes per 256 weights."""
     for blocks, K in ((_every_index(8, 512), 512), (random_ggml_blocks("iq3_s", 5, 768, 3, DEV), 768)):
         p = repack_iq3_s4(blocks, K, chunk_rows=3)
-        assert torch.equal(unpack_iq3_s4(p), blocks)
+        assert torch.equal(unpack_iq3_s4(p), blocks) and torch.equal(unpack_iq3_s4(p, chunk_rows=2), blocks)
         rows = torch.tensor([4, 1], device=DEV)
         assert torch.equal(unpack_iq3_s4(p, rows), blocks.index_select(0, rows))
         assert sum(t.numel() * t.element_size() for t in p.values()) == blocks.shape[0] * K // 256 * 134
@@ -137,6 +137,8 @@ def test_layout_switch_and_bad_input(monkeypatch):
     p = repack_iq3_s4(random_ggml_blocks("iq3_s", 2, 256, 0, DEV), 256)
     with pytest.raises(KernelInputError, match="codes"):
         gemv_iq3_s4(torch.randn(1, 256).to(DEV), {**p, "codes": p["codes"].to(torch.int32)})
+    with pytest.raises(KernelInputError, match="h2 variant needs"):      # 1/2 row per thread
+        gemv_iq3_s4(torch.randn(1, 256).to(DEV), p, config=GemvConfig(16, 8, 4, h2=True))
     bad = {**p, "codes": p["codes"].clone()}
     bad["codes"][0, 0] = 0      # codes (0, 0, 0, 0) = coordinates (-15, -15, -15, -15): not a grid point
     with pytest.raises(KernelInputError, match="not an IQ3_S grid point"):
