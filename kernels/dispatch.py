@@ -29,8 +29,7 @@ import torch
 import triton
 
 from .gemv_f8 import dequant_f8, gemv_f8
-from .gemv_iq3_s import dequant_iq3_s, gemv_iq3_s
-from .gemv_iq3_s4 import dequant_iq3_s4, gemv_iq3_s4, is_codes4, repack_iq3_s_any, unpack_iq3_s_any
+from .gemv_iq3_s4 import dequant_iq3_s_any, gemv_iq3_s_any, repack_iq3_s_any, unpack_iq3_s_any
 from .gemv_glu import EPI_RES, SwiGLUOut, epi_of, swiglu_out
 from .gemv_launch import KernelInputError, interpreting, next_pow2, tune_mode
 from .gemv_timing import time_ms
@@ -101,8 +100,7 @@ def _gemv(x, qw, out, residual):
     if qw.fmt == "q6_k":
         return gemv_q6_k(x, _packed(qw), out, residual, plans=plans)
     if qw.fmt == "iq3_s":
-        p = _packed(qw)
-        return (gemv_iq3_s4 if is_codes4(p) else gemv_iq3_s)(x, p, out, residual, plans=plans)
+        return gemv_iq3_s_any(x, _packed(qw), out, residual, plans=plans)
     if qw.fmt == "f8_e4m3_row":
         return gemv_f8(x, d["codes"], d["row_scale"], out, residual, plans=plans)
     return gemv_plain(x, d["w"], out, residual, plans=plans)
@@ -116,8 +114,7 @@ def dense_weight(qw, dtype) -> torch.Tensor:
     if qw.fmt == "q6_k":
         return dequant_q6_k(_packed(qw), qw.shape[1], dtype)
     if qw.fmt == "iq3_s":
-        p = _packed(qw)
-        return (dequant_iq3_s4 if is_codes4(p) else dequant_iq3_s)(p, qw.shape[1], dtype)
+        return dequant_iq3_s_any(_packed(qw), qw.shape[1], dtype)
     if qw.fmt == "f8_e4m3_row":
         return dequant_f8(d["codes"], d["row_scale"], dtype)
     return d["w"].to(dtype)

@@ -31,7 +31,9 @@ import triton
 import triton.language as tl
 
 from .gemv_common import dequant_body, even_groups, gemv_body, ld, ld_pair, pairwise
-from .gemv_iq3_s import BLOCK_BYTES, QK, permute_signs, repack_iq3_s, unpack_iq3_s
+from .gemv_iq3_s import (BLOCK_BYTES, QK, dequant_iq3_s, gemv_iq3_s, iq3_s_gemv_kernel, permute_signs, repack_iq3_s,
+                         unpack_iq3_s)
+from .gemv_iq3_s import _weights as iq3_s_weights
 from .gemv_iq3_s import H2_TILES as IQ3_S_H2_TILES
 from .gemv_launch import KernelInputError, check_weight, check_x, dequant, gemv, register_h2, register_variant
 from .pdl import pdl_wait
@@ -210,6 +212,9 @@ def unpack_iq3_s4(packed: dict, rows: torch.Tensor | None = None, *, chunk_rows:
                                                       device=codes.device)
 
 
+# ---- either layout: what `dispatch` and `x16` call for an IQ3_S weight (NINFER_IQ3S_LAYOUT decides the planes) ----
+
+
 def repack_iq3_s_any(blocks: torch.Tensor, K: int) -> dict:
     """IQ3_S blocks -> the planes NINFER_IQ3S_LAYOUT names (`repack_iq3_s` or `repack_iq3_s4`)."""
     return (repack_iq3_s4 if layout() == "codes4" else repack_iq3_s)(blocks, K)
@@ -218,6 +223,30 @@ def repack_iq3_s_any(blocks: torch.Tensor, K: int) -> dict:
 def unpack_iq3_s_any(packed: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The GGML blocks back from either layout's planes."""
     return (unpack_iq3_s4 if is_codes4(packed) else unpack_iq3_s)(packed, rows)
+
+
+def gemv_iq3_s_any(x, packed: dict, out=None, residual=None, *, plans=None):
+    """`gemv_iq3_s4` or `gemv_iq3_s`, whichever reads `packed`."""
+    return (gemv_iq3_s4 if is_codes4(packed) else gemv_iq3_s)(x, packed, out, residual, plans=plans)
+
+
+def dequant_iq3_s_any(packed: dict, K: int, dtype=torch.float16):
+    """`dequant_iq3_s4` or `dequant_iq3_s`, whichever reads `packed`."""
+    return (dequant_iq3_s4 if is_codes4(packed) else dequant_iq3_s)(packed, K, dtype)
+
+
+def kernel_and_weights(packed: dict, K: int, device, what: str) -> tuple:
+    """(the GEMV kernel that reads `packed`, its checked weight arguments)."""
+    if is_codes4(packed):
+        return iq3_s4_gemv_kernel, _weights(packed, K, device, what)[1]
+    return iq3_s_gemv_kernel, iq3_s_weights(packed, K, device, what)[1]
+
+
+def kernel_name(packed: dict | None) -> str:
+    """The tuner name of the GEMV of an IQ3_S weight repacked into `packed` (None: not yet, so of the planes
+    NINFER_IQ3S_LAYOUT will give it)."""
+    codes4 = is_codes4(packed) if packed is not None else layout() == "codes4"
+    return (iq3_s4_gemv_kernel if codes4 else iq3_s_gemv_kernel).__name__
 
 
 def _weights(packed: dict, K: int, device, what: str):

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .gemv_h2_common import _EMULATE, compile_consts, factory, hfma2, lanes_f32, pack2
 from .gemv_iq3_s import check_h2_tile
-from .gemv_iq3_s_h2 import _epilogue, column_scales, thread_rows
+from .gemv_iq3_s_h2 import _epilogue, column_scales, thread_rows, x16_sub_block
 from .gemv_mma_common import split_all
 from .pdl import pdl_wait
 
@@ -90,10 +90,8 @@ def _x_pairs(x_ptr, row, k0, up, H2_MODE: tl.constexpr):
 def _column_pairs(x_ptr, row, h, up, G, H2_MODE: tl.constexpr, XPRE: tl.constexpr):
     """(the 16 pairs of one T column, what the sub-block scale is multiplied by: XPRE the chunk's back, else 1)."""
     if XPRE:      # prepared word 4o + j of the sub-block is pair 4o + j
-        p = ()
-        for o in tl.static_range(4):
-            p = p + split_all(tl.load(x_ptr + row + h[:, None] * 16 + (4 * o + tl.arange(0, 4))[None, :]), 2)
-        return p, tl.load(x_ptr + row + G * 8 + h // 4).to(tl.float32, bitcast=True)
+        words, back = x16_sub_block(x_ptr, row, h, G)
+        return split_all(words[0], 2) + split_all(words[1], 2) + split_all(words[2], 2) + split_all(words[3], 2), back
     else:
         return _x_pairs(x_ptr, row, h * 32, up, H2_MODE), 1.0
 

@@ -125,20 +125,29 @@ def _halves(a, b, HI: tl.constexpr, H2_MODE: tl.constexpr):
 
 
 @triton.jit
+def x16_sub_block(x_ptr, row, h, G):
+    """(the 16 prepared words of sub-block h of one row per thread as four [NT, 4] loads of 16 bytes, the back
+    factor of its 128-chunk): word 4c + j holds activations (8c + j, 8c + j + 4) of the sub-block."""
+    words = ()
+    for c in tl.static_range(4):
+        words = words + (tl.load(x_ptr + row + h[:, None] * 16 + (4 * c + tl.arange(0, 4))[None, :]),)
+    return words, tl.load(x_ptr + row + G * 8 + h // 4).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _x16_pairs(x_ptr, row, h, G, H2_MODE: tl.constexpr):
-    """(`_x_pairs` from a prepared row, the chunk's back factor): word 4o + j of the row holds activations
-    (8o + j, 8o + j + 4), so pair 2m + lo of m = 2c + hi is the low (hi = 0) or high (hi = 1) halves of words
-    4c + lo and 4c + lo + 2 of the sub-block's 16 (four 16-byte loads)."""
+    """(`_x_pairs` from a prepared row, the chunk's back factor): pair 2m + lo of m = 2c + hi is the low (hi = 0) or
+    high (hi = 1) halves of words 4c + lo and 4c + lo + 2 of the sub-block's 16 (`x16_sub_block`)."""
     NT: tl.constexpr = h.shape[0]
+    words, back = x16_sub_block(x_ptr, row, h, G)
     p = ()
     for c in tl.static_range(4):
-        wv = tl.load(x_ptr + row + h[:, None] * 16 + (4 * c + tl.arange(0, 4))[None, :])
-        e, o = tl.split(tl.reshape(wv, [NT, 2, 2]))      # words (4c, 4c + 2), (4c + 1, 4c + 3)
+        e, o = tl.split(tl.reshape(words[c], [NT, 2, 2]))      # words (4c, 4c + 2), (4c + 1, 4c + 3)
         w0, w2 = tl.split(e)
         w1, w3 = tl.split(o)
         p = p + (_halves(w0, w2, False, H2_MODE), _halves(w1, w3, False, H2_MODE), _halves(w0, w2, True, H2_MODE),
                  _halves(w1, w3, True, H2_MODE))
-    return p, tl.load(x_ptr + row + G * 8 + h // 4).to(tl.float32, bitcast=True)
+    return p, back
 
 
 @triton.jit

@@ -199,9 +199,8 @@ def _kernel_name(qw) -> str:
     """The tuner name of `qw`'s GEMV (IQ3_S: of the planes it was repacked into, else of those it will be)."""
     if qw.fmt != "iq3_s":
         return f"{qw.fmt}_gemv_kernel"
-    from .gemv_iq3_s4 import is_codes4, layout
-    planes = qw.cache.get("triton.iq3_s")
-    return "iq3_s4_gemv_kernel" if (is_codes4(planes) if planes else layout() == "codes4") else "iq3_s_gemv_kernel"
+    from .gemv_iq3_s4 import kernel_name
+    return kernel_name(qw.cache.get("triton.iq3_s"))
 
 
 def _kernel_and_weights(qw, device):
@@ -212,11 +211,8 @@ def _kernel_and_weights(qw, device):
         from .gemv_nvfp4 import _weights, nvfp4_gemv_kernel
         return nvfp4_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], qw.data["gscale"]
     if qw.fmt == "iq3_s":
-        from . import gemv_iq3_s, gemv_iq3_s4
-        p = dispatch._packed(qw)
-        if gemv_iq3_s4.is_codes4(p):      # NINFER_IQ3S_LAYOUT=codes4
-            return gemv_iq3_s4.iq3_s4_gemv_kernel, gemv_iq3_s4._weights(p, K, device, "linear (prepared)")[1], 1.0
-        return gemv_iq3_s.iq3_s_gemv_kernel, gemv_iq3_s._weights(p, K, device, "linear (prepared)")[1], 1.0
+        from .gemv_iq3_s4 import kernel_and_weights        # either IQ3_S layout (NINFER_IQ3S_LAYOUT)
+        return (*kernel_and_weights(dispatch._packed(qw), K, device, "linear (prepared)"), 1.0)
     from .gemv_q6_k import _weights, q6_k_gemv_kernel
     return q6_k_gemv_kernel, _weights(dispatch._packed(qw), K, device, "linear (prepared)")[1], 1.0
 
