@@ -189,7 +189,8 @@ def _load(group, opts: BenchOptions, paths: list[str], device, info: dict):
 
 def _linear_shapes(model) -> set:
     """(format, N, K) of every fused linear the model calls."""
-    return {(w.fmt, w.shape[0], w.shape[1]) for w in D.qweights([model.blocks, model.lm_head, model.mtp])}
+    parts = [model.blocks, model.lm_head, model.mtp, model.draft_head]
+    return {(w.fmt, w.shape[0], w.shape[1]) for w in D.qweights(parts)}
 
 
 def _precompile_proc(jobs, workers: int) -> None:
@@ -418,7 +419,8 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "x16_align": _x16_align(),                                        # NINFER_X16_ALIGN
             "split_unroll": _split_unroll(),                                  # NINFER_SPLIT_UNROLL
             "split_arrive": _split_arrive(),                                  # NINFER_SPLIT_ARRIVE
-            "pdl_late": _pdl_late()}                                          # NINFER_PDL_LATE
+            "pdl_late": _pdl_late(),                                          # NINFER_PDL_LATE
+            "draft_head": os.environ.get("NINFER_DRAFT_HEAD", "lm_head")}    # ninfer_rt.draft_head
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import tempfile
 import time
@@ -38,6 +40,7 @@ TIMING_NOTE = ("decode_tok_s / speedup_vs_plain_cpu: wall clock of the torch ref
 import tiny_data
 import tiny_tokenizer
 from ninfer_formats.atomic import write_json_atomic  # noqa: E402
+from ninfer_rt import draft_head  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -117,7 +120,8 @@ def heldout_metrics(loaded, ops, windows: torch.Tensor, batch: int) -> dict:
         for st in states:
             st.free()
     n = windows[:, 1:-1].numel()
-    return {"heldout_loss": ce / n, "mtp_heldout_loss": ce_mtp / n,
+    # a draft-head shortlist gives the ids past it no probability: the MTP loss is then infinite, written as null
+    return {"heldout_loss": ce / n, "mtp_heldout_loss": ce_mtp / n if math.isfinite(ce_mtp) else None,
             "mtp_accept_proxy": accept / (len(windows) * (t - 1)), "loss_tokens": n, "loss_windows": len(windows)}
 
 
@@ -154,21 +158,37 @@ def conditional(cum: list[float]) -> list[float]:
     return [c / (cum[i - 1] if i else 1.0) if (cum[i - 1] if i else 1.0) > 0 else 0.0 for i, c in enumerate(cum)]
 
 
-def run_recipe(recipe: str, work: Path, docs, prompts, args, train: dict) -> tuple[dict, list[dict]]:
+def run_recipe(recipe: str, work: Path, docs, prompts, args, train: dict) -> tuple[list[dict], list[dict]]:
+    """Pack once, then per draft head (NINFER_DRAFT_HEAD, read when each model is built) the held-out metrics
+    and the K sweep."""
     loaded, ops = load(pack(recipe, work / recipe))
+    losses, records = [], []
+    for head in args.draft_heads:
+        os.environ[draft_head.ENV] = head
+        loss, recs = _run_head(recipe, head, loaded, ops, docs, prompts, args, train)
+        losses.append(loss)
+        records += recs
+    os.environ.pop(draft_head.ENV, None)
+    loaded.close()
+    return losses, records
+
+
+def _run_head(recipe, head, loaded, ops, docs, prompts, args, train) -> tuple[dict, list[dict]]:
+    name = recipe if head == "lm_head" else f"{recipe} [{head}]"
     t = time.perf_counter()
     loss = heldout_metrics(loaded, ops, loss_windows(docs, args.seq, args.loss_windows), args.loss_batch)
-    log(f"{recipe}: held-out loss {loss['heldout_loss']:.4f} (train report {train['heldout_loss']:.4f}), "
-        f"mtp {loss['mtp_heldout_loss']:.4f}, proxy {loss['mtp_accept_proxy']:.3f} in {time.perf_counter() - t:.0f} s")
+    log(f"{name}: held-out loss {loss['heldout_loss']:.4f} (train report {train['heldout_loss']:.4f}), "
+        f"mtp {_num(loss['mtp_heldout_loss'])}, proxy {loss['mtp_accept_proxy']:.3f} in {time.perf_counter() - t:.0f} s")
     base, ref = generate(loaded, ops, prompts, 0, args.new_tokens)
     base_tok_s = base["decode_tokens"] / base["wall_s"]
-    log(f"{recipe}: plain greedy {base_tok_s:.1f} tok/s")
+    log(f"{name}: plain greedy {base_tok_s:.1f} tok/s")
     records = []
     for k in args.ks:
         st, outs = generate(loaded, ops, prompts, k, args.new_tokens)
         tok_s = st["decode_tokens"] / st["wall_s"]
         records.append({
-            "recipe": recipe, "draft_tokens": k, "prompts": len(prompts), "prompt_len": args.prompt_len,
+            "recipe": recipe, "draft_head": head, "draft_tokens": k, "prompts": len(prompts),
+            "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "tokens_per_round": st["tokens_per_round"],
             "acceptance_per_position": st["acceptance_per_position"],
             "acceptance_conditional": conditional(st["acceptance_per_position"]),
@@ -180,25 +200,33 @@ def run_recipe(recipe: str, work: Path, docs, prompts, args, train: dict) -> tup
             "heldout_loss": loss["heldout_loss"], "mtp_heldout_loss": loss["mtp_heldout_loss"],
             "mtp_accept_proxy": loss["mtp_accept_proxy"], "decode_tok_s": tok_s,
             "speedup_vs_plain_cpu": tok_s / base_tok_s})
-        log(f"{recipe} K={k}: {st['tokens_per_round']:.3f} tokens/round, {tok_s:.1f} tok/s")
-    loaded.close()
-    return {"recipe": recipe, **loss, "plain_decode_tok_s": base_tok_s}, records
+        log(f"{name} K={k}: {st['tokens_per_round']:.3f} tokens/round, {tok_s:.1f} tok/s")
+    return {"recipe": recipe, "draft_head": head, **loss, "plain_decode_tok_s": base_tok_s}, records
+
+
+def _num(v) -> str:
+    return "inf" if v is None else f"{v:.4f}"
+
+
+def _label(r: dict) -> str:
+    head = r.get("draft_head", "lm_head")
+    return r["recipe"] if head == "lm_head" else f"{r['recipe']} [{head}]"
 
 
 def print_table(records: list[dict], losses: list[dict], train: dict) -> None:
-    print(f"{'recipe':<7} {'K':>2} {'tok/round':>9} {'ceil':>5} {'ratio':>6} {'pred':>5} "
+    print(f"{'recipe':<20} {'K':>2} {'tok/round':>9} {'ceil':>5} {'ratio':>6} {'pred':>5} "
           f"{'acc/pos (cumulative)':<32} {'lossless':>8}")
     for r in records:
         per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        print(f"{r['recipe']:<7} {r['draft_tokens']:>2} {r['tokens_per_round']:>9.3f} {r['ceiling_tokens_per_round']:>5} "
+        print(f"{_label(r):<20} {r['draft_tokens']:>2} {r['tokens_per_round']:>9.3f} {r['ceiling_tokens_per_round']:>5} "
               f"{r['ratio_to_ceiling']:>6.3f} {r['predicted_tokens_per_round']:>5.2f} {per:<32} "
               f"{r['same_as_greedy']:>8.2f}")
-    print(f"\n{'recipe':<7} {'heldout_loss':>12} {'mtp_loss':>9} {'proxy':>6} {'tokens':>7}")
-    print(f"{'train':<7} {train['heldout_loss']:>12.4f} {train['mtp_heldout_loss']:>9.4f} "
+    print(f"\n{'recipe':<20} {'heldout_loss':>12} {'mtp_loss':>9} {'proxy':>6} {'tokens':>7}")
+    print(f"{'train':<20} {train['heldout_loss']:>12.4f} {train['mtp_heldout_loss']:>9.4f} "
           f"{train['mtp_accept_proxy']:>6.3f} {train['heldout_tokens']:>7}   (train_report.json, GPU bf16, Python "
           f"{train['python_version']})")
     for s in losses:
-        print(f"{s['recipe']:<7} {s['heldout_loss']:>12.4f} {s['mtp_heldout_loss']:>9.4f} "
+        print(f"{_label(s):<20} {s['heldout_loss']:>12.4f} {_num(s['mtp_heldout_loss']):>9} "
               f"{s['mtp_accept_proxy']:>6.3f} {s['loss_tokens']:>7}")
 
 
@@ -216,10 +244,18 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=512, help="held-out loss window (training used 512)")
     ap.add_argument("--loss-windows", type=int, default=None, help="cap on loss windows [default: all]")
     ap.add_argument("--loss-batch", type=int, default=8)
+    ap.add_argument("--draft-heads", default="lm_head",
+                    help="MTP draft heads to measure, comma-separated NINFER_DRAFT_HEAD values (ninfer_rt.draft_head)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args(argv)
     a.ks = [int(k) for k in a.ks.split(",")]
+    a.draft_heads = a.draft_heads.split(",")
+    for head in a.draft_heads:
+        try:
+            draft_head.DraftHeadSpec.parse(head)
+        except Exception as e:                    # a one-line usage error, not a traceback
+            ap.error(str(e))
     return a
 
 
@@ -235,7 +271,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiny-mtp-") as work:
         for recipe in args.recipes.split(","):
             loss, recs = run_recipe(recipe, Path(work), docs, prompts, args, train)
-            losses.append(loss)
+            losses += loss
             records += recs
     print_table(records, losses, train)
     keys = ("heldout_loss", "mtp_heldout_loss", "mtp_accept_proxy", "heldout_tokens", "heldout_tokens_total",

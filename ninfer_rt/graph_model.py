@@ -156,8 +156,8 @@ class StaticMeta:
 
 
 # ---- step bodies: everything between the metadata and the outputs, no host work ----
-def _logits(model, x: torch.Tensor) -> torch.Tensor:
-    logits = model.ops.linear(x, model.lm_head)
+def _logits(model, x: torch.Tensor, draft: bool = False) -> torch.Tensor:
+    logits = model.head_logits(x, draft)
     return model.tp.all_gather_last(logits) if model.tp.size > 1 else logits
 
 
@@ -173,4 +173,4 @@ def mtp_step(model, meta: StaticMeta, ctx: StepCtx, hidden_in: torch.Tensor, n: 
     """-> (post-mtp.norm hidden [n, H], logits [n, V]) of the MTP module; hidden_in [>= n, H] static input."""
     emb = model.ops.embedding(meta.ids[:n], model.embed, model.dtype)
     d = model.mtp(model.ops, emb, hidden_in[:n], ctx, model.kv_pool)
-    return d, _logits(model, d)
+    return d, _logits(model, d, draft=True)

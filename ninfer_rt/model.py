@@ -26,7 +26,7 @@ from ninfer_formats.errors import LoadError
 from ninfer_formats.model_config import ModelConfig
 
 from . import batch as B
-from . import inventory
+from . import draft_head, inventory
 from .layers import get, linear, vec
 from .layers.attention import FullAttention
 from .layers.gdn import GatedDeltaNet
@@ -116,6 +116,8 @@ class Model:
             self.blocks.append(_Block(cfg, weights, i, self.tp, kv_i, gdn_i))
             kv_i, gdn_i = kv_i + cfg.is_full(i), gdn_i + (not cfg.is_full(i))
         self.mtp = MtpModule(cfg, weights, self.tp, kv_i) if cfg.mtp_num_hidden_layers else None
+        self.draft_spec = draft_head.spec_from_env() if self.mtp is not None else draft_head.DraftHeadSpec()
+        self.draft_head = draft_head.build(self.draft_spec, self.lm_head, self.tp.rank * self.lm_head.shape[0])
         self._alloc(cache, kv_i + (self.mtp is not None), gdn_i)
 
     def _lm_head(self, weights) -> QWeight:
@@ -196,7 +198,7 @@ class Model:
         emb = self._embed([m.token_ids for m in batch], [None] * len(batch))
         hidden = torch.cat([m.hidden.to(self.dtype) for m in batch])
         d = self.mtp(self.ops, emb, hidden, ctx, self.kv_pool)
-        out = self._output(d, lens, [m.logits for m in batch], gather)
+        out = self._output(d, lens, [m.logits for m in batch], gather, draft=True)
         for m, n in zip(batch, lens):
             m.state.length += n
         return out
@@ -238,7 +240,17 @@ class Model:
                 row += ids_b.numel()
         return h
 
-    def _output(self, hidden, lens, modes, gather) -> Output:
+    def head_logits(self, x: torch.Tensor, draft: bool = False) -> torch.Tensor:
+        """This rank's vocab slice of logits of x: the lm_head's, or for MTP drafts the draft head's
+        (`ninfer_rt.draft_head`; the same as the lm_head's unless NINFER_DRAFT_HEAD picks another)."""
+        if not draft or self.draft_spec.kind == "lm_head":
+            return self.ops.linear(x, self.lm_head)
+        rows = self.lm_head.shape[0]
+        if self.draft_head is None:          # the shortlist ends below this rank's vocab slice
+            return torch.full((x.shape[0], rows), float("-inf"), dtype=self.dtype, device=x.device)
+        return draft_head.logits(self.ops, x, self.draft_head, rows)
+
+    def _output(self, hidden, lens, modes, gather, draft: bool = False) -> Output:
         cu, rows = [0], []
         for n, mode in zip(lens, modes):
             if mode == "all":
@@ -250,7 +262,7 @@ class Model:
             sel = hidden
         else:
             sel = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
-        logits = self.ops.linear(sel, self.lm_head)
+        logits = self.head_logits(sel, draft)
         if gather and self.tp.size > 1:
             logits = self.tp.all_gather_last(logits)
         return Output(logits=logits, hidden=hidden, logit_rows=rows, cu_seqlens=cu)
