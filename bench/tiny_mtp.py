@@ -178,7 +178,8 @@ def _run_head(recipe, head, loaded, ops, docs, prompts, args, train) -> tuple[di
     t = time.perf_counter()
     loss = heldout_metrics(loaded, ops, loss_windows(docs, args.seq, args.loss_windows), args.loss_batch)
     log(f"{name}: held-out loss {loss['heldout_loss']:.4f} (train report {train['heldout_loss']:.4f}), "
-        f"mtp {_num(loss['mtp_heldout_loss'])}, proxy {loss['mtp_accept_proxy']:.3f} in {time.perf_counter() - t:.0f} s")
+        f"mtp {_num(loss['mtp_heldout_loss'])}, proxy {loss['mtp_accept_proxy']:.3f} "
+        f"in {time.perf_counter() - t:.0f} s")
     base, ref = generate(loaded, ops, prompts, 0, args.new_tokens)
     base_tok_s = base["decode_tokens"] / base["wall_s"]
     log(f"{name}: plain greedy {base_tok_s:.1f} tok/s")
@@ -218,7 +219,8 @@ def print_table(records: list[dict], losses: list[dict], train: dict) -> None:
           f"{'acc/pos (cumulative)':<32} {'lossless':>8}")
     for r in records:
         per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        print(f"{_label(r):<20} {r['draft_tokens']:>2} {r['tokens_per_round']:>9.3f} {r['ceiling_tokens_per_round']:>5} "
+        print(f"{_label(r):<20} {r['draft_tokens']:>2} {r['tokens_per_round']:>9.3f} "
+              f"{r['ceiling_tokens_per_round']:>5} "
               f"{r['ratio_to_ceiling']:>6.3f} {r['predicted_tokens_per_round']:>5.2f} {per:<32} "
               f"{r['same_as_greedy']:>8.2f}")
     print(f"\n{'recipe':<20} {'heldout_loss':>12} {'mtp_loss':>9} {'proxy':>6} {'tokens':>7}")

@@ -273,6 +273,10 @@ def _default_device() -> str:
 @click.option("--spec", type=click.Choice(["none", "mtp"]), default="none", show_default=True,
               help="Speculative decoding with the artifact's MTP module.")
 @click.option("--draft-tokens", default=3, show_default=True, type=int, help="MTP drafts per round (1..7).")
+@click.option("--draft-head", default=None, envvar="NINFER_DRAFT_HEAD",
+              help="Where MTP drafts get their logits: lm_head, nvfp4 (an NVFP4 copy of the lm_head made "
+                   "at load) or nvfp4:N (only token ids below N); verify always uses the lm_head "
+                   "(env NINFER_DRAFT_HEAD). [default: lm_head]")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel ranks.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: cuda when visible, else cpu.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
@@ -297,14 +301,16 @@ def _default_device() -> str:
               help="Accept image_url parts in --messages (data URIs or local paths); loads the vision tower.")
 @image_limit_options("prompt")
 @user_errors
-def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_tokens, tp, device, dtype, backend,
-                 temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, seed, no_think,
+def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_tokens, draft_head, tp, device, dtype,
+                 backend, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, seed, no_think,
                  max_context, no_verify, stats_json, eager, no_async_scheduling, vision, max_images, max_image_bytes,
                  max_image_pixels, vision_max_pixels):
     """Generate text for one prompt from ARTIFACT_DIR."""
     from .speculative import MAX_DRAFT_TOKENS
     vis = vision_options(vision, max_images=max_images, max_image_bytes=max_image_bytes,
                          max_image_pixels=max_image_pixels, max_pixels=vision_max_pixels)
+    from .draft_head import use as use_draft_head
+    use_draft_head(draft_head)
     device = device or _default_device()
     if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:          # checked even when --spec none ignores it
         raise GenerateError(f"--draft-tokens: expected an integer in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens}")

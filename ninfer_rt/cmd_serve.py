@@ -49,6 +49,10 @@ def _kv_capacity(ctx, param, value):
               help="Speculative decoding with the artifact's MTP module.")
 @click.option("--draft-tokens", default=3, show_default=True, type=click.IntRange(1, 7),
               help="MTP draft tokens per round (with --spec mtp).")
+@click.option("--draft-head", default=None, envvar="NINFER_DRAFT_HEAD",
+              help="Where MTP drafts get their logits: lm_head, nvfp4 (an NVFP4 copy of the lm_head made "
+                   "at load) or nvfp4:N (only token ids below N); verify always uses the lm_head "
+                   "(env NINFER_DRAFT_HEAD). [default: lm_head]")
 @click.option("--max-concurrency", default=4, show_default=True, type=click.IntRange(1, 256),
               help="Sequences batched together (continuous batching slots).")
 @click.option("--kv-capacity", default="auto", show_default=True, callback=_kv_capacity,
@@ -88,8 +92,8 @@ def _kv_capacity(ctx, param, value):
               help="Image tokens per request at most (--vision); more is a 400. [default: 4096]")
 @image_limit_options("request")
 @user_errors
-def serve(artifact, host, port, model_id, tp, spec, draft_tokens, max_concurrency, kv_capacity, max_context,
-          max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
+def serve(artifact, host, port, model_id, tp, spec, draft_tokens, draft_head, max_concurrency, kv_capacity,
+          max_context, max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
           drain_timeout, max_body_mib, no_verify, eager, no_async_scheduling, vision, vision_max_tokens, max_images,
           max_image_bytes, max_image_pixels, vision_max_pixels):
     """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
@@ -98,6 +102,8 @@ def serve(artifact, host, port, model_id, tp, spec, draft_tokens, max_concurrenc
     vis, vision_tokens = vision_settings(vision, max_images=max_images, max_image_bytes=max_image_bytes,
                                          max_image_pixels=max_image_pixels, max_pixels=vision_max_pixels,
                                          vision_max_tokens=vision_max_tokens)
+    from .draft_head import use as use_draft_head
+    use_draft_head(draft_head)
     if max_body_mib is None:
         max_body_mib = VISION_BODY_MIB if vis is not None else TEXT_BODY_MIB
     if device is None:

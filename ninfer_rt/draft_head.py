@@ -41,8 +41,9 @@ class DraftHeadSpec:
     vocab_limit: int | None = None   # nvfp4:N -> N (token ids below it)
 
     @staticmethod
-    def parse(text: str) -> "DraftHeadSpec":
-        """`lm_head`, `nvfp4` or `nvfp4:N` (N a positive integer); anything else is a one-line error."""
+    def parse(text: str, what: str = ENV) -> "DraftHeadSpec":
+        """`lm_head`, `nvfp4` or `nvfp4:N` (N a positive integer); anything else is a one-line error naming
+        `what` (the variable, or the CLI flag that set it)."""
         kind, _, n = text.strip().partition(":")
         if kind == "lm_head" and not n:
             return DraftHeadSpec()
@@ -50,11 +51,19 @@ class DraftHeadSpec:
             return DraftHeadSpec("nvfp4")
         if kind == "nvfp4" and n.isdigit() and int(n) > 0:
             return DraftHeadSpec("nvfp4", int(n))
-        raise LoadError(f"{ENV}={text!r}: expected lm_head, nvfp4 or nvfp4:N with N a positive integer")
+        raise LoadError(f"{what}={text!r}: expected lm_head, nvfp4 or nvfp4:N with N a positive integer")
 
 
 def spec_from_env() -> DraftHeadSpec:
     return DraftHeadSpec.parse(os.environ.get(ENV, "lm_head"))
+
+
+def use(text: str | None, what: str = "--draft-head") -> None:
+    """A CLI's choice: checked here, then handed to every model this process and the TP ranks it spawns build
+    (through the environment, which they inherit). None leaves the environment as it is."""
+    if text is not None:
+        DraftHeadSpec.parse(text, what)
+        os.environ[ENV] = text.strip()
 
 
 def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:

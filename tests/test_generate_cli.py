@@ -54,6 +54,20 @@ def test_generate_with_mtp_matches_plain_greedy_and_writes_stats(packed, tmp_pat
     assert stats.stat().st_mode & 0o777 == 0o666 & ~umask      # an ordinary file, not mkstemp's 0600
 
 
+@pytest.mark.parametrize("head", ["nvfp4", "nvfp4:100"])
+def test_generate_with_a_draft_head_matches_plain_greedy(packed, tmp_path, monkeypatch, head):
+    """--draft-head hands the choice to the model build (through NINFER_DRAFT_HEAD, restored after the test); the
+    verify step keeps the lm_head, so the text is plain greedy's."""
+    monkeypatch.setenv("NINFER_DRAFT_HEAD", "lm_head")
+    common = ["--raw", "The quick brown fox", "--max-new", "12", "--temperature", "0"]
+    plain = cli(packed, *common)
+    stats = tmp_path / "stats.json"
+    spec = cli(packed, *common, "--spec", "mtp", "--draft-head", head, "--stats-json", stats)
+    assert spec.exit_code == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert os.environ["NINFER_DRAFT_HEAD"] == head and json.loads(stats.read_text())["drafted"] > 0
+
+
 def test_chat_prompt_messages_and_sampling_seed(packed, tmp_path):
     msgs = tmp_path / "m.json"
     msgs.write_text(json.dumps([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))
@@ -105,6 +119,8 @@ def bad_artifacts(tmp_path_factory, packed):
     ("packed", ["--raw", ""], r"--raw: empty text"),
     ("packed", ["--raw", "x", "--spec", "mtp", "--draft-tokens", "9"], r"^error: --draft-tokens: .*1\.\.7, got 9$"),
     ("packed", ["--raw", "x", "--draft-tokens", "9"], r"^error: --draft-tokens: "),
+    ("packed", ["--raw", "x", "--spec", "mtp", "--draft-head", "q4"],
+     r"^error: --draft-head='q4': expected lm_head, nvfp4 or nvfp4:N with N a positive integer$"),
     ("packed", ["--raw", "x", "--top-p", "0"], r"top_p"),
     ("packed", ["--messages", "MISSING"], r"missing\.json: No such file"),
     ("packed", ["--messages", "BADJSON"], r"not valid JSON"),
@@ -121,7 +137,7 @@ def bad_artifacts(tmp_path_factory, packed):
     ("packed", ["--raw", "x", "--stats-json", "FILEPARENT"],
      r"^error: --stats-json .*: parent folder .* is not a directory"),
 ], ids=["corrupt-tensor", "other-model", "no-mtp", "overlong-prompt", "no-prompt", "two-prompts", "empty-raw", "bad-k",
-        "bad-k-without-spec", "bad-top-p", "missing-messages", "bad-messages", "text-part-not-string",
+        "bad-k-without-spec", "bad-draft-head", "bad-top-p", "missing-messages", "bad-messages", "text-part-not-string",
         "part-not-object", "missing-artifact", "raw-not-utf8", "prompt-not-utf8", "messages-lone-surrogate",
         "max-context-under-two-pages", "stats-json-no-folder", "stats-json-folder-is-a-file"])
 def test_bad_input_is_one_line_error(packed, bad_artifacts, tmp_path, case, args, message):
