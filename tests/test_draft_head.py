@@ -230,3 +230,18 @@ def test_tiny_mtp_bench_rejects_a_bad_draft_head(capsys):
     with pytest.raises(SystemExit) as e:
         tiny_mtp.parse_args(["--draft-heads", "lm_head,q4"])
     assert e.value.code == 2 and "NINFER_DRAFT_HEAD='q4'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["q6_k", "nvfp4", "bf16"])
+def test_cuda_build_equals_cpu_build(fmt):
+    """On CUDA the lm_head is dequantized by the Triton kernels and quantized by torch on the GPU: the same
+    bytes as the CPU build (numpy codecs), at a 27B-like K and more rows than one slab."""
+    from ninfer_rt.weights import from_encoded
+    w = np.random.default_rng(5).standard_normal((draft_head.SLAB_ROWS + 77, 512)).astype(np.float32)
+    raw = codecs.encode(fmt, w)
+    heads = [draft_head.build(draft_head.DraftHeadSpec("nvfp4", 9000), from_encoded(fmt, w.shape, raw, device=dev),
+                              0) for dev in ("cpu", "cuda")]
+    assert heads[0].data["gscale"] == heads[1].data["gscale"]
+    for key in ("codes", "scales"):
+        assert torch.equal(heads[0].data[key], heads[1].data[key].cpu())
