@@ -314,14 +314,20 @@ class Engine(RunAhead, Core):
     def _decide_drafts(self, j, items):
         seqs = [s for s, _, _ in items]
         params = [s.params for s in seqs]
-        q = draft_distributions(torch.stack([lg for _, lg, _ in items]), params, [s.counts for s in seqs],
-                                [d for _, _, d in items], self.cfg.vocab_size)
-        toks = sample(q, params, [s.generator for s in seqs])
-        for s, row in zip(seqs, q):
-            if j == 1:
+        logits = torch.stack([lg for _, lg, _ in items])
+        if j == 1:
+            for s in seqs:
                 s.q = []
-            if not s.params.greedy:
-                s.q.append(row)
+        if all(p.greedy and not p.has_penalties for p in params):
+            # the processed distribution would be one-hot at this argmax: one kernel instead of five per draft step
+            toks = logits.argmax(-1)
+        else:
+            q = draft_distributions(logits, params, [s.counts for s in seqs], [d for _, _, d in items],
+                                    self.cfg.vocab_size)
+            toks = sample(q, params, [s.generator for s in seqs])
+            for s, row in zip(seqs, q):
+                if not s.params.greedy:
+                    s.q.append(row)
         toks = toks.cpu()
         return (self.tp.broadcast(toks) if self.tp.size > 1 else toks).tolist()
 

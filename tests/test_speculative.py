@@ -270,3 +270,19 @@ def test_verify_rows_batches_plain_greedy_rows():
     assert verify_rows(mixed) == [verify_on_device(r).tolist() for r in mixed]
     assert verify_rows(mixed)[0][1] != int(logits[0].argmax())    # the penalty moved the winner
     assert verify_rows([]) == []
+
+
+def test_greedy_draft_fast_path_equals_the_processed_argmax(loaded):
+    """All-greedy rows without penalties skip the processed one-hot distributions: same tokens, ties included."""
+    from ninfer_rt.sampling import sample
+    from ninfer_rt.speculative import draft_distributions
+    eng = Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=2))
+    vocab = eng.cfg.vocab_size
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(8))
+    logits[1, 5] = logits[1, 9] = logits[1].max() + 1.0              # a tie: the first index wins either way
+    seqs = [types.SimpleNamespace(params=GREEDY, counts=None, generator=None, q=None) for _ in range(3)]
+    got = eng._decide_drafts(1, [(s, logits[i], []) for i, s in enumerate(seqs)])
+    q = draft_distributions(logits, [GREEDY] * 3, [None] * 3, [[]] * 3, vocab)
+    assert got == sample(q, [GREEDY] * 3, [None] * 3).tolist() and got[1] == 5
+    assert all(s.q == [] for s in seqs)
+    eng.shutdown()
