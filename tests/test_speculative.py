@@ -272,6 +272,27 @@ def test_verify_rows_batches_plain_greedy_rows():
     assert verify_rows([]) == []
 
 
+def test_verify_rows_greedy_rounds_on_the_host():
+    """Greedy rows with drafts (no penalties): one argmax for the batch, the prefix match on the host; the same
+    verdicts as verify_on_device for every K, full / partial / no acceptance, and ties."""
+    from ninfer_rt.speculative import RoundInput, verify_on_device, verify_rows
+    g = torch.Generator().manual_seed(1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=9)
+    rows = []
+    for k, hits in [(0, 0), (1, 1), (3, 3), (3, 1), (4, 0), (5, 2), (2, 2)]:
+        lg = torch.randn(k + 1, 40, generator=g)
+        if k == 3 and hits == 1:
+            lg[1, [3, 11]] = lg[1].max() + 1.0                  # a tie at the rejecting position
+        best = lg.argmax(-1).tolist()
+        drafts = best[:hits] + [(best[i] + 1) % 40 for i in range(hits, k)]
+        rows.append(RoundInput(greedy, lg, drafts, [], None, None))
+    got = verify_rows(rows)
+    assert got == [verify_on_device(r).tolist() for r in rows]
+    assert [n for n, _ in got] == [0, 1, 3, 1, 0, 2, 2] and got[3][1] == 3
+    with pytest.raises(ValueError, match="3 logits rows for 1 drafts"):
+        verify_rows([RoundInput(greedy, torch.randn(3, 40), [1], [], None, None)])
+
+
 def test_greedy_draft_fast_path_equals_the_processed_argmax(loaded):
     """All-greedy rows without penalties skip the processed one-hot distributions: same tokens, ties included."""
     from ninfer_rt.sampling import sample
