@@ -35,6 +35,10 @@
 #             see the machine's drift); $SWEEP_ARGS: more decode.py arguments (e.g. "--max-draft 3"); a value that
 #             names a folder .ab/<value> (bench/ab_tree.sh: an earlier commit's packages; carry .ab) runs with that
 #             folder first on PYTHONPATH
+#   enginemtp bench/engine_mtp.py: MTP through the real Engine with rigged drafts on the nvfp4 artifact (built, or
+#             the one decode / sweep kept under /dev/shm/ninfer-run): K = 0 and $EMTP_KS (default 1,3) at acceptance
+#             $EMTP_ACC (default 0.75,0.9,1) per draft head of $EMTP_HEADS (default lm_head,nvfp4,nvfp4:131072),
+#             engine_mtp.json and engine_mtp_table.txt
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_TS and XPRE_EXTRA (xpre.py --T / --extra), XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
@@ -173,6 +177,11 @@ for step in "$@"; do
     decodealt) run_decode decodealt "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" ;;
     decoderecipes) run_decode decoderecipes "${NINFER_XPRE:-auto}" "$(reserve serve servex)" ;;
     sweep) run_sweep ;;
+    enginemtp)
+      timeout ${EMTP_S:-300} python3 bench/engine_mtp.py --recipe nvfp4 --dir /dev/shm/ninfer-run --ks ${EMTP_KS:-1,3} \
+        --acceptance ${EMTP_ACC:-0.75,0.9,1} --draft-heads ${EMTP_HEADS:-lm_head,nvfp4,nvfp4:131072} \
+        --new-tokens ${EMTP_NEW:-128} --out "$OUT/engine_mtp.json" > "$OUT/engine_mtp_table.txt" 2> "$OUT/engine_mtp_log.txt"
+      echo "enginemtp rc=$?"; cat "$OUT/engine_mtp_table.txt"; tail -3 "$OUT/engine_mtp_log.txt" ;;
     serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
     servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;

@@ -1,0 +1,223 @@
+"""MTP speculative decoding through the real Engine on a 27B-shaped artifact, at chosen acceptance rates.
+
+bench/decode.py models MTP throughput from its step times: tokens per round / (verify_K + K * draft). This runs
+the Engine itself (CUDA graphs, the host's decisions and read-backs, the MTP alignment pass, the GDN rollback),
+so its tok/s includes the host work between the steps that the model leaves out. Random weights draft nothing
+useful, so the drafts are rigged: one greedy generation with K = 0 gives the truth, then in each round draft j
+is the true token with probability `a` while drafts 1..j-1 were, and a wrong one otherwise (per-position
+acceptance a, the same model decode.py uses). The real draft decision still runs (the draft logits' argmax and
+its read-back) before the rigged token replaces it, so the host waits where the real engine waits. Every run
+must emit the truth token for token (greedy speculation is lossless); a run that does not is an error.
+
+    python3 bench/engine_mtp.py [--recipe nvfp4] [--ks 1,3,5] [--acceptance 0.6,0.75,0.9,1]
+                                [--draft-heads lm_head,nvfp4] [--prompt-len 1024] [--new-tokens 256]
+    python3 bench/engine_mtp.py --tiny --device cpu --new-tokens 16     # CPU dry run (torch backend)
+
+Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "recipe", "tp", "gpu",
+"draft_head", "draft_tokens" (0 = plain decoding), "acceptance" (None at K = 0), "tok_s" (decode phase: tokens
+after the first over the time after it), "tokens_per_round", "rounds", "ms_round", "accepted", "drafted",
+"prompt_tokens", "new_tokens", "lossless", "backend", "graphs"}.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import synth_artifact as synth
+from bench_cli import ArgParser, pick_dir, positive_int
+from ninfer_formats.atomic import write_json_atomic
+from ninfer_formats.errors import NinferError
+
+OUT = Path(__file__).resolve().parent / "results" / "engine_mtp.json"
+DRAFT_HEAD_ENV = "NINFER_DRAFT_HEAD"       # ninfer_rt.draft_head.ENV (not imported: torch comes after the build)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        v = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        v = ()
+    if not v or any(not 0.0 <= a <= 1.0 for a in v):
+        raise ValueError
+    return v
+
+
+def parse_args(argv=None):
+    ap = ArgParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="nvfp4", help="synthetic artifact recipe (nvfp4, q6_k, iq3_s, bf16)")
+    ap.add_argument("--ks", default="1,3,5", help="draft tokens per round to run (K = 0, plain, always runs)")
+    ap.add_argument("--acceptance", default="0.6,0.75,0.9,1", help="per-position acceptance rates in [0, 1]")
+    ap.add_argument("--draft-heads", default="lm_head", help="NINFER_DRAFT_HEAD values, comma-separated")
+    ap.add_argument("--prompt-len", type=positive_int, default=1024)
+    ap.add_argument("--new-tokens", type=positive_int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--backend", choices=("triton", "torch"), default=None, help="default triton on cuda, torch on cpu")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm/ninfer-bench when it fits)")
+    ap.add_argument("--out", default=str(OUT))
+    synth.add_shape_args(ap)
+    args = ap.parse_args(argv)
+    try:
+        args.ks = tuple(sorted({int(k) for k in args.ks.split(",") if k.strip()}))
+        assert args.ks and all(1 <= k <= 7 for k in args.ks)
+    except (ValueError, AssertionError):
+        ap.error(f"--ks: expected comma-separated integers in 1..7, got {args.ks!r}")
+    try:
+        args.acceptance = _floats(args.acceptance)
+    except ValueError:
+        ap.error(f"--acceptance: expected comma-separated numbers in [0, 1], got {args.acceptance!r}")
+    args.draft_heads = tuple(h.strip() for h in args.draft_heads.split(",") if h.strip())
+    if not args.draft_heads:
+        ap.error("--draft-heads: expected at least one value")
+    return args
+
+
+def make_rigged(Engine):
+    class RiggedEngine(Engine):
+        """Drafts rigged to a per-position acceptance `rate` against the known greedy continuation `truth`."""
+
+        truth: list[int] = []
+        rate: float = 1.0
+        rng = random.Random(0)
+
+        def _decide_drafts(self, j, items):
+            real = super()._decide_drafts(j, items)          # the real decision's kernels and read-back
+            toks = []
+            for (s, _, prev), r in zip(items, real):
+                pos = len(s.out) + j - 1
+                right = self.truth[pos] if pos < len(self.truth) else r
+                ok = len(prev) == j - 1 and (j == 1 or prev[-1] == self.truth[pos - 1]) and self.rng.random() < self.rate
+                toks.append(right if ok else (right + 1) % self.cfg.vocab_size)
+            return toks
+    return RiggedEngine
+
+
+def generate(eng, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+    """-> (tokens, seconds from the first generated token to the last): the decode phase only."""
+    from ninfer_rt.sampling import SamplingParams
+    eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    out, t_first = [], None
+    while eng.has_work():
+        for o in eng.step():
+            if o.new_token_ids and t_first is None:
+                t_first = time.perf_counter()
+            out += o.new_token_ids
+    return out, time.perf_counter() - (t_first or time.perf_counter())
+
+
+def _engine(loaded, args, k: int, truth: list[int] | None):
+    import torch
+
+    from ninfer_rt.backends import get_ops
+    from ninfer_rt.engine import Engine
+    from ninfer_rt.speculative import SpecConfig
+    cls = make_rigged(Engine) if k else Engine
+    eng = cls(loaded, get_ops(args.backend), spec=SpecConfig(num_draft_tokens=k) if k else None, max_batch=1,
+              max_model_len=args.prompt_len + args.new_tokens + 16, graphs="off" if args.eager else "auto")
+    if truth is not None:
+        eng.truth = truth
+    torch.manual_seed(args.seed)
+    return eng
+
+
+def measure_head(loaded, args, head: str, base: dict) -> list[dict]:
+    """K = 0 (the truth and the plain rate), then every K at every acceptance, with one draft head."""
+    os.environ[DRAFT_HEAD_ENV] = head
+    prompt = random.Random(args.seed).choices(range(min(loaded.config.vocab_size, 4096)), k=args.prompt_len)
+    eng = _engine(loaded, args, 0, None)
+    generate(eng, prompt, min(8, args.new_tokens))                        # warm-up: compiles, tunes
+    truth, secs = generate(eng, prompt, args.new_tokens)
+    eng.shutdown()
+    plain = {**base, "draft_head": head, "draft_tokens": 0, "acceptance": None, "rounds": None,
+             "tokens_per_round": 1.0, "tok_s": (len(truth) - 1) / secs, "ms_round": secs / (len(truth) - 1) * 1e3,
+             "accepted": 0, "drafted": 0, "lossless": True}
+    log(f"{head}: K=0 {plain['tok_s']:.1f} tok/s")
+    out = [plain]
+    for k in args.ks:
+        eng = _engine(loaded, args, k, truth)
+        eng.rate = 1.0
+        generate(eng, prompt, min(8, args.new_tokens))                    # warm-up at this K
+        for a in args.acceptance:
+            eng.rate, eng.rng = a, random.Random(args.seed)
+            before = eng.stats.spec.to_dict()
+            got, secs = generate(eng, prompt, args.new_tokens)
+            st = _delta(eng.stats.spec.to_dict(), before)
+            rec = {**base, "draft_head": head, "draft_tokens": k, "acceptance": a, "rounds": st["rounds"],
+                   "accepted": st["accepted"], "drafted": st["drafted"],
+                   "tokens_per_round": 1 + st["accepted"] / st["rounds"] if st["rounds"] else 1.0,
+                   "tok_s": (len(got) - 1) / secs, "ms_round": secs / max(1, st["rounds"]) * 1e3,
+                   "lossless": got == truth}
+            log(f"{head}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} tokens/round, "
+                f"{rec['ms_round']:.2f} ms/round{'' if rec['lossless'] else ', NOT LOSSLESS'}")
+            out.append(rec)
+        eng.shutdown()
+        del eng
+        gc.collect()
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in ("rounds", "accepted", "drafted")}
+
+
+def measure(args, path: str) -> list[dict]:
+    import torch
+
+    import bench_device as D
+    from ninfer_rt.loader import load
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    args.backend = args.backend or ("triton" if args.device == "cuda" else "torch")
+    loaded = load(path, device=device, dtype=dtype)
+    base = {"kind": "engine_mtp", "recipe": args.recipe, "tp": 1, "gpu": D.device_name(device),
+            "backend": args.backend, "graphs": args.device == "cuda" and not args.eager,
+            "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens}
+    records = []
+    try:
+        for head in args.draft_heads:
+            records += measure_head(loaded, args, head, base)
+    finally:
+        os.environ.pop(DRAFT_HEAD_ENV, None)
+        loaded.close()
+    return records
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        from ninfer_rt.draft_head import DraftHeadSpec
+        for head in args.draft_heads:
+            DraftHeadSpec.parse(head, "--draft-heads")
+        if args.device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise NinferError("--device cuda: no CUDA device here (use --device cpu for a dry run)")
+        shape = synth.shape_from_args(args)
+        folder = os.path.join(pick_dir(args.dir, synth.planned_bytes(shape, args.recipe, 1)), f"{args.recipe}-tp1")
+        paths, info = synth.build(folder, shape, args.recipe, 1, log=log)
+        log(f"artifact {'reused' if info['reused'] else 'built'}: {info['bytes'] / 1e9:.2f} GB in {folder}")
+        records = measure(args, paths[0])
+        write_json_atomic(args.out, records)
+    except (NinferError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{'draft head':<14} {'K':>2} {'accept':>6} {'tok/s':>8} {'tok/round':>9} {'ms/round':>9} lossless")
+    for r in records:
+        a = "-" if r["acceptance"] is None else f"{r['acceptance']:g}"
+        print(f"{r['draft_head']:<14} {r['draft_tokens']:>2} {a:>6} {r['tok_s']:>8.1f} {r['tokens_per_round']:>9.2f} "
+              f"{r['ms_round']:>9.2f} {'yes' if r['lossless'] else 'NO'}")
+    log(f"wrote {args.out}")
+    return 0 if all(r["lossless"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""bench/engine_mtp.py on CPU: the tiny synthetic artifact through the real Engine with rigged drafts (every run
+lossless, acceptance 0 and 1 at their exact token counts), its records, and one-line argument errors."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: bench/ must not shadow anything
+import engine_mtp  # noqa: E402
+
+KEYS = {"kind", "recipe", "tp", "gpu", "draft_head", "draft_tokens", "acceptance", "tok_s", "tokens_per_round",
+        "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "lossless", "backend", "graphs"}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_cpu_dry_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("NINFER_DRAFT_HEAD", raising=False)
+    out = tmp_path / "r.json"
+    rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "13", "--ks", "2",
+                          "--acceptance", "0,1", "--draft-heads", "lm_head,nvfp4:512", "--dir", str(tmp_path / "a"),
+                          "--out", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert [(r["draft_head"], r["draft_tokens"], r["acceptance"]) for r in recs] == [
+        ("lm_head", 0, None), ("lm_head", 2, 0.0), ("lm_head", 2, 1.0),
+        ("nvfp4:512", 0, None), ("nvfp4:512", 2, 0.0), ("nvfp4:512", 2, 1.0)]
+    for r in recs:
+        assert set(r) == KEYS and r["kind"] == "engine_mtp" and r["lossless"] and r["tok_s"] > 0
+        assert r["backend"] == "torch" and not r["graphs"]
+    for r in recs[1::3]:                         # every draft wrong: one token per round
+        assert r["accepted"] == 0 and r["tokens_per_round"] == 1.0 and r["rounds"] <= r["drafted"] <= 2 * r["rounds"]
+    for r in recs[2::3]:                         # every draft right: 12 tokens after the first in rounds of 3
+        assert r["accepted"] == r["drafted"] == 8 and r["rounds"] == 4 and r["tokens_per_round"] == 3.0
+    assert "lossless" in capsys.readouterr().out
+    assert "NINFER_DRAFT_HEAD" not in __import__("os").environ
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ks", "0"], "--ks: expected comma-separated integers in 1..7"),
+    (["--ks", "8"], "--ks: expected comma-separated integers in 1..7"),
+    (["--acceptance", "1.5"], "--acceptance: expected comma-separated numbers in [0, 1]"),
+    (["--acceptance", "x"], "--acceptance: expected comma-separated numbers in [0, 1]"),
+    (["--draft-heads", "q4"], "--draft-heads='q4': expected lm_head, nvfp4 or nvfp4:N"),
+], ids=["k0", "k8", "acceptance-range", "acceptance-text", "draft-head"])
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        rc = engine_mtp.main(["--tiny", "--device", "cpu", "--dir", str(tmp_path), *args])
+        raise SystemExit(rc)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "nvfp4-tp1").exists()                          # refused before any build
