@@ -5,9 +5,10 @@ the Engine itself (CUDA graphs, the host's decisions and read-backs, the MTP ali
 so its tok/s includes the host work between the steps that the model leaves out. Random weights draft nothing
 useful, so the drafts are rigged: one greedy generation with K = 0 gives the truth, then in each round draft j
 is the true token with probability `a` while drafts 1..j-1 were, and a wrong one otherwise (per-position
-acceptance a, the same model decode.py uses). The real draft decision still runs (the draft logits' argmax and
-its read-back) before the rigged token replaces it, so the host waits where the real engine waits. Every run
-must emit the truth token for token (greedy speculation is lossless); a run that does not is an error.
+acceptance a, the same model decode.py uses). The real draft decision still runs before the rigged token replaces
+it (its argmax, and its read-back where the engine reads drafts back: NINFER_DRAFT_CHAIN=0), so the host waits
+where the real engine waits. Every run must emit the truth token for token (greedy speculation is lossless); a
+run that does not is an error.
 
     python3 bench/engine_mtp.py [--recipe nvfp4] [--ks 1,3,5] [--acceptance 0.6,0.75,0.9,1]
                                 [--draft-heads lm_head,nvfp4] [--prompt-len 1024] [--new-tokens 256]
@@ -16,7 +17,7 @@ must emit the truth token for token (greedy speculation is lossless); a run that
 Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "recipe", "tp", "gpu",
 "draft_head", "draft_tokens" (0 = plain decoding), "acceptance" (None at K = 0), "tok_s" (decode phase: tokens
 after the first over the time after it), "tokens_per_round", "rounds", "ms_round", "accepted", "drafted",
-"prompt_tokens", "new_tokens", "lossless", "backend", "graphs"}.
+"prompt_tokens", "new_tokens", "lossless", "backend", "graphs", "draft_chain"}.
 """
 from __future__ import annotations
 
@@ -82,22 +83,35 @@ def parse_args(argv=None):
 
 
 def make_rigged(Engine):
+    import torch
+
     class RiggedEngine(Engine):
-        """Drafts rigged to a per-position acceptance `rate` against the known greedy continuation `truth`."""
+        """Drafts rigged to a per-position acceptance `rate` against the known greedy continuation `truth`, on
+        both drafting paths: read back after each draft step, or kept on the device (NINFER_DRAFT_CHAIN)."""
 
         truth: list[int] = []
         rate: float = 1.0
         rng = random.Random(0)
 
-        def _decide_drafts(self, j, items):
-            real = super()._decide_drafts(j, items)          # the real decision's kernels and read-back
+        def _rig(self, j, items) -> list[int]:
+            if j == 1:
+                self.ok = {}
             toks = []
-            for (s, _, prev), r in zip(items, real):
+            for s, _, _ in items:
                 pos = len(s.out) + j - 1
-                right = self.truth[pos] if pos < len(self.truth) else r
-                ok = len(prev) == j - 1 and (j == 1 or prev[-1] == self.truth[pos - 1]) and self.rng.random() < self.rate
+                right = self.truth[pos] if pos < len(self.truth) else 0
+                ok = (j == 1 or self.ok[s.req_id]) and self.rng.random() < self.rate
+                self.ok[s.req_id] = ok
                 toks.append(right if ok else (right + 1) % self.cfg.vocab_size)
             return toks
+
+        def _decide_drafts(self, j, items):
+            super()._decide_drafts(j, items)                 # the real decision's kernels and read-back
+            return self._rig(j, items)
+
+        def _device_drafts(self, j, items):
+            real = super()._device_drafts(j, items)          # the real decision's kernel, no read-back
+            return torch.tensor(self._rig(j, items), device=real.device)
     return RiggedEngine
 
 
@@ -180,7 +194,8 @@ def measure(args, path: str) -> list[dict]:
     loaded = load(path, device=device, dtype=dtype)
     base = {"kind": "engine_mtp", "recipe": args.recipe, "tp": 1, "gpu": D.device_name(device),
             "backend": args.backend, "graphs": args.device == "cuda" and not args.eager,
-            "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens}
+            "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens,
+            "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1"}
     records = []
     try:
         for head in args.draft_heads:

@@ -38,7 +38,9 @@
 #   enginemtp bench/engine_mtp.py: MTP through the real Engine with rigged drafts on the nvfp4 artifact (built, or
 #             the one decode / sweep kept under /dev/shm/ninfer-run): K = 0 and $EMTP_KS (default 1,3) at acceptance
 #             $EMTP_ACC (default 0.75,0.9,1) per draft head of $EMTP_HEADS (default lm_head,nvfp4,nvfp4:131072),
-#             engine_mtp.json and engine_mtp_table.txt
+#             engine_mtp.json and engine_mtp_table.txt; drafts kept on the device between draft steps (the default)
+#   enginemtp0 the same with NINFER_DRAFT_CHAIN=0 (every draft read back before the next draft step), written as
+#             engine_mtp_readback.json
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_TS and XPRE_EXTRA (xpre.py --T / --extra), XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
@@ -89,6 +91,13 @@ run_serve() {
   NINFER_XPRE=$2 timeout $l python3 bench/serve.py --artifact "$art" --concurrency ${SERVE_C:-1,2,4,8} \
     --max-tokens 64 --out "$OUT/$json" > "$OUT/${name}_table.txt" 2>&1
   echo "$name rc=$?"; tail -15 "$OUT/${name}_table.txt"
+}
+# run_enginemtp NAME CHAIN: bench/engine_mtp.py under NINFER_DRAFT_CHAIN=CHAIN, written as NAME.json / NAME_table.txt
+run_enginemtp() {
+  NINFER_DRAFT_CHAIN=$2 timeout ${EMTP_S:-300} python3 bench/engine_mtp.py --recipe nvfp4 --dir /dev/shm/ninfer-run \
+    --ks ${EMTP_KS:-1,3} --acceptance ${EMTP_ACC:-0.75,0.9,1} --draft-heads ${EMTP_HEADS:-lm_head,nvfp4,nvfp4:131072} \
+    --new-tokens ${EMTP_NEW:-128} --out "$OUT/$1.json" > "$OUT/$1_table.txt" 2> "$OUT/$1_log.txt"
+  echo "$1 rc=$?"; cat "$OUT/$1_table.txt"; tail -3 "$OUT/$1_log.txt"
 }
 # run_sweep: one decode.py per value of $SWEEP_VALUES under $SWEEP_VAR=value (see the step list above)
 run_kernels() {   # $1: the step's name (its table and log files)
@@ -177,11 +186,8 @@ for step in "$@"; do
     decodealt) run_decode decodealt "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" ;;
     decoderecipes) run_decode decoderecipes "${NINFER_XPRE:-auto}" "$(reserve serve servex)" ;;
     sweep) run_sweep ;;
-    enginemtp)
-      timeout ${EMTP_S:-300} python3 bench/engine_mtp.py --recipe nvfp4 --dir /dev/shm/ninfer-run --ks ${EMTP_KS:-1,3} \
-        --acceptance ${EMTP_ACC:-0.75,0.9,1} --draft-heads ${EMTP_HEADS:-lm_head,nvfp4,nvfp4:131072} \
-        --new-tokens ${EMTP_NEW:-128} --out "$OUT/engine_mtp.json" > "$OUT/engine_mtp_table.txt" 2> "$OUT/engine_mtp_log.txt"
-      echo "enginemtp rc=$?"; cat "$OUT/engine_mtp_table.txt"; tail -3 "$OUT/engine_mtp_log.txt" ;;
+    enginemtp) run_enginemtp engine_mtp 1 ;;
+    enginemtp0) run_enginemtp engine_mtp_readback 0 ;;
     serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
     servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;

@@ -27,6 +27,7 @@ step from this one's device tokens before it reads this one back, so the host's 
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,6 +43,16 @@ from .graphs import GraphConfig
 from .sampling import SamplingParams, make_generator, sample
 from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify_rows
 from .tp_group import LocalGroup
+
+DRAFT_CHAIN_ENV = "NINFER_DRAFT_CHAIN"
+
+
+def draft_chain_env() -> bool:
+    """NINFER_DRAFT_CHAIN: 1 (default) or 0 (every draft read back before the next draft step: the comparison)."""
+    v = os.environ.get(DRAFT_CHAIN_ENV, "1")
+    if v not in ("0", "1"):
+        raise EngineError(f"{DRAFT_CHAIN_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
 
 if TYPE_CHECKING:
     from .vision.prompt import VisionRequest, VisionRuntime
@@ -123,6 +134,7 @@ class Engine(RunAhead, Core):
         if async_scheduling is not None and not isinstance(async_scheduling, bool):
             raise EngineError(f"async_scheduling: expected True, False or None, got {async_scheduling!r}")
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self.chain_drafts = draft_chain_env()
         self.vision = None
         if vision is not None:
             self.attach_vision(vision)
@@ -311,6 +323,18 @@ class Engine(RunAhead, Core):
         return max(0, min(self.spec.num_draft_tokens, room_ctx, room_out))
 
     # ---- decisions ----
+    def _drafts_on_device(self, dec) -> bool:
+        """TP1 steps whose sequences all draft greedily without penalties (one argmax decides each draft):
+        NINFER_DRAFT_CHAIN (default on) keeps those drafts on the device between the draft steps."""
+        return self.chain_drafts and self.tp.size == 1 and all(
+            s.params.greedy and not s.params.has_penalties for s, _ in dec)
+
+    def _device_drafts(self, j, items):
+        if j == 1:
+            for s, _, _ in items:
+                s.q = []
+        return torch.stack([lg.argmax(-1) for _, lg, _ in items])
+
     def _decide_drafts(self, j, items):
         seqs = [s for s, _, _ in items]
         params = [s.params for s in seqs]

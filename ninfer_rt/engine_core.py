@@ -14,6 +14,7 @@ Step protocol (TP > 1, all over the CPU gloo control group, rank 0 -> everyone):
   1b. for every admitted image prompt, in admit order: its merged vision tokens [n, H] (`meta["embeds_shape"]`,
      `meta["embeds_dtype"]`); only rank 0 runs the tower, so every rank splices the same embeddings
   2. for j = 1..max k: int64 [n_j]  the j-th drafts of the decode sequences with k >= j, in plan order
+     (TP1 greedy steps keep their drafts on the device between the draft steps instead: `_draft_chained`)
   3. if anything was scheduled: int64 [n_decode + n_prefill, 4] verdict rows (n_acc, token, n_emit, finished)
 Followers never sample; they apply the same plan, drafts and verdicts to their shards.
 
@@ -119,8 +120,9 @@ class StepOut:
         return out.hidden[out.cu_seqlens[j]:out.cu_seqlens[j + 1]]
 
 
-def _ids(x: list[int]) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.long)
+def _ids(x) -> torch.Tensor:
+    """Token ids as an int64 tensor: a list from the host, or a tensor as it is (a draft still on the device)."""
+    return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
 
 
 class Core:
@@ -143,6 +145,14 @@ class Core:
             self.graphs.capture()           # every rank, same order: no-op in eager mode
 
     # ---- decisions (overridden) ----
+    def _drafts_on_device(self, dec: list[tuple[Seq, int]]) -> bool:
+        """Whether this step's drafts may stay on the device between the draft steps (`_draft_chained`)."""
+        return False
+
+    def _device_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list]]) -> torch.Tensor:
+        """The j-th drafts of `items` as an int64 [n] device tensor, without a host read-back."""
+        raise NotImplementedError
+
     def _decide_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list[int]]]) -> list[int]:
         raise NotImplementedError
 
@@ -245,6 +255,8 @@ class Core:
 
     def _draft(self, dec: list[tuple[Seq, int]]) -> list[list[int]]:
         """Recursive MTP drafting; d_1 comes from the alignment of the previous step."""
+        if dec and self._drafts_on_device(dec):
+            return self._draft_chained(dec)
         drafts: list[list[int]] = [[] for _ in dec]
         logits = [s.mtp_logits for s, _ in dec]
         hidden = [s.mtp_hidden for s, _ in dec]
@@ -260,6 +272,31 @@ class Core:
                                        for i in more])
                 for r, i in enumerate(more):
                     logits[i], hidden[i] = mo.logits[r], mo.hidden[r]
+        return drafts
+
+    def _draft_chained(self, dec: list[tuple[Seq, int]]) -> list[list[int]]:
+        """`_draft` without a host read-back between the draft steps: each draft stays on the device and is the
+        next MTP step's input, so the host queues step j + 1 while step j runs; all drafts come back in one
+        transfer at the end."""
+        toks: list[list[torch.Tensor]] = [[] for _ in dec]
+        logits = [s.mtp_logits for s, _ in dec]
+        hidden = [s.mtp_hidden for s, _ in dec]
+        for j in range(1, max(k for _, k in dec) + 1):
+            idx = [i for i, (_, k) in enumerate(dec) if k >= j]
+            new = self._device_drafts(j, [(dec[i][0], logits[i], toks[i]) for i in idx])
+            for r, i in enumerate(idx):
+                toks[i].append(new[r:r + 1])
+            more = [i for i in idx if dec[i][1] > j]
+            if more:
+                step = self.graphs if self.graphs is not None else self.model
+                mo = step.mtp_forward([self._mtp_input(dec[i][0], toks[i][-1], hidden[i][None]) for i in more])
+                for r, i in enumerate(more):
+                    logits[i], hidden[i] = mo.logits[r], mo.hidden[r]
+        flat = torch.cat([t for row in toks for t in row]).tolist() if any(toks) else []
+        drafts, o = [], 0
+        for row in toks:
+            drafts.append(flat[o:o + len(row)])
+            o += len(row)
         return drafts
 
     def _close_graphs(self) -> None:

@@ -12,13 +12,16 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: 
 import engine_mtp  # noqa: E402
 
 KEYS = {"kind", "recipe", "tp", "gpu", "draft_head", "draft_tokens", "acceptance", "tok_s", "tokens_per_round",
-        "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "lossless", "backend", "graphs"}
+        "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "lossless", "backend", "graphs",
+        "draft_chain"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_cpu_dry_run(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("chain", ["1", "0"], ids=["chained", "read-back"])
+def test_cpu_dry_run(tmp_path, capsys, monkeypatch, chain):
     monkeypatch.delenv("NINFER_DRAFT_HEAD", raising=False)
+    monkeypatch.setenv("NINFER_DRAFT_CHAIN", chain)
     out = tmp_path / "r.json"
     rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "13", "--ks", "2",
                           "--acceptance", "0,1", "--draft-heads", "lm_head,nvfp4:512", "--dir", str(tmp_path / "a"),
@@ -30,7 +33,7 @@ def test_cpu_dry_run(tmp_path, capsys, monkeypatch):
         ("nvfp4:512", 0, None), ("nvfp4:512", 2, 0.0), ("nvfp4:512", 2, 1.0)]
     for r in recs:
         assert set(r) == KEYS and r["kind"] == "engine_mtp" and r["lossless"] and r["tok_s"] > 0
-        assert r["backend"] == "torch" and not r["graphs"]
+        assert r["backend"] == "torch" and not r["graphs"] and r["draft_chain"] == (chain == "1")
     for r in recs[1::3]:                         # every draft wrong: one token per round
         assert r["accepted"] == 0 and r["tokens_per_round"] == 1.0 and r["rounds"] <= r["drafted"] <= 2 * r["rounds"]
     for r in recs[2::3]:                         # every draft right: 12 tokens after the first in rounds of 3

@@ -83,7 +83,7 @@ class RiggedEngine(Engine):
         super().__init__(*a, **kw)
         self.truth, self.pattern, self.rounds, self.n_acc_seen = truth, pattern, {}, set()
 
-    def _decide_drafts(self, j, items):
+    def _rig(self, j, items):
         toks = []
         for s, _, prev in items:
             if j == 1:
@@ -93,17 +93,27 @@ class RiggedEngine(Engine):
             toks.append(right if j <= good else (right + 1) % NONSPECIAL)
         return toks
 
+    def _decide_drafts(self, j, items):          # drafts read back after every draft step
+        return self._rig(j, items)
+
+    def _device_drafts(self, j, items):          # drafts kept on the device (NINFER_DRAFT_CHAIN=1, greedy)
+        super()._device_drafts(j, items)
+        return torch.tensor(self._rig(j, items), device=items[0][1].device)
+
     def _decide_verdicts(self, dec, drafts, pre, out):
         verdicts = super()._decide_verdicts(dec, drafts, pre, out)
         self.n_acc_seen.update(v.n_acc for v, (_, k) in zip(verdicts, dec) if k)
         return verdicts
 
 
+@pytest.mark.parametrize("chain", ["1", "0"], ids=["chained", "read-back"])
 @pytest.mark.parametrize("k,mode", [(3, "all"), (5, "all"), (2, "cycle"), (4, "cycle")],
                          ids=["K3-all", "K5-all", "K2-cycle", "K4-cycle"])
-def test_rigged_drafts_accept_and_roll_back_exactly(loaded, prompts, reference, k, mode):
+def test_rigged_drafts_accept_and_roll_back_exactly(loaded, prompts, reference, k, mode, chain, monkeypatch):
     """'all': every draft right (100% acceptance, K+1 tokens a round). 'cycle': round r gets r % (K+1) right
-    drafts, so the target state is committed / rolled back at every position."""
+    drafts, so the target state is committed / rolled back at every position. Drafts kept on the device between
+    the draft steps (NINFER_DRAFT_CHAIN=1) or read back after each."""
+    monkeypatch.setenv("NINFER_DRAFT_CHAIN", chain)
     pattern = (lambda r: k) if mode == "all" else (lambda r: r % (k + 1))
     eng = RiggedEngine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=k), prefill_chunk=CHUNK,
                        truth=reference, pattern=pattern)
@@ -133,10 +143,17 @@ def test_first_draft_matches_mtp_oracle_every_round(tiny, loaded, prompts):
     seen = []
 
     class Spy(Engine):
-        def _decide_drafts(self, j, items):
+        def _spy(self, j, items):
             if j == 1:
                 seen.extend((s.prompt + list(s.out), lg.clone()) for s, lg, _ in items)
+
+        def _decide_drafts(self, j, items):
+            self._spy(j, items)
             return super()._decide_drafts(j, items)
+
+        def _device_drafts(self, j, items):
+            self._spy(j, items)
+            return super()._device_drafts(j, items)
 
     eng = Spy(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=CHUNK)
     run(eng, prompts[1:], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
@@ -307,3 +324,55 @@ def test_greedy_draft_fast_path_equals_the_processed_argmax(loaded):
     assert got == sample(q, [GREEDY] * 3, [None] * 3).tolist() and got[1] == 5
     assert all(s.q == [] for s in seqs)
     eng.shutdown()
+
+
+class CountingEngine(Engine):
+    """Counts the draft decisions each drafting path made."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = {"device": 0, "host": 0}
+
+    def _device_drafts(self, j, items):
+        self.calls["device"] += 1
+        return super()._device_drafts(j, items)
+
+    def _decide_drafts(self, j, items):
+        self.calls["host"] += 1
+        return super()._decide_drafts(j, items)
+
+
+@pytest.mark.parametrize("k", [2, 4], ids=lambda k: f"K{k}")
+def test_chained_drafts_equal_read_back_drafts(loaded, prompts, reference, k, monkeypatch):
+    """Greedy TP1 drafts kept on the device between the draft steps (NINFER_DRAFT_CHAIN=1, the default) give
+    the same tokens and the same acceptance, position by position, as drafts read back after each step."""
+    got = {}
+    for chain in ("1", "0"):
+        monkeypatch.setenv("NINFER_DRAFT_CHAIN", chain)
+        eng = CountingEngine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=k), prefill_chunk=CHUNK)
+        out, _ = run(eng, prompts)
+        assert out == reference
+        assert (eng.calls["device"] > 0, eng.calls["host"] > 0) == ((True, False) if chain == "1" else (False, True))
+        got[chain] = eng.stats.spec.to_dict()
+    assert got["1"] == got["0"]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=1, max_tokens=NEW, ignore_eos=True),
+                                    SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=NEW,
+                                                   ignore_eos=True)], ids=["sampled", "penalties"])
+def test_sampled_or_penalized_rows_read_drafts_back(loaded, prompts, params):
+    """A draft that is not one argmax of the raw draft logits is decided on the host, for the whole step."""
+    eng = CountingEngine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=CHUNK)
+    eng.add_request("b", prompts[1], params)
+    while eng.has_work():
+        eng.step()
+    assert eng.calls["host"] > 0 and eng.calls["device"] == 0
+    seq = types.SimpleNamespace
+    rows = [(seq(params=GREEDY), 3), (seq(params=params), 3)]
+    assert eng._drafts_on_device(rows[:1]) and not eng._drafts_on_device(rows)
+
+
+def test_draft_chain_switch_is_checked(loaded, monkeypatch):
+    monkeypatch.setenv("NINFER_DRAFT_CHAIN", "yes")
+    with pytest.raises(EngineError, match=r"^NINFER_DRAFT_CHAIN='yes': expected 1 or 0$"):
+        Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=2))

@@ -144,10 +144,17 @@ def test_first_draft_matches_mtp_oracle_at_mrope_positions(tiny, loaded, vis, vr
     seen = []
 
     class Spy(Engine):
-        def _decide_drafts(self, j, items):
+        def _spy(self, j, items):
             if j == 1:
                 seen.extend((s.prompt + list(s.out), lg.clone()) for s, lg, _ in items)
+
+        def _decide_drafts(self, j, items):
+            self._spy(j, items)
             return super()._decide_drafts(j, items)
+
+        def _device_drafts(self, j, items):        # greedy TP1 drafts stay on the device (NINFER_DRAFT_CHAIN)
+            self._spy(j, items)
+            return super()._device_drafts(j, items)
 
     run(Spy(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=2), prefill_chunk=CHUNK, vision=vis),
         [("img", PROMPT, vreq)])
