@@ -125,6 +125,25 @@ def _ids(x) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
 
 
+def _round_ids(last: int, drafts):
+    """A decode row's ids [t_0, d_1..d_k]: a host list, or a device tensor when the drafts are still there."""
+    if isinstance(drafts, torch.Tensor):
+        return torch.cat([torch.tensor([last], dtype=torch.long).to(drafts.device, non_blocking=True), drafts])
+    return [last] + drafts
+
+
+def _host_drafts(drafts: list) -> list[list[int]]:
+    """Every sequence's drafts as host ints, device ones read back in one transfer."""
+    if not any(isinstance(d, torch.Tensor) for d in drafts):
+        return drafts
+    flat = torch.cat(drafts).tolist()
+    out, o = [], 0
+    for d in drafts:
+        out.append(flat[o:o + d.numel()])
+        o += d.numel()
+    return out
+
+
 class Core:
     """Owns the model and the per-rank sequence states; subclasses make the decisions."""
 
@@ -198,10 +217,11 @@ class Core:
         pre = [(self.seqs[rid], a, b) for rid, a, b in plan.prefill]
         drafts = self._draft(dec)
         starts = [s.state.length for s, _ in dec]
-        inputs = [self._seq_input(s, [s.last] + d, snapshot=k > 0) for (s, k), d in zip(dec, drafts)]
+        inputs = [self._seq_input(s, _round_ids(s.last, d), snapshot=k > 0) for (s, k), d in zip(dec, drafts)]
         inputs += [self._seq_input(s, s.prompt[a:b], logits="last" if b == len(s.prompt) else "none")
                    for s, a, b in pre]
         out = self._forward(inputs, len(dec))
+        drafts = _host_drafts(drafts)          # device drafts: read back once the verify step is queued
         verdicts = self._decide_verdicts(dec, drafts, pre, out)
         results, mtp_in, mtp_seqs = [], [], []
         for i, ((s, k), d, v, L) in enumerate(zip(dec, drafts, verdicts, starts)):
@@ -274,10 +294,10 @@ class Core:
                     logits[i], hidden[i] = mo.logits[r], mo.hidden[r]
         return drafts
 
-    def _draft_chained(self, dec: list[tuple[Seq, int]]) -> list[list[int]]:
-        """`_draft` without a host read-back between the draft steps: each draft stays on the device and is the
-        next MTP step's input, so the host queues step j + 1 while step j runs; all drafts come back in one
-        transfer at the end."""
+    def _draft_chained(self, dec: list[tuple[Seq, int]]) -> list[torch.Tensor]:
+        """`_draft` without a host read-back: each draft stays on the device and is the next MTP step's input,
+        so the host queues step j + 1 while step j runs. -> int64 [k] device tensors, one per sequence, which
+        the verify step takes as its input ids; they are read back once it is queued (`_execute`)."""
         toks: list[list[torch.Tensor]] = [[] for _ in dec]
         logits = [s.mtp_logits for s, _ in dec]
         hidden = [s.mtp_hidden for s, _ in dec]
@@ -292,12 +312,8 @@ class Core:
                 mo = step.mtp_forward([self._mtp_input(dec[i][0], toks[i][-1], hidden[i][None]) for i in more])
                 for r, i in enumerate(more):
                     logits[i], hidden[i] = mo.logits[r], mo.hidden[r]
-        flat = torch.cat([t for row in toks for t in row]).tolist() if any(toks) else []
-        drafts, o = [], 0
-        for row in toks:
-            drafts.append(flat[o:o + len(row)])
-            o += len(row)
-        return drafts
+        empty = torch.zeros(0, dtype=torch.long, device=self.model.device)
+        return [torch.cat(row) if row else empty for row in toks]
 
     def _close_graphs(self) -> None:
         if self.graphs is not None:
