@@ -157,15 +157,18 @@ def verify_rounds(runner, state, ks, steps: int, warm: int, gen: torch.Generator
     return out
 
 
-def draft_ms(runner, state, steps: int, warm: int) -> float:
-    """One MTP draft step (T = 1, the previous MTP hidden in, argmax to the host)."""
+def draft_ms(runner, state, steps: int, warm: int, chained: bool = False) -> float:
+    """One MTP draft step (T = 1, the previous MTP hidden in), its argmax read back to the host; `chained`:
+    the argmax stays on the device as the next step's input, as the engine drafts greedy TP1 requests
+    (NINFER_DRAFT_CHAIN)."""
     m = runner.model
     cur = [torch.tensor([1]), torch.zeros(1, m.cfg.hidden_size, dtype=m.dtype, device=m.device)]
     base = state.mtp.length
 
     def step():
         out = runner.mtp_forward([MtpInput(cur[0], cur[1], state.mtp)])
-        cur[0], cur[1] = out.logits.argmax(-1).cpu(), out.hidden
+        tok = out.logits.argmax(-1)
+        cur[0], cur[1] = (tok if chained else tok.cpu()), out.hidden
     ms = _timed(step, steps, warm, m.device)
     state.mtp.rewind(base)
     return ms

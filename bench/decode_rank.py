@@ -321,6 +321,7 @@ def _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb) -> None:
     gpu = M.verify_rounds(runner, st, ks, opts.steps, opts.warm, gen, sync=False)
     times = {k: statistics.median(v) for k, v in rounds.items()}
     draft = M.draft_ms(runner, st, opts.steps, opts.warm) if model.mtp is not None else None
+    chained = M.draft_ms(runner, st, opts.steps, opts.warm, chained=True) if model.mtp is not None else None
     for k in range(1, opts.max_draft + 1):
         nbytes = wb["target"] + M.state_bytes(model, ctx, k + 1, snapshot=True)
         ratios = [a / b for a, b in zip(rounds[k], rounds[0])]
@@ -336,7 +337,8 @@ def _verify(model, runner, st, ctx, opts, ceil, base, emit, gen, wb) -> None:
             by = {str(a): M.spec_tok_s(times[k], draft, k, a) for a in ACCEPTANCE}
             rec.update(tok_s=by[str(HEADLINE_ACCEPTANCE)][1], tok_s_by_acceptance={a: v[1] for a, v in by.items()},
                        tokens_per_round_by_acceptance={a: v[0] for a, v in by.items()},
-                       tok_s_k0=1e3 / times[0])
+                       tok_s_k0=1e3 / times[0], draft_ms_chained=chained,
+                       tok_s_chained=M.spec_tok_s(times[k], chained, k, HEADLINE_ACCEPTANCE)[1])
         emit(rec)
 
 

@@ -55,6 +55,8 @@ def row(r: dict) -> str | None:
         if r.get("tok_s_by_acceptance"):
             extra = " tok/s@a=" + "/".join(f"{v:.0f}" for v in r["tok_s_by_acceptance"].values()) + \
                     f" (a={'/'.join(r['tok_s_by_acceptance'])}; draft {r['draft_ms']:.3f} ms)"
+            if r.get("draft_ms_chained") is not None:     # drafts fed back on the device (NINFER_DRAFT_CHAIN)
+                extra += f"; chained draft {r['draft_ms_chained']:.3f} ms: {r['tok_s_chained']:.0f} tok/s"
         rounds = r.get("verify_ratio_rounds") or ()
         spread = f" (rounds {min(rounds):.3f}-{max(rounds):.3f})" if len(rounds) > 1 else ""
         gpu = ""
