@@ -159,7 +159,7 @@ def verify_rounds(runner, state, ks, steps: int, warm: int, gen: torch.Generator
 
 def draft_ms(runner, state, steps: int, warm: int, chained: bool = False) -> float:
     """One MTP draft step (T = 1, the previous MTP hidden in), its argmax read back to the host; `chained`:
-    the argmax stays on the device as the next step's input, as the engine drafts greedy TP1 requests
+    the argmax stays on the device as the next step's input, as the engine drafts greedy requests
     (NINFER_DRAFT_CHAIN)."""
     m = runner.model
     cur = [torch.tensor([1]), torch.zeros(1, m.cfg.hidden_size, dtype=m.dtype, device=m.device)]

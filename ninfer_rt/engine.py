@@ -44,6 +44,9 @@ from .sampling import SamplingParams, make_generator, sample
 from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify_rows
 from .tp_group import LocalGroup
 
+if TYPE_CHECKING:
+    from .vision.prompt import VisionRequest, VisionRuntime
+
 DRAFT_CHAIN_ENV = "NINFER_DRAFT_CHAIN"
 
 
@@ -53,9 +56,6 @@ def draft_chain_env() -> bool:
     if v not in ("0", "1"):
         raise EngineError(f"{DRAFT_CHAIN_ENV}={v!r}: expected 1 or 0")
     return v == "1"
-
-if TYPE_CHECKING:
-    from .vision.prompt import VisionRequest, VisionRuntime
 
 
 @dataclass
@@ -300,6 +300,8 @@ class Engine(RunAhead, Core):
                     budget -= n
             else:
                 plan.decode.append((s.req_id, self._k_eff(s)))
+        plan.chain = self.spec is not None and bool(plan.decode) and self._chainable(
+            [self.seqs[rid] for rid, _ in plan.decode])
         return plan
 
     def _outstanding(self) -> int:
@@ -323,17 +325,16 @@ class Engine(RunAhead, Core):
         return max(0, min(self.spec.num_draft_tokens, room_ctx, room_out))
 
     # ---- decisions ----
-    def _drafts_on_device(self, dec) -> bool:
-        """TP1 steps whose sequences all draft greedily without penalties (one argmax decides each draft):
+    def _chainable(self, seqs: list[Seq]) -> bool:
+        """Steps whose sequences all draft greedily without penalties (one argmax decides each draft):
         NINFER_DRAFT_CHAIN (default on) keeps those drafts on the device between the draft steps."""
-        return self.chain_drafts and self.tp.size == 1 and all(
-            s.params.greedy and not s.params.has_penalties for s, _ in dec)
+        return self.chain_drafts and all(s.params.greedy and not s.params.has_penalties for s in seqs)
 
     def _device_drafts(self, j, items):
         if j == 1:
             for s, _, _ in items:
                 s.q = []
-        return torch.stack([lg.argmax(-1) for _, lg, _ in items])
+        return super()._device_drafts(j, items)
 
     def _decide_drafts(self, j, items):
         seqs = [s for s, _, _ in items]

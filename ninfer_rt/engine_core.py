@@ -13,8 +13,9 @@ Step protocol (TP > 1, all over the CPU gloo control group, rank 0 -> everyone):
              "prefill": [(req_id, a, b)], "decode": [(req_id, k)]}   or  {"op": "stop"}
   1b. for every admitted image prompt, in admit order: its merged vision tokens [n, H] (`meta["embeds_shape"]`,
      `meta["embeds_dtype"]`); only rank 0 runs the tower, so every rank splices the same embeddings
-  2. for j = 1..max k: int64 [n_j]  the j-th drafts of the decode sequences with k >= j, in plan order
-     (TP1 greedy steps keep their drafts on the device between the draft steps instead: `_draft_chained`)
+  2. unless the plan says "chain": for j = 1..max k: int64 [n_j]  the j-th drafts of the decode sequences with
+     k >= j, in plan order. "chain" (every decode sequence drafts greedily, without penalties): each rank takes
+     the argmax of the same all-gathered draft logits itself and keeps it on the device (`_draft_chained`)
   3. if anything was scheduled: int64 [n_decode + n_prefill, 4] verdict rows (n_acc, token, n_emit, finished)
 Followers never sample; they apply the same plan, drafts and verdicts to their shards.
 
@@ -73,9 +74,11 @@ class Plan:
     free: list = field(default_factory=list)      # req_ids (aborted)
     prefill: list = field(default_factory=list)   # (req_id, start, end)
     decode: list = field(default_factory=list)    # (req_id, k drafts)
+    chain: bool = False                           # drafts stay on the device between draft steps (`_draft_chained`)
 
     def message(self) -> dict:
-        return {"admit": self.admit, "free": self.free, "prefill": self.prefill, "decode": self.decode}
+        return {"admit": self.admit, "free": self.free, "prefill": self.prefill, "decode": self.decode,
+                "chain": self.chain}
 
 
 @dataclass
@@ -164,13 +167,10 @@ class Core:
             self.graphs.capture()           # every rank, same order: no-op in eager mode
 
     # ---- decisions (overridden) ----
-    def _drafts_on_device(self, dec: list[tuple[Seq, int]]) -> bool:
-        """Whether this step's drafts may stay on the device between the draft steps (`_draft_chained`)."""
-        return False
-
     def _device_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list]]) -> torch.Tensor:
-        """The j-th drafts of `items` as an int64 [n] device tensor, without a host read-back."""
-        raise NotImplementedError
+        """The j-th drafts of `items` as an int64 [n] device tensor, without a host read-back: the argmax of each
+        draft row (with TP every rank holds the same gathered logits, so every rank finds the same drafts)."""
+        return torch.stack([lg.argmax(-1) for _, lg, _ in items])
 
     def _decide_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list[int]]]) -> list[int]:
         raise NotImplementedError
@@ -215,7 +215,7 @@ class Core:
         """Run one step; returns (seq, verdict, emitted tokens) for every sequence that emitted or ended."""
         dec = [(self.seqs[rid], k) for rid, k in plan.decode]
         pre = [(self.seqs[rid], a, b) for rid, a, b in plan.prefill]
-        drafts = self._draft(dec)
+        drafts = self._draft(dec, plan.chain)
         starts = [s.state.length for s, _ in dec]
         inputs = [self._seq_input(s, _round_ids(s.last, d), snapshot=k > 0) for (s, k), d in zip(dec, drafts)]
         inputs += [self._seq_input(s, s.prompt[a:b], logits="last" if b == len(s.prompt) else "none")
@@ -273,9 +273,10 @@ class Core:
                 s.mtp_logits = mo.seq_logits(b)[-1]
                 s.mtp_hidden = mo.seq_hidden(b)[-1]
 
-    def _draft(self, dec: list[tuple[Seq, int]]) -> list[list[int]]:
-        """Recursive MTP drafting; d_1 comes from the alignment of the previous step."""
-        if dec and self._drafts_on_device(dec):
+    def _draft(self, dec: list[tuple[Seq, int]], chain: bool = False) -> list:
+        """Recursive MTP drafting; d_1 comes from the alignment of the previous step. -> host lists, or with
+        `chain` device tensors (`_draft_chained`)."""
+        if dec and chain:
             return self._draft_chained(dec)
         drafts: list[list[int]] = [[] for _ in dec]
         logits = [s.mtp_logits for s, _ in dec]

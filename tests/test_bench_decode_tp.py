@@ -95,7 +95,7 @@ def test_both_tp_sizes_in_one_run(dry_run):
         assert v["verify_ratio_gpu"] > 0
         want = decode_measure.spec_tok_s(v["ms_step"], v["draft_ms"], v["draft_tokens"], 0.75)[1]
         assert math.isclose(v["tok_s"], want, rel_tol=REL_TOL)
-        # the drafts as the engine runs greedy TP1 ones: the argmax fed back on the device
+        # the drafts as the engine runs greedy ones: the argmax fed back on the device
         want = decode_measure.spec_tok_s(v["ms_step"], v["draft_ms_chained"], v["draft_tokens"], 0.75)[1]
         assert v["draft_ms_chained"] > 0 and math.isclose(v["tok_s_chained"], want, rel_tol=REL_TOL)
     assert "tp: bf16 TP2 @40:" in stdout

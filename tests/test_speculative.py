@@ -367,9 +367,8 @@ def test_sampled_or_penalized_rows_read_drafts_back(loaded, prompts, params):
     while eng.has_work():
         eng.step()
     assert eng.calls["host"] > 0 and eng.calls["device"] == 0
-    seq = types.SimpleNamespace
-    rows = [(seq(params=GREEDY), 3), (seq(params=params), 3)]
-    assert eng._drafts_on_device(rows[:1]) and not eng._drafts_on_device(rows)
+    seqs = [types.SimpleNamespace(params=GREEDY), types.SimpleNamespace(params=params)]
+    assert eng._chainable(seqs[:1]) and not eng._chainable(seqs)
 
 
 def test_draft_chain_switch_is_checked(loaded, monkeypatch):

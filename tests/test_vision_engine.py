@@ -152,7 +152,7 @@ def test_first_draft_matches_mtp_oracle_at_mrope_positions(tiny, loaded, vis, vr
             self._spy(j, items)
             return super()._decide_drafts(j, items)
 
-        def _device_drafts(self, j, items):        # greedy TP1 drafts stay on the device (NINFER_DRAFT_CHAIN)
+        def _device_drafts(self, j, items):        # greedy drafts stay on the device (NINFER_DRAFT_CHAIN)
             self._spy(j, items)
             return super()._device_drafts(j, items)
 

@@ -43,8 +43,13 @@ def run_engine(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]
 
 
 def rank_program(group, path, ids, prompts, k):
-    """Every rank: the fixed model calls, then the engine (rank 0) or its follower (others)."""
-    torch.set_grad_enabled(False)
+    """Every rank: the fixed model calls, then the engine (rank 0) or its follower (others). Grad mode off only
+    inside (rank 0 runs in the test process, whose later tests need it on)."""
+    with torch.no_grad():
+        return _rank_program(group, path, ids, prompts, k)
+
+
+def _rank_program(group, path, ids, prompts, k):
     loaded = load(path, rank=group.rank, tp_size=group.size)
     calls = fixed_calls(Model(loaded.config, loaded.weights, TorchOps(), group), ids)
     spec = SpecConfig(num_draft_tokens=k)
