@@ -27,7 +27,6 @@ step from this one's device tokens before it reads this one back, so the host's 
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,21 +40,11 @@ from .engine_layout import (DEFAULT_CONTEXT, DEFAULT_PAGE, GRAPH_MAX_BATCH, GRAP
                             EngineError, Layout, cache_config, engine_layout, graph_config)
 from .graphs import GraphConfig
 from .sampling import SamplingParams, make_generator, sample
-from .speculative import RoundInput, SpecConfig, SpecStats, draft_distributions, verify_rows
+from .speculative import RoundInput, SpecConfig, SpecStats, draft_chain_env, draft_distributions, verify_rows
 from .tp_group import LocalGroup
 
 if TYPE_CHECKING:
     from .vision.prompt import VisionRequest, VisionRuntime
-
-DRAFT_CHAIN_ENV = "NINFER_DRAFT_CHAIN"
-
-
-def draft_chain_env() -> bool:
-    """NINFER_DRAFT_CHAIN: 1 (default) or 0 (every draft read back before the next draft step: the comparison)."""
-    v = os.environ.get(DRAFT_CHAIN_ENV, "1")
-    if v not in ("0", "1"):
-        raise EngineError(f"{DRAFT_CHAIN_ENV}={v!r}: expected 1 or 0")
-    return v == "1"
 
 
 @dataclass

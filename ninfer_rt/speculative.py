@@ -12,6 +12,7 @@ The engine drives these steps (it owns batching and the TP message flow); this m
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from .sampling import SamplingParams, process, small_tensor
 from .spec_verify import greedy_verify, rejection_verify
 
 MAX_DRAFT_TOKENS = 7
+DRAFT_CHAIN_ENV = "NINFER_DRAFT_CHAIN"
 
 
 class SpecError(NinferError):
@@ -39,6 +41,15 @@ class SpecConfig:
         k = self.num_draft_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise SpecError(f"spec.num_draft_tokens: expected an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}")
+
+
+def draft_chain_env() -> bool:
+    """NINFER_DRAFT_CHAIN: 1 (default: greedy drafts stay on the device between the draft steps, the engine's
+    `_draft_chained`) or 0 (every draft read back before the next draft step: the comparison run)."""
+    v = os.environ.get(DRAFT_CHAIN_ENV, "1")
+    if v not in ("0", "1"):
+        raise SpecError(f"{DRAFT_CHAIN_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
 
 
 @dataclass

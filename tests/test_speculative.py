@@ -373,5 +373,5 @@ def test_sampled_or_penalized_rows_read_drafts_back(loaded, prompts, params):
 
 def test_draft_chain_switch_is_checked(loaded, monkeypatch):
     monkeypatch.setenv("NINFER_DRAFT_CHAIN", "yes")
-    with pytest.raises(EngineError, match=r"^NINFER_DRAFT_CHAIN='yes': expected 1 or 0$"):
+    with pytest.raises(SpecError, match=r"^NINFER_DRAFT_CHAIN='yes': expected 1 or 0$"):
         Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=2))
