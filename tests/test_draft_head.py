@@ -4,14 +4,12 @@ logits do not change; the CUDA-graph step bodies use the same head; greedy MTP s
 own vocab slice's rows; bad values are one-line errors."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
 from hf_tiny import build_hf_model, loaded_model, make_tiny_artifact
 from numerics import rel
-from test_model_tp import ThreadGroup
+from test_model_tp import run_ranks
 
 from ninfer_formats import codecs
 from ninfer_formats.errors import LoadError
@@ -177,28 +175,15 @@ def test_tp2_ranks_keep_their_vocab_slice(tiny, monkeypatch, tmp_path, limit):
     monkeypatch.setenv(draft_head.ENV, "nvfp4" if limit is None else f"nvfp4:{limit}")
     _, tp1 = _draft(_model(tiny), ids)
     make_tiny_artifact(tmp_path, tiny, tp=2)
-    shared = {"buf": [None] * 2, "barrier": threading.Barrier(2, timeout=60)}
-    results, errors = [None, None], []
 
-    def rank_main(r):
-        try:
-            lm = load(tmp_path, rank=r)
-            m = Model(lm.config, lm.weights, TorchOps(), ThreadGroup(shared, r, 2),
-                      cache=CacheConfig(num_pages=32, page_size=8, max_seqs=3))
-            keep = draft_head.local_rows(m.draft_spec, r * VOCAB // 2, VOCAB // 2)
-            assert (m.draft_head is None) == (keep == 0)
-            results[r] = _draft(m, ids)[1]
-        except BaseException as e:           # surface worker failures in the test thread
-            errors.append(e)
-            shared["barrier"].abort()
+    def rank(r, group):
+        lm = load(tmp_path, rank=r)
+        m = Model(lm.config, lm.weights, TorchOps(), group, cache=CacheConfig(num_pages=32, page_size=8, max_seqs=3))
+        keep = draft_head.local_rows(m.draft_spec, r * VOCAB // 2, VOCAB // 2)
+        assert (m.draft_head is None) == (keep == 0)
+        return _draft(m, ids)[1]
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    results = run_ranks(2, rank)
     cut = VOCAB if limit is None else limit
     for got in results:
         assert torch.isneginf(got[:, cut:]).all() and torch.isfinite(got[:, :cut]).all()

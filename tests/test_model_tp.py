@@ -44,6 +44,29 @@ class ThreadGroup(TPGroup):
         return torch.cat(self._exchange(x), dim=-1)
 
 
+def run_ranks(tp: int, body) -> list:
+    """body(rank, group) on `tp` threads joined in a ThreadGroup -> each rank's result; a rank's failure is
+    raised here (and releases the others from the barrier)."""
+    shared = {"buf": [None] * tp, "barrier": threading.Barrier(tp, timeout=60)}
+    results, errors = [None] * tp, []
+
+    def rank_main(r):
+        try:
+            results[r] = body(r, ThreadGroup(shared, r, tp))
+        except BaseException as e:           # surface worker failures in the test thread
+            errors.append(e)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def _run(model: Model, ids):
     """Prefill (two chunks), a snapshot verify with commit(2), two decodes, and MTP alignment + a draft."""
     st = model.new_state()
@@ -65,24 +88,12 @@ def test_tp_ranks_agree_with_tp1(tmp_path, tp):
     make_tiny_artifact(tmp_path / "tp1", tiny)
     ref = _run(Model(load(tmp_path / "tp1").config, load(tmp_path / "tp1").weights, TorchOps()), ids)
     make_tiny_artifact(tmp_path / "tpn", tiny, tp=tp)
-    shared = {"buf": [None] * tp, "barrier": threading.Barrier(tp, timeout=60)}
-    results, errors = [None] * tp, []
 
-    def rank_main(r):
-        try:
-            lm = load(tmp_path / "tpn", rank=r)
-            results[r] = _run(Model(lm.config, lm.weights, TorchOps(), ThreadGroup(shared, r, tp)), ids)
-        except BaseException as e:           # surface worker failures in the test thread
-            errors.append(e)
-            shared["barrier"].abort()
+    def rank(r, group):
+        lm = load(tmp_path / "tpn", rank=r)
+        return _run(Model(lm.config, lm.weights, TorchOps(), group), ids)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    results = run_ranks(tp, rank)
     for r in range(tp):
         for got, want in zip(results[r], ref):
             assert got.shape == want.shape
