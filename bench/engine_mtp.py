@@ -144,39 +144,59 @@ def _engine(loaded, args, k: int, truth: list[int] | None):
 
 
 def measure_head(loaded, args, head: str, base: dict) -> list[dict]:
-    """K = 0 (the truth and the plain rate), then every K at every acceptance, with one draft head."""
+    """K = 0 (the truth and the plain rate), then every K at every acceptance, with one draft head. Each engine
+    lives inside one call, so its model's memory is free again before the next one is built (`_collect`)."""
     os.environ[DRAFT_HEAD_ENV] = head
     prompt = random.Random(args.seed).choices(range(min(loaded.config.vocab_size, 4096)), k=args.prompt_len)
-    eng = _engine(loaded, args, 0, None)
-    generate(eng, prompt, min(8, args.new_tokens))                        # warm-up: compiles, tunes
-    truth, secs = generate(eng, prompt, args.new_tokens)
-    eng.shutdown()
+    truth, secs = _plain(loaded, args, prompt)
+    _collect()
     plain = {**base, "draft_head": head, "draft_tokens": 0, "acceptance": None, "rounds": None,
              "tokens_per_round": 1.0, "tok_s": (len(truth) - 1) / secs, "ms_round": secs / (len(truth) - 1) * 1e3,
              "accepted": 0, "drafted": 0, "lossless": True}
     log(f"{head}: K=0 {plain['tok_s']:.1f} tok/s")
     out = [plain]
     for k in args.ks:
-        eng = _engine(loaded, args, k, truth)
-        eng.rate = 1.0
-        generate(eng, prompt, min(8, args.new_tokens))                    # warm-up at this K
-        for a in args.acceptance:
-            eng.rate, eng.rng = a, random.Random(args.seed)
-            before = eng.stats.spec.to_dict()
-            got, secs = generate(eng, prompt, args.new_tokens)
-            st = _delta(eng.stats.spec.to_dict(), before)
-            rec = {**base, "draft_head": head, "draft_tokens": k, "acceptance": a, "rounds": st["rounds"],
-                   "accepted": st["accepted"], "drafted": st["drafted"],
-                   "tokens_per_round": 1 + st["accepted"] / st["rounds"] if st["rounds"] else 1.0,
-                   "tok_s": (len(got) - 1) / secs, "ms_round": secs / max(1, st["rounds"]) * 1e3,
-                   "lossless": got == truth}
-            log(f"{head}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} tokens/round, "
-                f"{rec['ms_round']:.2f} ms/round{'' if rec['lossless'] else ', NOT LOSSLESS'}")
-            out.append(rec)
-        eng.shutdown()
-        del eng
-        gc.collect()
+        out += _rounds(loaded, args, k, truth, prompt, {**base, "draft_head": head})
+        _collect()
     return out
+
+
+def _plain(loaded, args, prompt) -> tuple[list[int], float]:
+    eng = _engine(loaded, args, 0, None)
+    generate(eng, prompt, min(8, args.new_tokens))                        # warm-up: compiles, tunes
+    try:
+        return generate(eng, prompt, args.new_tokens)
+    finally:
+        eng.shutdown()
+
+
+def _rounds(loaded, args, k: int, truth: list[int], prompt, base: dict) -> list[dict]:
+    eng = _engine(loaded, args, k, truth)
+    generate(eng, prompt, min(8, args.new_tokens))                        # warm-up at this K
+    out = []
+    for a in args.acceptance:
+        eng.rate, eng.rng = a, random.Random(args.seed)
+        before = eng.stats.spec.to_dict()
+        got, secs = generate(eng, prompt, args.new_tokens)
+        st = _delta(eng.stats.spec.to_dict(), before)
+        rec = {**base, "draft_tokens": k, "acceptance": a, "rounds": st["rounds"],
+               "accepted": st["accepted"], "drafted": st["drafted"],
+               "tokens_per_round": 1 + st["accepted"] / st["rounds"] if st["rounds"] else 1.0,
+               "tok_s": (len(got) - 1) / secs, "ms_round": secs / max(1, st["rounds"]) * 1e3,
+               "lossless": got == truth}
+        log(f"{rec['draft_head']}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} "
+            f"tokens/round, {rec['ms_round']:.2f} ms/round{'' if rec['lossless'] else ', NOT LOSSLESS'}")
+        out.append(rec)
+    eng.shutdown()
+    return out
+
+
+def _collect() -> None:
+    """Give the last engine's memory back (its model's fused weights, graphs) before the next one is built."""
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _delta(after: dict, before: dict) -> dict:
