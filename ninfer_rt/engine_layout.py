@@ -46,8 +46,9 @@ class Layout:
 
 def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model_len: int,
                  mode: str | GraphConfig = "auto") -> GraphConfig | None:
-    """The engine's graphs: decode (and, with MTP, verify of 1..K drafts and the 1-token draft step) at batch
-    sizes 1, 2, 4, ... up to max_batch (at most GRAPH_MAX_BATCH), one KV bucket = the context limit.
+    """The engine's graphs: decode (and, with MTP, verify of 1..K drafts, and MTP steps of 1..K+1 tokens: the
+    1-token draft step and the alignment after a round that emitted a + 1 tokens) at batch sizes 1, 2, 4, ...
+    up to max_batch (at most GRAPH_MAX_BATCH), one KV bucket = the context limit.
     "auto": captured on CUDA with the triton backend (the torch reference reads host metadata a graph would
     freeze), none elsewhere; "eager": the same static-buffer steps without capture; "off": the plain model."""
     if isinstance(mode, GraphConfig):
@@ -59,7 +60,7 @@ def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model
     top = min(max_batch, GRAPH_MAX_BATCH)
     sizes = tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i < top} | {top}))
     k = spec.num_draft_tokens if spec is not None else 0
-    return GraphConfig(batch_sizes=sizes, tokens=tuple(range(1, k + 2)), mtp_tokens=(1,) if k else (),
+    return GraphConfig(batch_sizes=sizes, tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)) if k else (),
                        kv_buckets=(max_model_len,), eager=mode == "eager")
 
 

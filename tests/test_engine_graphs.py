@@ -73,8 +73,8 @@ def run(engine, prompts, params=GREEDY):
 
 
 def eager_graphs(k: int) -> GraphConfig:
-    return GraphConfig(batch_sizes=(1, 2), tokens=tuple(range(1, k + 2)), mtp_tokens=(1,) if k else (),
-                       kv_buckets=(64,), eager=True)
+    return GraphConfig(batch_sizes=(1, 2), tokens=tuple(range(1, k + 2)),
+                       mtp_tokens=tuple(range(1, k + 2)) if k else (), kv_buckets=(64,), eager=True)
 
 
 @pytest.mark.parametrize("k", [0, 2], ids=["no-mtp", "mtp-K2"])
@@ -135,10 +135,30 @@ def test_graph_config_shapes(max_batch, k, sizes):
     spec = SpecConfig(num_draft_tokens=k) if k else None
     g = graph_config("cuda", TritonOps(), spec, max_batch, 300)
     assert g.batch_sizes == sizes and g.tokens == tuple(range(1, k + 2)) and g.kv_buckets == (300,)
-    assert g.mtp_tokens == ((1,) if k else ()) and not g.eager
+    assert g.mtp_tokens == (g.tokens if k else ()) and not g.eager
     assert graph_config("cuda", TritonOps(), spec, max_batch, 300, "eager").eager
     for device, ops, mode in (("cuda", TritonOps(), "off"), ("cpu", TritonOps(), "auto"), ("cuda", TorchOps(), "auto")):
         assert graph_config(device, ops, spec, max_batch, 300, mode) is None
+
+
+def test_mtp_alignment_goes_through_the_runner(loaded, prompts):
+    """After a round that emitted a + 1 tokens the MTP re-alignment runs a + 1 tokens: with MTP graphs of 1..K+1
+    tokens that is a runner step too (not an eager model call each round); the tokens stay the plain engine's."""
+    spec = SpecConfig(num_draft_tokens=2)
+    want = run(MixedEngine(loaded, TorchOps(), spec=spec, prefill_chunk=CHUNK, max_batch=1), prompts[:1])
+
+    class Rigged(MixedEngine):           # the random model drafts nothing useful: draft the known continuation
+        def _device_drafts(self, j, items):
+            super()._device_drafts(j, items)
+            return torch.tensor([want[s.req_id][len(s.out) + j - 1] for s, _, _ in items])
+
+    eng = Rigged(loaded, TorchOps(), spec=spec, prefill_chunk=CHUNK, max_batch=1, graphs=eager_graphs(2))
+    assert run(eng, prompts[:1]) == want
+    rounds = eng.stats.spec.rounds
+    assert rounds > 0 and eng.stats.spec.accepted > 0       # some alignments ran 2 or 3 tokens
+    assert "token count" not in eng.graphs.stats.reasons      # every decode, verify, draft and alignment step
+    assert eng.graphs.stats.eager_steps >= 2 * rounds         # at least the verify and the alignment of each round
+    eng.shutdown()
 
 
 def test_graph_config_rejects_unknown_mode():
