@@ -226,12 +226,23 @@ def measure(args, path: str) -> list[dict]:
     return records
 
 
+def _check_heads(heads: tuple[str, ...]) -> None:
+    """Each value a draft head the runtime knows; an earlier runtime (an A/B tree from bench/ab_tree.sh) without
+    ninfer_rt.draft_head runs the lm_head only."""
+    try:
+        from ninfer_rt.draft_head import DraftHeadSpec
+    except ImportError:
+        if set(heads) != {"lm_head"}:
+            raise NinferError("--draft-heads: this ninfer_rt has no draft heads but the lm_head") from None
+        return
+    for head in heads:
+        DraftHeadSpec.parse(head, "--draft-heads")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from ninfer_rt.draft_head import DraftHeadSpec
-        for head in args.draft_heads:
-            DraftHeadSpec.parse(head, "--draft-heads")
+        _check_heads(args.draft_heads)
         if args.device == "cuda":
             import torch
             if not torch.cuda.is_available():
