@@ -216,12 +216,15 @@ def measure(args, path: str) -> list[dict]:
             "backend": args.backend, "graphs": args.device == "cuda" and not args.eager,
             "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens,
             "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1"}
-    records = []
+    records, before = [], os.environ.get(DRAFT_HEAD_ENV)
     try:
         for head in args.draft_heads:
             records += measure_head(loaded, args, head, base)
     finally:
-        os.environ.pop(DRAFT_HEAD_ENV, None)
+        if before is None:
+            os.environ.pop(DRAFT_HEAD_ENV, None)
+        else:
+            os.environ[DRAFT_HEAD_ENV] = before
         loaded.close()
     return records
 

@@ -162,19 +162,24 @@ def run_recipe(recipe: str, work: Path, docs, prompts, args, train: dict) -> tup
     """Pack once, then per draft head (NINFER_DRAFT_HEAD, read when each model is built) the held-out metrics
     and the K sweep."""
     loaded, ops = load(pack(recipe, work / recipe))
-    losses, records = [], []
-    for head in args.draft_heads:
-        os.environ[draft_head.ENV] = head
-        loss, recs = _run_head(recipe, head, loaded, ops, docs, prompts, args, train)
-        losses.append(loss)
-        records += recs
-    os.environ.pop(draft_head.ENV, None)
-    loaded.close()
+    losses, records, before = [], [], os.environ.get(draft_head.ENV)
+    try:
+        for head in args.draft_heads:
+            os.environ[draft_head.ENV] = head
+            loss, recs = _run_head(recipe, head, loaded, ops, docs, prompts, args, train)
+            losses.append(loss)
+            records += recs
+    finally:
+        if before is None:
+            os.environ.pop(draft_head.ENV, None)
+        else:
+            os.environ[draft_head.ENV] = before
+        loaded.close()
     return losses, records
 
 
 def _run_head(recipe, head, loaded, ops, docs, prompts, args, train) -> tuple[dict, list[dict]]:
-    name = recipe if head == "lm_head" else f"{recipe} [{head}]"
+    name = _label({"recipe": recipe, "draft_head": head})
     t = time.perf_counter()
     loss = heldout_metrics(loaded, ops, loss_windows(docs, args.seq, args.loss_windows), args.loss_batch)
     log(f"{name}: held-out loss {loss['heldout_loss']:.4f} (train report {train['heldout_loss']:.4f}), "
