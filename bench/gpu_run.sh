@@ -41,6 +41,12 @@
 #             engine_mtp.json and engine_mtp_table.txt; drafts kept on the device between draft steps (the default)
 #   enginemtp0 the same with NINFER_DRAFT_CHAIN=0 (every draft read back before the next draft step), written as
 #             engine_mtp_readback.json
+#   enginemtpab the same (lm_head only) with the runtime of .ab/$EMTP_AB first on PYTHONPATH (bench/ab_tree.sh; carry
+#             .ab), written as engine_mtp_ab.json
+#   tinymtp   bench/tiny_mtp.py --device cuda: the embedded ninfer-tiny on the Triton backend with CUDA graphs, real
+#             MTP drafts (recipes $TINY_RECIPES, default nvfp4; K $TINY_KS, default 3; draft heads $TINY_HEADS):
+#             tokens per round and every K's tokens against plain greedy decoding (tiny_mtp_cuda.json); tinymtp0
+#             the same with NINFER_DRAFT_CHAIN=0 (tiny_mtp_cuda_readback.json)
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_TS and XPRE_EXTRA (xpre.py --T / --extra), XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
@@ -59,7 +65,11 @@ reserve() {
   local r=0 s
   for s in "$@"; do
     case " $STEPS " in *" $s "*) ;; *) continue ;; esac
-    if [ "$s" = decodex ] || [ "$s" = decode ]; then r=$(( r + ${DECODEX_S:-150} )); else r=$(( r + ${SERVE_S:-150} )); fi
+    case $s in
+      decode|decodex) r=$(( r + ${DECODEX_S:-150} )) ;;
+      enginemtp|enginemtp0|enginemtpab) r=$(( r + ${EMTP_S:-300} )) ;;
+      *) r=$(( r + ${SERVE_S:-150} )) ;;
+    esac
   done
   echo $r
 }
@@ -94,7 +104,9 @@ run_serve() {
 }
 # run_enginemtp NAME CHAIN: bench/engine_mtp.py under NINFER_DRAFT_CHAIN=CHAIN, written as NAME.json / NAME_table.txt
 run_enginemtp() {
-  NINFER_DRAFT_CHAIN=$2 timeout ${EMTP_S:-300} python3 bench/engine_mtp.py --recipe nvfp4 --dir /dev/shm/ninfer-run \
+  local l=$(left); [ "$l" -gt ${EMTP_S:-300} ] && l=${EMTP_S:-300}
+  [ "$l" -gt 60 ] || { echo "no time for $1 ($l s)"; return; }
+  NINFER_DRAFT_CHAIN=$2 timeout $l python3 bench/engine_mtp.py --recipe nvfp4 --dir /dev/shm/ninfer-run \
     --ks ${EMTP_KS:-1,3} --acceptance ${EMTP_ACC:-0.75,0.9,1} --draft-heads ${EMTP_HEADS:-lm_head,nvfp4,nvfp4:131072} \
     --new-tokens ${EMTP_NEW:-128} --out "$OUT/$1.json" > "$OUT/$1_table.txt" 2> "$OUT/$1_log.txt"
   echo "$1 rc=$?"; cat "$OUT/$1_table.txt"; tail -3 "$OUT/$1_log.txt"
@@ -112,7 +124,7 @@ run_kernels() {   # $1: the step's name (its table and log files)
 run_sweep() {
   local v i=0 l
   for v in $SWEEP_VALUES; do
-    l=$(( $(left) - $(reserve decode serve) )); [ "$l" -gt 60 ] || { echo "no time for sweep $v ($l s)"; break; }
+    l=$(( $(left) - $(reserve decode serve enginemtp enginemtp0 enginemtpab) )); [ "$l" -gt 60 ] || { echo "no time for sweep $v ($l s)"; break; }
     echo "== sweep ${SWEEP_VAR}=$v" >> "$OUT/sweep_table.txt"
     rm -f "/tmp/sweep_$i.json"   # a warm machine keeps an earlier call's file: a failed run must not merge it
     local pp=$PYTHONPATH
@@ -188,6 +200,14 @@ for step in "$@"; do
     sweep) run_sweep ;;
     enginemtp) run_enginemtp engine_mtp 1 ;;
     enginemtp0) run_enginemtp engine_mtp_readback 0 ;;
+    enginemtpab) PYTHONPATH="$PWD/.ab/${EMTP_AB:?EMTP_AB names a folder of .ab}:$PYTHONPATH" EMTP_HEADS=lm_head \
+      run_enginemtp engine_mtp_ab 1 ;;
+    tinymtp|tinymtp0)
+      j=tiny_mtp_cuda; [ $step = tinymtp0 ] && j=tiny_mtp_cuda_readback
+      NINFER_DRAFT_CHAIN=$([ $step = tinymtp0 ] && echo 0 || echo 1) timeout ${TINY_S:-170} python3 bench/tiny_mtp.py \
+        --device cuda --recipes ${TINY_RECIPES:-nvfp4} --ks ${TINY_KS:-3} --draft-heads ${TINY_HEADS:-lm_head,nvfp4} \
+        --out "$OUT/$j.json" > "$OUT/${j}_table.txt" 2> "$OUT/${j}_log.txt"
+      echo "$step rc=$?"; cat "$OUT/${j}_table.txt"; tail -4 "$OUT/${j}_log.txt" ;;
     serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
     servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;

@@ -15,6 +15,7 @@ Per recipe (default bf16, then nvfp4) the model is packed (TP1) with `ninfer_pac
   is run first and every K is checked against it token for token (greedy speculation must be lossless).
 
     python bench/tiny_mtp.py [--recipes bf16,nvfp4] [--ks 1,2,3,4,5] [--threads 2]
+    python bench/tiny_mtp.py --device cuda     # the Triton backend in bf16, CUDA graphs: the GPU path's acceptance
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ RESULTS = ROOT / "bench" / "results" / "tiny_mtp.json"
 sys.path.insert(0, str(ROOT / "tools"))
 TIMING_NOTE = ("decode_tok_s / speedup_vs_plain_cpu: wall clock of the torch reference backend on a shared CPU; "
                "informative only (not a speed measurement of MTP), the acceptance numbers are exact counts")
+
+TIMING_NOTE_GPU = ("decode_tok_s / speedup_vs_plain_cpu: wall clock of the Triton backend on the GPU; a model this "
+                   "small is bound by the host's work per step, so informative only")
 
 import tiny_data
 import tiny_tokenizer
@@ -92,10 +96,13 @@ def pack(recipe: str, out: Path) -> Path:
     return out
 
 
-def load(art: Path):
+def load(art: Path, device: str = "cpu"):
+    """CPU: the torch reference backend in fp32. CUDA: what serving runs, the Triton backend in bf16."""
     from ninfer_rt.backends import get_ops
     from ninfer_rt.loader import load as load_artifact
-    return load_artifact(art, dtype=torch.float32), get_ops("torch")
+    if device == "cpu":
+        return load_artifact(art, dtype=torch.float32), get_ops("torch")
+    return load_artifact(art, device=torch.device(device), dtype=torch.bfloat16), get_ops("triton")
 
 
 @torch.no_grad()
@@ -108,7 +115,7 @@ def heldout_metrics(loaded, ops, windows: torch.Tensor, batch: int) -> dict:
     model = Model(loaded.config, loaded.weights, ops, cache=CacheConfig(num_pages=pages, page_size=16, max_seqs=batch))
     ce = ce_mtp = accept = 0.0
     for i in range(0, len(windows), batch):
-        w = windows[i:i + batch]
+        w = windows[i:i + batch].to(loaded.device)
         states = [model.new_state() for _ in w]
         out = model.forward([SeqInput(row[:-2], st) for row, st in zip(w, states)])
         hid = [out.hidden[out.cu_seqlens[b]:out.cu_seqlens[b + 1]] for b in range(len(w))]
@@ -161,7 +168,7 @@ def conditional(cum: list[float]) -> list[float]:
 def run_recipe(recipe: str, work: Path, docs, prompts, args, train: dict) -> tuple[list[dict], list[dict]]:
     """Pack once, then per draft head (NINFER_DRAFT_HEAD, read when each model is built) the held-out metrics
     and the K sweep."""
-    loaded, ops = load(pack(recipe, work / recipe))
+    loaded, ops = load(pack(recipe, work / recipe), args.device)
     losses, records, before = [], [], os.environ.get(draft_head.ENV)
     try:
         for head in args.draft_heads:
@@ -254,6 +261,7 @@ def parse_args(argv=None):
     ap.add_argument("--draft-heads", default="lm_head",
                     help="MTP draft heads to measure, comma-separated NINFER_DRAFT_HEAD values (ninfer_rt.draft_head)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args(argv)
     a.ks = [int(k) for k in a.ks.split(",")]
@@ -268,6 +276,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: no CUDA device here")
     torch.set_num_threads(args.threads)
     train = json.loads((TINY / "train_report.json").read_text())
     docs, data = heldout_documents(TINY)
@@ -284,10 +294,13 @@ def main(argv=None) -> int:
     keys = ("heldout_loss", "mtp_heldout_loss", "mtp_accept_proxy", "heldout_tokens", "heldout_tokens_total",
             "python_version", "checkpoint")
     write_results(args.out, {
-        "bench": "tiny_mtp", "model": "ninfer-tiny", "device": "cpu", "dtype": "float32", "threads": args.threads,
+        "bench": "tiny_mtp", "model": "ninfer-tiny", "device": args.device,
+        "dtype": "float32" if args.device == "cpu" else "bfloat16", "threads": args.threads,
+        "backend": "torch" if args.device == "cpu" else "triton",
+        "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1",
         "greedy": True, "ignore_eos": True, "heldout_data": data, "train_report": {k: train[k] for k in keys},
         "predicted_from": "train_report mtp_accept_proxy as every position's conditional acceptance",
-        "timing_note": TIMING_NOTE,
+        "timing_note": TIMING_NOTE if args.device == "cpu" else TIMING_NOTE_GPU,
         "heldout": losses, "records": records})
     log(f"wrote {args.out}")
     return 0

@@ -1,5 +1,5 @@
-"""bench/engine_mtp.py on CPU: the tiny synthetic artifact through the real Engine with rigged drafts (every run
-lossless, acceptance 0 and 1 at their exact token counts), its records, and one-line argument errors."""
+"""bench/engine_mtp.py on CPU: the tiny synthetic artifact through the real Engine with rigged verdicts (acceptance
+0 and 1 at their exact token counts, every run emits --new-tokens), its records, and one-line argument errors."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: 
 import engine_mtp  # noqa: E402
 
 KEYS = {"kind", "recipe", "tp", "gpu", "draft_head", "draft_tokens", "acceptance", "tok_s", "tokens_per_round",
-        "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "lossless", "backend", "graphs",
+        "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "emitted", "backend", "graphs",
         "draft_chain"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,13 +32,13 @@ def test_cpu_dry_run(tmp_path, capsys, monkeypatch, chain):
         ("lm_head", 0, None), ("lm_head", 2, 0.0), ("lm_head", 2, 1.0),
         ("nvfp4:512", 0, None), ("nvfp4:512", 2, 0.0), ("nvfp4:512", 2, 1.0)]
     for r in recs:
-        assert set(r) == KEYS and r["kind"] == "engine_mtp" and r["lossless"] and r["tok_s"] > 0
+        assert set(r) == KEYS and r["kind"] == "engine_mtp" and r["emitted"] == 13 and r["tok_s"] > 0
         assert r["backend"] == "torch" and not r["graphs"] and r["draft_chain"] == (chain == "1")
     for r in recs[1::3]:                         # every draft wrong: one token per round
         assert r["accepted"] == 0 and r["tokens_per_round"] == 1.0 and r["rounds"] <= r["drafted"] <= 2 * r["rounds"]
     for r in recs[2::3]:                         # every draft right: 12 tokens after the first in rounds of 3
         assert r["accepted"] == r["drafted"] == 8 and r["rounds"] == 4 and r["tokens_per_round"] == 3.0
-    assert "lossless" in capsys.readouterr().out
+    assert "emitted" in capsys.readouterr().out
     assert "NINFER_DRAFT_HEAD" not in __import__("os").environ
 
 
