@@ -422,12 +422,14 @@ def run_rank(group, opts: BenchOptions, recipe: str, paths: list[str], info: dic
             "split_unroll": _split_unroll(),                                  # NINFER_SPLIT_UNROLL
             "split_arrive": _split_arrive(),                                  # NINFER_SPLIT_ARRIVE
             "pdl_late": _pdl_late(),                                          # NINFER_PDL_LATE
-            "draft_head": os.environ.get("NINFER_DRAFT_HEAD", "lm_head")}    # ninfer_rt.draft_head
+            "draft_head": os.environ.get("NINFER_DRAFT_HEAD", "auto")}    # ninfer_rt.draft_head, resolved at load
     out({**base, "kind": "ceilings", **ceil})
     if device.type == "cuda":             # the ceilings' buffers must not count as the model's memory
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     model, rec = _load(group, opts, paths, device, info)
+    if hasattr(model, "draft_spec"):                  # what `auto` became (an ab_tree runtime may predate it)
+        base["draft_head"] = str(model.draft_spec)
     rec["precompile_s"] = _precompile(model, opts, device)
     runner, opts = _capture(model, opts, base, out, rec)
     base.update(T.memory_gib(group, device))          # per rank, after load + capture

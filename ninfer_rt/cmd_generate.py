@@ -275,8 +275,8 @@ def _default_device() -> str:
 @click.option("--draft-tokens", default=3, show_default=True, type=int, help="MTP drafts per round (1..7).")
 @click.option("--draft-head", default=None, envvar="NINFER_DRAFT_HEAD",
               help="Where MTP drafts get their logits: lm_head, nvfp4 (an NVFP4 copy of the lm_head made "
-                   "at load) or nvfp4:N (only token ids below N); verify always uses the lm_head "
-                   "(env NINFER_DRAFT_HEAD). [default: lm_head]")
+                   "at load), nvfp4:N (only token ids below N) or auto (nvfp4 where the lm_head allows it); "
+                   "verify always uses the lm_head (env NINFER_DRAFT_HEAD). [default: auto]")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel ranks.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: cuda when visible, else cpu.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),

@@ -51,8 +51,8 @@ def _kv_capacity(ctx, param, value):
               help="MTP draft tokens per round (with --spec mtp).")
 @click.option("--draft-head", default=None, envvar="NINFER_DRAFT_HEAD",
               help="Where MTP drafts get their logits: lm_head, nvfp4 (an NVFP4 copy of the lm_head made "
-                   "at load) or nvfp4:N (only token ids below N); verify always uses the lm_head "
-                   "(env NINFER_DRAFT_HEAD). [default: lm_head]")
+                   "at load), nvfp4:N (only token ids below N) or auto (nvfp4 where the lm_head allows it); "
+                   "verify always uses the lm_head (env NINFER_DRAFT_HEAD). [default: auto]")
 @click.option("--max-concurrency", default=4, show_default=True, type=click.IntRange(1, 256),
               help="Sequences batched together (continuous batching slots).")
 @click.option("--kv-capacity", default="auto", show_default=True, callback=_kv_capacity,

@@ -116,7 +116,8 @@ class Model:
             self.blocks.append(_Block(cfg, weights, i, self.tp, kv_i, gdn_i))
             kv_i, gdn_i = kv_i + cfg.is_full(i), gdn_i + (not cfg.is_full(i))
         self.mtp = MtpModule(cfg, weights, self.tp, kv_i) if cfg.mtp_num_hidden_layers else None
-        self.draft_spec = draft_head.spec_from_env() if self.mtp is not None else draft_head.DraftHeadSpec()
+        self.draft_spec = (draft_head.resolve(draft_head.spec_from_env(), self.lm_head) if self.mtp is not None
+                           else draft_head.DraftHeadSpec())
         self.draft_head = draft_head.build(self.draft_spec, self.lm_head, self.tp.rank * self.lm_head.shape[0])
         self._alloc(cache, kv_i + (self.mtp is not None), gdn_i)
 

@@ -24,6 +24,16 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="module")
+def lm_head_drafts():
+    """MTP drafts from the main lm_head (NINFER_DRAFT_HEAD=lm_head) for tests whose oracle computes them that way:
+    the default, auto, drafts from an NVFP4 copy of it wherever the hidden size splits into 16-blocks, and TP ranks
+    each scale their own slice of that copy."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NINFER_DRAFT_HEAD", "lm_head")
+        yield
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls and multi-process TP tests: extra intra-op threads only add contention on 2 CI cores."""
     n = torch.get_num_threads()

@@ -47,7 +47,7 @@ def test_cpu_dry_run(tmp_path, capsys, monkeypatch, chain):
     (["--ks", "8"], "--ks: expected comma-separated integers in 1..7"),
     (["--acceptance", "1.5"], "--acceptance: expected comma-separated numbers in [0, 1]"),
     (["--acceptance", "x"], "--acceptance: expected comma-separated numbers in [0, 1]"),
-    (["--draft-heads", "q4"], "--draft-heads='q4': expected lm_head, nvfp4 or nvfp4:N"),
+    (["--draft-heads", "q4"], "--draft-heads='q4': expected auto, lm_head, nvfp4 or nvfp4:N"),
 ], ids=["k0", "k8", "acceptance-range", "acceptance-text", "draft-head"])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as e:

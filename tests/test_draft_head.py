@@ -22,7 +22,7 @@ from ninfer_rt.model import Model, MtpInput, SeqInput
 from ninfer_rt.sampling import SamplingParams
 from ninfer_rt.speculative import SpecConfig
 from ninfer_rt.state import CacheConfig
-from ninfer_rt.weights import dequantize
+from ninfer_rt.weights import QWeight, dequantize
 
 VOCAB = 256                       # hf_tiny's vocabulary
 DRAFT_TOL = 0.15                  # rel L2 of NVFP4 draft logits vs the fp32 lm_head's (4-bit weights)
@@ -68,15 +68,17 @@ def test_all_zero_weight_gets_scale_one():
 
 
 @pytest.mark.parametrize("text,want", [("lm_head", draft_head.DraftHeadSpec()),
+                                       ("auto", draft_head.DraftHeadSpec("auto")),
                                        ("nvfp4", draft_head.DraftHeadSpec("nvfp4")),
                                        (" nvfp4:131072 ", draft_head.DraftHeadSpec("nvfp4", 131072))])
 def test_parse(text, want):
     assert draft_head.DraftHeadSpec.parse(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "q6_k", "nvfp4:", "nvfp4:0", "nvfp4:-3", "nvfp4:1e5", "lm_head:4", "nvfp4;9"])
+@pytest.mark.parametrize("text", ["", "q6_k", "nvfp4:", "nvfp4:0", "nvfp4:-3", "nvfp4:1e5", "lm_head:4", "nvfp4;9",
+                                  "auto:8"])
 def test_parse_rejects(text):
-    with pytest.raises(LoadError, match=r"NINFER_DRAFT_HEAD=.*expected lm_head, nvfp4 or nvfp4:N") as e:
+    with pytest.raises(LoadError, match=r"NINFER_DRAFT_HEAD=.*expected auto, lm_head, nvfp4 or nvfp4:N") as e:
         draft_head.DraftHeadSpec.parse(text)
     assert "\n" not in str(e.value)
 
@@ -111,6 +113,7 @@ def _draft(model, ids):
 @pytest.mark.parametrize("spec", ["nvfp4", "nvfp4:100"])
 def test_model_draft_logits_from_the_nvfp4_copy(tiny, monkeypatch, spec):
     ids = torch.randint(0, 246, (17,), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv(draft_head.ENV, "lm_head")
     ref_target, ref_draft = _draft(_model(tiny), ids)
     monkeypatch.setenv(draft_head.ENV, spec)
     m = _model(tiny)
@@ -126,10 +129,21 @@ def test_model_draft_logits_from_the_nvfp4_copy(tiny, monkeypatch, spec):
     assert 0 < rel(draft[:, :keep], ref_draft[:, :keep]) <= DRAFT_TOL
 
 
-def test_lm_head_default_builds_nothing(tiny, monkeypatch):
-    monkeypatch.delenv(draft_head.ENV, raising=False)
+def test_lm_head_builds_nothing(tiny, monkeypatch):
+    monkeypatch.setenv(draft_head.ENV, "lm_head")
     m = _model(tiny)
     assert m.draft_spec.kind == "lm_head" and m.draft_head is None
+
+
+def test_default_is_auto_which_picks_nvfp4_where_the_lm_head_splits(tiny, monkeypatch):
+    monkeypatch.delenv(draft_head.ENV, raising=False)
+    m = _model(tiny)
+    assert draft_head.spec_from_env() == draft_head.DraftHeadSpec("auto")
+    assert str(m.draft_spec) == "nvfp4" and m.draft_head.fmt == "nvfp4"
+    odd = QWeight("bf16", (VOCAB, 24), {"w": torch.zeros(VOCAB, 24)}, "lm_head")     # K = 24: no NVFP4 blocks
+    assert draft_head.resolve(draft_head.DraftHeadSpec("auto"), odd) == draft_head.DraftHeadSpec()
+    limited = draft_head.DraftHeadSpec("nvfp4", 100)
+    assert draft_head.resolve(limited, odd) is limited and str(limited) == "nvfp4:100"
 
 
 def test_graph_step_bodies_use_the_draft_head(tiny, monkeypatch):

@@ -120,7 +120,7 @@ def bad_artifacts(tmp_path_factory, packed):
     ("packed", ["--raw", "x", "--spec", "mtp", "--draft-tokens", "9"], r"^error: --draft-tokens: .*1\.\.7, got 9$"),
     ("packed", ["--raw", "x", "--draft-tokens", "9"], r"^error: --draft-tokens: "),
     ("packed", ["--raw", "x", "--spec", "mtp", "--draft-head", "q4"],
-     r"^error: --draft-head='q4': expected lm_head, nvfp4 or nvfp4:N with N a positive integer$"),
+     r"^error: --draft-head='q4': expected auto, lm_head, nvfp4 or nvfp4:N with N a positive integer$"),
     ("packed", ["--raw", "x", "--top-p", "0"], r"top_p"),
     ("packed", ["--messages", "MISSING"], r"missing\.json: No such file"),
     ("packed", ["--messages", "BADJSON"], r"not valid JSON"),

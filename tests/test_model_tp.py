@@ -81,7 +81,7 @@ def _run(model: Model, ids):
 
 
 @pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4"])
-def test_tp_ranks_agree_with_tp1(tmp_path, tp):
+def test_tp_ranks_agree_with_tp1(tmp_path, tp, lm_head_drafts):
     tiny = build_hf_model(seed=11, linear_num_key_heads=4, linear_num_value_heads=8, num_key_value_heads=4,
                           num_attention_heads=8, head_dim=16, intermediate_size=192)
     ids = torch.randint(0, 246, (30,), generator=torch.Generator().manual_seed(4))

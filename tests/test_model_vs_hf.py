@@ -53,6 +53,11 @@ def case(request):
     return _case(request.param)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def drafts_from_lm_head(lm_head_drafts):
+    """Every model here is built before its test (and cached): its MTP oracle reads the lm_head."""
+
+
 @pytest.fixture(scope="module")
 def case32():
     """fp32 only: the MTP oracle, state-equality and bookkeeping checks are specified in fp32."""

@@ -86,7 +86,7 @@ def _cli(args):
     (["{art}", "--kv-capacity", "31", "--port", "{busy}"], "'--kv-capacity': expected at least 32 tokens"),
     (["{art}", "--max-context", "31", "--port", "{busy}"], "'--max-context': 31 is not in the range x>=32"),
     (["{art}", "--spec", "mtp", "--draft-head", "nvfp4:0", "--port", "{busy}"],
-     "--draft-head='nvfp4:0': expected lm_head, nvfp4 or nvfp4:N"),
+     "--draft-head='nvfp4:0': expected auto, lm_head, nvfp4 or nvfp4:N"),
 ], ids=["missing-artifact", "bad-kv-capacity", "port-in-use", "context-over-model", "bad-hf-spec",
         "kv-capacity-under-two-pages", "max-context-under-two-pages", "bad-draft-head"])
 def test_cli_errors_are_one_line(tmp_path_factory, args, needle):

@@ -137,7 +137,7 @@ def _hf_draft_logits(tiny, tokens):
         return tiny.lm_head(d[-1])
 
 
-def test_first_draft_matches_mtp_oracle_every_round(tiny, loaded, prompts):
+def test_first_draft_matches_mtp_oracle_every_round(tiny, loaded, prompts, lm_head_drafts):
     """d_1 of every round comes from MTP KV rebuilt with target hiddens (prefill chunks, then rewind +
     re-alignment after each verify): its logits equal the oracle run over the whole committed sequence."""
     seen = []

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, lm_head_drafts):
     tiny = build_hf_model(seed=11, **GEOMETRY)
     base = tmp_path_factory.mktemp("tp")
     for tp in (1, 2, 4):
@@ -37,7 +37,7 @@ def setup(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4"])
-def test_tp_processes_match_tp1(setup, tp):
+def test_tp_processes_match_tp1(setup, tp, lm_head_drafts):
     base, ids, prompts, (ref_calls, ref_tokens, ref_stats) = setup
     args = (base / f"tp{tp}", ids, prompts, 3)
     with launch(tp, rank_program, args) as lch:

@@ -138,7 +138,7 @@ def _oracle_3d(m, embed, ids, hidden, pos3) -> torch.Tensor:
     return m.norm(m.layers[0](u, position_embeddings=cos_sin, attention_mask=mask))[0]
 
 
-def test_first_draft_matches_mtp_oracle_at_mrope_positions(tiny, loaded, vis, vreq):
+def test_first_draft_matches_mtp_oracle_at_mrope_positions(tiny, loaded, vis, vreq, lm_head_drafts):
     """MTP row p takes the target's position of row p: prompt rows their MRoPE triple, later rows
     row + rope_delta. Drafts after prefill and after each re-alignment equal the oracle's."""
     seen = []
