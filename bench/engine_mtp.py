@@ -14,6 +14,7 @@ The output is therefore not the model's greedy text; correctness is tested elsew
 
     python3 bench/engine_mtp.py [--recipe nvfp4] [--ks 1,3,5] [--acceptance 0.6,0.75,0.9,1]
                                 [--draft-heads lm_head,nvfp4] [--prompt-len 1024] [--new-tokens 256]
+                                [--profile-tokens 32]     # + one profiled generation per K (trace beside --out)
     python3 bench/engine_mtp.py --tiny --device cpu --new-tokens 16     # CPU dry run (torch backend)
 
 Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "recipe", "tp", "gpu",
@@ -67,6 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm/ninfer-bench when it fits)")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--profile-tokens", type=int, default=0,
+                    help="after each K's runs, profile one more generation of this many tokens at the first "
+                         "acceptance (torch.profiler: tables to stderr, a Chrome trace beside --out)")
     synth.add_shape_args(ap)
     args = ap.parse_args(argv)
     try:
@@ -78,6 +82,8 @@ def parse_args(argv=None):
         args.acceptance = _floats(args.acceptance)
     except ValueError:
         ap.error(f"--acceptance: expected comma-separated numbers in [0, 1], got {args.acceptance!r}")
+    if args.profile_tokens < 0:
+        ap.error(f"--profile-tokens: expected 0 (off) or a number of tokens, got {args.profile_tokens}")
     args.draft_heads = tuple(h.strip() for h in args.draft_heads.split(",") if h.strip())
     if not args.draft_heads:
         ap.error("--draft-heads: expected at least one value")
@@ -186,8 +192,35 @@ def _rounds(loaded, args, k: int, prompt, base: dict) -> list[dict]:
         log(f"{rec['draft_head']}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} "
             f"tokens/round, {rec['ms_round']:.2f} ms/round")
         out.append(rec)
+    if args.profile_tokens:
+        eng.rate, eng.rng = args.acceptance[0], random.Random(args.seed)
+        profile_run(eng, prompt, args, f"{base['draft_head']}: K={k} a={args.acceptance[0]:g}",
+                    trace_path(args, base["draft_head"], k))
     eng.shutdown()
     return out
+
+
+def trace_path(args, head: str, k: int) -> str:
+    stem = str(Path(args.out).with_suffix(""))
+    return f"{stem}_trace_{head.replace(':', '-')}_K{k}.json.gz"
+
+
+def profile_run(eng, prompt, args, label: str, path: str) -> None:
+    """One more generation of --profile-tokens under torch.profiler: where a round's wall time goes besides the
+    GPU's kernels (host work between the steps, syncs, read-backs). Tables to the log, the Chrome trace to `path`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        got, secs = generate(eng, prompt, args.profile_tokens)
+    avg = prof.key_averages()
+    dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avg)
+    log(f"profile {label}: {len(got)} tokens in {secs * 1e3:.1f} ms after the first, {dev_us / 1e3:.1f} ms of "
+        f"device time in all ({dev_us / 1e4 / max(secs, 1e-9):.0f} % of the wall time, which includes the "
+        f"prefill's)")
+    log(avg.table(sort_by="self_cpu_time_total", row_limit=25))
+    prof.export_chrome_trace(path)
+    log(f"trace: {path}")
 
 
 def _collect() -> None:

@@ -38,7 +38,8 @@
 #   enginemtp bench/engine_mtp.py: MTP through the real Engine with rigged drafts on the nvfp4 artifact (built, or
 #             the one decode / sweep kept under /dev/shm/ninfer-run): K = 0 and $EMTP_KS (default 1,3) at acceptance
 #             $EMTP_ACC (default 0.75,0.9,1) per draft head of $EMTP_HEADS (default lm_head,nvfp4,nvfp4:131072),
-#             engine_mtp.json and engine_mtp_table.txt; drafts kept on the device between draft steps (the default)
+#             engine_mtp.json and engine_mtp_table.txt; drafts kept on the device between draft steps (the default);
+#             EMTP_PROFILE=N: one more profiled generation of N tokens per K (tables in the log, trace .json.gz)
 #   enginemtp0 the same with NINFER_DRAFT_CHAIN=0 (every draft read back before the next draft step), written as
 #             engine_mtp_readback.json
 #   enginemtpab the same (lm_head only) with the runtime of .ab/$EMTP_AB first on PYTHONPATH (bench/ab_tree.sh; carry
@@ -108,7 +109,7 @@ run_enginemtp() {
   [ "$l" -gt 60 ] || { echo "no time for $1 ($l s)"; return; }
   NINFER_DRAFT_CHAIN=$2 timeout $l python3 bench/engine_mtp.py --recipe nvfp4 --dir /dev/shm/ninfer-run \
     --ks ${EMTP_KS:-1,3} --acceptance ${EMTP_ACC:-0.75,0.9,1} --draft-heads ${EMTP_HEADS:-lm_head,nvfp4,nvfp4:131072} \
-    --new-tokens ${EMTP_NEW:-128} --out "$OUT/$1.json" > "$OUT/$1_table.txt" 2> "$OUT/$1_log.txt"
+    --new-tokens ${EMTP_NEW:-128} --profile-tokens ${EMTP_PROFILE:-0} --out "$OUT/$1.json" > "$OUT/$1_table.txt" 2> "$OUT/$1_log.txt"
   echo "$1 rc=$?"; cat "$OUT/$1_table.txt"; tail -3 "$OUT/$1_log.txt"
 }
 # run_sweep: one decode.py per value of $SWEEP_VALUES under $SWEEP_VAR=value (see the step list above)

@@ -42,13 +42,27 @@ def test_cpu_dry_run(tmp_path, capsys, monkeypatch, chain):
     assert "NINFER_DRAFT_HEAD" not in __import__("os").environ
 
 
+def test_profiled_run_writes_a_trace(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NINFER_DRAFT_HEAD", "lm_head")
+    out = tmp_path / "r.json"
+    rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "6", "--ks", "2",
+                          "--acceptance", "0.5", "--draft-heads", "nvfp4:512", "--profile-tokens", "5",
+                          "--dir", str(tmp_path / "a"), "--out", str(out)])
+    assert rc == 0
+    trace = tmp_path / "r_trace_nvfp4-512_K2.json.gz"
+    assert trace.stat().st_size > 0 and len(json.loads(out.read_text())) == 2
+    err = capsys.readouterr().err
+    assert "profile nvfp4:512: K=2 a=0.5: 5 tokens" in err and "Self CPU" in err and f"trace: {trace}" in err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--ks", "0"], "--ks: expected comma-separated integers in 1..7"),
     (["--ks", "8"], "--ks: expected comma-separated integers in 1..7"),
     (["--acceptance", "1.5"], "--acceptance: expected comma-separated numbers in [0, 1]"),
     (["--acceptance", "x"], "--acceptance: expected comma-separated numbers in [0, 1]"),
     (["--draft-heads", "q4"], "--draft-heads='q4': expected auto, lm_head, nvfp4 or nvfp4:N"),
-], ids=["k0", "k8", "acceptance-range", "acceptance-text", "draft-head"])
+    (["--profile-tokens", "-1"], "--profile-tokens: expected 0 (off) or a number of tokens, got -1"),
+], ids=["k0", "k8", "acceptance-range", "acceptance-text", "draft-head", "profile-tokens"])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as e:
         rc = engine_mtp.main(["--tiny", "--device", "cpu", "--dir", str(tmp_path), *args])
