@@ -7,8 +7,9 @@ useful, so the verdicts are rigged: in each round draft j is accepted with proba
 were (per-position acceptance a, the same model decode.py uses). The drafts, the verify step and its decision
 (argmax and read-back) are the real ones; only the accepted count is replaced, so the Engine rolls back,
 re-aligns and drafts exactly as it would at that acceptance. (A truth-following rig, drafts set to a K = 0
-run's tokens, cannot work on a random model: its top logits are so close that the verify step's kernels, which
-differ from the decode step's, pick another token within a few rounds, and every later draft is then wrong.)
+run's tokens, did not work on the H200 (bench/NOTES.md §38): the text left the K = 0 text within the first rounds
+and every later draft was wrong. The likely cause: a random model's top logits are close, and the verify step's
+kernels round differently from the decode step's.)
 The output is therefore not the model's greedy text; correctness is tested elsewhere (tests/, bench/tiny_mtp.py
 --device cuda). A run must emit exactly --new-tokens tokens.
 
@@ -212,12 +213,13 @@ def profile_run(eng, prompt, args, label: str, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
+        t = time.perf_counter()
         got, secs = generate(eng, prompt, args.profile_tokens)
+        wall = time.perf_counter() - t
     avg = prof.key_averages()
     dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avg)
-    log(f"profile {label}: {len(got)} tokens in {secs * 1e3:.1f} ms after the first, {dev_us / 1e3:.1f} ms of "
-        f"device time in all ({dev_us / 1e4 / max(secs, 1e-9):.0f} % of the wall time, which includes the "
-        f"prefill's)")
+    log(f"profile {label}: {len(got)} tokens, {secs * 1e3:.1f} ms after the first; prefill included "
+        f"{wall * 1e3:.1f} ms of wall time and {dev_us / 1e3:.1f} ms of device time ({dev_us / 1e4 / wall:.0f} %)")
     log(avg.table(sort_by="self_cpu_time_total", row_limit=25))
     prof.export_chrome_trace(path)
     log(f"trace: {path}")
