@@ -47,7 +47,8 @@
 #   tinymtp   bench/tiny_mtp.py --device cuda: the embedded ninfer-tiny on the Triton backend with CUDA graphs, real
 #             MTP drafts (recipes $TINY_RECIPES, default nvfp4; K $TINY_KS, default 3; draft heads $TINY_HEADS):
 #             tokens per round and every K's tokens against plain greedy decoding (tiny_mtp_cuda.json); tinymtp0
-#             the same with NINFER_DRAFT_CHAIN=0 (tiny_mtp_cuda_readback.json); $TINY_ARGS: more tiny_mtp.py arguments
+#             the same with NINFER_DRAFT_CHAIN=0 (tiny_mtp_cuda_readback.json); $TINY_ARGS: more tiny_mtp.py arguments;
+#             TINY_S (default 400): each Engine on the tiny shapes compiles and captures for ~2 minutes (s37)
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_TS and XPRE_EXTRA (xpre.py --T / --extra), XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
@@ -205,7 +206,7 @@ for step in "$@"; do
       run_enginemtp engine_mtp_ab 1 ;;
     tinymtp|tinymtp0)
       j=tiny_mtp_cuda; [ $step = tinymtp0 ] && j=tiny_mtp_cuda_readback
-      NINFER_DRAFT_CHAIN=$([ $step = tinymtp0 ] && echo 0 || echo 1) timeout ${TINY_S:-170} python3 bench/tiny_mtp.py \
+      NINFER_DRAFT_CHAIN=$([ $step = tinymtp0 ] && echo 0 || echo 1) timeout ${TINY_S:-400} python3 bench/tiny_mtp.py \
         --device cuda --recipes ${TINY_RECIPES:-nvfp4} --ks ${TINY_KS:-3} --draft-heads ${TINY_HEADS:-lm_head,nvfp4} \
         ${TINY_ARGS:-} --out "$OUT/$j.json" > "$OUT/${j}_table.txt" 2> "$OUT/${j}_log.txt"
       echo "$step rc=$?"; cat "$OUT/${j}_table.txt"; tail -4 "$OUT/${j}_log.txt" ;;
