@@ -39,7 +39,7 @@ from .engine_core import Core, Plan, Seq, Verdict
 from .engine_layout import (DEFAULT_CONTEXT, DEFAULT_PAGE, GRAPH_MAX_BATCH, GRAPH_MODES,  # noqa: F401 (re-exported)
                             EngineError, Layout, cache_config, engine_layout, graph_config)
 from .graphs import GraphConfig
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, make_generator, sample, small_tensor
 from .speculative import RoundInput, SpecConfig, SpecStats, draft_chain_env, draft_distributions, verify_rows
 from .tp_group import LocalGroup
 
@@ -225,7 +225,9 @@ class Engine(RunAhead, Core):
             if self.tp.size > 1:
                 self._send_plan(plan)
             results = self._execute(plan)
-            if self.device.type == "cuda":
+            if plan.prefill and self.device.type == "cuda":
+                # prefill_s counts the chunk's device time. A decode step needs no sync: its read-backs already
+                # order what the host reads, and the host plans the next round while the alignment runs.
                 torch.cuda.synchronize(self.device)
         except BaseException:
             if self.tp.size > 1:     # followers may sit in a collective: do not message them again
@@ -345,13 +347,32 @@ class Engine(RunAhead, Core):
         toks = toks.cpu()
         return (self.tp.broadcast(toks) if self.tp.size > 1 else toks).tolist()
 
+    @staticmethod
+    def _verified(dec, pre) -> list[tuple[int, Seq]]:
+        """(step index, sequence) of every row a verdict reads: the decode rounds, then the final prompt chunks."""
+        return [(i, s) for i, (s, _) in enumerate(dec)] + \
+            [(i, s) for i, (s, _, b) in enumerate(pre, start=len(dec)) if b == len(s.prompt)]
+
+    def _target_argmax(self, dec, pre, out):
+        """Greedy rows without penalties are decided by the argmax alone: queue it behind the verify step, so
+        `_execute` reads it back with the drafts (one host sync per round, not two)."""
+        seqs = self._verified(dec, pre)
+        if not seqs or not all(s.params.greedy and not (s.counts is not None and s.params.has_penalties)
+                               for _, s in seqs):
+            return None
+        return torch.cat([out.seq_logits(i) for i, _ in seqs]).argmax(-1)
+
     def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
         """Every row is verified on the device first and read back in one transfer (not two host syncs per
         sequence); a row only reads its own sequence's counts, so accepting afterwards changes nothing."""
+        final = self._verified(dec, pre)[len(dec):]
         rows = [RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator)
                 for i, ((s, _), d) in enumerate(zip(dec, drafts))]
-        final = [(i, s) for i, (s, _, b) in enumerate(pre, start=len(dec)) if b == len(s.prompt)]
         rows += [RoundInput(s.params, out.seq_logits(i), [], [], s.counts, s.generator) for i, s in final]
+        if self._argmax is not None:
+            o = 0
+            for r in rows:
+                r.argmax, o = self._argmax[o:o + r.logits.shape[0]], o + r.logits.shape[0]
         decided = verify_rows(rows)
         verdicts = []
         for (s, k), d, (n_acc, tok) in zip(dec, drafts, decided):
@@ -388,7 +409,7 @@ class Engine(RunAhead, Core):
                     s.text_delta += s.stream.flush()
                 break
         if s.counts is not None:        # one scatter for the step's tokens, not an indexed add per token
-            s.counts.index_put_((torch.tensor(tokens[:n], device=s.counts.device),),
+            s.counts.index_put_((small_tensor(tokens[:n], torch.long, s.counts.device),),
                                 torch.ones(n, device=s.counts.device), accumulate=True)
         return n
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .model import Model, MtpInput, Output, SeqInput
+from .sampling import small_tensor
 from .speculative import SpecConfig, SpecError
 from .state import CacheConfig
 
@@ -131,20 +132,25 @@ def _ids(x) -> torch.Tensor:
 def _round_ids(last: int, drafts):
     """A decode row's ids [t_0, d_1..d_k]: a host list, or a device tensor when the drafts are still there."""
     if isinstance(drafts, torch.Tensor):
-        return torch.cat([torch.tensor([last], dtype=torch.long).to(drafts.device, non_blocking=True), drafts])
+        return torch.cat([small_tensor([last], torch.long, drafts.device), drafts])
     return [last] + drafts
 
 
-def _host_drafts(drafts: list) -> list[list[int]]:
-    """Every sequence's drafts as host ints, device ones read back in one transfer."""
-    if not any(isinstance(d, torch.Tensor) for d in drafts):
-        return drafts
-    flat = torch.cat(drafts).tolist()
+def _read_back(drafts: list, ids: torch.Tensor | None) -> tuple[list[list[int]], list[int] | None]:
+    """The step's device drafts and the verdict's queued argmax (or None) in one transfer -> (host drafts, host
+    argmax or None). Host drafts pass through."""
+    dev = [d for d in drafts if isinstance(d, torch.Tensor)]
+    if not dev and ids is None:
+        return drafts, None
+    flat = torch.cat(dev + ([ids] if ids is not None else [])).tolist()
     out, o = [], 0
     for d in drafts:
-        out.append(flat[o:o + d.numel()])
-        o += d.numel()
-    return out
+        if isinstance(d, torch.Tensor):
+            out.append(flat[o:o + d.numel()])
+            o += d.numel()
+        else:
+            out.append(d)
+    return out, (flat[o:] if ids is not None else None)
 
 
 class Core:
@@ -160,6 +166,7 @@ class Core:
         self.model = Model(loaded.config, loaded.weights, ops, tp, cache=cache)
         self.tp, self.spec, self.cache = tp, spec, cache
         self.seqs: dict[str, Seq] = {}
+        self._argmax: list[int] | None = None     # this step's target argmax, read back with its drafts
         self.graphs = None
         if graphs is not None:
             from .graphs import GraphRunner
@@ -177,6 +184,10 @@ class Core:
 
     def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
         raise NotImplementedError
+
+    def _target_argmax(self, dec, pre, out) -> torch.Tensor | None:
+        """The argmax of every logits row the verdicts will read, queued on the device (None: not needed)."""
+        return None
 
     def _receive_vision(self, meta: dict) -> VisionPrompt:
         """A follower's copy of an admitted image prompt (rank 0 encodes it and sends the embeddings)."""
@@ -221,7 +232,8 @@ class Core:
         inputs += [self._seq_input(s, s.prompt[a:b], logits="last" if b == len(s.prompt) else "none")
                    for s, a, b in pre]
         out = self._forward(inputs, len(dec))
-        drafts = _host_drafts(drafts)          # device drafts: read back once the verify step is queued
+        # device drafts are read back once the verify step is queued, with the verdict's argmax queued behind it
+        drafts, self._argmax = _read_back(drafts, self._target_argmax(dec, pre, out))
         verdicts = self._decide_verdicts(dec, drafts, pre, out)
         results, mtp_in, mtp_seqs = [], [], []
         for i, ((s, k), d, v, L) in enumerate(zip(dec, drafts, verdicts, starts)):

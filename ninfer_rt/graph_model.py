@@ -34,6 +34,9 @@ class RowSpec:
     snap: int = -1          # snapshot row offset (>= 0: keep the pool slot, write per-token states there)
 
 
+STAGING = 4     # pinned staging buffers in turn: a K = 3 MTP round fills 4 (alignment, 2 draft steps, verify)
+
+
 class _Staging:
     """A pinned host mirror of the device buffers, with the event of its last copy (reuse waits for it)."""
 
@@ -68,7 +71,7 @@ class StaticMeta:
         self.block_tables = self._i32[:b * max_pages].view(b, max_pages)
         self.kv_lens = self._i32[b * max_pages:]
         pin = self.device.type == "cuda"
-        self._staging = [_Staging(self._n64, self._n32, pin) for _ in range(2 if pin else 1)]
+        self._staging = [_Staging(self._n64, self._n32, pin) for _ in range(STAGING if pin else 1)]
         self._turn = 0
         self._cu: dict[int, torch.Tensor] = {}
 
@@ -81,8 +84,8 @@ class StaticMeta:
 
     # ---- filling ----
     def fill(self, rows: list[RowSpec], batch: int, tokens: int) -> None:
-        """Write `rows` (then padding rows up to `batch`) into the device buffers; no host sync unless both
-        staging buffers are still in flight."""
+        """Write `rows` (then padding rows up to `batch`) into the device buffers; no host sync unless all
+        STAGING staging buffers are still in flight."""
         if not 0 < len(rows) <= batch <= self.max_batch or not 0 < tokens <= self.max_tokens:
             raise ValueError(f"graphs: {len(rows)} rows in a batch of {batch} x {tokens} tokens "
                              f"(buffers hold {self.max_batch} x {self.max_tokens})")
@@ -168,9 +171,12 @@ def target_step(model, meta: StaticMeta, ctx: StepCtx, n: int) -> tuple[torch.Te
     return hidden, _logits(model, hidden)
 
 
-def mtp_step(model, meta: StaticMeta, ctx: StepCtx, hidden_in: torch.Tensor, n: int
+def mtp_step(model, meta: StaticMeta, ctx: StepCtx, hidden_in: torch.Tensor, n: int, t: int = 1
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (post-mtp.norm hidden [n, H], logits [n, V]) of the MTP module; hidden_in [>= n, H] static input."""
+    """-> (post-mtp.norm hidden [n, H], logits) of the MTP module over n = batch * t rows; hidden_in [>= n, H]
+    static input. Logits: [n, V] for t = 1 (a draft step); for t > 1 (the re-alignment after a round) only each
+    sequence's last row, [n / t, V]: the next draft reads nothing else, and the draft head is most of the step."""
     emb = model.ops.embedding(meta.ids[:n], model.embed, model.dtype)
     d = model.mtp(model.ops, emb, hidden_in[:n], ctx, model.kv_pool)
-    return d, _logits(model, d, draft=True)
+    last = d if t == 1 else d.view(n // t, t, d.shape[-1])[:, -1].contiguous()
+    return d, _logits(model, last, draft=True)

@@ -31,6 +31,7 @@ import torch
 from .batch import RECURRENT_MAX_T
 from .graph_model import RowSpec, StaticMeta, mtp_step, target_step
 from .model import LOGITS, Output
+from .sampling import small_tensor
 from .state import CapacityError, PendingSnapshot
 
 
@@ -187,7 +188,7 @@ class GraphRunner:
         kv, snaps = host if host is not None else ((bucket,) * b, (-1,) * b)
         n = b * t
         if kind == "mtp":
-            return mtp_step(self.model, self.meta, self.meta.mtp_ctx(b, t, kv), self.mtp_hidden, n)
+            return mtp_step(self.model, self.meta, self.meta.mtp_ctx(b, t, kv), self.mtp_hidden, n, t)
         pool = self.model.gdn_pool
         ctx = self.meta.target_ctx(b, t, kv, snaps, *((pool.conv, pool.rec) if self.snap_base is not None else ()))
         return target_step(self.model, self.meta, ctx, n)
@@ -260,7 +261,7 @@ class GraphRunner:
         hidden, logits = self._run(key, rows)
         for m in batch:
             m.state.length += t
-        return self._output(hidden, logits, len(batch), t, [m.logits for m in batch])
+        return self._output(hidden, logits, len(batch), t, [m.logits for m in batch], last_only=t > 1)
 
     # ---- planning: which graph, or why none ----
     def _common(self, items, gather: bool, sizes) -> tuple[tuple | None, str]:
@@ -299,12 +300,17 @@ class GraphRunner:
         if not self.mtp_tokens:
             return None, "no MTP graphs"
         h = self.model.cfg.hidden_size
+        # a graph of t > 1 MTP tokens computes each sequence's last logits row only (`mtp_step`)
         items = [(m.token_ids, m.state.length, m.positions is None and m.logits in LOGITS
+                  and (m.logits != "all" or m.token_ids.numel() == 1)
                   and tuple(m.hidden.shape) == (m.token_ids.numel(), h)) for m in batch]
         key, why = self._common(items, gather, self.mtp_tokens)
         return (None, why) if key is None else (("mtp",) + key, "")
 
-    def _output(self, hidden, logits, batch: int, t: int, modes) -> Output:
+    def _output(self, hidden, logits, batch: int, t: int, modes, last_only: bool = False) -> Output:
+        """The Output of a replay: the rows each mode asks for. last_only: `logits` holds one row per sequence
+        (its last token's). No host->device transfer: it would wait for the replay (torch copies pageable host
+        memory to the GPU synchronously), and the host must run ahead of the GPU."""
         n = batch * t
         rows = []
         for b, mode in enumerate(modes):
@@ -312,13 +318,9 @@ class GraphRunner:
                 rows.extend(range(b * t, (b + 1) * t))
             elif mode == "last":
                 rows.append((b + 1) * t - 1)
-        hidden, view = hidden[:n], True
-        if rows == list(range(n)):
-            sel = logits[:n]
-        elif rows:
-            sel, view = logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(logits.device)), False
-        else:
-            sel = logits[:0]
+        picked = [r // t for r in rows] if last_only else rows
+        sel, view = _pick_rows(logits, picked, t if not last_only else 1)
+        hidden = hidden[:n]
         if self.cfg.copy_outputs:
             hidden, sel = hidden.clone(), (sel.clone() if view else sel)
         return Output(logits=sel, hidden=hidden, logit_rows=rows, cu_seqlens=[b * t for b in range(batch + 1)])
@@ -330,3 +332,14 @@ class GraphRunner:
         self.graphs.clear()
         self._pool = None
         self._scratch.free()
+
+
+def _pick_rows(logits: torch.Tensor, rows: list[int], t: int) -> tuple[torch.Tensor, bool]:
+    """logits[rows] -> (tensor, whether it is a view). A prefix, or every t-th row ending each sequence's t
+    rows, is a view; anything else one index_select whose indices travel through pinned memory (no sync)."""
+    n = len(rows)
+    if rows == list(range(n)):
+        return logits[:n], True
+    if rows == [(b + 1) * t - 1 for b in range(n)]:
+        return logits[:n * t].view(n, t, logits.shape[-1])[:, -1], True
+    return logits.index_select(0, small_tensor(rows, torch.long, logits.device)), False

@@ -32,6 +32,7 @@ from .layers.attention import FullAttention
 from .layers.gdn import GatedDeltaNet
 from .layers.mlp import Mlp
 from .layers.mtp import MtpModule
+from .sampling import small_tensor
 from .state import CacheConfig, GdnPool, KVPool, MtpState, PendingSnapshot, SeqState
 from .tp_group import LocalGroup, TPGroup
 from .weights import QWeight
@@ -262,7 +263,7 @@ class Model:
         if len(rows) == len(hidden):
             sel = hidden
         else:
-            sel = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
+            sel = hidden.index_select(0, small_tensor(rows, torch.long, hidden.device))
         logits = self.head_logits(sel, draft)
         if gather and self.tp.size > 1:
             logits = self.tp.all_gather_last(logits)

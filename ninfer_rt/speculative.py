@@ -121,6 +121,7 @@ class RoundInput:
     q: list[torch.Tensor]                # draft distributions [V] each (sampling only)
     counts: torch.Tensor | None          # penalty counts before the round
     generator: torch.Generator | None
+    argmax: list[int] | None = None      # the argmax of each logits row, when the host has read it back already
 
 
 def verify(r: RoundInput) -> tuple[int, int]:
@@ -148,16 +149,20 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
 def verify_rows(rows: list[RoundInput]) -> list[list[int]]:
     """[accepted drafts, target token] for every row, read back in one transfer. Greedy rows without penalties
     need only the argmax of each target row: one kernel for the whole batch and the prefix match on the host,
-    instead of `verify_on_device`'s dozen launches per row on the host's critical path."""
+    instead of `verify_on_device`'s dozen launches per row on the host's critical path. Rows that carry their
+    `argmax` (the engine read it back with the drafts, `Engine._target_argmax`) need no device work here."""
     if not rows:
         return []
     if not all(r.params.greedy and not (r.counts is not None and r.params.has_penalties) for r in rows):
         return decide_on_device(rows).tolist()
     sizes = [len(r.drafts) + 1 for r in rows]
     for r, n in zip(rows, sizes):
-        if r.logits.shape[0] != n:
+        if r.logits.shape[0] != n or (r.argmax is not None and len(r.argmax) != n):
             raise ValueError(f"verify_rows: {r.logits.shape[0]} logits rows for {n - 1} drafts")
-    ids = torch.cat([r.logits for r in rows]).argmax(-1).tolist()
+    if all(r.argmax is not None for r in rows):
+        ids = [t for r in rows for t in r.argmax]
+    else:
+        ids = torch.cat([r.logits for r in rows]).argmax(-1).tolist()
     out, o = [], 0
     for r, n in zip(rows, sizes):
         t = ids[o:o + n]

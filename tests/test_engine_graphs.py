@@ -215,3 +215,35 @@ def test_captured_engine_equals_eager_engine_gpu(tmp_path_factory, k):
     assert engines[0].graphs.stats.captured == 0 and engines[0].graphs.stats.eager_steps > 0
     for eng in engines:
         eng.shutdown()
+
+
+@gpu
+def test_captured_mtp_round_syncs_once_gpu(tmp_path_factory):
+    """A greedy MTP round on captured graphs waits for the GPU once: the drafts and the verdict's argmax come back
+    in one transfer, and nothing else syncs (no pageable host->device copy, no device sync at the step's end), so
+    the host plans the next round while the alignment runs."""
+    import warnings
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+    import synth_artifact as synth
+
+    from ninfer_rt.backends.triton_ops import TritonOps as RealTritonOps
+    from ninfer_rt.loader import load
+    paths, _ = synth.build(str(tmp_path_factory.mktemp("nvfp4")), synth.TINY, "nvfp4", workers=1)
+    eng = Engine(load(paths[0], device="cuda", dtype=torch.bfloat16), RealTritonOps(),
+                 spec=SpecConfig(num_draft_tokens=3), max_batch=1, kv_pages=64, graphs="auto")
+    eng.add_request("r", list(range(5, 20)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    eng.step()                                                 # the prompt: eager, it may sync
+    explicit, real = [], torch.cuda.synchronize
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.synchronize = lambda *a, **kw: explicit.append(1) or real(*a, **kw)
+        try:
+            steps = [eng.step() for _ in range(4)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize = real
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert all(o and o[0].drafted == 3 for o in steps) and eng.graphs.stats.fallbacks == 0
+    assert len(syncs) <= 4 and not explicit, [f"{w.filename}:{w.lineno}" for w in syncs]
+    eng.shutdown()

@@ -178,6 +178,36 @@ def test_eager_runner_equals_model(nvfp4_path):
     assert r.stats.reasons["runner closed"] == 1
 
 
+@pytest.mark.parametrize("modes", [("last", "last"), ("none", "last"), ("last", "none")],
+                         ids=["both-last", "second-only", "first-only"])
+def test_eager_mtp_alignment_keeps_last_rows(nvfp4_path, modes):
+    """A t > 1 MTP graph (the re-alignment after a round) computes each sequence's last logits row only: the
+    rows asked for equal the model's; `all` at t > 1 falls back to the model."""
+    ref, m = _model(nvfp4_path), _model(nvfp4_path)
+    r = GraphRunner(m, GraphConfig(batch_sizes=(2,), tokens=(1,), mtp_tokens=(1, 3), kv_buckets=(32,), eager=True))
+    g = torch.Generator().manual_seed(4)
+    ids = [torch.randint(0, 1000, (3,), generator=g) for _ in range(2)]
+    hid = [torch.randn(3, m.cfg.hidden_size, generator=g) for _ in range(2)]
+    st = [[x.new_state() for _ in range(2)] for x in (ref, m)]
+    a = ref.mtp_forward([MtpInput(i, h, s.mtp, logits=md) for i, h, s, md in zip(ids, hid, st[0], modes)])
+    b = r.mtp_forward([MtpInput(i, h, s.mtp, logits=md) for i, h, s, md in zip(ids, hid, st[1], modes)])
+    assert r.stats.eager_steps == 1 and b.logit_rows == a.logit_rows and b.cu_seqlens == a.cu_seqlens
+    assert b.logits.shape == a.logits.shape and rel(b.logits, a.logits) <= LOGIT_TOL
+    assert rel(b.hidden, a.hidden) <= LOGIT_TOL
+    r.mtp_forward([MtpInput(ids[0], hid[0], st[1][0].mtp, logits="all")])
+    assert r.stats.reasons == {"position override / embeddings / logits mode": 1}
+    r.close()
+
+
+@pytest.mark.parametrize("rows,t,view", [([0, 1, 2], 1, True), ([2, 5, 8], 3, True), ([1, 5], 3, False),
+                                         ([], 2, True)], ids=["prefix", "every-last", "general", "none"])
+def test_pick_rows(rows, t, view):
+    from ninfer_rt.graphs import _pick_rows
+    logits = torch.arange(9 * 5, dtype=torch.float32).view(9, 5)
+    got, is_view = _pick_rows(logits, rows, t)
+    assert is_view == view and torch.equal(got, logits[rows])
+
+
 def test_snapshot_buffers_in_use_fall_back(nvfp4_path):
     ref, m = _model(nvfp4_path), _model(nvfp4_path)
     r = GraphRunner(m, GraphConfig(batch_sizes=(1,), tokens=(1, 2), mtp_tokens=(), kv_buckets=(32,), eager=True))

@@ -308,6 +308,24 @@ def test_verify_rows_greedy_rounds_on_the_host():
     assert [n for n, _ in got] == [0, 1, 3, 1, 0, 2, 2] and got[3][1] == 3
     with pytest.raises(ValueError, match="3 logits rows for 1 drafts"):
         verify_rows([RoundInput(greedy, torch.randn(3, 40), [1], [], None, None)])
+    # rows carrying their argmax (read back with the drafts) need no device work; a poisoned logits row shows
+    # that verify_rows uses the carried argmax, not the logits
+    carried = [RoundInput(greedy, torch.full_like(r.logits, float("nan")), r.drafts, [], None, None,
+                          r.logits.argmax(-1).tolist()) for r in rows]
+    assert verify_rows(carried) == got
+    with pytest.raises(ValueError, match="2 logits rows for 1 drafts"):
+        verify_rows([RoundInput(greedy, torch.randn(2, 40), [1], [], None, None, [0, 1, 2])])
+
+
+@pytest.mark.parametrize("kind", ["device", "host", "host-and-argmax", "device-and-argmax"])
+def test_read_back_one_transfer(kind):
+    """The step's device drafts and the verdict's argmax come back together; host drafts pass through."""
+    from ninfer_rt.engine_core import _read_back
+    drafts = [[3, 1], [], [7]]
+    dev = kind.startswith("device")
+    arg = torch.tensor([5, 6, 7, 8, 9, 4]) if kind.endswith("argmax") else None
+    got, ids = _read_back([torch.tensor(d, dtype=torch.long) for d in drafts] if dev else drafts, arg)
+    assert got == drafts and ids == (None if arg is None else arg.tolist())
 
 
 def test_greedy_draft_fast_path_equals_the_processed_argmax(loaded):
