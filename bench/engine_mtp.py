@@ -16,16 +16,19 @@ The output is therefore not the model's greedy text; correctness is tested elsew
     python3 bench/engine_mtp.py [--recipe nvfp4] [--ks 1,3,5] [--acceptance 0.6,0.75,0.9,1]
                                 [--draft-heads lm_head,nvfp4] [--prompt-len 1024] [--new-tokens 256]
                                 [--profile-tokens 32]     # + one profiled generation per K (trace beside --out)
+                                [--sync-audit]            # + the host syncs per round, by call site
     python3 bench/engine_mtp.py --tiny --device cpu --new-tokens 16     # CPU dry run (torch backend)
 
 Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "recipe", "tp", "gpu",
 "draft_head", "draft_tokens" (0 = plain decoding), "acceptance" (None at K = 0), "tok_s" (decode phase: tokens
 after the first over the time after it), "tokens_per_round", "rounds", "ms_round", "accepted", "drafted",
-"prompt_tokens", "new_tokens", "emitted", "backend", "graphs", "draft_chain"}.
+"prompt_tokens", "new_tokens", "emitted", "backend", "graphs", "draft_chain"}, and with --sync-audit
+"syncs_per_round", "sync_sites"; with --profile-tokens the first acceptance's record gains "profile" (`profile_run`).
 """
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import sys
@@ -72,6 +75,9 @@ def parse_args(argv=None):
     ap.add_argument("--profile-tokens", type=int, default=0,
                     help="after each K's runs, profile one more generation of this many tokens at the first "
                          "acceptance (torch.profiler: tables to stderr, a Chrome trace beside --out)")
+    ap.add_argument("--sync-audit", action="store_true",
+                    help="after each K's runs, one more generation under torch.cuda.set_sync_debug_mode: the host "
+                         "syncs per round and where they come from (records gain syncs_per_round, sync_sites)")
     synth.add_shape_args(ap)
     args = ap.parse_args(argv)
     try:
@@ -133,6 +139,9 @@ def generate(eng, prompt: list[int], new_tokens: int) -> tuple[list[int], float]
             if o.new_token_ids and t_first is None:
                 t_first = time.perf_counter()
             out += o.new_token_ids
+    if eng.device.type == "cuda":       # a decode step leaves its alignment running (Engine._step_sync)
+        import torch
+        torch.cuda.synchronize(eng.device)
     return out, time.perf_counter() - (t_first or time.perf_counter())
 
 
@@ -193,10 +202,16 @@ def _rounds(loaded, args, k: int, prompt, base: dict) -> list[dict]:
         log(f"{rec['draft_head']}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} "
             f"tokens/round, {rec['ms_round']:.2f} ms/round")
         out.append(rec)
+    if args.sync_audit:
+        eng.rate, eng.rng = args.acceptance[0], random.Random(args.seed)
+        audit = sync_audit(eng, prompt, args.new_tokens)
+        log(f"{base['draft_head']}: K={k} a={args.acceptance[0]:g} sync audit: {audit}")
+        for rec in out:
+            rec.update(audit)
     if args.profile_tokens:
         eng.rate, eng.rng = args.acceptance[0], random.Random(args.seed)
-        profile_run(eng, prompt, args, f"{base['draft_head']}: K={k} a={args.acceptance[0]:g}",
-                    trace_path(args, base["draft_head"], k))
+        out[0]["profile"] = profile_run(eng, prompt, args, f"{base['draft_head']}: K={k} a={args.acceptance[0]:g}",
+                                        trace_path(args, base["draft_head"], k))
     eng.shutdown()
     return out
 
@@ -206,23 +221,82 @@ def trace_path(args, head: str, k: int) -> str:
     return f"{stem}_trace_{head.replace(':', '-')}_K{k}.json.gz"
 
 
-def profile_run(eng, prompt, args, label: str, path: str) -> None:
-    """One more generation of --profile-tokens under torch.profiler: where a round's wall time goes besides the
-    GPU's kernels (host work between the steps, syncs, read-backs). Tables to the log, the Chrome trace to `path`."""
+def profile_run(eng, prompt, args, label: str, path: str) -> dict:
+    """One more generation of --profile-tokens under torch.profiler, its prompt step left out: where a round's wall
+    time goes besides the GPU's kernels (host work between the steps, syncs, read-backs). Tables to the log, the
+    Chrome trace to `path`. -> {"rounds", "ms_round_wall", "busy_us_round" (the GPU's kernels, overlaps counted
+    once), "idle_us_round" (no kernel running), "excl_us_by_group", "idle_top"}; the profiler's own host work
+    lengthens the idle gaps, so compare them with the unprofiled ms_round."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+
+    import decode_measure as M
+    from ninfer_rt.sampling import SamplingParams
+    cuda = torch.cuda.is_available()
+    eng.add_request("profiled", prompt, SamplingParams(temperature=0.0, max_tokens=args.profile_tokens,
+                                                       ignore_eos=True))
+    got = []
+    while eng.has_work() and not got:
+        got += [tok for o in eng.step() for tok in o.new_token_ids]
+    rounds0 = eng.stats.spec.rounds
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t = time.perf_counter()
-        got, secs = generate(eng, prompt, args.profile_tokens)
+        while eng.has_work():
+            got += [tok for o in eng.step() for tok in o.new_token_ids]
+        if cuda:
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    avg = prof.key_averages()
-    dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avg)
-    log(f"profile {label}: {len(got)} tokens, {secs * 1e3:.1f} ms after the first; prefill included "
-        f"{wall * 1e3:.1f} ms of wall time and {dev_us / 1e3:.1f} ms of device time ({dev_us / 1e4 / wall:.0f} %)")
-    log(avg.table(sort_by="self_cpu_time_total", row_limit=25))
+    rounds = max(1, eng.stats.spec.rounds - rounds0)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    excl, idle = M._exclusive(events, rounds) if events else ({}, 0.0)
+    groups: dict[str, float] = {}
+    for name, us in excl.items():
+        groups[M._group(name)] = round(groups.get(M._group(name), 0.0) + us, 1)
+    out = {"rounds": rounds, "ms_round_wall": round(wall / rounds * 1e3, 3),
+           "busy_us_round": round(sum(excl.values()), 1), "idle_us_round": round(idle, 1),
+           "excl_us_by_group": groups, "idle_top": M.idle_by_transition(events, rounds, 8) if events else []}
+    log(f"profile {label}: {len(got)} tokens, {rounds} rounds after the prompt: {out['ms_round_wall']:.3f} ms per "
+        f"round, GPU busy {out['busy_us_round']:.0f} us and idle {out['idle_us_round']:.0f} us per round")
+    log(f"profile {label}: {json.dumps(out)}")
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     prof.export_chrome_trace(path)
     log(f"trace: {path}")
+    return out
+
+
+def sync_audit(eng, prompt, new_tokens: int) -> dict:
+    """One generation with torch's sync debug mode on: every host sync torch sees is a warning. -> {"syncs_per_round":
+    syncs / decode rounds, "sync_sites": {"file:line": count}}; the prompt's step adds its few to the counts."""
+    import warnings
+
+    import torch
+    if not torch.cuda.is_available():
+        return {"syncs_per_round": None, "sync_sites": {}}
+    before = eng.stats.spec.rounds
+    sites: dict[str, int] = {}
+    real = torch.cuda.synchronize
+
+    def explicit(*a, **kw):           # the debug mode does not flag torch.cuda.synchronize itself
+        f = sys._getframe(1)
+        if Path(f.f_code.co_filename).name != Path(__file__).name:
+            key = f"synchronize@{Path(f.f_code.co_filename).name}:{f.f_lineno}"
+            sites[key] = sites.get(key, 0) + 1
+        return real(*a, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.synchronize = explicit
+        try:
+            generate(eng, prompt, new_tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize = real
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            sites[key] = sites.get(key, 0) + 1
+    rounds = max(1, eng.stats.spec.rounds - before)
+    return {"syncs_per_round": round(sum(sites.values()) / rounds, 2), "sync_sites": sites}
 
 
 def _collect() -> None:

@@ -39,11 +39,12 @@
 #             the one decode / sweep kept under /dev/shm/ninfer-run): K = 0 and $EMTP_KS (default 1,3) at acceptance
 #             $EMTP_ACC (default 0.75,0.9,1) per draft head of $EMTP_HEADS (default lm_head,nvfp4,nvfp4:131072),
 #             engine_mtp.json and engine_mtp_table.txt; drafts kept on the device between draft steps (the default);
-#             EMTP_PROFILE=N: one more profiled generation of N tokens per K (tables in the log, trace .json.gz)
+#             EMTP_PROFILE=N: one more profiled generation of N tokens per K (tables in the log, trace .json.gz);
+#             EMTP_AUDIT=1: one more generation per K under torch's sync debug mode (host syncs per round, by site)
 #   enginemtp0 the same with NINFER_DRAFT_CHAIN=0 (every draft read back before the next draft step), written as
 #             engine_mtp_readback.json
-#   enginemtpab the same (lm_head only) with the runtime of .ab/$EMTP_AB first on PYTHONPATH (bench/ab_tree.sh; carry
-#             .ab), written as engine_mtp_ab.json
+#   enginemtpab the same with the runtime of .ab/$EMTP_AB first on PYTHONPATH (bench/ab_tree.sh; carry .ab), draft
+#             heads $EMTP_AB_HEADS (default lm_head: runtimes before s36 have no other), written as engine_mtp_ab.json
 #   tinymtp   bench/tiny_mtp.py --device cuda: the embedded ninfer-tiny on the Triton backend with CUDA graphs, real
 #             MTP drafts (recipes $TINY_RECIPES, default nvfp4; K $TINY_KS, default 3; draft heads $TINY_HEADS):
 #             tokens per round and every K's tokens against plain greedy decoding (tiny_mtp_cuda.json); tinymtp0
@@ -110,7 +111,8 @@ run_enginemtp() {
   [ "$l" -gt 60 ] || { echo "no time for $1 ($l s)"; return; }
   NINFER_DRAFT_CHAIN=$2 timeout $l python3 bench/engine_mtp.py --recipe nvfp4 --dir /dev/shm/ninfer-run \
     --ks ${EMTP_KS:-1,3} --acceptance ${EMTP_ACC:-0.75,0.9,1} --draft-heads ${EMTP_HEADS:-lm_head,nvfp4,nvfp4:131072} \
-    --new-tokens ${EMTP_NEW:-128} --profile-tokens ${EMTP_PROFILE:-0} --out "$OUT/$1.json" > "$OUT/$1_table.txt" 2> "$OUT/$1_log.txt"
+    --new-tokens ${EMTP_NEW:-128} --profile-tokens ${EMTP_PROFILE:-0} $([ "${EMTP_AUDIT:-0}" = 1 ] && echo --sync-audit) \
+    --out "$OUT/$1.json" > "$OUT/$1_table.txt" 2> "$OUT/$1_log.txt"
   echo "$1 rc=$?"; cat "$OUT/$1_table.txt"; tail -3 "$OUT/$1_log.txt"
 }
 # run_sweep: one decode.py per value of $SWEEP_VALUES under $SWEEP_VAR=value (see the step list above)
@@ -202,7 +204,7 @@ for step in "$@"; do
     sweep) run_sweep ;;
     enginemtp) run_enginemtp engine_mtp 1 ;;
     enginemtp0) run_enginemtp engine_mtp_readback 0 ;;
-    enginemtpab) PYTHONPATH="$PWD/.ab/${EMTP_AB:?EMTP_AB names a folder of .ab}:$PYTHONPATH" EMTP_HEADS=lm_head \
+    enginemtpab) PYTHONPATH="$PWD/.ab/${EMTP_AB:?EMTP_AB names a folder of .ab}:$PYTHONPATH" EMTP_HEADS=${EMTP_AB_HEADS:-lm_head} \
       run_enginemtp engine_mtp_ab 1 ;;
     tinymtp|tinymtp0)
       j=tiny_mtp_cuda; [ $step = tinymtp0 ] && j=tiny_mtp_cuda_readback

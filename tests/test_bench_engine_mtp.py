@@ -50,9 +50,28 @@ def test_profiled_run_writes_a_trace(tmp_path, capsys, monkeypatch):
                           "--dir", str(tmp_path / "a"), "--out", str(out)])
     assert rc == 0
     trace = tmp_path / "r_trace_nvfp4-512_K2.json.gz"
-    assert trace.stat().st_size > 0 and len(json.loads(out.read_text())) == 2
+    recs = json.loads(out.read_text())
+    assert trace.stat().st_size > 0 and len(recs) == 2 and "profile" not in recs[0]
+    prof = recs[1]["profile"]                  # the prompt step left out; no CUDA kernels on the CPU
+    assert prof["rounds"] >= 1 and prof["ms_round_wall"] > 0 and prof["busy_us_round"] == 0 and prof["idle_top"] == []
     err = capsys.readouterr().err
     assert "profile nvfp4:512: K=2 a=0.5: 5 tokens" in err and "Self CPU" in err and f"trace: {trace}" in err
+
+
+def test_sync_audit_adds_its_fields(tmp_path, monkeypatch):
+    """--sync-audit: every record of the K gains syncs_per_round and sync_sites (on CPU there is nothing to audit:
+    None and {}; tests/test_engine_graphs.py counts them on a GPU)."""
+    monkeypatch.setenv("NINFER_DRAFT_HEAD", "lm_head")
+    out = tmp_path / "r.json"
+    rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "6", "--ks", "2",
+                          "--acceptance", "0.5,1", "--draft-heads", "lm_head", "--sync-audit",
+                          "--dir", str(tmp_path / "a"), "--out", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert "syncs_per_round" not in recs[0]                 # K = 0 has no audit
+    for r in recs[1:]:
+        assert set(r) == KEYS | {"syncs_per_round", "sync_sites"}
+        assert r["syncs_per_round"] is None and r["sync_sites"] == {}
 
 
 @pytest.mark.parametrize("args,message", [

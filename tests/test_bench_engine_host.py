@@ -1,0 +1,48 @@
+"""bench/engine_host.py: the Engine's host time per MTP round on the CPU (graph bodies that compute nothing), its
+records and windows, and the window split of a synthetic mark sequence."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: bench/ must not shadow anything
+import engine_host  # noqa: E402
+
+KEYS = {"kind", "draft_tokens", "acceptance", "rounds", "emitted", "tokens_per_round", "us_round", "windows_us",
+        "torch_op_us", "round_in_ops", "cpu", "vocab", "hidden", "tag"}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_records_and_windows(tmp_path, capsys):
+    from ninfer_rt.graphs import GraphRunner
+    real = (GraphRunner._body, GraphRunner._run)
+    out = tmp_path / "h.json"
+    rc = engine_host.main(["--ks", "1,3", "--acceptance", "0,1", "--new-tokens", "17", "--tag", "t",
+                           "--dir", str(tmp_path / "a"), "--out", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert [(r["draft_tokens"], r["acceptance"]) for r in recs] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
+    for r in recs:
+        assert set(r) == KEYS and r["emitted"] == 17 and r["us_round"] > 0 and r["round_in_ops"] > 0
+        assert set(r["windows_us"]) == set(engine_host.WINDOWS) and r["tag"] == "t"
+        assert r["tokens_per_round"] == (1.0 if r["acceptance"] == 0 else r["draft_tokens"] + 1)
+    assert recs[0]["windows_us"]["next->verify"] == 0.0           # K = 1: the alignment's next step is the verify
+    assert "verdict->align" in capsys.readouterr().out
+    assert (GraphRunner._body, GraphRunner._run) == real          # the null bodies are gone again
+
+
+def test_window_split():
+    marks = [("target", 0.0), ("verdict", 1.0), ("mtp", 1.5), ("mtp", 3.0), ("mtp", 4.0), ("target", 6.0),
+             ("verdict", 10.0), ("mtp", 10.25), ("target", 11.0)]          # the last round has no verdict
+    got = engine_host.windows(marks)
+    assert got == {"verdict->align": 0.5e6, "align->next": 1.5e6, "next->verify": 3.0e6, "verify->verdict": 4.0e6}
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        engine_host.main(["--ks", "9"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --ks")
