@@ -108,6 +108,14 @@ def windows(marks: list) -> dict:
     return {w: round(statistics.median(v) * 1e6, 1) for w, v in got.items() if v}
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
 def torch_op_us() -> float:
     """Median us of one tiny torch call (an in-place add on one element): the unit of host work."""
     import torch
@@ -151,7 +159,7 @@ def measure(loaded, args) -> list[dict]:
 def _measure(loaded, args, marks: list) -> list[dict]:
     unit = torch_op_us()
     prompt = random.Random(0).choices(range(min(loaded.config.vocab_size, 1000)), k=64)
-    base = {"kind": "engine_host", "cpu": platform.processor() or platform.machine(), "tag": args.tag,
+    base = {"kind": "engine_host", "cpu": cpu_name(), "tag": args.tag,
             "vocab": loaded.config.vocab_size, "hidden": loaded.config.hidden_size, "torch_op_us": round(unit, 3)}
     out = []
     for k in args.ks:

@@ -278,6 +278,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: no CUDA device here")
+    if args.device == "cuda" and "NINFER_GEMV_TUNE" not in os.environ:
+        # the tokens are the point here, not the speed: a heuristic tile per GEMV key instead of timing every
+        # candidate (each a compile; s37's two runs spent ~2 minutes per Engine before the first record)
+        os.environ["NINFER_GEMV_TUNE"] = "0"
+        log("NINFER_GEMV_TUNE=0 (set it to time the GEMV candidates)")
     torch.set_num_threads(args.threads)
     train = json.loads((TINY / "train_report.json").read_text())
     docs, data = heldout_documents(TINY)
@@ -298,6 +303,7 @@ def main(argv=None) -> int:
         "dtype": "float32" if args.device == "cpu" else "bfloat16", "threads": args.threads,
         "backend": "torch" if args.device == "cpu" else "triton",
         "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1",
+        "gemv_tune": os.environ.get("NINFER_GEMV_TUNE") if args.device == "cuda" else None,
         "greedy": True, "ignore_eos": True, "heldout_data": data, "train_report": {k: train[k] for k in keys},
         "predicted_from": "train_report mtp_accept_proxy as every position's conditional acceptance",
         "timing_note": TIMING_NOTE if args.device == "cpu" else TIMING_NOTE_GPU,
