@@ -312,6 +312,8 @@ class GraphRunner:
         (its last token's). No host->device transfer: it would wait for the replay (torch copies pageable host
         memory to the GPU synchronously), and the host must run ahead of the GPU."""
         n = batch * t
+        if last_only and "all" in modes:
+            raise GraphError("graphs: an MTP graph of t > 1 tokens has only each sequence's last logits row")
         rows = []
         for b, mode in enumerate(modes):
             if mode == "all":

@@ -157,8 +157,10 @@ def verify_rows(rows: list[RoundInput]) -> list[list[int]]:
         return decide_on_device(rows).tolist()
     sizes = [len(r.drafts) + 1 for r in rows]
     for r, n in zip(rows, sizes):
-        if r.logits.shape[0] != n or (r.argmax is not None and len(r.argmax) != n):
+        if r.logits.shape[0] != n:
             raise ValueError(f"verify_rows: {r.logits.shape[0]} logits rows for {n - 1} drafts")
+        if r.argmax is not None and len(r.argmax) != n:
+            raise ValueError(f"verify_rows: {len(r.argmax)} argmax values for {n - 1} drafts")
     if all(r.argmax is not None for r in rows):
         ids = [t for r in rows for t in r.argmax]
     else:

@@ -313,7 +313,7 @@ def test_verify_rows_greedy_rounds_on_the_host():
     carried = [RoundInput(greedy, torch.full_like(r.logits, float("nan")), r.drafts, [], None, None,
                           r.logits.argmax(-1).tolist()) for r in rows]
     assert verify_rows(carried) == got
-    with pytest.raises(ValueError, match="2 logits rows for 1 drafts"):
+    with pytest.raises(ValueError, match="3 argmax values for 1 drafts"):
         verify_rows([RoundInput(greedy, torch.randn(2, 40), [1], [], None, None, [0, 1, 2])])
 
 
