@@ -232,8 +232,8 @@ def test_captured_mtp_round_syncs_once_gpu(tmp_path_factory):
     eng = Engine(load(paths[0], device="cuda", dtype=torch.bfloat16), RealTritonOps(),
                  spec=SpecConfig(num_draft_tokens=3), max_batch=1, kv_pages=64, graphs="auto")
     eng.add_request("r", list(range(5, 20)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    eng.step()                                                 # the prompt: eager, it may sync
-    explicit, real = [], torch.cuda.synchronize
+    eng.step()                                                 # the prompt: eager (a fallback), it may sync
+    fallbacks, explicit, real = eng.graphs.stats.fallbacks, [], torch.cuda.synchronize
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -244,6 +244,6 @@ def test_captured_mtp_round_syncs_once_gpu(tmp_path_factory):
             torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize = real
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert all(o and o[0].drafted == 3 for o in steps) and eng.graphs.stats.fallbacks == 0
+    assert all(o and o[0].drafted == 3 for o in steps) and eng.graphs.stats.fallbacks == fallbacks
     assert len(syncs) <= 4 and not explicit, [f"{w.filename}:{w.lineno}" for w in syncs]
     eng.shutdown()
