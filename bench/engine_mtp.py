@@ -100,10 +100,11 @@ def parse_args(argv=None):
 def make_rigged(Engine):
     """Verdicts rigged to a per-position acceptance `rate`: the first n drafts are accepted, n drawn per round
     (draft j with probability `rate` while drafts 1..j-1 were), after the real decision's kernels and read-back
-    (`verify_rows` of the Engine's module, so an earlier runtime from bench/ab_tree.sh keeps its own). The
-    drafts are the real ones, and the bonus token is the real decision's. So the state stays what the Engine
-    built from the tokens it was given, and every rollback, re-alignment and draft step is the real one."""
-    mod = sys.modules[Engine.__module__]
+    (`verify_rows` of the module that defines `_decide_verdicts`, so an earlier runtime from bench/ab_tree.sh
+    keeps its own). The drafts are the real ones, and the bonus token is the real decision's. So the state stays
+    what the Engine built from the tokens it was given, and every rollback, re-alignment and draft step is the
+    real one."""
+    mod = sys.modules[Engine._decide_verdicts.__module__]      # where the verdicts call it (engine_decide.py)
     real = mod.verify_rows
 
     class RiggedEngine(Engine):

@@ -1,0 +1,115 @@
+"""The leader's decisions in a step (rank 0; followers receive them, engine_core.Follower): the drafts of each
+draft step, the verdict of each verified row, and the emission of tokens up to a stop.
+
+Greedy rows without penalties are decided by one argmax. With drafts kept on the device (`_chainable`) the
+drafts and the verdict's argmax (queued behind the verify step, `_target_argmax`) come back in one transfer;
+sampled or penalized rows take the processed distributions (`speculative.verify_rows` / `verify_on_device`).
+A mixin of `ninfer_rt.engine.Engine`: it reads the Engine's `cfg`, `tp`, `stats`, `eos`, `max_model_len` and
+`chain_drafts`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .engine_core import Seq, Verdict
+from .sampling import sample, small_tensor
+from .speculative import RoundInput, draft_distributions, verify_rows
+
+
+class Decisions:
+    def _chainable(self, seqs: list[Seq]) -> bool:
+        """Steps whose sequences all draft greedily without penalties (one argmax decides each draft):
+        NINFER_DRAFT_CHAIN (default on) keeps those drafts on the device between the draft steps."""
+        return self.chain_drafts and all(s.params.greedy and not s.params.has_penalties for s in seqs)
+
+    def _device_drafts(self, j, items):
+        if j == 1:
+            for s, _, _ in items:
+                s.q = []
+        return super()._device_drafts(j, items)
+
+    def _decide_drafts(self, j, items):
+        seqs = [s for s, _, _ in items]
+        params = [s.params for s in seqs]
+        logits = torch.stack([lg for _, lg, _ in items])
+        if j == 1:
+            for s in seqs:
+                s.q = []
+        if all(p.greedy and not p.has_penalties for p in params):
+            # the processed distribution would be one-hot at this argmax: one kernel instead of five per draft step
+            toks = logits.argmax(-1)
+        else:
+            q = draft_distributions(logits, params, [s.counts for s in seqs], [d for _, _, d in items],
+                                    self.cfg.vocab_size)
+            toks = sample(q, params, [s.generator for s in seqs])
+            for s, row in zip(seqs, q):
+                if not s.params.greedy:
+                    s.q.append(row)
+        toks = toks.cpu()
+        return (self.tp.broadcast(toks) if self.tp.size > 1 else toks).tolist()
+
+    @staticmethod
+    def _verified(dec, pre) -> list[tuple[int, Seq]]:
+        """(step index, sequence) of every row a verdict reads: the decode rounds, then the final prompt chunks."""
+        return [(i, s) for i, (s, _) in enumerate(dec)] + \
+            [(i, s) for i, (s, _, b) in enumerate(pre, start=len(dec)) if b == len(s.prompt)]
+
+    def _target_argmax(self, dec, pre, out):
+        """Greedy rows without penalties are decided by the argmax alone: queue it behind the verify step, so
+        `_execute` reads it back with the drafts (one host sync per round, not two)."""
+        seqs = self._verified(dec, pre)
+        if not seqs or not all(s.params.greedy and not (s.counts is not None and s.params.has_penalties)
+                               for _, s in seqs):
+            return None
+        return torch.cat([out.seq_logits(i) for i, _ in seqs]).argmax(-1)
+
+    def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
+        """Every row is verified on the device first and read back in one transfer (not two host syncs per
+        sequence); a row only reads its own sequence's counts, so accepting afterwards changes nothing."""
+        final = self._verified(dec, pre)[len(dec):]
+        rows = [RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator)
+                for i, ((s, _), d) in enumerate(zip(dec, drafts))]
+        rows += [RoundInput(s.params, out.seq_logits(i), [], [], s.counts, s.generator) for i, s in final]
+        if self._argmax is not None:
+            o = 0
+            for r in rows:
+                r.argmax, o = self._argmax[o:o + r.logits.shape[0]], o + r.logits.shape[0]
+        decided = verify_rows(rows)
+        verdicts = []
+        for (s, k), d, (n_acc, tok) in zip(dec, drafts, decided):
+            if self.stats.spec is not None:
+                self.stats.spec.record(k, n_acc)
+            verdicts.append(Verdict(n_acc, tok, self._accept(s, d[:n_acc] + [tok]), s.finished))
+        prompt_done = dict(zip((s.req_id for _, s in final), decided[len(dec):]))
+        for s, _, _ in pre:
+            if s.req_id not in prompt_done:
+                verdicts.append(Verdict(0, -1, 0, False))
+                continue
+            _, tok = prompt_done[s.req_id]
+            verdicts.append(Verdict(0, tok, self._accept(s, [tok]), s.finished))
+        if self.tp.size > 1 and verdicts:
+            self.tp.broadcast(torch.tensor([[v.n_acc, v.token, v.n_emit, int(v.finished)] for v in verdicts]))
+        return verdicts
+
+    def _accept(self, s: Seq, tokens: list[int]) -> int:
+        """Emit tokens in order until a stop; returns how many were emitted."""
+        n = 0
+        for t in tokens:
+            s.out.append(t)
+            n += 1
+            if s.stream is not None:
+                s.text_delta += s.stream.push([t])
+            if (t in self.eos and not s.params.ignore_eos) or t in s.params.stop_token_ids or \
+                    (s.stream is not None and s.stream.stopped):
+                s.reason = "stop"
+            elif len(s.out) >= s.params.max_tokens or len(s.prompt) + len(s.out) >= self.max_model_len:
+                s.reason = "length"
+            if s.reason:
+                s.finished = True
+                if s.stream is not None:
+                    s.text_delta += s.stream.flush()
+                break
+        if s.counts is not None:        # one scatter for the step's tokens, not an indexed add per token
+            s.counts.index_put_((small_tensor(tokens[:n], torch.long, s.counts.device),),
+                                torch.ones(n, device=s.counts.device), accumulate=True)
+        return n
