@@ -18,8 +18,8 @@ Ceiling in the same run: the time of one tiny torch call (`torch_op_us`); `round
     python3 bench/engine_host.py [--ks 1,3,5] [--acceptance 0.75,1] [--new-tokens 512]
 
 Records (--out, default bench/results/engine_host.json): {"kind": "engine_host", "draft_tokens", "acceptance",
-"rounds", "emitted", "tokens_per_round", "us_round", "windows_us": {window: median}, "torch_op_us", "round_in_ops", "cpu",
-"vocab", "hidden", "tag"}.
+"rounds", "emitted", "tokens_per_round", "us_round", "windows_us": {window: median}, "torch_op_us",
+"round_in_ops", "cpu", "vocab", "hidden", "tag"}.
 """
 from __future__ import annotations
 

@@ -16,14 +16,15 @@ The output is therefore not the model's greedy text; correctness is tested elsew
     python3 bench/engine_mtp.py [--recipe nvfp4] [--ks 1,3,5] [--acceptance 0.6,0.75,0.9,1]
                                 [--draft-heads lm_head,nvfp4] [--prompt-len 1024] [--new-tokens 256]
                                 [--profile-tokens 32]     # + one profiled generation per K (trace beside --out)
-                                [--sync-audit]            # + the host syncs per round, by call site
+                                [--sync-audit]            # + the host syncs per decode step, by call site
     python3 bench/engine_mtp.py --tiny --device cpu --new-tokens 16     # CPU dry run (torch backend)
 
 Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "recipe", "tp", "gpu",
 "draft_head", "draft_tokens" (0 = plain decoding), "acceptance" (None at K = 0), "tok_s" (decode phase: tokens
 after the first over the time after it), "tokens_per_round", "rounds", "ms_round", "accepted", "drafted",
-"prompt_tokens", "new_tokens", "emitted", "backend", "graphs", "draft_chain"}, and with --sync-audit
-"syncs_per_round", "sync_sites"; with --profile-tokens the first acceptance's record gains "profile" (`profile_run`).
+"prompt_tokens", "new_tokens", "emitted", "backend", "graphs", "draft_chain"}; at each K the first acceptance's
+record gains "syncs_per_step", "sync_sites" with --sync-audit (`sync_audit`) and "profile" with --profile-tokens
+(`profile_run`).
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def parse_args(argv=None):
                          "acceptance (torch.profiler: tables to stderr, a Chrome trace beside --out)")
     ap.add_argument("--sync-audit", action="store_true",
                     help="after each K's runs, one more generation under torch.cuda.set_sync_debug_mode: the host "
-                         "syncs per round and where they come from (records gain syncs_per_round, sync_sites)")
+                         "syncs per decode step and where they come from (syncs_per_step, sync_sites)")
     synth.add_shape_args(ap)
     args = ap.parse_args(argv)
     try:
@@ -205,10 +206,9 @@ def _rounds(loaded, args, k: int, prompt, base: dict) -> list[dict]:
         out.append(rec)
     if args.sync_audit:
         eng.rate, eng.rng = args.acceptance[0], random.Random(args.seed)
-        audit = sync_audit(eng, prompt, args.new_tokens)
-        log(f"{base['draft_head']}: K={k} a={args.acceptance[0]:g} sync audit: {audit}")
-        for rec in out:
-            rec.update(audit)
+        out[0].update(sync_audit(eng, prompt, args.new_tokens))
+        log(f"{base['draft_head']}: K={k} a={args.acceptance[0]:g} sync audit: {out[0]['syncs_per_step']} per "
+            f"decode step, {out[0]['sync_sites']}")
     if args.profile_tokens:
         eng.rate, eng.rng = args.acceptance[0], random.Random(args.seed)
         out[0]["profile"] = profile_run(eng, prompt, args, f"{base['draft_head']}: K={k} a={args.acceptance[0]:g}",
@@ -232,13 +232,8 @@ def profile_run(eng, prompt, args, label: str, path: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import decode_measure as M
-    from ninfer_rt.sampling import SamplingParams
     cuda = torch.cuda.is_available()
-    eng.add_request("profiled", prompt, SamplingParams(temperature=0.0, max_tokens=args.profile_tokens,
-                                                       ignore_eos=True))
-    got = []
-    while eng.has_work() and not got:
-        got += [tok for o in eng.step() for tok in o.new_token_ids]
+    got = _first_token(eng, prompt, args.profile_tokens)
     rounds0 = eng.stats.spec.rounds
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t = time.perf_counter()
@@ -265,30 +260,42 @@ def profile_run(eng, prompt, args, label: str, path: str) -> dict:
     return out
 
 
+def _first_token(eng, prompt, new_tokens: int) -> list[int]:
+    """Add a greedy request and step until its first token (the prompt's steps: eager, they sync)."""
+    from ninfer_rt.sampling import SamplingParams
+    eng.add_request("measured", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    got: list[int] = []
+    while eng.has_work() and not got:
+        got += [tok for o in eng.step() for tok in o.new_token_ids]
+    return got
+
+
 def sync_audit(eng, prompt, new_tokens: int) -> dict:
-    """One generation with torch's sync debug mode on: every host sync torch sees is a warning. -> {"syncs_per_round":
-    syncs / decode rounds, "sync_sites": {"file:line": count}}; the prompt's step adds its few to the counts."""
+    """One generation's decode steps (after the first token) with torch's sync debug mode on: each host sync it
+    flags (read-backs, pageable host->device copies; not Event.synchronize) is a warning, and explicit
+    torch.cuda.synchronize calls are counted too. -> {"syncs_per_step", "sync_sites": {"file:line": count}}."""
     import warnings
 
     import torch
     if not torch.cuda.is_available():
-        return {"syncs_per_round": None, "sync_sites": {}}
-    before = eng.stats.spec.rounds
+        return {"syncs_per_step": None, "sync_sites": {}}
+    _first_token(eng, prompt, new_tokens)
     sites: dict[str, int] = {}
-    real = torch.cuda.synchronize
+    real, steps = torch.cuda.synchronize, 0
 
     def explicit(*a, **kw):           # the debug mode does not flag torch.cuda.synchronize itself
         f = sys._getframe(1)
-        if Path(f.f_code.co_filename).name != Path(__file__).name:
-            key = f"synchronize@{Path(f.f_code.co_filename).name}:{f.f_lineno}"
-            sites[key] = sites.get(key, 0) + 1
+        key = f"synchronize@{Path(f.f_code.co_filename).name}:{f.f_lineno}"
+        sites[key] = sites.get(key, 0) + 1
         return real(*a, **kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         torch.cuda.synchronize = explicit
         try:
-            generate(eng, prompt, new_tokens)
+            while eng.has_work():
+                eng.step()
+                steps += 1
         finally:
             torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize = real
@@ -296,8 +303,7 @@ def sync_audit(eng, prompt, new_tokens: int) -> dict:
         if "synchroniz" in str(w.message):
             key = f"{Path(w.filename).name}:{w.lineno}"
             sites[key] = sites.get(key, 0) + 1
-    rounds = max(1, eng.stats.spec.rounds - before)
-    return {"syncs_per_round": round(sum(sites.values()) / rounds, 2), "sync_sites": sites}
+    return {"syncs_per_step": round(sum(sites.values()) / max(1, steps), 2), "sync_sites": sites}
 
 
 def _collect() -> None:

@@ -1,4 +1,5 @@
-"""Per-forward batch metadata: positions, paged-KV layout, GDN slot/snapshot routing."""
+"""Per-forward batch metadata: positions, paged-KV layout, GDN slot/snapshot routing. Built on the host and moved
+through pinned memory (`sampling.to_device`): an eager forward queues behind the GPU's work without waiting."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .ops import AttnMeta, GdnMeta
+from .sampling import small_tensor, to_device
 
 # Sequences with at most this many new tokens (decode, verify) take the token-by-token GDN path; longer
 # non-snapshot ones (prefill chunks) the chunked form. Snapshots always need the recurrent path.
@@ -26,12 +28,12 @@ def _cu(lens: list[int], device) -> torch.Tensor:
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32, device=device)
+    return small_tensor(cu, torch.int32, device)
 
 
 def positions(starts: list[int], lens: list[int], overrides: list, device) -> torch.Tensor:
     """Default positions start..start+T-1; an override ([T] or [3, T]) replaces a sequence's rows."""
-    parts = [torch.arange(s, s + n, device=device) if o is None else o.to(device=device, dtype=torch.long)
+    parts = [torch.arange(s, s + n, device=device) if o is None else to_device(o.long(), device)
              for s, n, o in zip(starts, lens, overrides)]
     if any(p.dim() == 2 for p in parts):
         parts = [p.expand(3, -1) if p.dim() == 1 else p for p in parts]
@@ -49,18 +51,18 @@ def attn_meta(pages: list[list[int]], starts: list[int], lens: list[int], page_s
         slots.append(table[b].long()[pos // page_size] * page_size + pos % page_size)
     kv = [s + n for s, n in zip(starts, lens)]
     return AttnMeta(seq_lens=tuple(lens), kv_lens=tuple(kv), cu_seqlens=_cu(lens, device),
-                    kv_lens_t=torch.tensor(kv, dtype=torch.int32, device=device), block_tables=table.to(device),
-                    slot_mapping=torch.cat(slots).to(device), page_size=page_size)
+                    kv_lens_t=small_tensor(kv, torch.int32, device), block_tables=to_device(table, device),
+                    slot_mapping=to_device(torch.cat(slots), device), page_size=page_size)
 
 
 def _gdn_meta(idx: list[int], lens, slots, snap, cu_host, device, with_rows: bool) -> GdnMeta:
     sub = [lens[b] for b in idx]
     rows = None
     if with_rows:
-        rows = torch.cat([torch.arange(cu_host[b], cu_host[b] + lens[b]) for b in idx]).to(device)
+        rows = to_device(torch.cat([torch.arange(cu_host[b], cu_host[b] + lens[b]) for b in idx]), device)
     return GdnMeta(seq_lens=tuple(sub), cu_seqlens=_cu(sub, device),
-                   slots=torch.tensor([slots[b] for b in idx], dtype=torch.long, device=device),
-                   snap_index=torch.tensor([snap[b] for b in idx], dtype=torch.long, device=device),
+                   slots=small_tensor([slots[b] for b in idx], torch.long, device),
+                   snap_index=small_tensor([snap[b] for b in idx], torch.long, device),
                    snap_index_host=tuple(snap[b] for b in idx), rows=rows)
 
 

@@ -136,7 +136,7 @@ def _round_ids(last: int, drafts):
     return [last] + drafts
 
 
-def _read_back(drafts: list, ids: torch.Tensor | None) -> tuple[list[list[int]], list[int] | None]:
+def _read_back_drafts(drafts: list, ids: torch.Tensor | None) -> tuple[list[list[int]], list[int] | None]:
     """The step's device drafts and the verdict's queued argmax (or None) in one transfer -> (host drafts, host
     argmax or None). Host drafts pass through."""
     dev = [d for d in drafts if isinstance(d, torch.Tensor)]
@@ -233,7 +233,7 @@ class Core:
                    for s, a, b in pre]
         out = self._forward(inputs, len(dec))
         # device drafts are read back once the verify step is queued, with the verdict's argmax queued behind it
-        drafts, self._argmax = _read_back(drafts, self._target_argmax(dec, pre, out))
+        drafts, self._argmax = _read_back_drafts(drafts, self._target_argmax(dec, pre, out))
         verdicts = self._decide_verdicts(dec, drafts, pre, out)
         results, mtp_in, mtp_seqs = [], [], []
         for i, ((s, k), d, v, L) in enumerate(zip(dec, drafts, verdicts, starts)):

@@ -34,7 +34,7 @@ class RowSpec:
     snap: int = -1          # snapshot row offset (>= 0: keep the pool slot, write per-token states there)
 
 
-STAGING = 4     # pinned staging buffers in turn: a K = 3 MTP round fills 4 (alignment, 2 draft steps, verify)
+STAGING = 8     # pinned staging buffers used in turn: an MTP round fills K + 1 <= 8 (alignment, drafts, verify)
 
 
 class _Staging:

@@ -309,8 +309,8 @@ class GraphRunner:
 
     def _output(self, hidden, logits, batch: int, t: int, modes, last_only: bool = False) -> Output:
         """The Output of a replay: the rows each mode asks for. last_only: `logits` holds one row per sequence
-        (its last token's). No host->device transfer: it would wait for the replay (torch copies pageable host
-        memory to the GPU synchronously), and the host must run ahead of the GPU."""
+        (its last token's). No pageable host->device copy (torch makes it wait for the replay, and the host must
+        run ahead of the GPU): views where they do, else indices through pinned memory (`_pick_rows`)."""
         n = batch * t
         if last_only and "all" in modes:
             raise GraphError("graphs: an MTP graph of t > 1 tokens has only each sequence's last logits row")

@@ -32,7 +32,7 @@ from .layers.attention import FullAttention
 from .layers.gdn import GatedDeltaNet
 from .layers.mlp import Mlp
 from .layers.mtp import MtpModule
-from .sampling import small_tensor
+from .sampling import small_tensor, to_device
 from .state import CacheConfig, GdnPool, KVPool, MtpState, PendingSnapshot, SeqState
 from .tp_group import LocalGroup, TPGroup
 from .weights import QWeight
@@ -232,7 +232,8 @@ class Model:
                          attn=B.attn_meta(pages, starts, lens, self.kv_pool.page_size, self.device))
 
     def _embed(self, ids_list, embeds):
-        ids = torch.cat(ids_list).to(self.device)
+        # host ids (prompts, host drafts) and device ids (chained drafts) can share a step
+        ids = torch.cat([to_device(i, self.device) for i in ids_list])
         h = self.ops.embedding(ids, self.embed, self.dtype)
         if any(e is not None for e in embeds):
             h, row = h.clone(), 0

@@ -104,14 +104,19 @@ def make_generator(params: SamplingParams, device) -> torch.Generator:
     return g
 
 
-def small_tensor(values, dtype, device) -> torch.Tensor:
-    """A short host list as a tensor on `device` without a host sync: torch copies pageable memory to a GPU
-    synchronously (after all queued work), which would stall a run-ahead engine (engine_ahead.py) behind the
-    step it just launched; a pinned staging copy goes in stream order instead."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` without a host sync: torch copies pageable memory to a GPU synchronously (after all queued
+    work), which would stall the host behind the step it just launched (engine_ahead.py, an MTP round); a pinned
+    staging copy goes in stream order instead. Tensors already there pass through."""
+    device = torch.device(device)
+    if t.device.type != "cpu" or device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def small_tensor(values, dtype, device) -> torch.Tensor:
+    """A short host list as a tensor on `device` without a host sync (`to_device`)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def token_counts(token_ids, vocab: int, device) -> torch.Tensor:

@@ -59,8 +59,8 @@ def test_profiled_run_writes_a_trace(tmp_path, capsys, monkeypatch):
 
 
 def test_sync_audit_adds_its_fields(tmp_path, monkeypatch):
-    """--sync-audit: every record of the K gains syncs_per_round and sync_sites (on CPU there is nothing to audit:
-    None and {}; tests/test_engine_graphs.py counts them on a GPU)."""
+    """--sync-audit: the K's first-acceptance record gains syncs_per_step and sync_sites (on CPU there is nothing to
+    audit: None and {}; tests/test_engine_graphs.py counts them on a GPU)."""
     monkeypatch.setenv("NINFER_DRAFT_HEAD", "lm_head")
     out = tmp_path / "r.json"
     rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "6", "--ks", "2",
@@ -68,10 +68,9 @@ def test_sync_audit_adds_its_fields(tmp_path, monkeypatch):
                           "--dir", str(tmp_path / "a"), "--out", str(out)])
     assert rc == 0
     recs = json.loads(out.read_text())
-    assert "syncs_per_round" not in recs[0]                 # K = 0 has no audit
-    for r in recs[1:]:
-        assert set(r) == KEYS | {"syncs_per_round", "sync_sites"}
-        assert r["syncs_per_round"] is None and r["sync_sites"] == {}
+    assert set(recs[0]) == set(recs[2]) == KEYS             # K = 0 and the second acceptance have no audit
+    assert set(recs[1]) == KEYS | {"syncs_per_step", "sync_sites"}
+    assert recs[1]["syncs_per_step"] is None and recs[1]["sync_sites"] == {}
 
 
 @pytest.mark.parametrize("args,message", [

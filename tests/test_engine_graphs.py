@@ -247,3 +247,33 @@ def test_captured_mtp_round_syncs_once_gpu(tmp_path_factory):
     assert all(o and o[0].drafted == 3 for o in steps) and eng.graphs.stats.fallbacks == fallbacks
     assert len(syncs) <= 4 and not explicit, [f"{w.filename}:{w.lineno}" for w in syncs]
     eng.shutdown()
+
+
+@gpu
+def test_eager_engine_mixes_device_drafts_with_a_prompt_gpu(tmp_path_factory, monkeypatch):
+    """Without graphs one forward serves a step's decode rounds and prompt chunks: chained drafts (device ids)
+    and prompt ids (host) go into one embedding call. Same tokens as drafts read back to the host."""
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+    import synth_artifact as synth
+
+    from ninfer_rt.backends.triton_ops import TritonOps as RealTritonOps
+    from ninfer_rt.loader import load
+    paths, _ = synth.build(str(tmp_path_factory.mktemp("nvfp4")), synth.TINY, "nvfp4", workers=1)
+    outs = []
+    for chain in ("1", "0"):
+        monkeypatch.setenv("NINFER_DRAFT_CHAIN", chain)
+        eng = Engine(load(paths[0], device="cuda", dtype=torch.bfloat16), RealTritonOps(),
+                     spec=SpecConfig(num_draft_tokens=2), max_batch=2, kv_pages=64, prefill_chunk=8, graphs="off")
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        eng.add_request("a", list(range(5, 14)), params)
+        got = {"a": [], "b": []}
+        for i in range(40):
+            if i == 3:                      # "a" decodes while "b"'s prompt runs in chunks beside it
+                eng.add_request("b", list(range(30, 50)), params)
+            for o in eng.step():
+                got[o.req_id] += o.new_token_ids
+            if not eng.has_work():
+                break
+        outs.append(got)
+        eng.shutdown()
+    assert outs[0] == outs[1] and all(len(v) == 12 for v in outs[0].values())

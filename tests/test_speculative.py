@@ -320,11 +320,11 @@ def test_verify_rows_greedy_rounds_on_the_host():
 @pytest.mark.parametrize("kind", ["device", "host", "host-and-argmax", "device-and-argmax"])
 def test_read_back_one_transfer(kind):
     """The step's device drafts and the verdict's argmax come back together; host drafts pass through."""
-    from ninfer_rt.engine_core import _read_back
+    from ninfer_rt.engine_core import _read_back_drafts
     drafts = [[3, 1], [], [7]]
     dev = kind.startswith("device")
     arg = torch.tensor([5, 6, 7, 8, 9, 4]) if kind.endswith("argmax") else None
-    got, ids = _read_back([torch.tensor(d, dtype=torch.long) for d in drafts] if dev else drafts, arg)
+    got, ids = _read_back_drafts([torch.tensor(d, dtype=torch.long) for d in drafts] if dev else drafts, arg)
     assert got == drafts and ids == (None if arg is None else arg.tolist())
 
 
