@@ -51,10 +51,8 @@ class DraftHeadSpec:
         """`auto`, `lm_head`, `nvfp4` or `nvfp4:N` (N a positive integer); anything else is a one-line error
         naming `what` (the variable, or the CLI flag that set it)."""
         kind, _, n = text.strip().partition(":")
-        if kind in ("lm_head", "auto") and not _:
+        if kind in ("lm_head", "auto", "nvfp4") and not _:
             return DraftHeadSpec(kind)
-        if kind == "nvfp4" and not _:
-            return DraftHeadSpec("nvfp4")
         if kind == "nvfp4" and n.isdigit() and int(n) > 0:
             return DraftHeadSpec("nvfp4", int(n))
         raise LoadError(f"{what}={text!r}: expected auto, lm_head, nvfp4 or nvfp4:N with N a positive integer")

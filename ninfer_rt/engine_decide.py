@@ -13,7 +13,7 @@ import torch
 
 from .engine_core import Seq, Verdict
 from .sampling import sample, small_tensor
-from .speculative import RoundInput, draft_distributions, verify_rows
+from .speculative import RoundInput, argmax_decides, draft_distributions, verify_rows
 
 
 class Decisions:
@@ -58,8 +58,7 @@ class Decisions:
         """Greedy rows without penalties are decided by the argmax alone: queue it behind the verify step, so
         `_execute` reads it back with the drafts (one host sync per round, not two)."""
         seqs = self._verified(dec, pre)
-        if not seqs or not all(s.params.greedy and not (s.counts is not None and s.params.has_penalties)
-                               for _, s in seqs):
+        if not seqs or not all(argmax_decides(s.params, s.counts) for _, s in seqs):
             return None
         return torch.cat([out.seq_logits(i) for i, _ in seqs]).argmax(-1)
 

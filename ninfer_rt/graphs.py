@@ -30,7 +30,7 @@ import torch
 
 from .batch import RECURRENT_MAX_T
 from .graph_model import RowSpec, StaticMeta, mtp_step, target_step
-from .model import LOGITS, Output
+from .model import LOGITS, Output, logit_rows
 from .sampling import small_tensor
 from .state import CapacityError, PendingSnapshot
 
@@ -314,18 +314,13 @@ class GraphRunner:
         n = batch * t
         if last_only and "all" in modes:
             raise GraphError("graphs: an MTP graph of t > 1 tokens has only each sequence's last logits row")
-        rows = []
-        for b, mode in enumerate(modes):
-            if mode == "all":
-                rows.extend(range(b * t, (b + 1) * t))
-            elif mode == "last":
-                rows.append((b + 1) * t - 1)
+        cu, rows = logit_rows([t] * batch, modes)
         picked = [r // t for r in rows] if last_only else rows
         sel, view = _pick_rows(logits, picked, t if not last_only else 1)
         hidden = hidden[:n]
         if self.cfg.copy_outputs:
             hidden, sel = hidden.clone(), (sel.clone() if view else sel)
-        return Output(logits=sel, hidden=hidden, logit_rows=rows, cu_seqlens=[b * t for b in range(batch + 1)])
+        return Output(logits=sel, hidden=hidden, logit_rows=rows, cu_seqlens=cu)
 
     def close(self) -> None:
         """Drop the graphs and give the scratch slot and pages back (later calls go to the model)."""

@@ -40,6 +40,18 @@ from .weights import QWeight
 LOGITS = ("all", "last", "none")
 
 
+def logit_rows(lens, modes) -> tuple[list[int], list[int]]:
+    """Packed sequences of `lens` rows with logits modes `modes` -> (cu_seqlens, the packed rows that get logits)."""
+    cu, rows = [0], []
+    for n, mode in zip(lens, modes):
+        if mode == "all":
+            rows.extend(range(cu[-1], cu[-1] + n))
+        elif mode == "last":
+            rows.append(cu[-1] + n - 1)
+        cu.append(cu[-1] + n)
+    return cu, rows
+
+
 @dataclass
 class SeqInput:
     token_ids: torch.Tensor                  # int64 [T]
@@ -254,13 +266,7 @@ class Model:
         return draft_head.logits(self.ops, x, self.draft_head, rows)
 
     def _output(self, hidden, lens, modes, gather, draft: bool = False) -> Output:
-        cu, rows = [0], []
-        for n, mode in zip(lens, modes):
-            if mode == "all":
-                rows.extend(range(cu[-1], cu[-1] + n))
-            elif mode == "last":
-                rows.append(cu[-1] + n - 1)
-            cu.append(cu[-1] + n)
+        cu, rows = logit_rows(lens, modes)
         if len(rows) == len(hidden):
             sel = hidden
         else:

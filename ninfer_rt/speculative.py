@@ -146,6 +146,11 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
     return torch.stack([n[0], tok[0]])
 
 
+def argmax_decides(params: SamplingParams, counts: torch.Tensor | None) -> bool:
+    """Greedy without penalties in effect: the argmax of the raw logits is the decision (no processing)."""
+    return params.greedy and not (counts is not None and params.has_penalties)
+
+
 def verify_rows(rows: list[RoundInput]) -> list[list[int]]:
     """[accepted drafts, target token] for every row, read back in one transfer. Greedy rows without penalties
     need only the argmax of each target row: one kernel for the whole batch and the prefix match on the host,
@@ -153,7 +158,7 @@ def verify_rows(rows: list[RoundInput]) -> list[list[int]]:
     `argmax` (the engine read it back with the drafts, `Engine._target_argmax`) need no device work here."""
     if not rows:
         return []
-    if not all(r.params.greedy and not (r.counts is not None and r.params.has_penalties) for r in rows):
+    if not all(argmax_decides(r.params, r.counts) for r in rows):
         return decide_on_device(rows).tolist()
     sizes = [len(r.drafts) + 1 for r in rows]
     for r, n in zip(rows, sizes):
@@ -180,8 +185,7 @@ def decide_on_device(rows: list[RoundInput]) -> torch.Tensor:
     of `verify_on_device`'s handful of launches per row, which sit on the host's critical path."""
     if not rows:
         raise ValueError("decide_on_device: no rows")
-    if all(r.params.greedy and not r.drafts and not (r.counts is not None and r.params.has_penalties)
-           for r in rows):
+    if all(not r.drafts and argmax_decides(r.params, r.counts) for r in rows):
         toks = torch.cat([r.logits for r in rows]).argmax(-1)
         if toks.numel() != len(rows):       # a plain decode row has exactly one logits row
             raise ValueError(f"decide_on_device: {toks.numel()} logits rows for {len(rows)} sequences")
