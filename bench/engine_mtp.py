@@ -11,10 +11,12 @@ run's tokens, did not work on the H200 (bench/NOTES.md §38): the text left the 
 and every later draft was wrong. The likely cause: a random model's top logits are close, and the verify step's
 kernels round differently from the decode step's.)
 The output is therefore not the model's greedy text; correctness is tested elsewhere (tests/, bench/tiny_mtp.py
---device cuda). A run must emit exactly --new-tokens tokens.
+--device cuda). A run must emit exactly --new-tokens tokens per request. --batch B runs B requests of the same
+prompt together, each drawing its own acceptances, so a round's sequences usually emit different counts (the
+ragged MTP re-alignment).
 
     python3 bench/engine_mtp.py [--recipe nvfp4] [--ks 1,3,5] [--acceptance 0.6,0.75,0.9,1]
-                                [--draft-heads lm_head,nvfp4] [--prompt-len 1024] [--new-tokens 256]
+                                [--draft-heads lm_head,nvfp4] [--prompt-len 1024] [--new-tokens 256] [--batch 1]
                                 [--profile-tokens 32]     # + one profiled generation per K (trace beside --out)
                                 [--sync-audit]            # + the host syncs per decode step, by call site
     python3 bench/engine_mtp.py --tiny --device cpu --new-tokens 16     # CPU dry run (torch backend)
@@ -22,7 +24,9 @@ The output is therefore not the model's greedy text; correctness is tested elsew
 Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "recipe", "tp", "gpu",
 "draft_head", "draft_tokens" (0 = plain decoding), "acceptance" (None at K = 0), "tok_s" (decode phase: tokens
 after the first over the time after it), "tokens_per_round", "rounds", "ms_round", "accepted", "drafted",
-"prompt_tokens", "new_tokens", "emitted", "backend", "graphs", "draft_chain"}; at each K the first acceptance's
+"prompt_tokens", "new_tokens", "emitted" (the fewest of any request), "backend", "graphs", "draft_chain", "batch"}.
+With --batch B, tok_s counts every request's tokens and starts once each has its first; "ms_round" is the time per
+step (rounds / B). At each K the first acceptance's
 record gains "syncs_per_step", "sync_sites" with --sync-audit (`sync_audit`) and "profile" with --profile-tokens
 (`profile_run`).
 """
@@ -67,6 +71,7 @@ def parse_args(argv=None):
     ap.add_argument("--draft-heads", default="lm_head", help="NINFER_DRAFT_HEAD values, comma-separated")
     ap.add_argument("--prompt-len", type=positive_int, default=1024)
     ap.add_argument("--new-tokens", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=1, help="requests decoded together (same prompt)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--backend", choices=("triton", "torch"), default=None, help="default triton on cuda, torch on cpu")
@@ -131,20 +136,24 @@ def make_rigged(Engine):
     return RiggedEngine
 
 
-def generate(eng, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
-    """-> (tokens, seconds from the first generated token to the last): the decode phase only."""
+def generate(eng, prompt: list[int], new_tokens: int, batch: int = 1) -> tuple[list[list[int]], int, float]:
+    """-> (each request's tokens, the tokens of the decode phase, its seconds). The decode phase runs from the
+    step where every request has its first token to the last token."""
     from ninfer_rt.sampling import SamplingParams
-    eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
-    out, t_first = [], None
+    for b in range(batch):
+        eng.add_request(f"r{b}", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    out: dict[str, list[int]] = {f"r{b}": [] for b in range(batch)}
+    t_first, before = None, 0
     while eng.has_work():
         for o in eng.step():
-            if o.new_token_ids and t_first is None:
-                t_first = time.perf_counter()
-            out += o.new_token_ids
+            out[o.req_id] += o.new_token_ids
+        if t_first is None and all(out.values()):
+            t_first, before = time.perf_counter(), sum(map(len, out.values()))
     if eng.device.type == "cuda":       # a decode step leaves its alignment running (Engine._step_sync)
         import torch
         torch.cuda.synchronize(eng.device)
-    return out, time.perf_counter() - (t_first or time.perf_counter())
+    got = list(out.values())
+    return got, sum(map(len, got)) - before, time.perf_counter() - (t_first or time.perf_counter())
 
 
 def _engine(loaded, args, k: int):
@@ -154,8 +163,8 @@ def _engine(loaded, args, k: int):
     from ninfer_rt.engine import Engine
     from ninfer_rt.speculative import SpecConfig
     cls = make_rigged(Engine) if k else Engine
-    eng = cls(loaded, get_ops(args.backend), spec=SpecConfig(num_draft_tokens=k) if k else None, max_batch=1,
-              max_model_len=args.prompt_len + args.new_tokens + 16, graphs="off" if args.eager else "auto")
+    eng = cls(loaded, get_ops(args.backend), spec=SpecConfig(num_draft_tokens=k) if k else None,
+              max_batch=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16, graphs="off" if args.eager else "auto")
     torch.manual_seed(args.seed)
     return eng
 
@@ -165,11 +174,11 @@ def measure_head(loaded, args, head: str, base: dict) -> list[dict]:
     lives inside one call, so its model's memory is free again before the next one is built (`_collect`)."""
     os.environ[DRAFT_HEAD_ENV] = head
     prompt = random.Random(args.seed).choices(range(min(loaded.config.vocab_size, 4096)), k=args.prompt_len)
-    got, secs = _plain(loaded, args, prompt)
+    got, n, secs = _plain(loaded, args, prompt)
     _collect()
     plain = {**base, "draft_head": head, "draft_tokens": 0, "acceptance": None, "rounds": None,
-             "tokens_per_round": 1.0, "tok_s": (len(got) - 1) / secs, "ms_round": secs / (len(got) - 1) * 1e3,
-             "accepted": 0, "drafted": 0, "emitted": len(got)}
+             "tokens_per_round": 1.0, "tok_s": n / secs, "ms_round": secs / (n / args.batch) * 1e3,
+             "accepted": 0, "drafted": 0, "emitted": min(map(len, got))}
     log(f"{head}: K=0 {plain['tok_s']:.1f} tok/s")
     out = [plain]
     for k in args.ks:
@@ -178,35 +187,35 @@ def measure_head(loaded, args, head: str, base: dict) -> list[dict]:
     return out
 
 
-def _plain(loaded, args, prompt) -> tuple[list[int], float]:
+def _plain(loaded, args, prompt) -> tuple[list[list[int]], int, float]:
     eng = _engine(loaded, args, 0)
-    generate(eng, prompt, min(8, args.new_tokens))                        # warm-up: compiles, tunes
+    generate(eng, prompt, min(8, args.new_tokens), args.batch)            # warm-up: compiles, tunes
     try:
-        return generate(eng, prompt, args.new_tokens)
+        return generate(eng, prompt, args.new_tokens, args.batch)
     finally:
         eng.shutdown()
 
 
 def _rounds(loaded, args, k: int, prompt, base: dict) -> list[dict]:
     eng = _engine(loaded, args, k)
-    generate(eng, prompt, min(8, args.new_tokens))                        # warm-up at this K
+    generate(eng, prompt, min(8, args.new_tokens), args.batch)            # warm-up at this K
     out = []
     for a in args.acceptance:
         eng.rate, eng.rng = a, random.Random(args.seed)
         before = eng.stats.spec.to_dict()
-        got, secs = generate(eng, prompt, args.new_tokens)
+        got, n, secs = generate(eng, prompt, args.new_tokens, args.batch)
         st = _delta(eng.stats.spec.to_dict(), before)
         rec = {**base, "draft_tokens": k, "acceptance": a, "rounds": st["rounds"],
                "accepted": st["accepted"], "drafted": st["drafted"],
                "tokens_per_round": 1 + st["accepted"] / st["rounds"] if st["rounds"] else 1.0,
-               "tok_s": (len(got) - 1) / secs, "ms_round": secs / max(1, st["rounds"]) * 1e3,
-               "emitted": len(got)}
+               "tok_s": n / secs, "ms_round": secs / max(1, st["rounds"] / args.batch) * 1e3,
+               "emitted": min(map(len, got))}
         log(f"{rec['draft_head']}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} "
             f"tokens/round, {rec['ms_round']:.2f} ms/round")
         out.append(rec)
     if args.sync_audit:
         eng.rate, eng.rng = args.acceptance[0], random.Random(args.seed)
-        out[0].update(sync_audit(eng, prompt, args.new_tokens))
+        out[0].update(sync_audit(eng, prompt, args.new_tokens, args.batch))
         log(f"{base['draft_head']}: K={k} a={args.acceptance[0]:g} sync audit: {out[0]['syncs_per_step']} per "
             f"decode step, {out[0]['sync_sites']}")
     if args.profile_tokens:
@@ -233,7 +242,7 @@ def profile_run(eng, prompt, args, label: str, path: str) -> dict:
 
     import decode_measure as M
     cuda = torch.cuda.is_available()
-    got = _first_token(eng, prompt, args.profile_tokens)
+    got = _first_token(eng, prompt, args.profile_tokens, args.batch)
     rounds0 = eng.stats.spec.rounds
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t = time.perf_counter()
@@ -242,7 +251,7 @@ def profile_run(eng, prompt, args, label: str, path: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    rounds = max(1, eng.stats.spec.rounds - rounds0)
+    rounds = max(1, round((eng.stats.spec.rounds - rounds0) / args.batch))     # steps: a round per request each
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     excl, idle = M._exclusive(events, rounds) if events else ({}, 0.0)
     groups: dict[str, float] = {}
@@ -260,17 +269,24 @@ def profile_run(eng, prompt, args, label: str, path: str) -> dict:
     return out
 
 
-def _first_token(eng, prompt, new_tokens: int) -> list[int]:
-    """Add a greedy request and step until its first token (the prompt's steps: eager, they sync)."""
+def _first_token(eng, prompt, new_tokens: int, batch: int = 1) -> list[int]:
+    """Add `batch` greedy requests and step until each has its first token (the prompt's steps: eager, they
+    sync). -> the tokens so far."""
     from ninfer_rt.sampling import SamplingParams
-    eng.add_request("measured", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    for b in range(batch):
+        eng.add_request(f"measured{b}", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens,
+                                                               ignore_eos=True))
     got: list[int] = []
-    while eng.has_work() and not got:
-        got += [tok for o in eng.step() for tok in o.new_token_ids]
+    started: set[str] = set()
+    while eng.has_work() and len(started) < batch:
+        for o in eng.step():
+            got += o.new_token_ids
+            if o.new_token_ids:
+                started.add(o.req_id)
     return got
 
 
-def sync_audit(eng, prompt, new_tokens: int) -> dict:
+def sync_audit(eng, prompt, new_tokens: int, batch: int = 1) -> dict:
     """One generation's decode steps (after the first token) with torch's sync debug mode on: each host sync it
     flags (read-backs, pageable host->device copies; not Event.synchronize) is a warning, and explicit
     torch.cuda.synchronize calls are counted too. -> {"syncs_per_step", "sync_sites": {"file:line": count}}."""
@@ -279,7 +295,7 @@ def sync_audit(eng, prompt, new_tokens: int) -> dict:
     import torch
     if not torch.cuda.is_available():
         return {"syncs_per_step": None, "sync_sites": {}}
-    _first_token(eng, prompt, new_tokens)
+    _first_token(eng, prompt, new_tokens, batch)
     sites: dict[str, int] = {}
     real, steps = torch.cuda.synchronize, 0
 
@@ -330,7 +346,7 @@ def measure(args, path: str) -> list[dict]:
     base = {"kind": "engine_mtp", "recipe": args.recipe, "tp": 1, "gpu": D.device_name(device),
             "backend": args.backend, "graphs": args.device == "cuda" and not args.eager,
             "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens,
-            "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1"}
+            "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1", "batch": args.batch}
     records, before = [], os.environ.get(DRAFT_HEAD_ENV)
     try:
         for head in args.draft_heads:

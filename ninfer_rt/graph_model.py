@@ -10,7 +10,11 @@ computed at capture time. Hence:
   row, and the KV-length *bucket* the graph serves (the split-KV attention plan is sized for it; the kernel
   loops only to each row's real length, which it reads on the device);
 - a batch smaller than the captured size is padded with rows that point at a scratch GDN slot and scratch
-  KV pages: they compute garbage nobody reads.
+  KV pages: they compute garbage nobody reads;
+- a row of fewer tokens than the graph's T (an MTP re-alignment where sequences emitted different counts) is
+  padded at its end: the padding tokens write their KV to the scratch pages and sit after the row's real tokens,
+  so causal attention keeps them out of the real rows. Only steps without recurrent state may do this (a GDN
+  layer would advance its state over the padding); `last` holds each row's last real token.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from .ops import AttnMeta, GdnMeta
 
 @dataclass
 class RowSpec:
-    """One sequence of a step: T token ids (host or device tensor) appended at positions start..start+T-1."""
+    """One sequence of a step: its token ids (host or device tensor, at most the step's T) appended at positions
+    start, start + 1, ...; a row of fewer than T ids is padded at its end (MTP steps only: see the module doc)."""
 
     ids: torch.Tensor
     start: int
@@ -50,7 +55,8 @@ class _Staging:
 class StaticMeta:
     """Device metadata for up to `max_batch` rows of up to `max_tokens` tokens, block tables `max_pages` wide.
 
-    int64 buffer: ids | positions | slot_mapping (max_batch * max_tokens each) | gdn slots | snapshot rows
+    int64 buffer: ids | positions | slot_mapping (max_batch * max_tokens each) | gdn slots | snapshot rows |
+                  each row's last real token (flat index)
     int32 buffer: block_tables (max_batch * max_pages) | kv_lens (max_batch)
     """
 
@@ -63,11 +69,11 @@ class StaticMeta:
         self.scratch_pages = np.asarray(scratch_pages, dtype=np.int64)
         self.scratch_slot = scratch_slot
         n, b = max_batch * max_tokens, max_batch
-        self._n64, self._n32 = 3 * n + 2 * b, b * max_pages + b
+        self._n64, self._n32 = 3 * n + 3 * b, b * max_pages + b
         self._i64 = torch.zeros(self._n64, dtype=torch.int64, device=self.device)
         self._i32 = torch.zeros(self._n32, dtype=torch.int32, device=self.device)
         self.ids, self.positions, self.slot_mapping = (self._i64[i * n:(i + 1) * n] for i in range(3))
-        self.slots, self.snap = self._i64[3 * n:3 * n + b], self._i64[3 * n + b:]
+        self.slots, self.snap, self.last = (self._i64[3 * n + i * b:3 * n + (i + 1) * b] for i in range(3))
         self.block_tables = self._i32[:b * max_pages].view(b, max_pages)
         self.kv_lens = self._i32[b * max_pages:]
         pin = self.device.type == "cuda"
@@ -99,41 +105,52 @@ class StaticMeta:
         if self.device.type == "cuda":
             st.event = torch.cuda.Event()
             st.event.record()
-        for b, ids in on_device:
-            self.ids[b * tokens:(b + 1) * tokens].copy_(ids, non_blocking=True)
+        for lo, ids in on_device:
+            self.ids[lo:lo + ids.numel()].copy_(ids, non_blocking=True)
 
     def _write_host(self, st: _Staging, rows, batch: int, tokens: int) -> list:
-        n, ps, width = self.max_batch * self.max_tokens, self.page_size, self.max_pages
+        n, mb, width = self.max_batch * self.max_tokens, self.max_batch, self.max_pages
         a64, a32 = st.np64, st.np32
         ids, pos, smap = a64[:n], a64[n:2 * n], a64[2 * n:3 * n]
-        slots, snap = a64[3 * n:3 * n + self.max_batch], a64[3 * n + self.max_batch:]
-        bt = a32[:self.max_batch * width].reshape(self.max_batch, width)
-        kvl = a32[self.max_batch * width:]
-        on_device, t = [], np.arange(tokens)
+        slots, snap, last = (a64[3 * n + i * mb:3 * n + (i + 1) * mb] for i in range(3))
+        bt = a32[:mb * width].reshape(mb, width)
+        kvl = a32[mb * width:]
+        on_device = []
         for b in range(batch):
             r = rows[b] if b < len(rows) else None
             lo, hi = b * tokens, (b + 1) * tokens
-            start = r.start if r else 0
-            pages = self.scratch_pages if r is None else np.asarray(r.pages[:-(-(start + tokens) // ps)],
-                                                                     dtype=np.int64)
-            if len(pages) * ps < start + tokens or len(pages) > width:
-                raise ValueError(f"graphs: row {b} needs {start + tokens} KV positions; it has {len(pages)} "
-                                 f"pages of {ps} (block tables hold {width})")
-            p = start + t
-            pos[lo:hi] = p
-            smap[lo:hi] = pages[p // ps] * ps + p % ps
-            bt[b, :len(pages)] = pages
+            start, c = (0, tokens) if r is None else (r.start, r.ids.numel())
+            table = self._kv_slots(b, r, start, c, tokens, pos[lo:hi], smap[lo:hi])
+            bt[b, :len(table)] = table
             kvl[b] = start + tokens
+            last[b] = lo + c - 1
             slots[b] = self.scratch_slot if r is None else r.slot
             snap[b] = -1 if r is None else r.snap
-            if r is None:
-                ids[lo:hi] = 0
-            elif r.ids.device.type == "cpu":
-                ids[lo:hi] = r.ids.numpy()
-            else:
-                ids[lo:hi] = 0
-                on_device.append((b, r.ids))
+            ids[lo:hi] = 0
+            if r is not None and r.ids.device.type == "cpu":
+                ids[lo:lo + c] = r.ids.numpy()
+            elif r is not None:
+                on_device.append((lo, r.ids))
         return on_device
+
+    def _kv_slots(self, b: int, r, start: int, c: int, tokens: int, pos, smap) -> np.ndarray:
+        """Row b's positions and KV slots (written into pos / smap) -> its block table. The c real tokens write
+        into the row's pages; padding tokens (c < tokens) into the scratch pages, and the table walks scratch
+        pages past the row's own so that the padding queries' attention reads only valid pages."""
+        ps, width = self.page_size, self.max_pages
+        pages = self.scratch_pages if r is None else np.asarray(r.pages[:-(-(start + c) // ps)], dtype=np.int64)
+        need = -(-(start + tokens) // ps)
+        if not 0 < c <= tokens:
+            raise ValueError(f"graphs: row {b} has {c} token ids for a step of {tokens}")
+        if len(pages) * ps < start + c or need > width:
+            raise ValueError(f"graphs: row {b} needs {start + c} KV positions and a table of {need} pages; it has "
+                             f"{len(pages)} pages of {ps} (block tables hold {width})")
+        p = start + np.arange(tokens)
+        pos[:] = p
+        smap[:c] = pages[p[:c] // ps] * ps + p[:c] % ps
+        j = np.arange(c, tokens)
+        smap[c:] = self.scratch_pages[j // ps] * ps + j % ps
+        return np.concatenate([pages, np.full(max(need - len(pages), 0), self.scratch_pages[0])])
 
     # ---- per-graph contexts ----
     def target_ctx(self, batch: int, tokens: int, kv_host: tuple[int, ...], snap_host: tuple[int, ...],
@@ -175,8 +192,8 @@ def mtp_step(model, meta: StaticMeta, ctx: StepCtx, hidden_in: torch.Tensor, n: 
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (post-mtp.norm hidden [n, H], logits) of the MTP module over n = batch * t rows; hidden_in [>= n, H]
     static input. Logits: [n, V] for t = 1 (a draft step); for t > 1 (the re-alignment after a round) only each
-    sequence's last row, [n / t, V]: the next draft reads nothing else, and the draft head is most of the step."""
+    sequence's last real row, [n / t, V]: the next draft reads nothing else, and the draft head is most of the step."""
     emb = model.ops.embedding(meta.ids[:n], model.embed, model.dtype)
     d = model.mtp(model.ops, emb, hidden_in[:n], ctx, model.kv_pool)
-    last = d if t == 1 else d.view(n // t, t, d.shape[-1])[:, -1].contiguous()
+    last = d if t == 1 else d.index_select(0, meta.last[:n // t])      # rows padded at their end: see `last`
     return d, _logits(model, last, draft=True)

@@ -6,10 +6,11 @@
     out = runner.forward([SeqInput(ids, st), ...])            # same contract as Model.forward
     d = runner.mtp_forward([MtpInput(ids, hidden, st.mtp)])   # same contract as Model.mtp_forward
 
-Graphs are keyed by (kind, padded batch, tokens per sequence, KV bucket). A batch the graphs cannot serve
-(ragged token counts, prefill chunks, position overrides, image embeddings, a context past the largest
-bucket, `gather=False` under TP, snapshot rows while an earlier verify is still uncommitted) goes to the
-model's own eager forward, with identical results up to rounding. `GraphConfig(eager=True)` (CLI `--eager`)
+Graphs are keyed by (kind, padded batch, tokens per sequence, KV bucket). An MTP batch of ragged token counts
+(a re-alignment where sequences emitted different counts) is padded to the smallest captured count that holds
+it (graph_model's padded rows). A batch the graphs cannot serve (ragged target token counts, prefill chunks,
+position overrides, image embeddings, a context past the largest bucket, `gather=False` under TP, snapshot
+rows while an earlier verify is still uncommitted) goes to the model's own eager forward, with identical results up to rounding. `GraphConfig(eager=True)` (CLI `--eager`)
 runs the very same static-buffer step bodies without capturing, for debugging and for CPU tests.
 
 Resources: one GDN slot and enough KV pages for the padding rows (size the cache with one spare sequence),
@@ -69,6 +70,7 @@ class GraphStats:
     replays: int = 0          # steps served by a captured graph
     eager_steps: int = 0      # steps served by the static-buffer bodies without a graph (eager mode)
     fallbacks: int = 0        # steps handed to the model's own forward
+    padded_tokens: int = 0    # MTP tokens computed only to pad a sequence to its graph's T (ragged re-alignments)
     captured: int = 0
     capture_s: float = 0.0
     reasons: dict = field(default_factory=dict)
@@ -233,7 +235,7 @@ class GraphRunner:
                 self._lazy[s.state] = None
             else:
                 s.state.length += t
-        return self._output(hidden, logits, len(batch), t, [s.logits for s in batch])
+        return self._output(hidden, logits, [t] * len(batch), t, [s.logits for s in batch])
 
     def _protect(self, batch, snap: list[int], t: int) -> None:
         """Move home every committed state in a snapshot row this step writes, unless the row is its own
@@ -254,18 +256,21 @@ class GraphRunner:
             self.stats.fallback(why)
             return self.model.mtp_forward(batch, gather=gather)
         t = key[2]
-        self.model._admit([(m.token_ids, m.state, m.logits) for m in batch], mtp=True)
+        lens, _ = self.model._admit([(m.token_ids, m.state, m.logits) for m in batch], mtp=True)
         for b, m in enumerate(batch):
-            self.mtp_hidden[b * t:(b + 1) * t].copy_(m.hidden, non_blocking=True)
+            self.mtp_hidden[b * t:b * t + lens[b]].copy_(m.hidden, non_blocking=True)
         rows = [RowSpec(m.token_ids, m.state.length, m.state.parent.pages) for m in batch]
         hidden, logits = self._run(key, rows)
-        for m in batch:
-            m.state.length += t
-        return self._output(hidden, logits, len(batch), t, [m.logits for m in batch], last_only=t > 1)
+        for m, n in zip(batch, lens):
+            m.state.length += n
+        if any(n != t for n in lens):
+            self.stats.padded_tokens += len(lens) * t - sum(lens)
+        return self._output(hidden, logits, lens, t, [m.logits for m in batch], last_only=t > 1)
 
     # ---- planning: which graph, or why none ----
-    def _common(self, items, gather: bool, sizes) -> tuple[tuple | None, str]:
-        """items: (token_ids, start, extra-ok) per sequence -> ((padded batch, T, bucket), '') or (None, why)."""
+    def _common(self, items, gather: bool, sizes, ragged: bool = False) -> tuple[tuple | None, str]:
+        """items: (token_ids, start, extra-ok) per sequence -> ((padded batch, T, bucket), '') or (None, why).
+        ragged: sequences of different token counts are padded at their end to the smallest captured T."""
         if self._scratch.freed:
             return None, "runner closed"
         if not items or len(items) > self.max_batch:
@@ -273,7 +278,9 @@ class GraphRunner:
         if not gather and self.model.tp.size > 1:
             return None, "gather=False"
         lens = {ids.numel() if ids.dim() == 1 else -1 for ids, _, _ in items}
-        if len(lens) != 1 or (t := lens.pop()) not in sizes:
+        t = next((x for x in sizes if x >= max(lens)), None) if ragged and min(lens) > 0 else \
+            (lens.pop() if len(lens) == 1 else None)
+        if t not in sizes:
             return None, "token count"
         if not all(ok for _, _, ok in items):
             return None, "position override / embeddings / logits mode"
@@ -300,26 +307,31 @@ class GraphRunner:
         if not self.mtp_tokens:
             return None, "no MTP graphs"
         h = self.model.cfg.hidden_size
-        # a graph of t > 1 MTP tokens computes each sequence's last logits row only (`mtp_step`)
         items = [(m.token_ids, m.state.length, m.positions is None and m.logits in LOGITS
-                  and (m.logits != "all" or m.token_ids.numel() == 1)
                   and tuple(m.hidden.shape) == (m.token_ids.numel(), h)) for m in batch]
-        key, why = self._common(items, gather, self.mtp_tokens)
-        return (None, why) if key is None else (("mtp",) + key, "")
+        key, why = self._common(items, gather, self.mtp_tokens, ragged=True)
+        if key is None:
+            return None, why
+        # a graph of t > 1 MTP tokens computes each sequence's last logits row only (`mtp_step`)
+        if key[1] > 1 and any(m.logits == "all" for m in batch):
+            return None, "position override / embeddings / logits mode"
+        return ("mtp",) + key, ""
 
-    def _output(self, hidden, logits, batch: int, t: int, modes, last_only: bool = False) -> Output:
-        """The Output of a replay: the rows each mode asks for. last_only: `logits` holds one row per sequence
-        (its last token's). No pageable host->device copy (torch makes it wait for the replay, and the host must
-        run ahead of the GPU): views where they do, else indices through pinned memory (`_pick_rows`)."""
-        n = batch * t
+    def _output(self, hidden, logits, lens: list[int], t: int, modes, last_only: bool = False) -> Output:
+        """The Output of a replay: the rows each mode asks for. lens: each sequence's real tokens (<= t; fewer
+        only with last_only). last_only: `logits` holds one row per sequence (its last real token's). No pageable
+        host->device copy (torch makes it wait for the replay, and the host must run ahead of the GPU): views
+        where they do, else indices through pinned memory (`_pick_rows`)."""
         if last_only and "all" in modes:
             raise GraphError("graphs: an MTP graph of t > 1 tokens has only each sequence's last logits row")
-        cu, rows = logit_rows([t] * batch, modes)
-        picked = [r // t for r in rows] if last_only else rows
-        sel, view = _pick_rows(logits, picked, t if not last_only else 1)
-        hidden = hidden[:n]
+        if not last_only and any(n != t for n in lens):
+            raise GraphError(f"graphs: sequences of {lens} tokens in a step of {t} need last_only")
+        cu, rows = logit_rows(lens, modes)
+        picked = [b for b, m in enumerate(modes) if m == "last"] if last_only else rows
+        sel, view = _pick_rows(logits, picked, 1 if last_only else t)
+        hidden, hview = _pick_rows(hidden, [b * t + j for b, n in enumerate(lens) for j in range(n)], t)
         if self.cfg.copy_outputs:
-            hidden, sel = hidden.clone(), (sel.clone() if view else sel)
+            hidden, sel = (hidden.clone() if hview else hidden), (sel.clone() if view else sel)
         return Output(logits=sel, hidden=hidden, logit_rows=rows, cu_seqlens=cu)
 
     def close(self) -> None:

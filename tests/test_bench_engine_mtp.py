@@ -13,7 +13,7 @@ import engine_mtp  # noqa: E402
 
 KEYS = {"kind", "recipe", "tp", "gpu", "draft_head", "draft_tokens", "acceptance", "tok_s", "tokens_per_round",
         "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "emitted", "backend", "graphs",
-        "draft_chain"}
+        "draft_chain", "batch"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,13 +33,29 @@ def test_cpu_dry_run(tmp_path, capsys, monkeypatch, chain):
         ("nvfp4:512", 0, None), ("nvfp4:512", 2, 0.0), ("nvfp4:512", 2, 1.0)]
     for r in recs:
         assert set(r) == KEYS and r["kind"] == "engine_mtp" and r["emitted"] == 13 and r["tok_s"] > 0
-        assert r["backend"] == "torch" and not r["graphs"] and r["draft_chain"] == (chain == "1")
+        assert r["backend"] == "torch" and not r["graphs"] and r["draft_chain"] == (chain == "1") and r["batch"] == 1
     for r in recs[1::3]:                         # every draft wrong: one token per round
         assert r["accepted"] == 0 and r["tokens_per_round"] == 1.0 and r["rounds"] <= r["drafted"] <= 2 * r["rounds"]
     for r in recs[2::3]:                         # every draft right: 12 tokens after the first in rounds of 3
         assert r["accepted"] == r["drafted"] == 8 and r["rounds"] == 4 and r["tokens_per_round"] == 3.0
     assert "emitted" in capsys.readouterr().out
     assert "NINFER_DRAFT_HEAD" not in __import__("os").environ
+
+
+def test_batch_runs_requests_together(tmp_path):
+    """--batch 3: three requests of one prompt, each with its own acceptance draws; every one emits --new-tokens,
+    tok_s counts all three, and at acceptance 1 each step is one round per request (3 tokens each)."""
+    out = tmp_path / "r.json"
+    rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "13", "--ks", "2",
+                          "--acceptance", "0.5,1", "--draft-heads", "lm_head", "--batch", "3",
+                          "--dir", str(tmp_path / "a"), "--out", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert [(r["draft_tokens"], r["acceptance"]) for r in recs] == [(0, None), (2, 0.5), (2, 1.0)]
+    for r in recs:
+        assert set(r) == KEYS and r["batch"] == 3 and r["emitted"] == 13 and r["tok_s"] > 0
+    assert 0 < recs[1]["accepted"] < recs[1]["drafted"]
+    assert recs[2]["rounds"] == 3 * 4 and recs[2]["accepted"] == recs[2]["drafted"] == 3 * 8
 
 
 def test_profiled_run_writes_a_trace(tmp_path, capsys, monkeypatch):
@@ -80,7 +96,8 @@ def test_sync_audit_adds_its_fields(tmp_path, monkeypatch):
     (["--acceptance", "x"], "--acceptance: expected comma-separated numbers in [0, 1]"),
     (["--draft-heads", "q4"], "--draft-heads='q4': expected auto, lm_head, nvfp4 or nvfp4:N"),
     (["--profile-tokens", "-1"], "--profile-tokens: expected 0 (off) or a number of tokens, got -1"),
-], ids=["k0", "k8", "acceptance-range", "acceptance-text", "draft-head", "profile-tokens"])
+    (["--batch", "0"], "argument --batch: expected a positive integer, got '0'"),
+], ids=["k0", "k8", "acceptance-range", "acceptance-text", "draft-head", "profile-tokens", "batch"])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as e:
         rc = engine_mtp.main(["--tiny", "--device", "cpu", "--dir", str(tmp_path), *args])

@@ -161,6 +161,36 @@ def test_mtp_alignment_goes_through_the_runner(loaded, prompts):
     eng.shutdown()
 
 
+def test_ragged_alignment_at_batch_2_goes_through_the_runner(loaded, prompts):
+    """Two sequences in one round, one accepting every draft and one none: their re-alignments run 3 and 1
+    tokens, which the runner pads into one 3-token MTP graph (not the eager model); the tokens stay the plain
+    engine's."""
+    spec = SpecConfig(num_draft_tokens=2)
+    want = run(MixedEngine(loaded, TorchOps(), spec=spec, prefill_chunk=CHUNK, max_batch=2), prompts)
+
+    class Rigged(MixedEngine):           # r0 drafts its known continuation, r1 a token that is always wrong
+        def _device_drafts(self, j, items):
+            super()._device_drafts(j, items)
+            nxt = [want[s.req_id][len(s.out) + j - 1] if len(s.out) + j - 1 < NEW else 0 for s, _, _ in items]
+            return torch.tensor([t if s.req_id == "r0" else (t + 1) % NONSPECIAL
+                                 for t, (s, _, _) in zip(nxt, items)])
+
+    eng = Rigged(loaded, TorchOps(), spec=spec, prefill_chunk=CHUNK, max_batch=2, graphs=eager_graphs(2))
+    runner, mtp_fallbacks = eng.graphs, []
+    mtp_forward = runner.mtp_forward
+
+    def counted(batch, **kw):            # the target's ragged verify near the end (r0 drafts fewer) may fall back
+        before = runner.stats.fallbacks
+        out = mtp_forward(batch, **kw)
+        mtp_fallbacks.append(runner.stats.fallbacks - before)
+        return out
+
+    runner.mtp_forward = counted
+    assert run(eng, prompts) == want
+    assert runner.stats.padded_tokens > 0 and len(mtp_fallbacks) > 0 and sum(mtp_fallbacks) == 0
+    eng.shutdown()
+
+
 def test_graph_config_rejects_unknown_mode():
     with pytest.raises(EngineError, match="graphs: expected one of auto, eager, off"):
         graph_config("cpu", TorchOps(), None, 2, 64, "always")
@@ -215,6 +245,32 @@ def test_captured_engine_equals_eager_engine_gpu(tmp_path_factory, k):
     assert engines[0].graphs.stats.captured == 0 and engines[0].graphs.stats.eager_steps > 0
     for eng in engines:
         eng.shutdown()
+
+
+@gpu
+def test_captured_ragged_alignments_equal_eager_gpu(tmp_path_factory):
+    """Verdicts rigged to acceptance 0.5 per position (bench/engine_mtp.py's rig), 3 sequences: most
+    re-alignments are ragged and replay a padded MTP graph; the tokens equal the static bodies run eagerly."""
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+    import synth_artifact as synth
+    from engine_mtp import make_rigged
+
+    from ninfer_rt.backends.triton_ops import TritonOps as RealTritonOps
+    from ninfer_rt.loader import load
+    paths, _ = synth.build(str(tmp_path_factory.mktemp("nvfp4")), synth.TINY, "nvfp4", workers=1)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (9, 17, 12)]
+    outs, stats = [], []
+    for mode in ("eager", "auto"):
+        lm = load(paths[0], device="cuda", dtype=torch.bfloat16)
+        eng = make_rigged(Engine)(lm, RealTritonOps(), spec=SpecConfig(num_draft_tokens=3), max_batch=4,
+                                  kv_pages=64, prefill_chunk=64, graphs=mode)
+        eng.rate = 0.5
+        outs.append(run(eng, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+        stats.append(eng.graphs.stats)
+        eng.shutdown()
+    assert outs[0] == outs[1]
+    assert stats[1].replays > 0 and stats[1].padded_tokens > 0 and stats[1].padded_tokens == stats[0].padded_tokens
 
 
 @gpu

@@ -96,6 +96,23 @@ def test_static_meta_matches_model_metadata(lens, starts, pad, page):
         assert set((meta.slot_mapping[rows] // page).tolist()) <= set(scratch)
 
 
+def test_static_meta_pads_a_short_row_at_its_end():
+    """A row of 2 ids in a 4-token step: its 2 real tokens go to its pages, the 2 padding tokens' KV to the
+    scratch pages; the table walks scratch pages past the row's own; `last` is each row's last real token."""
+    page, scratch = 4, [41, 42]
+    meta = StaticMeta(3, 4, 6, page, scratch, scratch_slot=7, device="cpu")
+    short, full = torch.tensor([5, 6]), torch.tensor([1, 2, 3, 4])
+    meta.fill([RowSpec(short, 6, [10, 11]), RowSpec(full, 2, [20, 21])], 3, 4)   # 6 + 2 fits 2 pages; 6 + 4 does not
+    assert meta.ids[:8].tolist() == [5, 6, 0, 0, 1, 2, 3, 4]
+    assert meta.positions[:4].tolist() == [6, 7, 8, 9]
+    assert meta.slot_mapping[:2].tolist() == [11 * page + 2, 11 * page + 3]
+    assert meta.slot_mapping[2:4].tolist() == [41 * page + 2, 41 * page + 3]
+    assert meta.block_tables[0, :3].tolist() == [10, 11, 41] and meta.kv_lens[:2].tolist() == [10, 6]
+    assert meta.last.tolist() == [1, 7, 11]
+    with pytest.raises(ValueError, match="row 0 has 5 token ids for a step of 4"):
+        meta.fill([RowSpec(torch.zeros(5, dtype=torch.long), 0, [10, 11])], 1, 4)
+
+
 @pytest.mark.parametrize("rows,batch,tokens,why", [(0, 1, 1, "rows"), (2, 1, 1, "rows"), (1, 5, 1, "batch"),
                                                    (1, 1, 4, "tokens"), (1, 1, 2, "pages")],
                          ids=["empty", "more-rows-than-batch", "batch-too-big", "tokens-too-many", "no-pages"])
@@ -196,6 +213,34 @@ def test_eager_mtp_alignment_keeps_last_rows(nvfp4_path, modes):
     assert rel(b.hidden, a.hidden) <= LOGIT_TOL
     r.mtp_forward([MtpInput(ids[0], hid[0], st[1][0].mtp, logits="all")])
     assert r.stats.reasons == {"position override / embeddings / logits mode": 1}
+    r.close()
+
+
+@pytest.mark.parametrize("lens,modes", [((3, 1, 2), ("last", "last", "last")), ((2, 3), ("none", "last")),
+                                        ((1, 2), ("last", "last"))], ids=["3-1-2-padded-batch", "none-last", "all-short"])
+def test_eager_mtp_ragged_alignment_is_padded(nvfp4_path, lens, modes):
+    """Sequences that emitted different counts share one MTP graph, each padded at its end to the graph's T: the
+    rows asked for, the hidden rows and the lengths equal the model's. Two such steps and then a draft step over
+    the cache they wrote still equal the model's: the real tokens' KV went where it belongs."""
+    ref, m = _model(nvfp4_path), _model(nvfp4_path)
+    r = GraphRunner(m, GraphConfig(batch_sizes=(4,), tokens=(1,), mtp_tokens=(1, 3), kv_buckets=(32,), eager=True))
+    g = torch.Generator().manual_seed(6)
+    st = [[x.new_state() for _ in lens] for x in (ref, m)]
+    for step in (lens, lens[::-1], (1,) * len(lens)):
+        ids = [torch.randint(0, 1000, (n,), generator=g) for n in step]
+        hid = [torch.randn(n, m.cfg.hidden_size, generator=g) for n in step]
+        md = modes if step != (1,) * len(lens) else ("all",) * len(lens)
+        a, b = (x.mtp_forward([MtpInput(i, h, s.mtp, logits=d) for i, h, s, d in zip(ids, hid, st[k], md)])
+                for k, x in enumerate((ref, r)))
+        assert b.logit_rows == a.logit_rows and b.cu_seqlens == a.cu_seqlens
+        assert b.logits.shape == a.logits.shape and rel(b.logits, a.logits) <= LOGIT_TOL
+        assert b.hidden.shape == a.hidden.shape and rel(b.hidden, a.hidden) <= LOGIT_TOL
+        assert [s.mtp.length for s in st[1]] == [s.mtp.length for s in st[0]]
+    assert r.stats.fallbacks == 0 and r.stats.eager_steps == 3
+    assert r.stats.padded_tokens == 2 * sum(3 - n for n in lens)
+    r.mtp_forward([MtpInput(torch.tensor([1]), torch.zeros(1, m.cfg.hidden_size), st[1][0].mtp, logits="all"),
+                   MtpInput(torch.tensor([1, 2]), torch.zeros(2, m.cfg.hidden_size), st[1][1].mtp)])
+    assert r.stats.reasons == {"position override / embeddings / logits mode": 1}   # "all" rows at t = 3
     r.close()
 
 
