@@ -23,8 +23,8 @@ CUDA graphs (`graphs=GraphConfig`, built by engine_layout.engine_layout): every 
 Model and captures the same graphs in the same order (under TP they hold the all-reduces). The decode /
 verify rows of a step and its prefill chunks then go to separate forwards (`forward_parts`): the decode part
 replays a graph (the runner falls back to the model for what it cannot serve: ragged verify sizes, image
-positions, ...), the chunks run eagerly. The same split applies to the MTP alignment; draft steps go to the
-runner whole. Without graphs a step stays one forward, as before.
+positions, ...), the chunks run eagerly. The same split applies to the MTP alignment (whose ragged counts the
+runner pads into one graph); draft steps go to the runner whole. Without graphs a step stays one forward, as before.
 """
 from __future__ import annotations
 
