@@ -4,8 +4,8 @@ only those buffers (so a CUDA graph captured once stays valid for every later st
 A captured graph keeps the device pointers it was recorded with and the host values the kernel wrappers
 computed at capture time. Hence:
 - every per-step tensor (token ids, positions, KV slot mapping, block tables, KV lengths, GDN slots, snapshot
-  rows) is a view of one preallocated device buffer, overwritten before each replay by two host->device
-  copies from pinned staging buffers (`StaticMeta.fill`);
+  rows) is a view of one preallocated device buffer, overwritten before each replay by one host->device
+  copy from a pinned staging buffer (`StaticMeta.fill`);
 - the host-side fields of AttnMeta / GdnMeta that kernels read are fixed per graph: T new tokens for every
   row, and the KV-length *bucket* the graph serves (the split-KV attention plan is sized for it; the kernel
   loops only to each row's real length, which it reads on the device);
@@ -42,18 +42,23 @@ class RowSpec:
 STAGING = 8     # pinned staging buffers used in turn: an MTP round fills K + 1 <= 8 (alignment, drafts, verify)
 
 
+def _split(raw: torch.Tensor, n64: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One byte buffer -> (its first n64 int64s, the int32s after them): one copy moves both."""
+    return raw[:8 * n64].view(torch.int64), raw[8 * n64:].view(torch.int32)
+
+
 class _Staging:
-    """A pinned host mirror of the device buffers, with the event of its last copy (reuse waits for it)."""
+    """A pinned host mirror of the device buffer, with the event of its last copy (reuse waits for it)."""
 
     def __init__(self, n64: int, n32: int, pin: bool):
-        self.i64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
-        self.i32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
-        self.np64, self.np32 = self.i64.numpy(), self.i32.numpy()
+        self.raw = torch.zeros(8 * n64 + 4 * n32, dtype=torch.uint8, pin_memory=pin)
+        self.np64, self.np32 = (x.numpy() for x in _split(self.raw, n64))
         self.event = None
 
 
 class StaticMeta:
-    """Device metadata for up to `max_batch` rows of up to `max_tokens` tokens, block tables `max_pages` wide.
+    """Device metadata for up to `max_batch` rows of up to `max_tokens` tokens, block tables `max_pages` wide,
+    in one device buffer (an int64 part, then an int32 part) that one host->device copy fills.
 
     int64 buffer: ids | positions | slot_mapping (max_batch * max_tokens each) | gdn slots | snapshot rows |
                   each row's last real token (flat index)
@@ -70,8 +75,8 @@ class StaticMeta:
         self.scratch_slot = scratch_slot
         n, b = max_batch * max_tokens, max_batch
         self._n64, self._n32 = 3 * n + 3 * b, b * max_pages + b
-        self._i64 = torch.zeros(self._n64, dtype=torch.int64, device=self.device)
-        self._i32 = torch.zeros(self._n32, dtype=torch.int32, device=self.device)
+        self._raw = torch.zeros(8 * self._n64 + 4 * self._n32, dtype=torch.uint8, device=self.device)
+        self._i64, self._i32 = _split(self._raw, self._n64)
         self.ids, self.positions, self.slot_mapping = (self._i64[i * n:(i + 1) * n] for i in range(3))
         self.slots, self.snap, self.last = (self._i64[3 * n + i * b:3 * n + (i + 1) * b] for i in range(3))
         self.block_tables = self._i32[:b * max_pages].view(b, max_pages)
@@ -90,7 +95,7 @@ class StaticMeta:
 
     # ---- filling ----
     def fill(self, rows: list[RowSpec], batch: int, tokens: int) -> None:
-        """Write `rows` (then padding rows up to `batch`) into the device buffers; no host sync unless all
+        """Write `rows` (then padding rows up to `batch`) into the device buffer; no host sync unless all
         STAGING staging buffers are still in flight."""
         if not 0 < len(rows) <= batch <= self.max_batch or not 0 < tokens <= self.max_tokens:
             raise ValueError(f"graphs: {len(rows)} rows in a batch of {batch} x {tokens} tokens "
@@ -100,8 +105,7 @@ class StaticMeta:
         if st.event is not None:
             st.event.synchronize()
         on_device = self._write_host(st, rows, batch, tokens)
-        self._i64.copy_(st.i64, non_blocking=True)
-        self._i32.copy_(st.i32, non_blocking=True)
+        self._raw.copy_(st.raw, non_blocking=True)
         if self.device.type == "cuda":
             st.event = torch.cuda.Event()
             st.event.record()
