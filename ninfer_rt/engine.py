@@ -4,7 +4,8 @@
     eng.add_request("r1", prompt_ids, SamplingParams(temperature=0, max_tokens=64))
     while eng.has_work():
         for o in eng.step(): ...          # StepOutput(req_id, new_token_ids, finished, finish_reason, text,
-                                          #            drafted, accepted)  -- MTP counts of this step
+                                          #            drafted, accepted,  -- MTP counts of this step
+                                          #            logprobs)           -- with SamplingParams(logprobs=k)
 
 Scheduling: FIFO admission while a GDN slot is free and the KV pool can hold the request's whole reservation
 (prompt + max_tokens, capped at the context), so a running sequence never waits for pages; every step runs
@@ -23,7 +24,7 @@ replay graphs captured at construction (`graph_config`); "eager" runs the same s
 capture (CLI `--eager`), "off" the plain model. On CPU there are none, and a step is one forward as before.
 
 Run-ahead (`async_scheduling=`, default on CUDA; engine_ahead.py): while every running sequence is a plain
-decode row that the leader alone decides (TP1, no MTP, no penalties, no images), `step()` launches the next
+decode row that the leader alone decides (TP1, no MTP, no penalties, no images, no logprobs), `step()` launches the next
 step from this one's device tokens before it reads this one back, so the host's work overlaps the GPU.
 """
 from __future__ import annotations
@@ -58,6 +59,7 @@ class StepOutput:
     text: str | None = None            # incremental text (engines built with a tokenizer)
     drafted: int | None = None         # MTP drafts this request verified this step (None without MTP)
     accepted: int | None = None        # of those, accepted (the step emitted accepted + 1 tokens at most)
+    logprobs: list | None = None       # ninfer_rt.logprobs.TokenLogprob per new token (params.logprobs set)
 
 
 @dataclass
@@ -250,7 +252,9 @@ class Engine(RunAhead, Decisions, Core):
         text = None
         if s.stream is not None:
             text, s.text_delta = s.text_delta, ""
-        return StepOutput(s.req_id, emitted, s.finished, s.reason, text, drafted=drafted, accepted=accepted)
+        lps, s.logprobs = s.logprobs, None
+        return StepOutput(s.req_id, emitted, s.finished, s.reason, text, drafted=drafted, accepted=accepted,
+                          logprobs=lps)
 
     def _send_plan(self, plan: Plan) -> None:
         self.tp.broadcast_object({"op": "step", **plan.message()})

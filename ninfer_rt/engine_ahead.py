@@ -46,7 +46,8 @@ class RunAhead:
     _ahead_done: float = 0.0            # when the previous run-ahead step was read back (decode time)
 
     def _ahead_eligible(self, s: Seq) -> bool:
-        return (not s.prefilling and s.vision is None and s.counts is None and not s.params.has_penalties)
+        return (not s.prefilling and s.vision is None and s.counts is None and not s.params.has_penalties
+                and s.params.logprobs is None)
 
     def _ahead_plan_ok(self, plan) -> bool:
         """A plan to start running ahead with: decode rows only, every running sequence among them."""

@@ -61,6 +61,7 @@ class Seq:
     stream: object = None
     text_delta: str = ""
     q: list = field(default_factory=list)     # draft distributions of the current round
+    logprobs: list | None = None         # TokenLogprob of this step's emitted tokens (params.logprobs set)
     finished: bool = False
     reason: str | None = None
 
@@ -91,6 +92,16 @@ class Verdict:
 
     def emitted(self, drafts: list[int]) -> list[int]:
         return (drafts[:self.n_acc] + [self.token])[:self.n_emit]
+
+
+def _logprob_items(dec, pre, verdicts, drafts, out) -> list:
+    """(seq, logits rows, emitted tokens) of every row whose request asked for logprobs (params: leader only)."""
+    items = [(s, out.seq_logits(i), v.emitted(d)) for i, ((s, _), d, v) in enumerate(zip(dec, drafts, verdicts))
+             if s.params is not None and s.params.logprobs is not None and v.n_emit]
+    for i, ((s, _, b), v) in enumerate(zip(pre, verdicts[len(dec):]), start=len(dec)):
+        if b == len(s.prompt) and s.params is not None and s.params.logprobs is not None and v.n_emit:
+            items.append((s, out.seq_logits(i), [v.token]))
+    return items
 
 
 def forward_parts(n_dec: int, n: int, graphs: bool) -> list[tuple[int, int, bool]]:
@@ -189,6 +200,9 @@ class Core:
         """The argmax of every logits row the verdicts will read, queued on the device (None: not needed)."""
         return None
 
+    def _take_logprobs(self, items: list[tuple[Seq, torch.Tensor, list[int]]]) -> None:
+        """The leader's: (sequence, its logits rows, the tokens they emitted) of requests that asked for logprobs."""
+
     def _receive_vision(self, meta: dict) -> VisionPrompt:
         """A follower's copy of an admitted image prompt (rank 0 encodes it and sends the embeddings)."""
         raise NotImplementedError
@@ -235,6 +249,7 @@ class Core:
         # device drafts are read back once the verify step is queued, with the verdict's argmax queued behind it
         drafts, self._argmax = _read_back_drafts(drafts, self._target_argmax(dec, pre, out))
         verdicts = self._decide_verdicts(dec, drafts, pre, out)
+        self._take_logprobs(_logprob_items(dec, pre, verdicts, drafts, out))
         results, mtp_in, mtp_seqs = [], [], []
         for i, ((s, k), d, v, L) in enumerate(zip(dec, drafts, verdicts, starts)):
             if k > 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .engine_core import Seq, Verdict
+from .logprobs import token_logprobs
 from .sampling import sample, small_tensor
 from .speculative import RoundInput, argmax_decides, draft_distributions, verify_rows
 
@@ -89,6 +90,12 @@ class Decisions:
         if self.tp.size > 1 and verdicts:
             self.tp.broadcast(torch.tensor([[v.n_acc, v.token, v.n_emit, int(v.finished)] for v in verdicts]))
         return verdicts
+
+    def _take_logprobs(self, items) -> None:
+        """One read-back for the step's requests that asked for logprobs (`ninfer_rt.logprobs`)."""
+        got = token_logprobs([(lg, toks, s.params.logprobs) for s, lg, toks in items], self.cfg.vocab_size)
+        for (s, _, _), lps in zip(items, got):
+            s.logprobs = lps
 
     def _accept(self, s: Seq, tokens: list[int]) -> int:
         """Emit tokens in order until a stop; returns how many were emitted."""

@@ -17,6 +17,7 @@ import torch
 from ninfer_formats.errors import NinferError
 
 PENALTY_LIMIT = 2.0          # OpenAI's documented range for presence/frequency penalties
+MAX_LOGPROBS = 20            # top alternatives per token (OpenAI's top_logprobs limit; vLLM's default max_logprobs)
 MAX_SEED = 2**63 - 1
 
 
@@ -45,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()    # in addition to the model's eos ids
     stop: tuple[str, ...] = ()              # stop strings (need a tokenizer on the engine)
     ignore_eos: bool = False
+    logprobs: int | None = None         # None = off; k = each emitted token's log-probability + the top k
 
     def __post_init__(self):
         self._check_numbers()
@@ -64,6 +66,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos: expected a boolean, got {self.ignore_eos!r}")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise SamplingError(f"logprobs: expected an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
 
     def _check_numbers(self):
         t = self.temperature

@@ -1,0 +1,55 @@
+"""Log-probabilities of emitted tokens: OpenAI's `logprobs` / `top_logprobs`, vLLM's `logprobs=k`.
+
+They are the model's own distribution at each position, log_softmax of the target's logits before penalties,
+temperature and truncation (vLLM's default, `raw_logprobs`), so they do not depend on how a token was chosen.
+A round of MTP verifies its drafts on the target's logits at every emitted position, so speculative decoding
+returns the values plain decoding would (up to rounding). Requests that ask for none cost nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import small_tensor
+
+FLOOR = -9999.0      # stands in for -inf (a token the model rules out): JSON has no infinities (vLLM does the same)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()     # the k most likely tokens at this position, most likely first
+
+
+def _finite(v: float) -> float:
+    return v if v > FLOOR else FLOOR          # also maps NaN to the floor
+
+
+def token_logprobs(items: list[tuple[torch.Tensor, list[int], int]], vocab: int) -> list[list[TokenLogprob]]:
+    """items: per sequence (logits [>= n, >= vocab] whose row j chose token j, the n tokens, k alternatives)
+    -> per sequence one TokenLogprob per token. All sequences in one host read-back."""
+    if not items:
+        return []
+    rows = torch.cat([lg[:len(t), :vocab] for lg, t, _ in items]).float()
+    lp = rows - torch.logsumexp(rows, -1, keepdim=True)
+    toks = [t for _, ts, _ in items for t in ts]
+    chosen = lp.gather(1, small_tensor(toks, torch.long, lp.device)[:, None])
+    k = max(k for _, _, k in items)
+    parts = [chosen]
+    if k:
+        val, idx = lp.topk(min(k, lp.shape[-1]), -1)
+        parts += [val, idx.float()]             # ids < 2^24: exact in float32, so one tensor and one transfer
+    host = torch.cat(parts, 1).tolist()
+    out, r = [], 0
+    for _, ts, want in items:
+        seq = []
+        for t in ts:
+            row = host[r]
+            kk = (len(row) - 1) // 2
+            top = tuple((int(row[1 + kk + j]), _finite(row[1 + j])) for j in range(min(want, kk)))
+            seq.append(TokenLogprob(int(t), _finite(row[0]), top))
+            r += 1
+        out.append(seq)
+    return out

@@ -1,0 +1,132 @@
+"""Log-probabilities of emitted tokens (ninfer_rt.logprobs): the packing against torch's log_softmax / topk, and the
+Engine's values against HF transformers' logits over the same text, with and without MTP, greedy and sampled;
+requests that ask for logprobs leave the run-ahead path."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hf_tiny import build_hf_model, loaded_model
+
+from ninfer_rt.backends.torch_ops import TorchOps
+from ninfer_rt.engine import Engine
+from ninfer_rt.logprobs import FLOOR, token_logprobs
+from ninfer_rt.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
+from ninfer_rt.speculative import SpecConfig
+
+LP_TOL = 1e-4            # fp32 engine against fp32 HF: absolute, in nats
+NONSPECIAL = 246         # hf_tiny: ids >= 246 are special tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- the packing ----
+@pytest.mark.parametrize("ks", [(0,), (3,), (0, 5, 2)], ids=["k0", "k3", "mixed-k"])
+def test_token_logprobs_match_torch(ks):
+    g = torch.Generator().manual_seed(len(ks))
+    vocab, width = 33, 37                        # logits wider than the vocabulary (padded heads)
+    items = []
+    for k in ks:
+        n = int(torch.randint(1, 4, (1,), generator=g))
+        lg = torch.full((n + 1, width), float("nan"))          # a row past the emitted ones: never read
+        lg[:n] = torch.randn(n, width, generator=g) * 3
+        items.append((lg, torch.randint(0, vocab, (n,), generator=g).tolist(), k))
+    got = token_logprobs(items, vocab)
+    for (lg, toks, k), seq in zip(items, got):
+        want = torch.log_softmax(lg[:len(toks), :vocab].double(), -1)
+        assert [t.token_id for t in seq] == toks
+        for j, t in enumerate(seq):
+            assert math.isclose(t.logprob, want[j, toks[j]].item(), abs_tol=1e-5)
+            val, idx = want[j].topk(k) if k else (torch.zeros(0), torch.zeros(0, dtype=torch.long))
+            assert [i for i, _ in t.top] == idx.tolist()
+            assert all(math.isclose(a, b, abs_tol=1e-5) for (_, a), b in zip(t.top, val.tolist()))
+
+
+def test_ruled_out_tokens_get_the_floor():
+    lg = torch.tensor([[0.0, float("-inf"), 1.0]])
+    (seq,) = token_logprobs([(lg, [1], 3)], 3)
+    assert seq[0].logprob == FLOOR and seq[0].top[-1] == (1, FLOOR) and seq[0].top[0][0] == 2
+    assert token_logprobs([], 3) == []
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, 1.5, True], ids=["negative", "too-many", "float", "bool"])
+def test_sampling_params_reject_bad_logprobs(bad):
+    with pytest.raises(SamplingError, match=r"logprobs: expected an integer in \[0, 20\]"):
+        SamplingParams(logprobs=bad)
+
+
+# ---- the Engine against HF ----
+@pytest.fixture(scope="module")
+def tiny():
+    return build_hf_model(seed=5)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return loaded_model(tiny)
+
+
+def _hf_logprobs(tiny, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """log_softmax of HF's logits at the positions that chose each output token."""
+    ids = torch.tensor([prompt + out])
+    with torch.no_grad():
+        logits = tiny.causal_lm()(input_ids=ids).logits[0].double()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(out)]
+
+
+def _run(loaded, k: int, params: SamplingParams, prompts):
+    eng = Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=k) if k else None, max_batch=2,
+                 prefill_chunk=8)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    toks = {f"r{i}": [] for i in range(len(prompts))}
+    lps = {f"r{i}": [] for i in range(len(prompts))}
+    while eng.has_work():
+        for o in eng.step():
+            toks[o.req_id] += o.new_token_ids
+            assert (o.logprobs is None) == (params.logprobs is None)
+            if o.logprobs is not None:
+                assert [t.token_id for t in o.logprobs] == o.new_token_ids
+                lps[o.req_id] += o.logprobs
+    eng.shutdown()
+    return toks, lps
+
+
+@pytest.mark.parametrize("k,temperature", [(0, 0.0), (2, 0.0), (2, 1.0)], ids=["plain-greedy", "mtp-greedy",
+                                                                               "mtp-sampled"])
+def test_engine_logprobs_equal_hf(tiny, loaded, k, temperature):
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in (5, 13)]
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=9, ignore_eos=True, logprobs=4)
+    toks, lps = _run(loaded, k, params, prompts)
+    for i, p in enumerate(prompts):
+        out, got = toks[f"r{i}"], lps[f"r{i}"]
+        want = _hf_logprobs(tiny, p, out)
+        assert len(got) == len(out) == 9
+        for j, t in enumerate(got):
+            assert abs(t.logprob - want[j, out[j]].item()) <= LP_TOL
+            val, idx = want[j].topk(4)
+            assert [x for x, _ in t.top] == idx.tolist()
+            assert max(abs(a - b) for (_, a), b in zip(t.top, val.tolist())) <= LP_TOL
+            if temperature == 0:
+                assert t.top[0][0] == out[j]          # greedy: the chosen token is the most likely one
+
+
+@pytest.mark.parametrize("logprobs", [None, 0], ids=["off-runs-ahead", "on-stays-in-step"])
+def test_logprobs_leave_the_run_ahead_path(loaded, logprobs):
+    """Run-ahead emits tokens read back from a step launched before the previous one was read: it has no logits
+    rows to take logprobs from, so a request that asks for them keeps every step synchronous."""
+    eng = Engine(loaded, TorchOps(), max_batch=1, async_scheduling=True)
+    eng.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=logprobs))
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    assert sum(len(o.new_token_ids) for o in outs) == 6
+    if logprobs is None:
+        assert eng.stats.ahead_steps > 0 and all(o.logprobs is None for o in outs)
+    else:
+        assert eng.stats.ahead_steps == 0
+        assert [t.token_id for o in outs for t in o.logprobs] == [t for o in outs for t in o.new_token_ids]
+        assert all(t.top == () and t.logprob <= 0 for o in outs for t in o.logprobs)
+    eng.shutdown()
