@@ -106,6 +106,23 @@ def _ids(v) -> list[int]:
     return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet, char -> byte: printable bytes stand for themselves, the other 68 bytes for
+    the characters from U+0100 on, in byte order (the GPT-2 scheme Qwen's tokenizer uses)."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + n)] = b
+            n += 1
+    return out
+
+
+_BYTE_OF = _byte_alphabet()
+
+
 class Tokenizer:
     def __init__(self, tokenizer_json: str, *, chat_template: str | None = None, stop_ids=(),
                  bos_token: str | None = None, eos_token: str | None = None):
@@ -117,7 +134,10 @@ class Tokenizer:
         self.chat_template = chat_template
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.bos_token, self.eos_token = bos_token, eos_token
-        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        added = self._tok.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._added = frozenset(added)
+        self._byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
         self._template = None
         self.template_source = "chat_template.jinja"   # named in template errors
         self.template_problem: str | None = None          # a broken template, reported when it is needed
@@ -153,6 +173,16 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level BPE piece may be part of a UTF-8 character, which its
+        decoded text cannot show (OpenAI's logprobs `bytes`). Added tokens and other decoders: their text."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if self._byte_level and token_id not in self._added and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     @property
     def vocab_size(self) -> int:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import handlers as H
 from . import protocol as P
 from .images import image_prompt
+from .logprobs_api import LogprobFormat
 from .metrics import ServerMetrics
 from .runtime import DEFAULT_VISION_TOKENS
 
@@ -218,5 +219,6 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
                           vision=img.request if img is not None else None,
                           image_tokens=img.image_tokens if img is not None else 0)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    lp = LogprobFormat(tok, chat=chat, top=params.logprobs) if params.logprobs is not None else None
     return await H.respond(handle, request, chat=chat, model=state.model_id, stream=bool(req.stream),
-                           include_usage=include_usage, fingerprint=state.fingerprint)
+                           include_usage=include_usage, fingerprint=state.fingerprint, logprobs=lp)

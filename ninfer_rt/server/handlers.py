@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..sampling import SamplingError, SamplingParams
 from ..tokenizer import ChatTemplateError, TokenizerError
 from . import protocol as P
+from .logprobs_api import LogprobFormat, requested
 from .reasoning import ReasoningSplitter, prompt_think_state
 
 DISCONNECT_POLL_S = 0.25
@@ -40,7 +41,8 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     try:
         return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=req.ignore_eos,
-                              stop_token_ids=() if req.ignore_eos else tuple(sorted(stop_ids)), **kw)
+                              stop_token_ids=() if req.ignore_eos else tuple(sorted(stop_ids)),
+                              logprobs=requested(req, isinstance(req, P.ChatRequest)), **kw)
     except SamplingError as e:
         msg = str(e)
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
@@ -128,47 +130,51 @@ async def _next_or_disconnect(handle, request: Request, checked: float):
 
 
 async def respond(handle, request: Request, *, chat: bool, model: str, stream: bool, include_usage: bool,
-                  fingerprint: str | None = None):
+                  fingerprint: str | None = None, logprobs: LogprobFormat | None = None):
+    """logprobs: the request's formatter when it asked for logprobs (the engine then sends them with its tokens)."""
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if stream:
         chunks = P.Chunks(rid, model, chat=chat, include_usage=include_usage, fp=fingerprint)
-        return StreamingResponse(_stream(handle, chunks), media_type="text/event-stream",
+        return StreamingResponse(_stream(handle, chunks, logprobs), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    reasoning, content = [], []
+    reasoning, content, lps = [], [], []
     try:
         async for ev in _events(handle, request):
             if ev[0] == "delta":
                 reasoning.append(ev[1])
                 content.append(ev[2])
+                lps += ev[3] or []
             elif ev[0] == "error":
                 raise ev[1]
             else:
                 _, finish, use = ev
     except ClientGone:
         return Response(status_code=499)       # nobody reads it; nginx's "client closed request"
+    lp = logprobs.format(lps) if logprobs is not None else None
     if chat:
-        body = P.chat_response(rid, model, "".join(content), "".join(reasoning), finish, use, fingerprint)
+        body = P.chat_response(rid, model, "".join(content), "".join(reasoning), finish, use, fingerprint, lp)
     else:
-        body = P.completion_response(rid, model, "".join(content), finish, use, fingerprint)
+        body = P.completion_response(rid, model, "".join(content), finish, use, fingerprint, lp)
     return JSONResponse(body)
 
 
-def _delta(chunks: P.Chunks, reasoning: str, content: str) -> dict | None:
-    """The chunk of one delta event; None when a completion stream has no text to send."""
+def _delta(chunks: P.Chunks, reasoning: str, content: str, lp: dict | None) -> dict | None:
+    """The chunk of one delta event; None when a completion stream has neither text nor logprobs to send."""
     if not chunks.chat:
-        return chunks.delta(content) if content else None
+        return chunks.delta(content, logprobs=lp) if content or lp else None
     delta = {"reasoning_content": reasoning} if reasoning else {}
     if content:
         delta["content"] = content
-    return chunks.delta(delta)
+    return chunks.delta(delta, logprobs=lp)
 
 
-async def _stream(handle, chunks: P.Chunks):
+async def _stream(handle, chunks: P.Chunks, logprobs: LogprobFormat | None):
     if chunks.chat:
         yield _sse(chunks.delta({"role": "assistant", "content": ""}))
     async for ev in _events(handle, None):
         if ev[0] == "delta":
-            chunk = _delta(chunks, ev[1], ev[2])
+            lp = logprobs.format(ev[3]) if logprobs is not None and ev[3] else None
+            chunk = _delta(chunks, ev[1], ev[2], lp)
             if chunk is not None:
                 yield _sse(chunk)
         elif ev[0] == "error":       # headers are sent: the error travels as an SSE event, then [DONE]

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..sampling import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 16
 
 
@@ -93,6 +95,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list | None = None
 
 
@@ -167,8 +170,10 @@ def _check_chat(req: ChatRequest) -> None:
                 raise bad_request(f"{where}: a text part needs a 'text' string", param=f"{where}.text")
             raise bad_request(f"{where}: only text and image_url parts are supported, got type {part.type!r}",
                               param=where)
-    if req.logprobs:
-        raise bad_request("logprobs: not supported by this server", param="logprobs")
+    if req.top_logprobs is not None:
+        _check_logprobs("top_logprobs", req.top_logprobs)
+        if not req.logprobs:
+            raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
     if req.tools:
         raise bad_request("tools: tool calling is not supported by this server", param="tools")
 
@@ -188,7 +193,12 @@ def _check_completion(req: CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix: not supported by this server", param="suffix")
     if req.logprobs is not None:
-        raise bad_request("logprobs: not supported by this server", param="logprobs")
+        _check_logprobs("logprobs", req.logprobs)
+
+
+def _check_logprobs(name: str, v: int) -> None:
+    if not 0 <= v <= MAX_LOGPROBS:
+        raise bad_request(f"{name}: expected an integer in [0, {MAX_LOGPROBS}], got {v}", param=name)
 
 
 def _template_content(content):
@@ -229,14 +239,15 @@ def _body(obj: str, rid: str, model: str, created: int, fp: str | None, choices:
 
 
 def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, use: dict,
-                  fp: str | None = None) -> dict:
+                  fp: str | None = None, logprobs: dict | None = None) -> dict:
     msg = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
-    choices = [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}]
+    choices = [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": logprobs}]
     return _body("chat.completion", rid, model, int(time.time()), fp, choices, {"usage": use})
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict, fp: str | None = None) -> dict:
-    choices = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict, fp: str | None = None,
+                        logprobs: dict | None = None) -> dict:
+    choices = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]
     return _body("text_completion", rid, model, int(time.time()), fp, choices, {"usage": use})
 
 
@@ -256,9 +267,9 @@ class Chunks:
         extra = {"usage": use} if self.include_usage else {}
         return _body(obj, self.rid, self.model, self.created, self.fp, choices, extra)
 
-    def delta(self, delta_or_text, finish: str | None = None) -> dict:
+    def delta(self, delta_or_text, finish: str | None = None, logprobs: dict | None = None) -> dict:
         key = "delta" if self.chat else "text"
-        return self._make([{"index": 0, key: delta_or_text, "finish_reason": finish, "logprobs": None}], None)
+        return self._make([{"index": 0, key: delta_or_text, "finish_reason": finish, "logprobs": logprobs}], None)
 
     def usage(self, use: dict) -> dict:
         return self._make([], use)

@@ -262,8 +262,9 @@ class Scheduler:
             ids = list(o.new_token_ids)[:h.params.max_tokens - h.generated]
             used, reasoning, content = self._detok(h, ids)
             self._account_tokens(h, used, now)
-            if reasoning or content:
-                self._push(h, ("delta", reasoning, content))
+            lps = o.logprobs[:used] if getattr(o, "logprobs", None) else None
+            if reasoning or content or lps:       # a delta event: (reasoning, content, TokenLogprobs or None)
+                self._push(h, ("delta", reasoning, content, lps))
             if h.text.stopped:
                 self._finish(h, "stop")
             elif o.finished:
@@ -324,7 +325,7 @@ class Scheduler:
         if push:
             r, c = h.text.flush()
             if r or c:
-                self._push(h, ("delta", r, c))
+                self._push(h, ("delta", r, c, None))
         use = usage(h.prompt_len, h.generated)
         if push:
             self._push(h, ("done", reason, use))

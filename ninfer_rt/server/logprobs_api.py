@@ -1,0 +1,74 @@
+"""OpenAI `logprobs` objects from the engine's per-token log-probabilities (ninfer_rt.logprobs.TokenLogprob).
+
+Chat (`logprobs: true`, `top_logprobs: 0..20`): `{"content": [{"token", "logprob", "bytes", "top_logprobs":
+[{"token", "logprob", "bytes"}, ...]}, ...]}`. Completions (`logprobs: 0..20`): the legacy parallel lists
+`{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}, ...], "text_offset"}`, where `top_logprobs`
+holds the chosen token too (as OpenAI's and vLLM's do) and `text_offset` is where the token's text starts in the
+completion, in characters, continuing across streamed chunks (a token inside a multi-byte character starts where
+that character does; special tokens, which the text leaves out, add nothing). A token's text is its bytes
+decoded; bytes that are not whole UTF-8 characters read `bytes:\\xNN...` (as OpenAI writes them), so distinct
+tokens never share a key; `bytes` keeps the exact bytes. Every generated token is listed (reasoning tokens
+included), up to a stop string's token.
+"""
+from __future__ import annotations
+
+import codecs
+
+
+class LogprobFormat:
+    """One request's formatter: `chat` or completions, `top` alternatives, the running text offset."""
+
+    def __init__(self, tok, *, chat: bool, top: int):
+        self.tok, self.chat, self.top = tok, chat, top
+        self.offset = 0
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text: dict[int, tuple[str, list[int]]] = {}
+
+    def _piece(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self._text:
+            b = self.tok.token_bytes(token_id)
+            try:
+                text = b.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+            self._text[token_id] = (text, list(b))
+        return self._text[token_id]
+
+    def _advance(self, token_id: int) -> int:
+        """-> where this token's text starts; moves the offset past the characters it completes. A character
+        still missing bytes waits for them; one that a new character interrupts reads U+FFFD, before this token."""
+        start = self.offset
+        if token_id in self.tok.special_ids:
+            return start
+        b = bytes(self._piece(token_id)[1])
+        if self._chars.getstate()[0] and b and not 0x80 <= b[0] <= 0xBF:
+            start += 1
+        self.offset += len(self._chars.decode(b))
+        return start
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text, raw = self._piece(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    def format(self, lps: list) -> dict:
+        """The `logprobs` object of these tokens (a reply's, or one streamed chunk's)."""
+        if self.chat:
+            return {"content": [{**self._entry(t.token_id, t.logprob),
+                                 "top_logprobs": [self._entry(i, v) for i, v in t.top[:self.top]]} for t in lps]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in lps:
+            text = self._piece(t.token_id)[0]
+            out["tokens"].append(text)
+            out["token_logprobs"].append(t.logprob)
+            top = {self._piece(i)[0]: v for i, v in t.top[:self.top]}
+            top.setdefault(text, t.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self._advance(t.token_id))
+        return out
+
+
+def requested(req, chat: bool) -> int | None:
+    """The engine's `logprobs` (alternatives per token) for a request; None when it asks for none."""
+    if chat:
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs

@@ -1,0 +1,117 @@
+"""`logprobs` over the OpenAI API (chat `logprobs` / `top_logprobs`, completions `logprobs`), through the official
+client against the real Engine with MTP on the tiny fp32 artifact: the objects' shapes, bytes that spell the text,
+streamed chunks that add up to the blocking reply, and a stop string's cut. The values themselves are checked
+against HF transformers in tests/test_logprobs.py."""
+from __future__ import annotations
+
+import hf_tiny
+import pytest
+from test_server import MODEL_ID, real_server, tiny_artifact
+
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_format_splits_characters_and_skips_specials(chat):
+    """The tiny tokenizer has one token per byte: 'é' is two tokens, each `bytes:`; an interrupted character
+    reads U+FFFD before the next token; a special token adds no text. Offsets continue across calls."""
+    from test_server import tiny_tokenizer
+
+    from ninfer_rt.logprobs import TokenLogprob
+    from ninfer_rt.server.logprobs_api import LogprobFormat
+    tok = tiny_tokenizer()
+    ids = tok.encode("aé") + [0xC3] + tok.encode("*") + [hf_tiny.IM_END_ID] + tok.encode("b")   # text 'aé�*b'
+    lps = [TokenLogprob(i, -0.5, ((i, -0.5), (97, -2.0))) for i in ids]
+    f = LogprobFormat(tok, chat=chat, top=1)
+    got = [f.format(lps[:3]), f.format(lps[3:])]                    # two streamed chunks
+    names = ["a", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xc3", "*", "<|im_end|>", "b"]
+    if chat:
+        entries = got[0]["content"] + got[1]["content"]
+        assert [e["token"] for e in entries] == names and [e["bytes"] for e in entries] == [[i] for i in ids[:5]] + \
+            [list(b"<|im_end|>"), [98]]
+        assert all(len(e["top_logprobs"]) == 1 and e["top_logprobs"][0]["token"] == e["token"] for e in entries)
+    else:
+        assert got[0]["tokens"] + got[1]["tokens"] == names
+        assert got[0]["text_offset"] + got[1]["text_offset"] == [0, 1, 1, 2, 3, 4, 4]
+        assert got[1]["top_logprobs"][0] == {"bytes:\\xc3": -0.5}
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    s, rt = real_server(tiny_artifact(tmp_path_factory))
+    yield s
+    s.close()
+    rt.close()
+
+
+def test_chat_logprobs_spell_the_content(srv):
+    r = srv.client().chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "hello there"}], max_tokens=16, temperature=0,
+        logprobs=True, top_logprobs=3, extra_body=NO_THINK)
+    ch = r.choices[0]
+    entries = ch.logprobs.content
+    assert len(entries) == r.usage.completion_tokens == 16
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)   # greedy: the argmax
+        assert e.token == _token_text(bytes(e.bytes))
+    text = b"".join(bytes(e.bytes) for e in entries if e.token not in hf_tiny.SPECIALS)
+    assert text.decode("utf-8", errors="replace") == ch.message.content
+
+
+def _token_text(b: bytes) -> str:
+    """A token's text: its bytes when they are whole UTF-8 characters, else OpenAI's `bytes:\\xNN` form."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
+def test_chat_without_logprobs_has_none(srv):
+    r = srv.client().chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_body=NO_THINK)
+    assert r.choices[0].logprobs is None
+
+
+def _completion(srv, stream: bool, **kw):
+    """-> (text, finish_reason, usage or None, tokens, token_logprobs, top_logprobs, text_offset)."""
+    c = srv.client()
+    args = dict(model=MODEL_ID, prompt="The quick brown fox", max_tokens=12, temperature=0, logprobs=2,
+                extra_body={"ignore_eos": True}, **kw)
+    if not stream:
+        r = c.completions.create(**args)
+        lp = r.choices[0].logprobs
+        return (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens, lp.tokens,
+                lp.token_logprobs, lp.top_logprobs, lp.text_offset)
+    text, finish, lists = "", None, ([], [], [], [])
+    for ch in c.completions.create(stream=True, **args):
+        (choice,) = ch.choices
+        text += choice.text
+        finish = choice.finish_reason or finish
+        if choice.logprobs is not None:
+            lp = choice.logprobs
+            for acc, part in zip(lists, (lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset)):
+                acc += part
+    return (text, finish, None, *lists)
+
+
+def test_completion_stream_adds_up_to_the_blocking_reply(srv):
+    text, finish, n, tokens, lps, tops, offsets = _completion(srv, False)
+    assert finish == "length" and len(tokens) == len(lps) == len(tops) == len(offsets) == n == 12
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for t, lp, top, o in zip(tokens, lps, tops, offsets):
+        assert lp <= 0 and top[t] == lp and 1 <= len(top) <= 3       # the top 2 and the chosen token
+        if not t.startswith("bytes:") and t not in hf_tiny.SPECIALS:
+            assert text[o:o + len(t)] == t                           # whole characters: where the text has them
+    assert _completion(srv, True)[:2] + _completion(srv, True)[3:] == (text, finish, tokens, lps, tops, offsets)
+
+
+def test_stop_string_cuts_the_logprobs_too(srv):
+    full = _completion(srv, False)[0]
+    stop = next(ch for ch in full[3:] if ch != "\ufffd" and not ch.isspace())
+    for stream in (False, True):
+        text, finish, n, tokens, *_ = _completion(srv, stream, stop=[stop])
+        assert (text, finish) == (full[:full.index(stop)], "stop")
+        # the tokens up to the one that completed the stop string, as many as usage counts
+        assert 0 < len(tokens) <= 12 and (n is None or len(tokens) == n)
