@@ -60,6 +60,7 @@ class StepOutput:
     drafted: int | None = None         # MTP drafts this request verified this step (None without MTP)
     accepted: int | None = None        # of those, accepted (the step emitted accepted + 1 tokens at most)
     logprobs: list | None = None       # ninfer_rt.logprobs.TokenLogprob per new token (params.logprobs set)
+    prompt_logprobs: list | None = None  # with the first token: TokenLogprob of prompt tokens 1.. (params.prompt_logprobs)
 
 
 @dataclass
@@ -165,7 +166,7 @@ class Engine(RunAhead, Decisions, Core):
                               f"{self.max_model_len} (prompt + generated), leaving no room to generate")
         if params.stop and self.tokenizer is None:
             raise EngineError(f"request {req_id!r}: stop strings need an engine with a tokenizer")
-        s = Seq(req_id, prompt, params=params)
+        s = Seq(req_id, prompt, params=params, prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         if vision is not None:
             s.vision = self.vision.encode_request(vision)
         if params.has_penalties:
@@ -253,8 +254,9 @@ class Engine(RunAhead, Decisions, Core):
         if s.stream is not None:
             text, s.text_delta = s.text_delta, ""
         lps, s.logprobs = s.logprobs, None
+        plps, s.prompt_logprobs = s.prompt_logprobs, None     # complete once the prompt's last chunk has run
         return StepOutput(s.req_id, emitted, s.finished, s.reason, text, drafted=drafted, accepted=accepted,
-                          logprobs=lps)
+                          logprobs=lps, prompt_logprobs=plps)
 
     def _send_plan(self, plan: Plan) -> None:
         self.tp.broadcast_object({"op": "step", **plan.message()})
@@ -295,6 +297,8 @@ class Engine(RunAhead, Decisions, Core):
                     n = min(budget, len(s.prompt) - s.done_prompt)
                     plan.prefill.append((s.req_id, s.done_prompt, s.done_prompt + n))
                     budget -= n
+                    if s.params.prompt_logprobs is not None:
+                        plan.all_rows.append(s.req_id)
             else:
                 plan.decode.append((s.req_id, self._k_eff(s)))
         plan.chain = self.spec is not None and bool(plan.decode) and self._chainable(

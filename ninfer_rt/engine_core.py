@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .logprobs import emitted_items, prompt_items
 from .model import Model, MtpInput, Output, SeqInput
 from .sampling import small_tensor
 from .speculative import SpecConfig, SpecError
@@ -62,6 +63,7 @@ class Seq:
     text_delta: str = ""
     q: list = field(default_factory=list)     # draft distributions of the current round
     logprobs: list | None = None         # TokenLogprob of this step's emitted tokens (params.logprobs set)
+    prompt_logprobs: list | None = None  # TokenLogprob of prompt tokens 1.. so far (params.prompt_logprobs set)
     finished: bool = False
     reason: str | None = None
 
@@ -77,10 +79,11 @@ class Plan:
     prefill: list = field(default_factory=list)   # (req_id, start, end)
     decode: list = field(default_factory=list)    # (req_id, k drafts)
     chain: bool = False                           # drafts stay on the device between draft steps (`_draft_chained`)
+    all_rows: list = field(default_factory=list)  # req_ids whose prompt chunks return every row's logits
 
     def message(self) -> dict:
         return {"admit": self.admit, "free": self.free, "prefill": self.prefill, "decode": self.decode,
-                "chain": self.chain}
+                "chain": self.chain, "all_rows": self.all_rows}
 
 
 @dataclass
@@ -92,16 +95,6 @@ class Verdict:
 
     def emitted(self, drafts: list[int]) -> list[int]:
         return (drafts[:self.n_acc] + [self.token])[:self.n_emit]
-
-
-def _logprob_items(dec, pre, verdicts, drafts, out) -> list:
-    """(seq, logits rows, emitted tokens) of every row whose request asked for logprobs (params: leader only)."""
-    items = [(s, out.seq_logits(i), v.emitted(d)) for i, ((s, _), d, v) in enumerate(zip(dec, drafts, verdicts))
-             if s.params is not None and s.params.logprobs is not None and v.n_emit]
-    for i, ((s, _, b), v) in enumerate(zip(pre, verdicts[len(dec):]), start=len(dec)):
-        if b == len(s.prompt) and s.params is not None and s.params.logprobs is not None and v.n_emit:
-            items.append((s, out.seq_logits(i), [v.token]))
-    return items
 
 
 def forward_parts(n_dec: int, n: int, graphs: bool) -> list[tuple[int, int, bool]]:
@@ -200,8 +193,9 @@ class Core:
         """The argmax of every logits row the verdicts will read, queued on the device (None: not needed)."""
         return None
 
-    def _take_logprobs(self, items: list[tuple[Seq, torch.Tensor, list[int]]]) -> None:
-        """The leader's: (sequence, its logits rows, the tokens they emitted) of requests that asked for logprobs."""
+    def _take_logprobs(self, items: list, prompt_items: list) -> None:
+        """The leader's: (sequence, its logits rows, the tokens they chose) of requests that asked for logprobs
+        (`items`: emitted tokens) or prompt logprobs (`prompt_items`: the prompt's next tokens)."""
 
     def _receive_vision(self, meta: dict) -> VisionPrompt:
         """A follower's copy of an admitted image prompt (rank 0 encodes it and sends the embeddings)."""
@@ -243,13 +237,14 @@ class Core:
         drafts = self._draft(dec, plan.chain)
         starts = [s.state.length for s, _ in dec]
         inputs = [self._seq_input(s, _round_ids(s.last, d), snapshot=k > 0) for (s, k), d in zip(dec, drafts)]
-        inputs += [self._seq_input(s, s.prompt[a:b], logits="last" if b == len(s.prompt) else "none")
-                   for s, a, b in pre]
+        rows = set(plan.all_rows)
+        inputs += [self._seq_input(s, s.prompt[a:b], logits="all" if s.req_id in rows else
+                                   "last" if b == len(s.prompt) else "none") for s, a, b in pre]
         out = self._forward(inputs, len(dec))
         # device drafts are read back once the verify step is queued, with the verdict's argmax queued behind it
         drafts, self._argmax = _read_back_drafts(drafts, self._target_argmax(dec, pre, out))
         verdicts = self._decide_verdicts(dec, drafts, pre, out)
-        self._take_logprobs(_logprob_items(dec, pre, verdicts, drafts, out))
+        self._take_logprobs(emitted_items(dec, pre, verdicts, drafts, out), prompt_items(pre, rows, out, len(dec)))
         results, mtp_in, mtp_seqs = [], [], []
         for i, ((s, k), d, v, L) in enumerate(zip(dec, drafts, verdicts, starts)):
             if k > 0:

@@ -61,7 +61,7 @@ class Decisions:
         seqs = self._verified(dec, pre)
         if not seqs or not all(argmax_decides(s.params, s.counts) for _, s in seqs):
             return None
-        return torch.cat([out.seq_logits(i) for i, _ in seqs]).argmax(-1)
+        return torch.cat([out.seq_logits(i) if i < len(dec) else out.seq_logits(i)[-1:] for i, _ in seqs]).argmax(-1)
 
     def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
         """Every row is verified on the device first and read back in one transfer (not two host syncs per
@@ -69,7 +69,8 @@ class Decisions:
         final = self._verified(dec, pre)[len(dec):]
         rows = [RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator)
                 for i, ((s, _), d) in enumerate(zip(dec, drafts))]
-        rows += [RoundInput(s.params, out.seq_logits(i), [], [], s.counts, s.generator) for i, s in final]
+        # a prompt chunk may return every row (prompt logprobs): its last one chose the first token
+        rows += [RoundInput(s.params, out.seq_logits(i)[-1:], [], [], s.counts, s.generator) for i, s in final]
         if self._argmax is not None:
             o = 0
             for r in rows:
@@ -91,11 +92,14 @@ class Decisions:
             self.tp.broadcast(torch.tensor([[v.n_acc, v.token, v.n_emit, int(v.finished)] for v in verdicts]))
         return verdicts
 
-    def _take_logprobs(self, items) -> None:
-        """One read-back for the step's requests that asked for logprobs (`ninfer_rt.logprobs`)."""
-        got = token_logprobs([(lg, toks, s.params.logprobs) for s, lg, toks in items], self.cfg.vocab_size)
+    def _take_logprobs(self, items, prompt_items) -> None:
+        """One read-back for the step's requests that asked for logprobs or prompt logprobs (`ninfer_rt.logprobs`)."""
+        got = token_logprobs([(lg, toks, s.params.logprobs) for s, lg, toks in items] +
+                             [(lg, toks, s.params.prompt_logprobs) for s, lg, toks in prompt_items], self.cfg.vocab_size)
         for (s, _, _), lps in zip(items, got):
             s.logprobs = lps
+        for (s, _, _), lps in zip(prompt_items, got[len(items):]):
+            s.prompt_logprobs += lps
 
     def _accept(self, s: Seq, tokens: list[int]) -> int:
         """Emit tokens in order until a stop; returns how many were emitted."""

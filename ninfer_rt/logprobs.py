@@ -53,3 +53,25 @@ def token_logprobs(items: list[tuple[torch.Tensor, list[int], int]], vocab: int)
             r += 1
         out.append(seq)
     return out
+
+
+# ---- which logits rows chose which tokens, in an engine step (Core._execute) ----
+def emitted_items(dec, pre, verdicts, drafts, out) -> list:
+    """(seq, logits rows, emitted tokens) of every row whose request asked for logprobs (params: leader only)."""
+    items = [(s, out.seq_logits(i), v.emitted(d)) for i, ((s, _), d, v) in enumerate(zip(dec, drafts, verdicts))
+             if s.params is not None and s.params.logprobs is not None and v.n_emit]
+    for i, ((s, _, b), v) in enumerate(zip(pre, verdicts[len(dec):]), start=len(dec)):
+        if b == len(s.prompt) and s.params is not None and s.params.logprobs is not None and v.n_emit:
+            items.append((s, out.seq_logits(i)[-1:], [v.token]))
+    return items
+
+
+def prompt_items(pre, rows: set, out, n_dec: int) -> list:
+    """(seq, logits rows, prompt tokens they predict) of prompt chunks that returned every row: rows a..b-1 predict
+    prompt tokens a+1..b (the final chunk's last row predicts the first output token, not a prompt token)."""
+    items = []
+    for i, (s, a, b) in enumerate(pre, start=n_dec):
+        nxt = s.prompt[a + 1:b + 1]
+        if s.req_id in rows and nxt:
+            items.append((s, out.seq_logits(i), nxt))
+    return items

@@ -47,6 +47,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()              # stop strings (need a tokenizer on the engine)
     ignore_eos: bool = False
     logprobs: int | None = None         # None = off; k = each emitted token's log-probability + the top k
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first (vLLM's name)
 
     def __post_init__(self):
         self._check_numbers()
@@ -66,9 +67,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos: expected a boolean, got {self.ignore_eos!r}")
-        lp = self.logprobs
-        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
-            raise SamplingError(f"logprobs: expected an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+                raise SamplingError(f"{name}: expected an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
 
     def _check_numbers(self):
         t = self.temperature

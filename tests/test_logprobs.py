@@ -50,10 +50,11 @@ def test_ruled_out_tokens_get_the_floor():
     assert token_logprobs([], 3) == []
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, 1.5, True], ids=["negative", "too-many", "float", "bool"])
-def test_sampling_params_reject_bad_logprobs(bad):
-    with pytest.raises(SamplingError, match=r"logprobs: expected an integer in \[0, 20\]"):
-        SamplingParams(logprobs=bad)
+def test_sampling_params_reject_bad_logprobs(name, bad):
+    with pytest.raises(SamplingError, match=rf"^{name}: expected an integer in \[0, 20\]"):
+        SamplingParams(**{name: bad})
 
 
 # ---- the Engine against HF ----
@@ -75,7 +76,8 @@ def _hf_logprobs(tiny, prompt: list[int], out: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(out)]
 
 
-def _run(loaded, k: int, params: SamplingParams, prompts):
+def _run(loaded, k: int, params: SamplingParams, prompts, plps: dict | None = None):
+    """-> (tokens, logprobs) per request; `plps` collects each request's prompt logprobs (they come once)."""
     eng = Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=k) if k else None, max_batch=2,
                  prefill_chunk=8)
     for i, p in enumerate(prompts):
@@ -89,6 +91,10 @@ def _run(loaded, k: int, params: SamplingParams, prompts):
             if o.logprobs is not None:
                 assert [t.token_id for t in o.logprobs] == o.new_token_ids
                 lps[o.req_id] += o.logprobs
+            first = len(toks[o.req_id]) == len(o.new_token_ids)
+            assert (o.prompt_logprobs is not None) == (first and params.prompt_logprobs is not None)
+            if o.prompt_logprobs is not None:
+                plps[o.req_id] = o.prompt_logprobs
     eng.shutdown()
     return toks, lps
 
@@ -111,6 +117,27 @@ def test_engine_logprobs_equal_hf(tiny, loaded, k, temperature):
             assert max(abs(a - b) for (_, a), b in zip(t.top, val.tolist())) <= LP_TOL
             if temperature == 0:
                 assert t.top[0][0] == out[j]          # greedy: the chosen token is the most likely one
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp"])
+def test_prompt_logprobs_equal_hf(tiny, loaded, k):
+    """Prompts of 1, 5 and 13 tokens (13: two chunks of 8) return the logprobs of their tokens after the first,
+    once, with the first output token; the output is what it is without them."""
+    g = torch.Generator().manual_seed(10)
+    prompts = [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in (13, 5, 1)]
+    base = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    plain, _ = _run(loaded, k, SamplingParams(**base), prompts)
+    plps: dict = {}
+    toks, _ = _run(loaded, k, SamplingParams(**base, prompt_logprobs=2), prompts, plps)
+    assert toks == plain
+    for i, p in enumerate(prompts):
+        got = plps[f"r{i}"]
+        assert [t.token_id for t in got] == p[1:]
+        if len(p) > 1:
+            want = _hf_logprobs(tiny, p[:1], p[1:])
+            for j, t in enumerate(got):
+                assert abs(t.logprob - want[j, p[j + 1]].item()) <= LP_TOL
+                assert [x for x, _ in t.top] == want[j].topk(2).indices.tolist()
 
 
 @pytest.mark.parametrize("logprobs", [None, 0], ids=["off-runs-ahead", "on-stays-in-step"])

@@ -115,3 +115,41 @@ def test_stop_string_cuts_the_logprobs_too(srv):
         assert (text, finish) == (full[:full.index(stop)], "stop")
         # the tokens up to the one that completed the stop string, as many as usage counts
         assert 0 < len(tokens) <= 12 and (n is None or len(tokens) == n)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "stream"])
+def test_echo_repeats_the_prompt(srv, stream):
+    full = _completion(srv, False, echo=True)
+    plain = _completion(srv, False)
+    got = _completion(srv, stream, echo=True)
+    prompt = "The quick brown fox"
+    assert full[0] == got[0] == prompt + plain[0]
+    n = len(_tok().encode(prompt))
+    assert got[3] == full[3] and len(full[3]) == n + 12 and full[3][n:] == plain[3]    # tokens
+    assert full[4][0] is None and full[5][0] is None and got[4][1:] == full[4][1:]    # nothing predicts token 0
+    assert full[6] == got[6] and full[6][n:] == [o + len(prompt) for o in plain[6]]    # offsets continue
+
+
+def _tok():
+    from test_server import tiny_tokenizer
+    return tiny_tokenizer()
+
+
+def test_echo_logprobs_score_a_prompt_like_lm_eval(srv, tmp_path_factory):
+    """lm-evaluation-harness scores a continuation with echo=True, logprobs=1, max_tokens=1 on token ids: the
+    prompt tokens' logprobs equal HF transformers' log_softmax over the same ids."""
+    import torch
+
+    from test_server import _ARTIFACT
+    ids = _tok().encode("def add(a, b):\n    return a + b\n")
+    r = srv.client().completions.create(model=MODEL_ID, prompt=[ids], max_tokens=1, temperature=0, logprobs=1,
+                                        echo=True, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    ref = hf_tiny.load_hf_reference(_ARTIFACT["hf"]).causal_lm()
+    with torch.no_grad():
+        want = torch.log_softmax(ref(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    got = torch.tensor(lp.token_logprobs[1:len(ids)], dtype=torch.float64)
+    assert (got - want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]).abs().max() < 1e-4
+    for top, v in zip(lp.top_logprobs[1:len(ids)], lp.token_logprobs[1:]):
+        assert max(top.values()) >= v          # the chosen token and the most likely one (lm-eval's is_greedy)

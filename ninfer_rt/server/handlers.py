@@ -39,10 +39,11 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
         if v is not None:
             kw[name] = v
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    lp, plp = requested(req, isinstance(req, P.ChatRequest))
     try:
         return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=req.ignore_eos,
                               stop_token_ids=() if req.ignore_eos else tuple(sorted(stop_ids)),
-                              logprobs=requested(req, isinstance(req, P.ChatRequest)), **kw)
+                              logprobs=lp, prompt_logprobs=plp, **kw)
     except SamplingError as e:
         msg = str(e)
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
@@ -72,6 +73,12 @@ def completion_prompt(tok, req: P.CompletionRequest, vocab: int) -> list[int]:
     if bad is not None:
         raise P.bad_request(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
     return list(p)
+
+
+def prompt_text(tok, req: P.CompletionRequest, ids: list[int]) -> str:
+    """What `echo` repeats: the prompt as sent, or the text of a token-id prompt (special tokens kept)."""
+    p = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else req.prompt
+    return p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False)
 
 
 def splitter(tok, prompt_ids: list[int]) -> ReasoningSplitter:
@@ -107,7 +114,7 @@ async def _events(handle, request: Request | None):
                         raise ClientGone()
                     checked = time.monotonic()
             yield ev
-            if ev[0] != "delta":
+            if ev[0] not in ("delta", "prompt"):
                 return
     finally:
         handle.cancel()
@@ -130,31 +137,38 @@ async def _next_or_disconnect(handle, request: Request, checked: float):
 
 
 async def respond(handle, request: Request, *, chat: bool, model: str, stream: bool, include_usage: bool,
-                  fingerprint: str | None = None, logprobs: LogprobFormat | None = None):
-    """logprobs: the request's formatter when it asked for logprobs (the engine then sends them with its tokens)."""
+                  fingerprint: str | None = None, logprobs: LogprobFormat | None = None,
+                  echo: tuple[str, int] | None = None):
+    """logprobs: the request's formatter when it asked for logprobs (the engine then sends them with its tokens);
+    echo: completions' (prompt text, first prompt token), which the reply starts with (and its logprobs, if any)."""
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if stream:
         chunks = P.Chunks(rid, model, chat=chat, include_usage=include_usage, fp=fingerprint)
-        return StreamingResponse(_stream(handle, chunks, logprobs), media_type="text/event-stream",
+        return StreamingResponse(_stream(handle, chunks, logprobs, echo), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    reasoning, content, lps = [], [], []
+    reasoning, content, lps, prompt_lps = [], [], [], []
     try:
         async for ev in _events(handle, request):
             if ev[0] == "delta":
                 reasoning.append(ev[1])
                 content.append(ev[2])
                 lps += ev[3] or []
+            elif ev[0] == "prompt":
+                prompt_lps = ev[1]
             elif ev[0] == "error":
                 raise ev[1]
             else:
                 _, finish, use = ev
     except ClientGone:
         return Response(status_code=499)       # nobody reads it; nginx's "client closed request"
+    head = logprobs.format_prompt(echo[1], prompt_lps) if logprobs is not None and echo else None
     lp = logprobs.format(lps) if logprobs is not None else None
     if chat:
         body = P.chat_response(rid, model, "".join(content), "".join(reasoning), finish, use, fingerprint, lp)
     else:
-        body = P.completion_response(rid, model, "".join(content), finish, use, fingerprint, lp)
+        lp = {k: head[k] + lp[k] for k in lp} if head else lp
+        text = (echo[0] if echo else "") + "".join(content)
+        body = P.completion_response(rid, model, text, finish, use, fingerprint, lp)
     return JSONResponse(body)
 
 
@@ -168,10 +182,14 @@ def _delta(chunks: P.Chunks, reasoning: str, content: str, lp: dict | None) -> d
     return chunks.delta(delta, logprobs=lp)
 
 
-async def _stream(handle, chunks: P.Chunks, logprobs: LogprobFormat | None):
+async def _stream(handle, chunks: P.Chunks, logprobs: LogprobFormat | None, echo: tuple[str, int] | None):
     if chunks.chat:
         yield _sse(chunks.delta({"role": "assistant", "content": ""}))
     async for ev in _events(handle, None):
+        if echo is not None and ev[0] != "error":     # the prompt first (with its logprobs when they come)
+            head = logprobs.format_prompt(echo[1], ev[1]) if logprobs is not None and ev[0] == "prompt" else None
+            yield _sse(chunks.delta(echo[0], logprobs=head))
+            echo = None
         if ev[0] == "delta":
             lp = logprobs.format(ev[3]) if logprobs is not None and ev[3] else None
             chunk = _delta(chunks, ev[1], ev[2], lp)
@@ -179,7 +197,7 @@ async def _stream(handle, chunks: P.Chunks, logprobs: LogprobFormat | None):
                 yield _sse(chunk)
         elif ev[0] == "error":       # headers are sent: the error travels as an SSE event, then [DONE]
             yield _sse(ev[1].body())
-        else:
+        elif ev[0] == "done":
             _, finish, use = ev
             yield _sse(chunks.delta({} if chunks.chat else "", finish))
             if chunks.include_usage:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import codecs
 
+from ..logprobs import TokenLogprob
+
 
 class LogprobFormat:
     """One request's formatter: `chat` or completions, `top` alternatives, the running text offset."""
@@ -34,11 +36,11 @@ class LogprobFormat:
             self._text[token_id] = (text, list(b))
         return self._text[token_id]
 
-    def _advance(self, token_id: int) -> int:
+    def _advance(self, token_id: int, specials_are_text: bool = False) -> int:
         """-> where this token's text starts; moves the offset past the characters it completes. A character
         still missing bytes waits for them; one that a new character interrupts reads U+FFFD, before this token."""
         start = self.offset
-        if token_id in self.tok.special_ids:
+        if token_id in self.tok.special_ids and not specials_are_text:
             return start
         b = bytes(self._piece(token_id)[1])
         if self._chars.getstate()[0] and b and not 0x80 <= b[0] <= 0xBF:
@@ -50,7 +52,14 @@ class LogprobFormat:
         text, raw = self._piece(token_id)
         return {"token": text, "logprob": logprob, "bytes": raw}
 
-    def format(self, lps: list) -> dict:
+    def format_prompt(self, first_id: int, lps: list) -> dict:
+        """Completions' `echo`: the prompt's tokens, before the output's. The first has no logprob (nothing
+        predicts it), and special tokens count as text (an echoed prompt keeps them)."""
+        out = self.format([TokenLogprob(first_id, None)] + list(lps), specials_are_text=True)
+        out["top_logprobs"][0] = None
+        return out
+
+    def format(self, lps: list, specials_are_text: bool = False) -> dict:
         """The `logprobs` object of these tokens (a reply's, or one streamed chunk's)."""
         if self.chat:
             return {"content": [{**self._entry(t.token_id, t.logprob),
@@ -63,12 +72,13 @@ class LogprobFormat:
             top = {self._piece(i)[0]: v for i, v in t.top[:self.top]}
             top.setdefault(text, t.logprob)
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self._advance(t.token_id))
+            out["text_offset"].append(self._advance(t.token_id, specials_are_text))
         return out
 
 
-def requested(req, chat: bool) -> int | None:
-    """The engine's `logprobs` (alternatives per token) for a request; None when it asks for none."""
+def requested(req, chat: bool) -> tuple[int | None, int | None]:
+    """-> the engine's (logprobs, prompt_logprobs) for a request (alternatives per token; None: none). Prompt
+    logprobs come with completions' `echo`."""
     if chat:
-        return (req.top_logprobs or 0) if req.logprobs else None
-    return req.logprobs
+        return ((req.top_logprobs or 0) if req.logprobs else None), None
+    return req.logprobs, (req.logprobs if req.echo else None)

@@ -188,8 +188,6 @@ def _check_completion(req: CompletionRequest) -> None:
         raise bad_request("prompt: must not be empty", param="prompt")
     if req.best_of not in (None, 1):
         raise bad_request(f"best_of: only best_of=1 is supported, got {req.best_of}", param="best_of")
-    if req.echo:
-        raise bad_request("echo: not supported by this server", param="echo")
     if req.suffix:
         raise bad_request("suffix: not supported by this server", param="suffix")
     if req.logprobs is not None:

@@ -262,6 +262,8 @@ class Scheduler:
             ids = list(o.new_token_ids)[:h.params.max_tokens - h.generated]
             used, reasoning, content = self._detok(h, ids)
             self._account_tokens(h, used, now)
+            if getattr(o, "prompt_logprobs", None) is not None:      # completions' echo: before the first token
+                self._push(h, ("prompt", o.prompt_logprobs))
             lps = o.logprobs[:used] if getattr(o, "logprobs", None) else None
             if reasoning or content or lps:       # a delta event: (reasoning, content, TokenLogprobs or None)
                 self._push(h, ("delta", reasoning, content, lps))
