@@ -14,7 +14,7 @@ Step protocol (TP > 1, all over the CPU gloo control group, rank 0 -> everyone):
   1b. for every admitted image prompt, in admit order: its merged vision tokens [n, H] (`meta["embeds_shape"]`,
      `meta["embeds_dtype"]`); only rank 0 runs the tower, so every rank splices the same embeddings
   2. unless the plan says "chain": for j = 1..max k: int64 [n_j]  the j-th drafts of the decode sequences with
-     k >= j, in plan order. "chain" (every decode sequence drafts greedily, without penalties): each rank takes
+     k >= j, in plan order. "chain" (every decode sequence drafts greedily, no penalties, no bias): each rank takes
      the argmax of the same all-gathered draft logits itself and keeps it on the device (`_draft_chained`)
   3. if anything was scheduled: int64 [n_decode + n_prefill, 4] verdict rows (n_acc, token, n_emit, finished)
 Followers never sample; they apply the same plan, drafts and verdicts to their shards.

@@ -1,9 +1,10 @@
 """The leader's decisions in a step (rank 0; followers receive them, engine_core.Follower): the drafts of each
 draft step, the verdict of each verified row, and the emission of tokens up to a stop.
 
-Greedy rows without penalties are decided by one argmax. With drafts kept on the device (`_chainable`) the
-drafts and the verdict's argmax (queued behind the verify step, `_target_argmax`) come back in one transfer;
-sampled or penalized rows take the processed distributions (`speculative.verify_rows` / `verify_on_device`).
+Greedy rows without penalties or a logit bias are decided by one argmax. With drafts kept on the device
+(`_chainable`) the drafts and the verdict's argmax (queued behind the verify step, `_target_argmax`) come back in
+one transfer; sampled, penalized or biased rows take the processed distributions (`speculative.verify_rows` /
+`verify_on_device`).
 A mixin of `ninfer_rt.engine.Engine`: it reads the Engine's `cfg`, `tp`, `stats`, `eos`, `max_model_len` and
 `chain_drafts`.
 """
@@ -19,9 +20,9 @@ from .speculative import RoundInput, argmax_decides, draft_distributions, verify
 
 class Decisions:
     def _chainable(self, seqs: list[Seq]) -> bool:
-        """Steps whose sequences all draft greedily without penalties (one argmax decides each draft):
+        """Steps whose sequences all draft greedily without penalties or bias (one argmax decides each draft):
         NINFER_DRAFT_CHAIN (default on) keeps those drafts on the device between the draft steps."""
-        return self.chain_drafts and all(s.params.greedy and not s.params.has_penalties for s in seqs)
+        return self.chain_drafts and all(s.params.plain_greedy for s in seqs)
 
     def _device_drafts(self, j, items):
         if j == 1:
@@ -36,7 +37,7 @@ class Decisions:
         if j == 1:
             for s in seqs:
                 s.q = []
-        if all(p.greedy and not p.has_penalties for p in params):
+        if all(p.plain_greedy for p in params):
             # the processed distribution would be one-hot at this argmax: one kernel instead of five per draft step
             toks = logits.argmax(-1)
         else:

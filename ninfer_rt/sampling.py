@@ -18,6 +18,7 @@ from ninfer_formats.errors import NinferError
 
 PENALTY_LIMIT = 2.0          # OpenAI's documented range for presence/frequency penalties
 MAX_LOGPROBS = 20            # top alternatives per token (OpenAI's top_logprobs limit; vLLM's default max_logprobs)
+BIAS_LIMIT = 100.0           # OpenAI's documented range for logit_bias values
 MAX_SEED = 2**63 - 1
 
 
@@ -48,6 +49,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None         # None = off; k = each emitted token's log-probability + the top k
     prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first (vLLM's name)
+    logit_bias: tuple = ()              # ((token id, bias), ...) added to the logits before anything else; a
+                                        # {id: bias} mapping is accepted and stored sorted
 
     def __post_init__(self):
         self._check_numbers()
@@ -67,6 +70,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos: expected a boolean, got {self.ignore_eos!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
             if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
@@ -94,6 +98,24 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits: their argmax is the token (no penalties, no bias)."""
+        return self.greedy and not self.has_penalties and not self.logit_bias
+
+
+def _bias_pairs(bias) -> tuple:
+    pairs = list(bias.items()) if isinstance(bias, dict) else _iter(bias, "logit_bias")
+    try:
+        out = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        ok = all(_is_int(t) and _is_num(b) for t, b in pairs)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or any(t < 0 or abs(b) > BIAS_LIMIT for t, b in out) or len({t for t, _ in out}) != len(out):
+        raise SamplingError(f"logit_bias: expected distinct token ids >= 0 mapped to numbers in [-100, 100], "
+                            f"got {bias!r}")
+    return out
 
 
 def _iter(v, name):
@@ -138,6 +160,8 @@ def process(logits: torch.Tensor, params: list[SamplingParams],
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"process: logits {tuple(logits.shape)} for {len(params)} parameter rows")
     x = logits.float()
+    if any(p.logit_bias for p in params):
+        x = _add_bias(x, params)
     if counts is not None and any(c is not None and p.has_penalties for p, c in zip(params, counts)):
         x = x.clone()
         for r, (p, c) in enumerate(zip(params, counts)):
@@ -154,6 +178,15 @@ def process(logits: torch.Tensor, params: list[SamplingParams],
     out[g] = _one_hot(x[g])
     out[r] = _truncate(x[r], [params[i] for i in rand])
     return out
+
+
+def _add_bias(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """x + each row's logit_bias (a copy: x may be the caller's logits)."""
+    rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
+    cols = [t for p in params for t, _ in p.logit_bias]
+    vals = [b for p in params for _, b in p.logit_bias]
+    idx = (small_tensor(rows, torch.long, x.device), small_tensor(cols, torch.long, x.device))
+    return x.index_put(idx, small_tensor(vals, torch.float32, x.device), accumulate=True)
 
 
 def _one_hot(x: torch.Tensor) -> torch.Tensor:

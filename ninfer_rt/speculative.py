@@ -147,8 +147,8 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
 
 
 def argmax_decides(params: SamplingParams, counts: torch.Tensor | None) -> bool:
-    """Greedy without penalties in effect: the argmax of the raw logits is the decision (no processing)."""
-    return params.greedy and not (counts is not None and params.has_penalties)
+    """Greedy without penalties in effect or a bias: the argmax of the raw logits is the decision."""
+    return params.greedy and not params.logit_bias and not (counts is not None and params.has_penalties)
 
 
 def verify_rows(rows: list[RoundInput]) -> list[list[int]]:

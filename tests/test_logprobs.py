@@ -157,3 +157,49 @@ def test_logprobs_leave_the_run_ahead_path(loaded, logprobs):
         assert [t.token_id for o in outs for t in o.logprobs] == [t for o in outs for t in o.new_token_ids]
         assert all(t.top == () and t.logprob <= 0 for o in outs for t in o.logprobs)
     eng.shutdown()
+
+
+# ---- logit_bias (it shapes the choice; logprobs stay the model's own) ----
+@pytest.mark.parametrize("k,temperature", [(0, 0.0), (2, 0.0), (2, 1.0)], ids=["plain-greedy", "mtp-greedy",
+                                                                               "mtp-sampled"])
+def test_logit_bias_steers_the_choice_not_the_logprobs(tiny, loaded, k, temperature):
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in (6, 11)]
+    base = dict(temperature=temperature, seed=4, max_tokens=6, ignore_eos=True, logprobs=1)
+    plain, _ = _run(loaded, k, SamplingParams(**base), prompts)
+    forced, lps = _run(loaded, k, SamplingParams(**base, logit_bias={65: 100.0}), prompts)
+    for i, p in enumerate(prompts):
+        assert forced[f"r{i}"] == [65] * 6
+        want = _hf_logprobs(tiny, p, forced[f"r{i}"])
+        assert max(abs(t.logprob - want[j, 65].item()) for j, t in enumerate(lps[f"r{i}"])) <= LP_TOL
+    if temperature == 0:                     # a bias against the plain first token moves the first choice
+        first = plain["r0"][0]
+        banned, _ = _run(loaded, k, SamplingParams(**base, logit_bias={first: -100.0}), prompts[:1])
+        assert banned["r0"][0] != first and first not in banned["r0"]
+
+
+def test_logit_bias_is_checked():
+    with pytest.raises(SamplingError, match=r"^logit_bias: expected distinct token ids >= 0 mapped to numbers"):
+        SamplingParams(logit_bias={3: 101})
+    assert SamplingParams(logit_bias={5: 1, 2: -3.5}).logit_bias == ((2, -3.5), (5, 1.0))
+    assert not SamplingParams(temperature=0, logit_bias={1: 1}).plain_greedy
+
+
+def test_engine_refuses_a_bias_outside_the_vocabulary(loaded):
+    from ninfer_rt.engine import EngineError
+    eng = Engine(loaded, TorchOps(), max_batch=1)
+    with pytest.raises(EngineError, match=r"request 'r': logit_bias token id 256 outside the vocabulary \(0..255\)"):
+        eng.add_request("r", [1, 2], SamplingParams(logit_bias={256: 1.0}))
+    eng.shutdown()
+
+
+def test_logit_bias_on_the_run_ahead_path(loaded):
+    """Run-ahead decides on the device (`decide_on_device`): a biased row takes the processed distribution."""
+    eng = Engine(loaded, TorchOps(), max_batch=1, async_scheduling=True)
+    eng.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                   logit_bias={66: 100.0}))
+    toks = []
+    while eng.has_work():
+        toks += [t for o in eng.step() for t in o.new_token_ids]
+    assert toks == [66] * 6 and eng.stats.ahead_steps > 0
+    eng.shutdown()

@@ -280,7 +280,10 @@ BAD_REQUESTS = [
     ("prompt-plus-max-completion-tokens", "/v1/chat/completions",
      {**CHAT, "max_tokens": None, "max_completion_tokens": 500}, 400, "max_completion_tokens"),
     # fields that would change the reply are refused by name, never silently ignored
-    ("logit-bias", "/v1/chat/completions", {**CHAT, "logit_bias": {"10": 100}}, 400, "logit_bias"),
+    ("logit-bias-key", "/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("logit-bias-range", "/v1/chat/completions", {**CHAT, "logit_bias": {"10": 101}}, 400, "logit_bias"),
+    ("logit-bias-vocab", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "logit_bias": {"99999": 1}}, 400,
+     "logit_bias"),
     ("response-format-json", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("best-of-2", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "best_of": 2}, 400, "best_of"),

@@ -1,7 +1,8 @@
-"""`logprobs` over the OpenAI API (chat `logprobs` / `top_logprobs`, completions `logprobs`), through the official
-client against the real Engine with MTP on the tiny fp32 artifact: the objects' shapes, bytes that spell the text,
-streamed chunks that add up to the blocking reply, and a stop string's cut. The values themselves are checked
-against HF transformers in tests/test_logprobs.py."""
+"""`logprobs` over the OpenAI API (chat `logprobs` / `top_logprobs`, completions `logprobs` and `echo`), and
+`logit_bias`, through the official client against the real Engine with MTP on the tiny fp32 artifact: the objects'
+shapes, bytes that spell the text, streamed chunks that add up to the blocking reply, a stop string's cut, an
+lm-evaluation-harness style scoring request against HF. The engine's values are checked against HF transformers
+in tests/test_logprobs.py."""
 from __future__ import annotations
 
 import hf_tiny
@@ -153,3 +154,18 @@ def test_echo_logprobs_score_a_prompt_like_lm_eval(srv, tmp_path_factory):
     assert (got - want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]).abs().max() < 1e-4
     for top, v in zip(lp.top_logprobs[1:len(ids)], lp.token_logprobs[1:]):
         assert max(top.values()) >= v          # the chosen token and the most likely one (lm-eval's is_greedy)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_logit_bias_forces_a_token(srv, chat):
+    """{"65": 100} (byte 'A' of the tiny tokenizer) wins every greedy choice; the logprobs stay the model's."""
+    c = srv.client()
+    kw = dict(model=MODEL_ID, max_tokens=5, temperature=0, logit_bias={"65": 100})
+    if chat:
+        r = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                      extra_body=NO_THINK, **kw)
+        text, lps = r.choices[0].message.content, [e.logprob for e in r.choices[0].logprobs.content]
+    else:
+        r = c.completions.create(prompt="hi", logprobs=0, extra_body={"ignore_eos": True}, **kw)
+        text, lps = r.choices[0].text, r.choices[0].logprobs.token_logprobs
+    assert text == "AAAAA" and len(lps) == 5 and all(v < -0.01 for v in lps)     # 'A' is no likely token here

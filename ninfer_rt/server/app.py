@@ -214,7 +214,7 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     n_prompt = len(img.request) if img is not None else len(ids)     # image placeholders expanded
     max_tokens = sched.max_tokens_for(n_prompt, requested, "messages" if chat else "prompt",
                                       "max_completion_tokens" if by_mct else "max_tokens")
-    params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids)
+    params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids, state.vocab_size)
     handle = sched.submit(ids, params, H.splitter(tok, ids) if chat else None,
                           vision=img.request if img is not None else None,
                           image_tokens=img.image_tokens if img is not None else 0)

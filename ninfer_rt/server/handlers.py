@@ -30,8 +30,10 @@ def sampling_defaults(generation_config: dict) -> dict:
             if isinstance(generation_config.get(k), (int, float)) and not isinstance(generation_config.get(k), bool)}
 
 
-def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=()) -> SamplingParams:
-    """`stop_ids`: the tokenizer's stop ids (e.g. `<|im_end|>`), which the engine's config eos may lack."""
+def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=(), vocab: int | None = None
+                    ) -> SamplingParams:
+    """`stop_ids`: the tokenizer's stop ids (e.g. `<|im_end|>`), which the engine's config eos may lack; `vocab`
+    bounds logit_bias's token ids."""
     kw = {}
     for name in SAMPLING_FIELDS:
         v = getattr(req, name)
@@ -43,10 +45,21 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
     try:
         return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=req.ignore_eos,
                               stop_token_ids=() if req.ignore_eos else tuple(sorted(stop_ids)),
-                              logprobs=lp, prompt_logprobs=plp, **kw)
+                              logprobs=lp, prompt_logprobs=plp, logit_bias=_logit_bias(req, vocab), **kw)
     except SamplingError as e:
         msg = str(e)
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
+
+
+def _logit_bias(req: P._Sampling, vocab: int | None) -> dict:
+    """OpenAI's {"token id": bias} -> {id: bias}; keys that are not token ids of this model are the client's 400."""
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        t = int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if t is None or (vocab is not None and t >= vocab):
+            raise P.bad_request(f"logit_bias: keys must be token ids in [0, {vocab}), got {key!r}", param="logit_bias")
+        out[t] = bias
+    return out
 
 
 def chat_prompt(tok, req: P.ChatRequest) -> list[int]:

@@ -84,9 +84,9 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
-    # accepted so that a request using them is refused by name (400) rather than answered as if they were
-    # honoured: a bias, a response format or best-of changes what the client gets back
-    logit_bias: dict | None = None
+    logit_bias: dict | None = None          # {"token id": bias in [-100, 100]}
+    # accepted so that a request using it is refused by name (400) rather than answered as if it were
+    # honoured: a response format changes what the client gets back
     response_format: dict | None = None
 
 
@@ -141,8 +141,6 @@ def _check_text(data: dict) -> None:
 def _check_common(req: _Sampling) -> None:
     if req.n not in (None, 1):
         raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
-    if req.logit_bias:
-        raise bad_request("logit_bias: not supported by this server", param="logit_bias")
     fmt = req.response_format
     if fmt is not None and fmt.get("type", "text") != "text":
         raise bad_request(f"response_format: only type 'text' is supported, got {fmt.get('type')!r}",
