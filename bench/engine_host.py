@@ -167,12 +167,11 @@ def _measure(loaded, args, marks: list) -> list[dict]:
         generate(eng, prompt, 32)                                            # warm-up
         for a in args.acceptance:
             eng.rate, eng.rng = a, random.Random(0)
-            before = eng.stats.spec.to_dict()
             marks.clear()
-            got, _, secs = generate(eng, prompt, args.new_tokens)
-            n, acc = (eng.stats.spec.to_dict()[x] - before[x] for x in ("rounds", "accepted"))
+            run = generate(eng, prompt, args.new_tokens)
+            secs, n, acc = run.secs, run.spec["rounds"], run.spec["accepted"]
             us = secs / max(1, n) * 1e6
-            out.append({**base, "draft_tokens": k, "acceptance": a, "rounds": n, "emitted": len(got[0]),
+            out.append({**base, "draft_tokens": k, "acceptance": a, "rounds": n, "emitted": len(run.tokens[0]),
                         "tokens_per_round": round(1 + acc / max(1, n), 3), "us_round": round(us, 1),
                         "windows_us": windows(marks), "round_in_ops": round(us / unit, 1)})
         eng.shutdown()

@@ -25,10 +25,11 @@ Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "
 "draft_head", "draft_tokens" (0 = plain decoding), "acceptance" (None at K = 0), "tok_s" (decode phase: tokens
 after the first over the time after it), "tokens_per_round", "rounds", "ms_round", "accepted", "drafted",
 "prompt_tokens", "new_tokens", "emitted" (the fewest of any request), "backend", "graphs", "draft_chain", "batch"}.
-With --batch B, tok_s counts every request's tokens and starts once each has its first; "ms_round" is the time per
-step (rounds / B). At each K the first acceptance's
-record gains "syncs_per_step", "sync_sites" with --sync-audit (`sync_audit`) and "profile" with --profile-tokens
-(`profile_run`).
+With --batch B, tok_s counts every request's tokens and starts once each has its first. "ms_round" is the time per
+engine step of that phase (a step runs one round per running request; since s39, before it the time per round,
+which at batch 1 left out the last 1-token step), "rounds" and "tokens_per_round" count that phase's rounds. At
+each K the first acceptance's record gains "syncs_per_step", "sync_sites" with --sync-audit (`sync_audit`) and
+"profile" with --profile-tokens (`profile_run`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import synth_artifact as synth
@@ -136,24 +138,41 @@ def make_rigged(Engine):
     return RiggedEngine
 
 
-def generate(eng, prompt: list[int], new_tokens: int, batch: int = 1) -> tuple[list[list[int]], int, float]:
-    """-> (each request's tokens, the tokens of the decode phase, its seconds). The decode phase runs from the
-    step where every request has its first token to the last token."""
+@dataclass
+class Run:
+    """One `generate`: each request's tokens, and the decode phase's tokens, seconds, engine steps and MTP counts
+    (rounds / accepted / drafted; zeros without MTP). The decode phase runs from the step where every request
+    has its first token to the last token."""
+    tokens: list[list[int]]
+    decode_tokens: int
+    secs: float
+    steps: int
+    spec: dict
+
+
+def generate(eng, prompt: list[int], new_tokens: int, batch: int = 1) -> Run:
     from ninfer_rt.sampling import SamplingParams
     for b in range(batch):
         eng.add_request(f"r{b}", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     out: dict[str, list[int]] = {f"r{b}": [] for b in range(batch)}
-    t_first, before = None, 0
+    t_first, before, spec0, steps = None, 0, _spec(eng), 0
     while eng.has_work():
         for o in eng.step():
             out[o.req_id] += o.new_token_ids
+        steps += t_first is not None
         if t_first is None and all(out.values()):
-            t_first, before = time.perf_counter(), sum(map(len, out.values()))
+            t_first, before, spec0 = time.perf_counter(), sum(map(len, out.values())), _spec(eng)
     if eng.device.type == "cuda":       # a decode step leaves its alignment running (Engine._step_sync)
         import torch
         torch.cuda.synchronize(eng.device)
     got = list(out.values())
-    return got, sum(map(len, got)) - before, time.perf_counter() - (t_first or time.perf_counter())
+    return Run(got, sum(map(len, got)) - before, time.perf_counter() - (t_first or time.perf_counter()), steps,
+               _delta(_spec(eng), spec0))
+
+
+def _spec(eng) -> dict:
+    st = eng.stats.spec
+    return st.to_dict() if st is not None else {"rounds": 0, "accepted": 0, "drafted": 0}
 
 
 def _engine(loaded, args, k: int):
@@ -164,7 +183,8 @@ def _engine(loaded, args, k: int):
     from ninfer_rt.speculative import SpecConfig
     cls = make_rigged(Engine) if k else Engine
     eng = cls(loaded, get_ops(args.backend), spec=SpecConfig(num_draft_tokens=k) if k else None,
-              max_batch=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16, graphs="off" if args.eager else "auto")
+              max_batch=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16,
+              graphs="off" if args.eager else "auto")
     torch.manual_seed(args.seed)
     return eng
 
@@ -174,11 +194,12 @@ def measure_head(loaded, args, head: str, base: dict) -> list[dict]:
     lives inside one call, so its model's memory is free again before the next one is built (`_collect`)."""
     os.environ[DRAFT_HEAD_ENV] = head
     prompt = random.Random(args.seed).choices(range(min(loaded.config.vocab_size, 4096)), k=args.prompt_len)
-    got, n, secs = _plain(loaded, args, prompt)
+    run = _plain(loaded, args, prompt)
     _collect()
     plain = {**base, "draft_head": head, "draft_tokens": 0, "acceptance": None, "rounds": None,
-             "tokens_per_round": 1.0, "tok_s": n / secs, "ms_round": secs / (n / args.batch) * 1e3,
-             "accepted": 0, "drafted": 0, "emitted": min(map(len, got))}
+             "tokens_per_round": 1.0, "tok_s": run.decode_tokens / run.secs,
+             "ms_round": run.secs / max(1, run.steps) * 1e3, "accepted": 0, "drafted": 0,
+             "emitted": min(map(len, run.tokens))}
     log(f"{head}: K=0 {plain['tok_s']:.1f} tok/s")
     out = [plain]
     for k in args.ks:
@@ -187,7 +208,7 @@ def measure_head(loaded, args, head: str, base: dict) -> list[dict]:
     return out
 
 
-def _plain(loaded, args, prompt) -> tuple[list[list[int]], int, float]:
+def _plain(loaded, args, prompt) -> Run:
     eng = _engine(loaded, args, 0)
     generate(eng, prompt, min(8, args.new_tokens), args.batch)            # warm-up: compiles, tunes
     try:
@@ -202,14 +223,13 @@ def _rounds(loaded, args, k: int, prompt, base: dict) -> list[dict]:
     out = []
     for a in args.acceptance:
         eng.rate, eng.rng = a, random.Random(args.seed)
-        before = eng.stats.spec.to_dict()
-        got, n, secs = generate(eng, prompt, args.new_tokens, args.batch)
-        st = _delta(eng.stats.spec.to_dict(), before)
+        run = generate(eng, prompt, args.new_tokens, args.batch)
+        st = run.spec
         rec = {**base, "draft_tokens": k, "acceptance": a, "rounds": st["rounds"],
                "accepted": st["accepted"], "drafted": st["drafted"],
                "tokens_per_round": 1 + st["accepted"] / st["rounds"] if st["rounds"] else 1.0,
-               "tok_s": n / secs, "ms_round": secs / max(1, st["rounds"] / args.batch) * 1e3,
-               "emitted": min(map(len, got))}
+               "tok_s": run.decode_tokens / run.secs, "ms_round": run.secs / max(1, run.steps) * 1e3,
+               "emitted": min(map(len, run.tokens))}
         log(f"{rec['draft_head']}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} "
             f"tokens/round, {rec['ms_round']:.2f} ms/round")
         out.append(rec)

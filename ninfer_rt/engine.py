@@ -46,6 +46,8 @@ from .sampling import SamplingParams, make_generator
 from .speculative import SpecConfig, SpecStats, draft_chain_env
 from .tp_group import LocalGroup
 
+PROMPT_LOGPROBS_CHUNK = 128   # prompt tokens per chunk of a request with prompt logprobs (64 MB of bf16 logits at 27B)
+
 if TYPE_CHECKING:
     from .vision.prompt import VisionRequest, VisionRuntime
 
@@ -60,7 +62,7 @@ class StepOutput:
     drafted: int | None = None         # MTP drafts this request verified this step (None without MTP)
     accepted: int | None = None        # of those, accepted (the step emitted accepted + 1 tokens at most)
     logprobs: list | None = None       # ninfer_rt.logprobs.TokenLogprob per new token (params.logprobs set)
-    prompt_logprobs: list | None = None  # with the first token: TokenLogprob of prompt tokens 1.. (params.prompt_logprobs)
+    prompt_logprobs: list | None = None  # with the first token: TokenLogprob of prompt tokens 1.. (prompt_logprobs)
 
 
 @dataclass
@@ -299,10 +301,11 @@ class Engine(RunAhead, Decisions, Core):
             if s.prefilling:
                 if budget:
                     n = min(budget, len(s.prompt) - s.done_prompt)
+                    if s.params.prompt_logprobs is not None:     # every row's logits: [n, vocab] each chunk
+                        n = min(n, PROMPT_LOGPROBS_CHUNK)
+                        plan.all_rows.append(s.req_id)
                     plan.prefill.append((s.req_id, s.done_prompt, s.done_prompt + n))
                     budget -= n
-                    if s.params.prompt_logprobs is not None:
-                        plan.all_rows.append(s.req_id)
             else:
                 plan.decode.append((s.req_id, self._k_eff(s)))
         plan.chain = self.spec is not None and bool(plan.decode) and self._chainable(

@@ -96,7 +96,8 @@ class Decisions:
     def _take_logprobs(self, items, prompt_items) -> None:
         """One read-back for the step's requests that asked for logprobs or prompt logprobs (`ninfer_rt.logprobs`)."""
         got = token_logprobs([(lg, toks, s.params.logprobs) for s, lg, toks in items] +
-                             [(lg, toks, s.params.prompt_logprobs) for s, lg, toks in prompt_items], self.cfg.vocab_size)
+                             [(lg, toks, s.params.prompt_logprobs) for s, lg, toks in prompt_items],
+                             self.cfg.vocab_size)
         for (s, _, _), lps in zip(items, got):
             s.logprobs = lps
         for (s, _, _), lps in zip(prompt_items, got[len(items):]):

@@ -10,8 +10,9 @@ Graphs are keyed by (kind, padded batch, tokens per sequence, KV bucket). An MTP
 (a re-alignment where sequences emitted different counts) is padded to the smallest captured count that holds
 it (graph_model's padded rows). A batch the graphs cannot serve (ragged target token counts, prefill chunks,
 position overrides, image embeddings, a context past the largest bucket, `gather=False` under TP, snapshot
-rows while an earlier verify is still uncommitted) goes to the model's own eager forward, with identical results up to rounding. `GraphConfig(eager=True)` (CLI `--eager`)
-runs the very same static-buffer step bodies without capturing, for debugging and for CPU tests.
+rows while an earlier verify is still uncommitted) goes to the model's own eager forward, with identical
+results up to rounding. `GraphConfig(eager=True)` (CLI `--eager`) runs the very same static-buffer step bodies
+without capturing, for debugging and for CPU tests.
 
 Resources: one GDN slot and enough KV pages for the padding rows (size the cache with one spare sequence),
 max_batch x max(tokens) snapshot rows appended to the GDN pool (fp32 GDN states: ~144 MiB per row at 27B), and

@@ -13,6 +13,7 @@ import torch
 
 from .sampling import small_tensor
 
+SLICE = 64           # logits rows turned into logprobs at a time (a prompt chunk's rows: bounded fp32 temporaries)
 FLOOR = -9999.0      # stands in for -inf (a token the model rules out): JSON has no infinities (vLLM does the same)
 
 
@@ -29,19 +30,23 @@ def _finite(v: float) -> float:
 
 def token_logprobs(items: list[tuple[torch.Tensor, list[int], int]], vocab: int) -> list[list[TokenLogprob]]:
     """items: per sequence (logits [>= n, >= vocab] whose row j chose token j, the n tokens, k alternatives)
-    -> per sequence one TokenLogprob per token. All sequences in one host read-back."""
+    -> per sequence one TokenLogprob per token. All sequences in one host read-back; SLICE rows at a time in fp32,
+    so a prompt chunk's logits never have a full-size fp32 copy."""
     if not items:
         return []
-    rows = torch.cat([lg[:len(t), :vocab] for lg, t, _ in items]).float()
-    lp = rows - torch.logsumexp(rows, -1, keepdim=True)
-    toks = [t for _, ts, _ in items for t in ts]
-    chosen = lp.gather(1, small_tensor(toks, torch.long, lp.device)[:, None])
     k = max(k for _, _, k in items)
-    parts = [chosen]
-    if k:
-        val, idx = lp.topk(min(k, lp.shape[-1]), -1)
-        parts += [val, idx.float()]             # ids < 2^24: exact in float32, so one tensor and one transfer
-    host = torch.cat(parts, 1).tolist()
+    parts = []
+    for lg, toks, _ in items:
+        ids = small_tensor(toks, torch.long, lg.device)
+        for lo in range(0, len(toks), SLICE):
+            rows = lg[lo:min(lo + SLICE, len(toks)), :vocab].float()
+            lp = rows - torch.logsumexp(rows, -1, keepdim=True)
+            cols = [lp.gather(1, ids[lo:lo + rows.shape[0], None])]
+            if k:
+                val, idx = lp.topk(min(k, vocab), -1)
+                cols += [val, idx.float()]          # ids < 2^24: exact in float32, so one tensor and one transfer
+            parts.append(torch.cat(cols, 1))
+    host = torch.cat(parts).tolist()
     out, r = [], 0
     for _, ts, want in items:
         seq = []
@@ -71,7 +76,6 @@ def prompt_items(pre, rows: set, out, n_dec: int) -> list:
     prompt tokens a+1..b (the final chunk's last row predicts the first output token, not a prompt token)."""
     items = []
     for i, (s, a, b) in enumerate(pre, start=n_dec):
-        nxt = s.prompt[a + 1:b + 1]
-        if s.req_id in rows and nxt:
-            items.append((s, out.seq_logits(i), nxt))
+        if s.req_id in rows and a + 1 < len(s.prompt):
+            items.append((s, out.seq_logits(i), s.prompt[a + 1:b + 1]))
     return items

@@ -217,7 +217,8 @@ def test_eager_mtp_alignment_keeps_last_rows(nvfp4_path, modes):
 
 
 @pytest.mark.parametrize("lens,modes", [((3, 1, 2), ("last", "last", "last")), ((2, 3), ("none", "last")),
-                                        ((1, 2), ("last", "last"))], ids=["3-1-2-padded-batch", "none-last", "all-short"])
+                                        ((1, 2), ("last", "last"))],
+                         ids=["3-1-2-padded-batch", "none-last", "all-short"])
 def test_eager_mtp_ragged_alignment_is_padded(nvfp4_path, lens, modes):
     """Sequences that emitted different counts share one MTP graph, each padded at its end to the graph's T: the
     rows asked for, the hidden rows and the lengths equal the model's. Two such steps and then a draft step over
@@ -299,6 +300,47 @@ def test_eager_runner_equals_model_triton(tmp_path):
     db = r.mtp_forward([MtpInput(tok, a.hidden[:1], st[1][0].mtp)])
     assert rel(db.logits, da.logits) <= TRITON_TOL
     assert r.stats.eager_steps == 4
+
+
+def _ragged_mtp_steps(ref, r, dev, tol):
+    """Two ragged MTP steps (padded to the runner's 3-token graph) and a draft step over the cache they wrote:
+    the runner's rows equal the model's own (unpadded) forward. -> the runner's stats."""
+    g = torch.Generator().manual_seed(7)
+    st = [[x.new_state() for _ in range(3)] for x in (ref, r.model)]
+    h = r.model.cfg.hidden_size
+    for lens in ((3, 1, 2), (2, 3, 1), (1, 1, 1)):
+        ids = [torch.randint(0, 250, (n,), generator=g).to(dev) for n in lens]
+        hid = [torch.randn(n, h, generator=g).to(dev, r.model.dtype) for n in lens]
+        mode = "all" if lens == (1, 1, 1) else "last"
+        a, b = (x.mtp_forward([MtpInput(i, y, s.mtp, logits=mode) for i, y, s in zip(ids, hid, st[k])])
+                for k, x in enumerate((ref, r)))
+        assert b.cu_seqlens == a.cu_seqlens and rel(b.logits, a.logits) <= tol and rel(b.hidden, a.hidden) <= tol
+    assert r.stats.fallbacks == 0
+    return r.stats
+
+
+def test_eager_ragged_mtp_equals_model_triton(tmp_path):
+    """The Triton attention (the interpreter on CPU) over rows padded at their end: the padding's keys sit after
+    every real query (qpos = L - T + t), so the real rows equal the model's unpadded forward."""
+    from ninfer_rt.backends.triton_ops import TritonOps
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    paths, _ = synth.build(str(tmp_path), dataclasses.replace(synth.TINY, **SMALL), "bf16", workers=1)
+    ref, m = (_model(paths[0], TritonOps(), dev) for _ in range(2))
+    r = GraphRunner(m, GraphConfig(batch_sizes=(4,), tokens=(1,), mtp_tokens=(1, 3), kv_buckets=(32,), eager=True))
+    st = _ragged_mtp_steps(ref, r, dev, TRITON_TOL)
+    assert st.eager_steps == 3 and st.padded_tokens == 3 + 3
+
+
+@gpu
+def test_captured_ragged_mtp_equals_model_gpu(nvfp4_path, monkeypatch):
+    """The same over captured graphs (bf16 Triton kernels), against the model's own eager forward."""
+    from ninfer_rt.backends.triton_ops import TritonOps
+    monkeypatch.setenv("NINFER_GEMV_TUNE", "0")
+    ref, m = (_model(nvfp4_path, TritonOps(), "cuda", torch.bfloat16) for _ in range(2))
+    r = GraphRunner(m, GraphConfig(batch_sizes=(4,), tokens=(1,), mtp_tokens=(1, 3), kv_buckets=(32,)))
+    assert r.capture() > 0
+    st = _ragged_mtp_steps(ref, r, "cuda", BF16_GRAPH_TOL)
+    assert st.replays == 3 and st.padded_tokens == 3 + 3
 
 
 @gpu

@@ -11,6 +11,7 @@ from hf_tiny import build_hf_model, loaded_model
 
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.engine import Engine
+from ninfer_rt import logprobs as logprobs_mod
 from ninfer_rt.logprobs import FLOOR, token_logprobs
 from ninfer_rt.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from ninfer_rt.speculative import SpecConfig
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---- the packing ----
 @pytest.mark.parametrize("ks", [(0,), (3,), (0, 5, 2)], ids=["k0", "k3", "mixed-k"])
-def test_token_logprobs_match_torch(ks):
+def test_token_logprobs_match_torch(ks, monkeypatch):
+    monkeypatch.setattr(logprobs_mod, "SLICE", 2)        # sequences of up to 3 rows: one or two slices each
     g = torch.Generator().manual_seed(len(ks))
     vocab, width = 33, 37                        # logits wider than the vocabulary (padded heads)
     items = []
@@ -119,10 +121,13 @@ def test_engine_logprobs_equal_hf(tiny, loaded, k, temperature):
                 assert t.top[0][0] == out[j]          # greedy: the chosen token is the most likely one
 
 
-@pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp"])
-def test_prompt_logprobs_equal_hf(tiny, loaded, k):
-    """Prompts of 1, 5 and 13 tokens (13: two chunks of 8) return the logprobs of their tokens after the first,
-    once, with the first output token; the output is what it is without them."""
+@pytest.mark.parametrize("k,cap", [(0, 128), (2, 128), (2, 3)], ids=["plain", "mtp", "mtp-chunks-of-3"])
+def test_prompt_logprobs_equal_hf(tiny, loaded, k, cap, monkeypatch):
+    """Prompts of 1, 5 and 13 tokens (13: two chunks of 8, or five of at most 3 under a smaller cap on such
+    requests' chunks) return the logprobs of their tokens after the first, once, with the first output token;
+    the output is what it is without them."""
+    import ninfer_rt.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "PROMPT_LOGPROBS_CHUNK", cap)
     g = torch.Generator().manual_seed(10)
     prompts = [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in (13, 5, 1)]
     base = dict(temperature=0, max_tokens=5, ignore_eos=True)

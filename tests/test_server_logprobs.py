@@ -169,3 +169,15 @@ def test_logit_bias_forces_a_token(srv, chat):
         r = c.completions.create(prompt="hi", logprobs=0, extra_body={"ignore_eos": True}, **kw)
         text, lps = r.choices[0].text, r.choices[0].logprobs.token_logprobs
     assert text == "AAAAA" and len(lps) == 5 and all(v < -0.01 for v in lps)     # 'A' is no likely token here
+
+
+def test_format_drops_padded_vocabulary_rows():
+    """A model's vocabulary may be padded past the tokenizer's: such rows are no token, so no alternative."""
+    from test_server import tiny_tokenizer
+
+    from ninfer_rt.logprobs import TokenLogprob
+    from ninfer_rt.server.logprobs_api import LogprobFormat
+    t = TokenLogprob(97, -0.1, ((97, -0.1), (300, -0.2)))
+    chat = LogprobFormat(tiny_tokenizer(), chat=True, top=2).format([t])
+    assert [e["token"] for e in chat["content"][0]["top_logprobs"]] == ["a"]
+    assert LogprobFormat(tiny_tokenizer(), chat=False, top=2).format([t])["top_logprobs"] == [{"a": -0.1}]

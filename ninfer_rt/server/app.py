@@ -215,11 +215,11 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     max_tokens = sched.max_tokens_for(n_prompt, requested, "messages" if chat else "prompt",
                                       "max_completion_tokens" if by_mct else "max_tokens")
     params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids, state.vocab_size)
+    lp = LogprobFormat(tok, chat=chat, top=params.logprobs) if params.logprobs is not None else None
+    echo = (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None
     handle = sched.submit(ids, params, H.splitter(tok, ids) if chat else None,
                           vision=img.request if img is not None else None,
                           image_tokens=img.image_tokens if img is not None else 0)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    lp = LogprobFormat(tok, chat=chat, top=params.logprobs) if params.logprobs is not None else None
-    echo = (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None
     return await H.respond(handle, request, chat=chat, model=state.model_id, stream=bool(req.stream),
                            include_usage=include_usage, fingerprint=state.fingerprint, logprobs=lp, echo=echo)

@@ -22,6 +22,7 @@ class LogprobFormat:
 
     def __init__(self, tok, *, chat: bool, top: int):
         self.tok, self.chat, self.top = tok, chat, top
+        self.n_tokens = tok.vocab_size       # the model's vocabulary may be padded past the tokenizer's
         self.offset = 0
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._text: dict[int, tuple[str, list[int]]] = {}
@@ -59,17 +60,21 @@ class LogprobFormat:
         out["top_logprobs"][0] = None
         return out
 
+    def _top(self, t: TokenLogprob) -> list[tuple[int, float]]:
+        """The alternatives that are tokens (a padded vocabulary row is none)."""
+        return [(i, v) for i, v in t.top[:self.top] if i < self.n_tokens]
+
     def format(self, lps: list, specials_are_text: bool = False) -> dict:
         """The `logprobs` object of these tokens (a reply's, or one streamed chunk's)."""
         if self.chat:
             return {"content": [{**self._entry(t.token_id, t.logprob),
-                                 "top_logprobs": [self._entry(i, v) for i, v in t.top[:self.top]]} for t in lps]}
+                                 "top_logprobs": [self._entry(i, v) for i, v in self._top(t)]} for t in lps]}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t in lps:
             text = self._piece(t.token_id)[0]
             out["tokens"].append(text)
             out["token_logprobs"].append(t.logprob)
-            top = {self._piece(i)[0]: v for i, v in t.top[:self.top]}
+            top = {self._piece(i)[0]: v for i, v in self._top(t)}
             top.setdefault(text, t.logprob)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self._advance(t.token_id, specials_are_text))
