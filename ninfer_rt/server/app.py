@@ -11,15 +11,17 @@ import hmac
 import importlib.metadata
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..sampling import MAX_SEED
 from . import handlers as H
 from . import protocol as P
+from . import replies as R
 from .images import image_prompt
 from .logprobs_api import LogprobFormat
 from .metrics import ServerMetrics
@@ -215,11 +217,18 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     max_tokens = sched.max_tokens_for(n_prompt, requested, "messages" if chat else "prompt",
                                       "max_completion_tokens" if by_mct else "max_tokens")
     params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids, state.vocab_size)
-    lp = LogprobFormat(tok, chat=chat, top=params.logprobs) if params.logprobs is not None else None
-    echo = (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None
-    handle = sched.submit(ids, params, H.splitter(tok, ids) if chat else None,
-                          vision=img.request if img is not None else None,
-                          image_tokens=img.image_tokens if img is not None else 0)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await H.respond(handle, request, chat=chat, model=state.model_id, stream=bool(req.stream),
-                           include_usage=include_usage, fingerprint=state.fingerprint, logprobs=lp, echo=echo)
+    reply = R.Reply(chat, state.model_id, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
+                    state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
+    return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, chat), request, reply)
+
+
+def _submit(sched, tok, n: int, ids: list[int], img, params, chat: bool) -> list[R.Choice]:
+    """n choices: n engine requests queued together (all or none); a seed gives each its own, reproducibly."""
+    choices = []
+    for i in range(n):
+        p = params if i == 0 or params.seed is None else replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
+        h = sched.handle(ids, p, H.splitter(tok, ids) if chat else None, vision=img.request if img else None,
+                         image_tokens=img.image_tokens if img else 0)
+        choices.append(R.Choice(h, LogprobFormat(tok, chat=chat, top=p.logprobs) if p.logprobs is not None else None))
+    sched.submit_all([c.handle for c in choices])
+    return choices

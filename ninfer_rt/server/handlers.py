@@ -1,24 +1,13 @@
-"""Completion request flows: prompt building, sampling parameters, SSE streaming and non-streaming replies.
-
-Both flows cancel their request when the client goes away: a streaming response is cancelled by
-Starlette on `http.disconnect` (the generator's `finally` runs), a non-streaming one polls for it.
-"""
+"""A completion request's pieces: its prompt, its sampling parameters, its reasoning splitter and echo text
+(the replies are replies.py)."""
 from __future__ import annotations
-
-import asyncio
-import json
-import time
-
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..sampling import SamplingError, SamplingParams
 from ..tokenizer import ChatTemplateError, TokenizerError
 from . import protocol as P
-from .logprobs_api import LogprobFormat, requested
+from .logprobs_api import requested
 from .reasoning import ReasoningSplitter, prompt_think_state
 
-DISCONNECT_POLL_S = 0.25
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed")
 # keyword names the template call itself uses; a client may not override them through chat_template_kwargs
 _RESERVED_TEMPLATE_KW = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
@@ -97,122 +86,3 @@ def prompt_text(tok, req: P.CompletionRequest, ids: list[int]) -> str:
 def splitter(tok, prompt_ids: list[int]) -> ReasoningSplitter:
     start, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
     return ReasoningSplitter(start, end, prompt_think_state(prompt_ids, start, end, tok.token_to_id("<|im_start|>")))
-
-
-# ---- replies ----
-
-class ClientGone(Exception):
-    """The client disconnected before a non-streaming reply was ready."""
-
-
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-async def _events(handle, request: Request | None):
-    """Yield the request's events; cancel it in the engine if the consumer stops early or the client leaves.
-
-    With `request`, the client's connection is polled every DISCONNECT_POLL_S (events may keep coming
-    faster than that, so the poll is by time, not by idle waits).
-    """
-    checked = time.monotonic()
-    try:
-        while True:
-            if request is None:
-                ev = await handle.next_event()
-            else:
-                ev = await _next_or_disconnect(handle, request, checked)
-                if time.monotonic() - checked >= DISCONNECT_POLL_S:
-                    if await request.is_disconnected():
-                        raise ClientGone()
-                    checked = time.monotonic()
-            yield ev
-            if ev[0] not in ("delta", "prompt"):
-                return
-    finally:
-        handle.cancel()
-
-
-async def _next_or_disconnect(handle, request: Request, checked: float):
-    get = asyncio.ensure_future(handle.next_event())
-    try:
-        while True:
-            wait = max(0.0, DISCONNECT_POLL_S - (time.monotonic() - checked))
-            done, _ = await asyncio.wait({get}, timeout=wait)
-            if done:
-                return get.result()
-            if await request.is_disconnected():
-                raise ClientGone()
-            checked = time.monotonic()
-    finally:
-        if not get.done():
-            get.cancel()
-
-
-async def respond(handle, request: Request, *, chat: bool, model: str, stream: bool, include_usage: bool,
-                  fingerprint: str | None = None, logprobs: LogprobFormat | None = None,
-                  echo: tuple[str, int] | None = None):
-    """logprobs: the request's formatter when it asked for logprobs (the engine then sends them with its tokens);
-    echo: completions' (prompt text, first prompt token), which the reply starts with (and its logprobs, if any)."""
-    rid = P.new_id("chatcmpl" if chat else "cmpl")
-    if stream:
-        chunks = P.Chunks(rid, model, chat=chat, include_usage=include_usage, fp=fingerprint)
-        return StreamingResponse(_stream(handle, chunks, logprobs, echo), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    reasoning, content, lps, prompt_lps = [], [], [], []
-    try:
-        async for ev in _events(handle, request):
-            if ev[0] == "delta":
-                reasoning.append(ev[1])
-                content.append(ev[2])
-                lps += ev[3] or []
-            elif ev[0] == "prompt":
-                prompt_lps = ev[1]
-            elif ev[0] == "error":
-                raise ev[1]
-            else:
-                _, finish, use = ev
-    except ClientGone:
-        return Response(status_code=499)       # nobody reads it; nginx's "client closed request"
-    head = logprobs.format_prompt(echo[1], prompt_lps) if logprobs is not None and echo else None
-    lp = logprobs.format(lps) if logprobs is not None else None
-    if chat:
-        body = P.chat_response(rid, model, "".join(content), "".join(reasoning), finish, use, fingerprint, lp)
-    else:
-        lp = {k: head[k] + lp[k] for k in lp} if head else lp
-        text = (echo[0] if echo else "") + "".join(content)
-        body = P.completion_response(rid, model, text, finish, use, fingerprint, lp)
-    return JSONResponse(body)
-
-
-def _delta(chunks: P.Chunks, reasoning: str, content: str, lp: dict | None) -> dict | None:
-    """The chunk of one delta event; None when a completion stream has neither text nor logprobs to send."""
-    if not chunks.chat:
-        return chunks.delta(content, logprobs=lp) if content or lp else None
-    delta = {"reasoning_content": reasoning} if reasoning else {}
-    if content:
-        delta["content"] = content
-    return chunks.delta(delta, logprobs=lp)
-
-
-async def _stream(handle, chunks: P.Chunks, logprobs: LogprobFormat | None, echo: tuple[str, int] | None):
-    if chunks.chat:
-        yield _sse(chunks.delta({"role": "assistant", "content": ""}))
-    async for ev in _events(handle, None):
-        if echo is not None and ev[0] != "error":     # the prompt first (with its logprobs when they come)
-            head = logprobs.format_prompt(echo[1], ev[1]) if logprobs is not None and ev[0] == "prompt" else None
-            yield _sse(chunks.delta(echo[0], logprobs=head))
-            echo = None
-        if ev[0] == "delta":
-            lp = logprobs.format(ev[3]) if logprobs is not None and ev[3] else None
-            chunk = _delta(chunks, ev[1], ev[2], lp)
-            if chunk is not None:
-                yield _sse(chunk)
-        elif ev[0] == "error":       # headers are sent: the error travels as an SSE event, then [DONE]
-            yield _sse(ev[1].body())
-        elif ev[0] == "done":
-            _, finish, use = ev
-            yield _sse(chunks.delta({} if chunks.chat else "", finish))
-            if chunks.include_usage:
-                yield _sse(chunks.usage(use))
-    yield b"data: [DONE]\n\n"

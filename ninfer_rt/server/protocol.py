@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16             # n: choices per request (each one an engine request with its own KV reservation)
 
 
 class ApiError(Exception):
@@ -139,8 +140,8 @@ def _check_text(data: dict) -> None:
 
 
 def _check_common(req: _Sampling) -> None:
-    if req.n not in (None, 1):
-        raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise bad_request(f"n: expected an integer in [1, {MAX_CHOICES}], got {req.n}", param="n")
     fmt = req.response_format
     if fmt is not None and fmt.get("type", "text") != "text":
         raise bad_request(f"response_format: only type 'text' is supported, got {fmt.get('type')!r}",
@@ -234,17 +235,18 @@ def _body(obj: str, rid: str, model: str, created: int, fp: str | None, choices:
             "choices": choices, **use}
 
 
-def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, use: dict,
-                  fp: str | None = None, logprobs: dict | None = None) -> dict:
+def chat_choice(index: int, content: str, reasoning: str | None, finish: str, logprobs: dict | None = None) -> dict:
     msg = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
-    choices = [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": logprobs}]
-    return _body("chat.completion", rid, model, int(time.time()), fp, choices, {"usage": use})
+    return {"index": index, "message": msg, "finish_reason": finish, "logprobs": logprobs}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict, fp: str | None = None,
-                        logprobs: dict | None = None) -> dict:
-    choices = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]
-    return _body("text_completion", rid, model, int(time.time()), fp, choices, {"usage": use})
+def completion_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def reply_body(rid: str, model: str, chat: bool, choices: list[dict], use: dict, fp: str | None = None) -> dict:
+    obj = "chat.completion" if chat else "text_completion"
+    return _body(obj, rid, model, int(time.time()), fp, choices, {"usage": use})
 
 
 class Chunks:
@@ -263,9 +265,10 @@ class Chunks:
         extra = {"usage": use} if self.include_usage else {}
         return _body(obj, self.rid, self.model, self.created, self.fp, choices, extra)
 
-    def delta(self, delta_or_text, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    def delta(self, delta_or_text, finish: str | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
         key = "delta" if self.chat else "text"
-        return self._make([{"index": 0, key: delta_or_text, "finish_reason": finish, "logprobs": logprobs}], None)
+        return self._make([{"index": index, key: delta_or_text, "finish_reason": finish, "logprobs": logprobs}],
+                          None)
 
     def usage(self, use: dict) -> dict:
         return self._make([], use)

@@ -133,6 +133,11 @@ class Scheduler:
                image_tokens: int = 0) -> Handle:
         """Queue a request (call on the event loop); 429 when the queue is full, 503 while draining.
         `vision`: the request's VisionRequest, prepared from `prompt_ids` (its length is the prompt's)."""
+        return self.submit_all([self.handle(prompt_ids, params, split, vision, image_tokens)])[0]
+
+    def handle(self, prompt_ids: list[int], params: SamplingParams, split=None, vision=None,
+               image_tokens: int = 0) -> Handle:
+        """A request to `submit_all` (the arguments of `submit`)."""
         n_prompt, images = (len(vision), len(vision.grid_thw)) if vision is not None else (len(prompt_ids), 0)
         h = Handle(id=f"r{next(self._ids)}", prompt_ids=list(prompt_ids), params=replace(params, stop=()),
                    text=OutputText(self.tok, params.stop, split), loop=asyncio.get_running_loop(),
@@ -140,19 +145,23 @@ class Scheduler:
                    image_tokens=image_tokens, scheduler=self)
         self.max_tokens_for(h.prompt_len, params.max_tokens)
         h.pages = -(-(h.prompt_len + params.max_tokens + self.cfg.reserve_slack) // self.page_size)
+        return h
+
+    def submit_all(self, handles: list[Handle]) -> list[Handle]:
+        """Queue requests together (a reply's n choices): all of them, or none with the 429 / 503."""
         if not self.healthy():
             raise ApiError(503, "the engine failed and cannot serve; restart the server", type="server_error",
                            code="engine_unusable")
         with self._cv:
             if self._draining:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
-            if len(self._waiting) >= self.cfg.max_pending:
+            if len(self._waiting) + len(handles) > self.cfg.max_pending:
                 raise ApiError(429, f"too many queued requests ({self.cfg.max_pending}); retry later",
                                type="rate_limit_error", code="queue_full")
-            self._waiting.append(h)
+            self._waiting.extend(handles)
             self.metrics.waiting.set(len(self._waiting))
             self._cv.notify()
-        return h
+        return handles
 
     def cancel(self, h: Handle) -> None:
         with self._cv:

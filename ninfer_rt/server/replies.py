@@ -1,0 +1,202 @@
+"""Replies: the engine's events of a request's n choices (one engine request each) merged into one OpenAI body,
+or one SSE stream whose chunks name their choice by `index`.
+
+Every flow cancels its requests when the client goes away: a streaming response is cancelled by Starlette on
+`http.disconnect` (the generator's `finally` runs), a non-streaming one polls for it. One choice failing fails
+the reply and cancels the others. Usage counts the prompt once and every choice's tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import protocol as P
+from .logprobs_api import LogprobFormat
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class Choice:
+    """One choice: its engine request and its logprobs formatter (None: not asked for)."""
+    handle: object
+    logprobs: LogprobFormat | None = None
+
+
+@dataclass
+class Reply:
+    chat: bool
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    fingerprint: str | None = None
+    echo: tuple[str, int] | None = None      # completions' echo: (prompt text, first prompt token)
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streaming reply was ready."""
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def total_usage(uses: list[dict]) -> dict:
+    return P.usage(uses[0]["prompt_tokens"], sum(u["completion_tokens"] for u in uses))
+
+
+async def respond(choices: list[Choice], request: Request, reply: Reply):
+    rid = P.new_id("chatcmpl" if reply.chat else "cmpl")
+    if reply.stream:
+        chunks = P.Chunks(rid, reply.model, chat=reply.chat, include_usage=reply.include_usage, fp=reply.fingerprint)
+        return StreamingResponse(_stream(choices, chunks, reply.echo), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    tasks = [asyncio.ensure_future(_collect(c, request)) for c in choices]
+    try:
+        got = await asyncio.gather(*tasks)
+    except ClientGone:
+        return Response(status_code=499)       # nobody reads it; nginx's "client closed request"
+    finally:
+        for t in tasks:                        # a failed choice: the others stop too (their handles cancel)
+            t.cancel()
+    bodies = [g.choice(i, c.logprobs, reply) for i, (c, g) in enumerate(zip(choices, got))]
+    return JSONResponse(P.reply_body(rid, reply.model, reply.chat, bodies, total_usage([g.use for g in got]),
+                                     reply.fingerprint))
+
+
+@dataclass
+class _Collected:
+    reasoning: list = field(default_factory=list)
+    content: list = field(default_factory=list)
+    lps: list = field(default_factory=list)
+    prompt_lps: list = field(default_factory=list)
+    finish: str | None = None
+    use: dict | None = None
+
+    def choice(self, index: int, fmt: LogprobFormat | None, reply: Reply) -> dict:
+        head = fmt.format_prompt(reply.echo[1], self.prompt_lps) if fmt is not None and reply.echo else None
+        lp = fmt.format(self.lps) if fmt is not None else None
+        if reply.chat:
+            return P.chat_choice(index, "".join(self.content), "".join(self.reasoning), self.finish, lp)
+        lp = {k: head[k] + lp[k] for k in lp} if head else lp
+        text = (reply.echo[0] if reply.echo else "") + "".join(self.content)
+        return P.completion_choice(index, text, self.finish, lp)
+
+
+async def _collect(c: Choice, request: Request) -> _Collected:
+    out = _Collected()
+    async for ev in _events(c.handle, request):
+        if ev[0] == "delta":
+            out.reasoning.append(ev[1])
+            out.content.append(ev[2])
+            out.lps += ev[3] or []
+        elif ev[0] == "prompt":
+            out.prompt_lps = ev[1]
+        elif ev[0] == "error":
+            raise ev[1]
+        else:
+            _, out.finish, out.use = ev
+    return out
+
+
+async def _events(handle, request: Request | None):
+    """Yield the request's events; cancel it in the engine if the consumer stops early or the client leaves.
+
+    With `request`, the client's connection is polled every DISCONNECT_POLL_S (events may keep coming
+    faster than that, so the poll is by time, not by idle waits).
+    """
+    checked = time.monotonic()
+    try:
+        while True:
+            if request is None:
+                ev = await handle.next_event()
+            else:
+                ev = await _next_or_disconnect(handle, request, checked)
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    if await request.is_disconnected():
+                        raise ClientGone()
+                    checked = time.monotonic()
+            yield ev
+            if ev[0] not in ("delta", "prompt"):
+                return
+    finally:
+        handle.cancel()
+
+
+async def _next_or_disconnect(handle, request: Request, checked: float):
+    get = asyncio.ensure_future(handle.next_event())
+    try:
+        while True:
+            wait = max(0.0, DISCONNECT_POLL_S - (time.monotonic() - checked))
+            done, _ = await asyncio.wait({get}, timeout=wait)
+            if done:
+                return get.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+            checked = time.monotonic()
+    finally:
+        if not get.done():
+            get.cancel()
+
+
+async def _pump(i: int, c: Choice, queue: asyncio.Queue) -> None:
+    try:
+        async for ev in _events(c.handle, None):
+            await queue.put((i, ev))
+    except Exception as e:        # a bug: the stream must not wait for this choice forever
+        traceback.print_exc(file=sys.stderr)
+        await queue.put((i, ("error", P.ApiError(500, f"internal server error: {type(e).__name__}",
+                                                  type="server_error", code="internal_error"))))
+
+
+async def _stream(choices: list[Choice], chunks: P.Chunks, echo: tuple[str, int] | None):
+    """The choices' chunks in the order their events come; each choice's echo first, its finish chunk last; the
+    usage chunk (if asked) once every choice is done. An error ends the stream (then [DONE])."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pump(i, c, queue)) for i, c in enumerate(choices)]
+    echoing, uses = set(range(len(choices))) if echo else set(), {}
+    try:
+        if chunks.chat:
+            for i in range(len(choices)):
+                yield _sse(chunks.delta({"role": "assistant", "content": ""}, index=i))
+        while len(uses) < len(choices):
+            i, ev = await queue.get()
+            fmt = choices[i].logprobs
+            if i in echoing and ev[0] != "error":     # the prompt first (with its logprobs when they come)
+                head = fmt.format_prompt(echo[1], ev[1]) if fmt is not None and ev[0] == "prompt" else None
+                yield _sse(chunks.delta(echo[0], logprobs=head, index=i))
+                echoing.discard(i)
+            if ev[0] == "delta":
+                chunk = _delta(chunks, ev[1], ev[2], fmt.format(ev[3]) if fmt is not None and ev[3] else None, i)
+                if chunk is not None:
+                    yield _sse(chunk)
+            elif ev[0] == "error":     # headers are sent: the error travels as an SSE event, then [DONE]
+                yield _sse(ev[1].body())
+                break
+            elif ev[0] == "done":
+                _, finish, uses[i] = ev
+                yield _sse(chunks.delta({} if chunks.chat else "", finish, index=i))
+        else:
+            if chunks.include_usage:
+                yield _sse(chunks.usage(total_usage([uses[i] for i in range(len(choices))])))
+    finally:
+        for t in tasks:
+            t.cancel()
+    yield b"data: [DONE]\n\n"
+
+
+def _delta(chunks: P.Chunks, reasoning: str, content: str, lp: dict | None, index: int) -> dict | None:
+    """The chunk of one delta event; None when a completion stream has neither text nor logprobs to send."""
+    if not chunks.chat:
+        return chunks.delta(content, logprobs=lp, index=index) if content or lp else None
+    delta = {"reasoning_content": reasoning} if reasoning else {}
+    if content:
+        delta["content"] = content
+    return chunks.delta(delta, logprobs=lp, index=index)
