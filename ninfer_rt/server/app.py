@@ -217,8 +217,9 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     max_tokens = sched.max_tokens_for(n_prompt, requested, "messages" if chat else "prompt",
                                       "max_completion_tokens" if by_mct else "max_tokens")
     params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids, state.vocab_size)
-    reply = R.Reply(chat, state.model_id, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
-                    state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
+    usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
+    reply = R.Reply(chat, state.model_id, bool(req.stream), usage_chunk, state.fingerprint,
+                    (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
     return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, chat), request, reply)
 
 
