@@ -22,6 +22,7 @@ from ..sampling import MAX_SEED
 from . import handlers as H
 from . import protocol as P
 from . import replies as R
+from . import tokenize_api as T
 from .images import image_prompt
 from .logprobs_api import LogprobFormat
 from .metrics import ServerMetrics
@@ -187,6 +188,18 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         return await _complete(state, request, chat=False)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        sched = state.serving()
+        data = await read_json(request, state.max_body_bytes)
+        return T.tokenize(state.tokenizer, data, state.model_id, sched.max_context)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        state.serving()
+        data = await read_json(request, state.max_body_bytes)
+        return T.detokenize(state.tokenizer, data, state.model_id, state.vocab_size)
+
     app.add_middleware(_Guard, state=state)
     return app
 
@@ -202,9 +215,7 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     sched = state.serving()
     data = await read_json(request, state.max_body_bytes)
     req = P.parse(P.ChatRequest if chat else P.CompletionRequest, data)
-    if req.model is not None and req.model != state.model_id:
-        raise P.ApiError(404, f"model {req.model!r} does not exist (this server serves {state.model_id!r})",
-                         param="model", code="model_not_found")
+    P.check_model(req.model, state.model_id)
     tok, img = state.tokenizer, None
     if chat:
         ids = H.chat_prompt(tok, req)

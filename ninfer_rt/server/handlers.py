@@ -31,13 +31,21 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
             kw[name] = v
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     lp, plp = requested(req, isinstance(req, P.ChatRequest))
+    asked = _token_ids("stop_token_ids", req.stop_token_ids or (), vocab)
     try:
         return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=req.ignore_eos,
-                              stop_token_ids=() if req.ignore_eos else tuple(sorted(stop_ids)),
+                              stop_token_ids=tuple(sorted(set(asked) | (set() if req.ignore_eos else set(stop_ids)))),
                               logprobs=lp, prompt_logprobs=plp, logit_bias=_logit_bias(req, vocab), **kw)
     except SamplingError as e:
         msg = str(e)
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
+
+
+def _token_ids(name: str, ids, vocab: int | None) -> list[int]:
+    bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        raise P.bad_request(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})", param=name)
+    return list(ids)
 
 
 def _logit_bias(req: P._Sampling, vocab: int | None) -> dict:
@@ -51,13 +59,13 @@ def _logit_bias(req: P._Sampling, vocab: int | None) -> dict:
     return out
 
 
-def chat_prompt(tok, req: P.ChatRequest) -> list[int]:
+def chat_prompt(tok, req: P.ChatRequest, add_generation_prompt: bool = True) -> list[int]:
     extra = dict(req.chat_template_kwargs or {})
     bad = sorted(k for k in extra if not isinstance(k, str) or k in _RESERVED_TEMPLATE_KW)
     if bad:
         raise P.bad_request(f"chat_template_kwargs: {bad[0]!r} cannot be set here", param="chat_template_kwargs")
     try:
-        text = tok.render_chat(P.chat_messages(req), add_generation_prompt=True, **extra)
+        text = tok.render_chat(P.chat_messages(req), add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError as e:     # the artifact's template is broken: the server's fault, not the request's
         raise P.ApiError(500, str(e), type="server_error", code="chat_template_error") from None
     except TokenizerError as e:        # the template's raise_exception refused these messages

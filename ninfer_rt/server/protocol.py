@@ -84,6 +84,7 @@ class _Sampling(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None     # vLLM's: token ids that end the output (kept with ignore_eos)
     user: str | None = None
     logit_bias: dict | None = None          # {"token id": bias in [-100, 100]}
     # accepted so that a request using it is refused by name (400) rather than answered as if it were
@@ -122,8 +123,15 @@ def parse(model: type[_Strict], data) -> _Strict:
         param = ".".join(loc) or None
         raise bad_request(f"{param or 'body'}: {err['msg']}", param=param) from None
     _check_text(data)
-    _check_common(req)
+    if isinstance(req, _Sampling):
+        _check_common(req)
     return req
+
+
+def check_model(model: str | None, served: str) -> None:
+    if model is not None and model != served:
+        raise ApiError(404, f"model {model!r} does not exist (this server serves {served!r})", param="model",
+                       code="model_not_found")
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "ContentPart", "ImageURL", "StreamOptions",

@@ -1,0 +1,43 @@
+"""`POST /tokenize` and `POST /detokenize`, as vLLM's server has them: a prompt (or chat messages through the
+artifact's template) to token ids, and token ids back to text. Neither touches the engine."""
+from __future__ import annotations
+
+from . import handlers as H
+from . import protocol as P
+
+
+class TokenizeRequest(P._Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[P.ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+
+
+class DetokenizeRequest(P._Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize(tok, data, served: str, max_model_len: int) -> dict:
+    req = P.parse(TokenizeRequest, data)
+    P.check_model(req.model, served)
+    if (req.prompt is None) == (req.messages is None):
+        raise P.bad_request("body: expected exactly one of 'prompt' and 'messages'")
+    if req.prompt is not None:
+        ids = tok.encode(req.prompt)
+    else:
+        chat = P.ChatRequest(messages=req.messages, chat_template_kwargs=req.chat_template_kwargs)
+        if not chat.messages:
+            raise P.bad_request("messages: must contain at least one message", param="messages")
+        ids = H.chat_prompt(tok, chat, add_generation_prompt=req.add_generation_prompt)
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+
+def detokenize(tok, data, served: str, vocab: int) -> dict:
+    req = P.parse(DetokenizeRequest, data)
+    P.check_model(req.model, served)
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise P.bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
