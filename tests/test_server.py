@@ -371,7 +371,8 @@ def test_api_key_guards_every_route_but_health():
     srv, _, _ = fake_server(api_key="s3cret")
     try:
         for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"),
-                             ("POST", "/v1/completions"), ("GET", "/nowhere")]:
+                             ("POST", "/v1/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                             ("GET", "/nowhere")]:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                 r = httpx.request(method, srv.url + path, headers=headers, json=CHAT)
                 assert r.status_code == 401, (path, headers)
