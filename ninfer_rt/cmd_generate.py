@@ -52,6 +52,7 @@ class GenerateOptions:
     min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None   # None: generation_config.json's (HF applies it greedy or not)
     seed: int | None = None
     thinking: bool = True
     max_context: int | None = None
@@ -172,10 +173,16 @@ def sampling_params(opts: GenerateOptions, generation_config: dict, stop_ids):
         return v
 
     temp = pick(opts.temperature, "temperature", 0.0 if not sample else 1.0)
+    rep = opts.repetition_penalty
+    if rep is None:                 # HF's generate applies it whether or not it samples
+        rep = generation_config.get("repetition_penalty", 1.0)
+        if isinstance(rep, bool) or not isinstance(rep, (int, float)):
+            raise GenerateError(f"resource generation_config.json: repetition_penalty: expected a number, got {rep!r}")
     return SamplingParams(temperature=float(temp), top_k=int(pick(opts.top_k, "top_k", 0)),
                           top_p=float(pick(opts.top_p, "top_p", 1.0)), min_p=float(pick(opts.min_p, "min_p", 0.0)),
                           presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
-                          seed=opts.seed, max_tokens=opts.max_new, stop_token_ids=tuple(sorted(stop_ids)))
+                          repetition_penalty=float(rep), seed=opts.seed, max_tokens=opts.max_new,
+                          stop_token_ids=tuple(sorted(stop_ids)))
 
 
 def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
@@ -288,6 +295,9 @@ def _default_device() -> str:
 @click.option("--min-p", type=float)
 @click.option("--presence-penalty", type=float, default=0.0)
 @click.option("--frequency-penalty", type=float, default=0.0)
+@click.option("--repetition-penalty", type=float,
+              help="HF / vLLM repetition penalty over prompt and output tokens (1 = off). Default: "
+                   "generation_config.json's, else 1.")
 @click.option("--seed", type=int, help="Seed of the request's sampler (reproducible output).")
 @click.option("--no-think", is_flag=True, help="Render the chat template with enable_thinking=False.")
 @click.option("--max-context", type=int,
@@ -302,7 +312,8 @@ def _default_device() -> str:
 @image_limit_options("prompt")
 @user_errors
 def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_tokens, draft_head, tp, device, dtype,
-                 backend, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, seed, no_think,
+                 backend, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
+                 seed, no_think,
                  max_context, no_verify, stats_json, eager, no_async_scheduling, vision, max_images, max_image_bytes,
                  max_image_pixels, vision_max_pixels):
     """Generate text for one prompt from ARTIFACT_DIR."""
@@ -319,7 +330,8 @@ def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_token
         draft_tokens=draft_tokens if spec == "mtp" else 0, tp=tp, device=device,
         dtype=dtype or ("bfloat16" if device == "cuda" else "float32"), backend=backend, verify=not no_verify,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, seed=seed, thinking=not no_think, max_context=max_context,
+        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, seed=seed,
+        thinking=not no_think, max_context=max_context,
         stats_json=stats_json, vision=vis, eager=eager,
         async_scheduling=False if no_async_scheduling else None)
     run_generate(opts)

@@ -42,7 +42,7 @@ from .engine_decide import Decisions
 from .engine_layout import (DEFAULT_CONTEXT, DEFAULT_PAGE, GRAPH_MAX_BATCH, GRAPH_MODES,  # noqa: F401 (re-exported)
                             EngineError, Layout, cache_config, engine_layout, graph_config)
 from .graphs import GraphConfig
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams, make_generator, small_tensor
 from .speculative import SpecConfig, SpecStats, draft_chain_env
 from .tp_group import LocalGroup
 
@@ -177,6 +177,9 @@ class Engine(RunAhead, Decisions, Core):
             s.vision = self.vision.encode_request(vision)
         if params.has_penalties:
             s.counts = torch.zeros(self.cfg.vocab_size, device=self.device)
+        if params.repetition_penalty != 1:
+            s.seen = torch.zeros(self.cfg.vocab_size, dtype=torch.bool, device=self.device)
+            s.seen[small_tensor(prompt, torch.long, self.device)] = True
         if self.tokenizer is not None:
             from .tokenizer import TextStream
             s.stream = TextStream(self.tokenizer, params.stop)

@@ -59,6 +59,7 @@ class Seq:
     out: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     counts: torch.Tensor | None = None
+    seen: torch.Tensor | None = None         # bool [V]: the prompt's tokens (params.repetition_penalty != 1)
     stream: object = None
     text_delta: str = ""
     q: list = field(default_factory=list)     # draft distributions of the current round

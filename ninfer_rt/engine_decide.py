@@ -42,7 +42,7 @@ class Decisions:
             toks = logits.argmax(-1)
         else:
             q = draft_distributions(logits, params, [s.counts for s in seqs], [d for _, _, d in items],
-                                    self.cfg.vocab_size)
+                                    self.cfg.vocab_size, [s.seen for s in seqs])
             toks = sample(q, params, [s.generator for s in seqs])
             for s, row in zip(seqs, q):
                 if not s.params.greedy:
@@ -68,10 +68,11 @@ class Decisions:
         """Every row is verified on the device first and read back in one transfer (not two host syncs per
         sequence); a row only reads its own sequence's counts, so accepting afterwards changes nothing."""
         final = self._verified(dec, pre)[len(dec):]
-        rows = [RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator)
+        rows = [RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator, seen=s.seen)
                 for i, ((s, _), d) in enumerate(zip(dec, drafts))]
         # a prompt chunk may return every row (prompt logprobs): its last one chose the first token
-        rows += [RoundInput(s.params, out.seq_logits(i)[-1:], [], [], s.counts, s.generator) for i, s in final]
+        rows += [RoundInput(s.params, out.seq_logits(i)[-1:], [], [], s.counts, s.generator, seen=s.seen)
+                 for i, s in final]
         if self._argmax is not None:
             o = 0
             for r in rows:

@@ -19,6 +19,7 @@ from ninfer_formats.errors import NinferError
 PENALTY_LIMIT = 2.0          # OpenAI's documented range for presence/frequency penalties
 MAX_LOGPROBS = 20            # top alternatives per token (OpenAI's top_logprobs limit; vLLM's default max_logprobs)
 BIAS_LIMIT = 100.0           # OpenAI's documented range for logit_bias values
+REPETITION_LIMIT = 10.0      # repetition_penalty's upper bound (vLLM takes any value > 0; beyond 10 is a typo)
 MAX_SEED = 2**63 - 1
 
 
@@ -42,6 +43,7 @@ class SamplingParams:
     min_p: float = 0.0                  # [0, 1]; 0 = off
     presence_penalty: float = 0.0       # over generated tokens, OpenAI semantics
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0     # over prompt and generated tokens, HF / vLLM semantics; 1 = off
     seed: int | None = None             # None = nondeterministic
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()    # in addition to the model's eos ids
@@ -90,6 +92,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_num(v) or abs(v) > PENALTY_LIMIT:
                 raise SamplingError(f"{name}: expected a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_num(r) or not 0 < r <= REPETITION_LIMIT:
+            raise SamplingError(f"repetition_penalty: expected a number in (0, {REPETITION_LIMIT:g}], got {r!r}")
 
     @property
     def greedy(self) -> bool:
@@ -97,7 +102,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def plain_greedy(self) -> bool:
@@ -154,9 +159,10 @@ def token_counts(token_ids, vocab: int, device) -> torch.Tensor:
     return torch.bincount(ids, minlength=vocab).to(torch.float32)
 
 
-def process(logits: torch.Tensor, params: list[SamplingParams],
-            counts: list[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """Processed distributions [R, V] float32 for logits [R, V]; row r uses params[r], counts[r]."""
+def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[torch.Tensor | None] | None = None,
+            seen: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Processed distributions [R, V] float32 for logits [R, V]; row r uses params[r], counts[r] (generated
+    tokens) and seen[r] (bool [V]: the prompt's tokens, for the repetition penalty)."""
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"process: logits {tuple(logits.shape)} for {len(params)} parameter rows")
     x = logits.float()
@@ -165,8 +171,13 @@ def process(logits: torch.Tensor, params: list[SamplingParams],
     if counts is not None and any(c is not None and p.has_penalties for p, c in zip(params, counts)):
         x = x.clone()
         for r, (p, c) in enumerate(zip(params, counts)):
-            if c is not None and p.has_penalties:
-                x[r] -= p.frequency_penalty * c + p.presence_penalty * (c > 0).float()
+            if c is None or not p.has_penalties:
+                continue
+            if p.repetition_penalty != 1:       # HF / vLLM: a seen token's logit shrinks toward 0 (or grows below it)
+                hit = c > 0 if seen is None or seen[r] is None else (c > 0) | seen[r]
+                x[r] = torch.where(hit, torch.where(x[r] > 0, x[r] / p.repetition_penalty,
+                                                    x[r] * p.repetition_penalty), x[r])
+            x[r] -= p.frequency_penalty * c + p.presence_penalty * (c > 0).float()
     greedy = [r for r, p in enumerate(params) if p.greedy]
     rand = [r for r, p in enumerate(params) if not p.greedy]
     if not rand:                    # the common uniform batches skip the row gather/scatter and its copies

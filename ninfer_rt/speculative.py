@@ -105,10 +105,10 @@ def column_counts(base: torch.Tensor | None, drafts: list[int], vocab: int) -> t
 
 
 def draft_distributions(logits: torch.Tensor, params: list[SamplingParams], counts: list,
-                        prev: list[list[int]], vocab: int) -> torch.Tensor:
+                        prev: list[list[int]], vocab: int, seen: list | None = None) -> torch.Tensor:
     """Processed MTP distributions [R, V] for the next draft of each row (penalties see earlier drafts)."""
     rows = [None if c is None else column_counts(c, d, vocab)[-1] for c, d in zip(counts, prev)]
-    return process(logits, params, rows)
+    return process(logits, params, rows, seen)
 
 
 @dataclass
@@ -122,6 +122,7 @@ class RoundInput:
     counts: torch.Tensor | None          # penalty counts before the round
     generator: torch.Generator | None
     argmax: list[int] | None = None      # the argmax of each logits row, when the host has read it back already
+    seen: torch.Tensor | None = None     # bool [V]: the prompt's tokens (repetition penalty)
 
 
 def verify(r: RoundInput) -> tuple[int, int]:
@@ -134,7 +135,8 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
     """`verify` without the host sync: int64 [2] = (accepted drafts, target token) on the logits' device, so
     a batch of sequences reads all its verdicts back in one transfer."""
     k, vocab = len(r.drafts), r.logits.shape[-1]
-    p = process(r.logits, [r.params] * (k + 1), _split(column_counts(r.counts, r.drafts, vocab), k + 1))
+    p = process(r.logits, [r.params] * (k + 1), _split(column_counts(r.counts, r.drafts, vocab), k + 1),
+                [r.seen] * (k + 1))
     drafts = small_tensor([r.drafts], torch.long, p.device).reshape(1, k)
     if r.params.greedy:
         n, tok = greedy_verify(p.argmax(-1)[None], drafts)

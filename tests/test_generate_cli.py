@@ -181,8 +181,9 @@ def test_tp2_generate_matches_tp1_and_reports_a_bad_follower_shard(tmp_path):
     assert "layers.0.mlp.up_proj.weight: checksum mismatch" in bad.stderr and "Traceback" not in bad.stderr
 
 
-@pytest.mark.parametrize("key,value", [("temperature", "hot"), ("top_k", None), ("top_p", [0.9]), ("min_p", True)],
-                         ids=["temperature-str", "top-k-null", "top-p-list", "min-p-bool"])
+@pytest.mark.parametrize("key,value", [("temperature", "hot"), ("top_k", None), ("top_p", [0.9]), ("min_p", True),
+                                       ("repetition_penalty", "x")],
+                         ids=["temperature-str", "top-k-null", "top-p-list", "min-p-bool", "repetition-str"])
 def test_bad_generation_config_values_are_one_line_errors(key, value):
     from ninfer_rt.cmd_generate import GenerateError, GenerateOptions, sampling_params
     opts = GenerateOptions(artifact="a", raw="x")
@@ -190,9 +191,19 @@ def test_bad_generation_config_values_are_one_line_errors(key, value):
     assert (good.temperature, good.top_k, good.top_p, good.min_p, good.stop_token_ids) == (0.6, 20, 0.95, 0.0, (7,))
     with pytest.raises(GenerateError, match=f"generation_config.json: {key}: expected a number"):
         sampling_params(opts, {"do_sample": True, key: value}, ())
-    flag = {"temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1}[key]     # a flag given wins
+    flag = {"temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1, "repetition_penalty": 1.2}[key]   # a flag wins
     assert getattr(sampling_params(GenerateOptions(artifact="a", raw="x", **{key: flag}),
                                    {"do_sample": True, key: value}, ()), key) == flag
+
+
+def test_repetition_penalty_comes_from_generation_config_greedy_or_not():
+    """HF's generate applies generation_config's repetition_penalty whether or not it samples."""
+    from ninfer_rt.cmd_generate import GenerateOptions, sampling_params
+    opts = GenerateOptions(artifact="a", raw="x")
+    assert sampling_params(opts, {"repetition_penalty": 1.05}, ()).repetition_penalty == 1.05
+    assert sampling_params(opts, {}, ()).repetition_penalty == 1.0
+    assert sampling_params(GenerateOptions(artifact="a", raw="x", repetition_penalty=1.3),
+                           {"repetition_penalty": 1.05}, ()).repetition_penalty == 1.3
 
 
 def _template_resources(**changes) -> dict:

@@ -208,3 +208,44 @@ def test_logit_bias_on_the_run_ahead_path(loaded):
         toks += [t for o in eng.step() for t in o.new_token_ids]
     assert toks == [66] * 6 and eng.stats.ahead_steps > 0
     eng.shutdown()
+
+
+# ---- repetition_penalty (HF / vLLM semantics: prompt and output tokens) ----
+def test_repetition_penalty_matches_hf_processor():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from ninfer_rt.sampling import process
+    g = torch.Generator().manual_seed(13)
+    logits = torch.randn(3, 40, generator=g) * 4
+    prompt, out = [3, 7, 7, 11], [[5, 5], [], [3, 39]]
+    params = [SamplingParams(temperature=1.0, repetition_penalty=rp) for rp in (1.3, 0.7, 2.0)]
+    counts = [torch.bincount(torch.tensor(o, dtype=torch.long), minlength=40).float() for o in out]
+    seen = torch.zeros(40, dtype=torch.bool)
+    seen[prompt] = True
+    got = process(logits, params, counts, [seen] * 3)
+    for r, p in enumerate(params):
+        ids = torch.tensor([prompt + out[r]])
+        want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, logits[r:r + 1].clone())
+        assert torch.allclose(got[r], torch.softmax(want[0], -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp"])
+def test_repetition_penalty_greedy_equals_hf_generate(tiny, loaded, k):
+    """Greedy with repetition_penalty = 1.5: the tokens of HF's `generate(repetition_penalty=1.5)`."""
+    g = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in (7, 12)]
+    toks, _ = _run(loaded, k, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5),
+                   prompts)
+    lm = tiny.causal_lm()
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            want = lm.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, repetition_penalty=1.5,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert toks[f"r{i}"] == want
+
+
+def test_repetition_penalty_is_checked():
+    for bad in (0, -1.0, 11.0, float("inf")):
+        with pytest.raises(SamplingError, match=r"^repetition_penalty: expected a number in \(0, 10\]"):
+            SamplingParams(repetition_penalty=bad)
+    assert SamplingParams(repetition_penalty=1.1).has_penalties and not SamplingParams().has_penalties

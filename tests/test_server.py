@@ -282,6 +282,7 @@ BAD_REQUESTS = [
      {**CHAT, "max_tokens": None, "max_completion_tokens": 500}, 400, "max_completion_tokens"),
     # fields that would change the reply are refused by name, never silently ignored
     ("logit-bias-key", "/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("repetition-penalty-0", "/v1/chat/completions", {**CHAT, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("logit-bias-range", "/v1/chat/completions", {**CHAT, "logit_bias": {"10": 101}}, 400, "logit_bias"),
     ("logit-bias-vocab", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "logit_bias": {"99999": 1}}, 400,
      "logit_bias"),

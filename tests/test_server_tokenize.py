@@ -1,5 +1,6 @@
 """vLLM's server extras: `POST /tokenize` (a prompt, or chat messages through the template) and `POST /detokenize`
-on the FakeEngine server (they never touch the engine), and `stop_token_ids` on the real Engine."""
+on the FakeEngine server (they never touch the engine), `stop_token_ids` on the real Engine, and
+generation_config's repetition_penalty as a default."""
 from __future__ import annotations
 
 import pytest
@@ -74,3 +75,15 @@ def test_stop_token_ids_end_the_output(real, ignore_eos):
     bad = real.client().with_options(max_retries=0)
     with pytest.raises(Exception, match="stop_token_ids: token id 999 is outside the vocabulary"):
         bad.chat.completions.create(**kw, extra_body={"stop_token_ids": [999]})
+
+
+def test_generation_config_repetition_penalty_is_a_default():
+    """As vLLM: generation_config.json's repetition_penalty applies where a request leaves it out."""
+    from ninfer_rt.server import handlers as H
+    from ninfer_rt.server import protocol as P
+    defaults = H.sampling_defaults({"temperature": 0.7, "repetition_penalty": 1.05, "top_k": True})
+    assert defaults == {"temperature": 0.7, "repetition_penalty": 1.05}
+    req = P.parse(P.ChatRequest, dict(CHAT))
+    assert H.sampling_params(req, defaults, 4).repetition_penalty == 1.05
+    req = P.parse(P.ChatRequest, {**CHAT, "repetition_penalty": 1.0})
+    assert H.sampling_params(req, defaults, 4).repetition_penalty == 1.0

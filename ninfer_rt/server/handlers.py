@@ -8,14 +8,15 @@ from . import protocol as P
 from .logprobs_api import requested
 from .reasoning import ReasoningSplitter, prompt_think_state
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed")
 # keyword names the template call itself uses; a client may not override them through chat_template_kwargs
 _RESERVED_TEMPLATE_KW = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
 
 
 def sampling_defaults(generation_config: dict) -> dict:
     """The model's generation_config.json sampling values, used where a request leaves a field out."""
-    return {k: generation_config[k] for k in ("temperature", "top_p", "top_k", "min_p")
+    return {k: generation_config[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
             if isinstance(generation_config.get(k), (int, float)) and not isinstance(generation_config.get(k), bool)}
 
 

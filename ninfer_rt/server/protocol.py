@@ -79,6 +79,7 @@ class _Sampling(_Strict):
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None     # vLLM's (HF semantics: prompt and output tokens; 1 = off)
     seed: int | None = None
     n: int | None = None                    # null means the default (1), as in OpenAI's API
     stream: bool | None = None
