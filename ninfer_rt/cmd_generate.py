@@ -175,7 +175,8 @@ def sampling_params(opts: GenerateOptions, generation_config: dict, stop_ids):
     temp = pick(opts.temperature, "temperature", 0.0 if not sample else 1.0)
     rep = opts.repetition_penalty
     if rep is None:                 # HF's generate applies it whether or not it samples
-        rep = generation_config.get("repetition_penalty", 1.0)
+        rep = generation_config.get("repetition_penalty")
+        rep = 1.0 if rep is None else rep                  # HF: null is off
         if isinstance(rep, bool) or not isinstance(rep, (int, float)):
             raise GenerateError(f"resource generation_config.json: repetition_penalty: expected a number, got {rep!r}")
     return SamplingParams(temperature=float(temp), top_k=int(pick(opts.top_k, "top_k", 0)),

@@ -3,6 +3,7 @@ choices (and streamed chunks) carry their `index`; usage counts the prompt once.
 checks the shapes, the queue and cancellation; the real Engine (MTP, tiny fp32 artifact) seeded sampling."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -46,12 +47,23 @@ def test_blocking_and_streamed_choices_agree(fake, chat):
 
 
 def test_choices_are_queued_all_or_none():
-    """max_pending 3: a request of n = 4 is a 429 and leaves nothing queued; n = 3 fits."""
-    srv, _, pool = fake_server(max_pending=3)
+    """max_pending 3: n = 4 can never fit (a 400, not a 429 to retry); with two requests waiting, n = 2 is a 429
+    and leaves nothing queued; n = 3 fits an empty queue."""
+    srv, engine, pool = fake_server(max_pending=3, max_concurrency=1, step_s=0.05)
     try:
         body = {"model": MODEL_ID, "prompt": "abc", "max_tokens": 3}
         r = _post(srv, "/v1/completions", {**body, "n": 4})
-        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+        async def busy():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+                first = asyncio.ensure_future(c.post("/v1/completions", json={**body, "max_tokens": 20, "n": 3}))
+                await asyncio.sleep(0.3)             # one choice runs, two wait
+                second = await c.post("/v1/completions", json={**body, "n": 2})
+                return (await first).status_code, second
+        first, second = asyncio.run(busy())
+        assert first == 200 and second.status_code == 429 and second.json()["error"]["code"] == "queue_full"
+        wait_idle(srv)
         assert metric(srv, "ninfer_requests_waiting") == 0
         r = _post(srv, "/v1/completions", {**body, "n": 3})
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
@@ -123,3 +135,26 @@ def test_a_choice_that_breaks_ends_the_stream_with_an_error(fake, monkeypatch):
     monkeypatch.undo()
     wait_idle(srv)
     assert pool.free_pages() == pool.num_pages
+
+
+def test_a_stream_closed_early_cancels_every_choice():
+    """Closed after its first chunk, before the choices' readers ever ran: every engine request is cancelled."""
+    from ninfer_rt.server import protocol as P
+    from ninfer_rt.server.replies import Choice, _stream
+
+    class H:
+        cancelled = 0
+
+        def cancel(self):
+            self.cancelled += 1
+
+        async def next_event(self):
+            await asyncio.sleep(10)
+
+    async def run():
+        hs = [H() for _ in range(3)]
+        gen = _stream([Choice(h) for h in hs], P.Chunks("id", MODEL_ID, chat=True, include_usage=False), None)
+        await gen.__anext__()
+        await gen.aclose()
+        return hs
+    assert all(h.cancelled >= 1 for h in asyncio.run(run()))

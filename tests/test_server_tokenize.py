@@ -36,10 +36,14 @@ def test_tokenize_messages_is_the_chat_prompt(fake, gen):
     ("/tokenize", {}, 400, None),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages.0.content.0.text"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content.0"),
     ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
     ("/detokenize", {"tokens": [1, 999]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
-], ids=["both", "neither", "prompt-type", "no-messages", "wrong-model", "out-of-vocab", "tokens-type"])
+], ids=["both", "neither", "prompt-type", "no-messages", "part-without-text", "image-part", "wrong-model",
+        "out-of-vocab", "tokens-type"])
 def test_tokenize_errors(fake, path, body, status, param):
     srv, _, _ = fake
     r = _post(srv, path, body)
@@ -57,8 +61,8 @@ def real(tmp_path_factory):
 
 @pytest.mark.parametrize("ignore_eos", [False, True], ids=["eos", "ignore-eos"])
 def test_stop_token_ids_end_the_output(real, ignore_eos):
-    """A stop token id ends the output at its first occurrence (a non-special one stays in the output, as vLLM's);
-    it applies with ignore_eos too, which only drops the model's own stop tokens."""
+    """A stop token id ends the output at its first occurrence; as vLLM, it counts and has its logprob but is left
+    out of the text. It applies with ignore_eos too, which only drops the model's own stop tokens."""
     import hf_tiny
     c = real.client()
     kw = dict(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0,
@@ -69,9 +73,11 @@ def test_stop_token_ids_end_the_output(real, ignore_eos):
     ids = [hf_tiny.SPECIALS[e.token] if e.token in hf_tiny.SPECIALS else e.bytes[0] for e in full]
     stop = ids[3]
     r = c.chat.completions.create(**kw, extra_body={**think, "ignore_eos": ignore_eos, "stop_token_ids": [stop]})
-    got = r.choices[0].logprobs.content
-    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ids.index(stop) + 1
-    assert [e.bytes for e in got] == [e.bytes for e in full[:ids.index(stop) + 1]]
+    got, n = r.choices[0].logprobs.content, ids.index(stop) + 1
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == n
+    assert [e.bytes for e in got] == [e.bytes for e in full[:n]]            # the stop token has its logprob
+    text = b"".join(bytes(e.bytes) for e in full[:n - 1] if e.token not in hf_tiny.SPECIALS)
+    assert r.choices[0].message.content == text.decode("utf-8", errors="replace")    # but is not in the text
     bad = real.client().with_options(max_retries=0)
     with pytest.raises(Exception, match="stop_token_ids: token id 999 is outside the vocabulary"):
         bad.chat.completions.create(**kw, extra_body={"stop_token_ids": [999]})
@@ -87,3 +93,11 @@ def test_generation_config_repetition_penalty_is_a_default():
     assert H.sampling_params(req, defaults, 4).repetition_penalty == 1.05
     req = P.parse(P.ChatRequest, {**CHAT, "repetition_penalty": 1.0})
     assert H.sampling_params(req, defaults, 4).repetition_penalty == 1.0
+
+
+def test_generation_config_values_no_request_could_carry_are_dropped(capsys):
+    from ninfer_rt.server import handlers as H
+    got = H.sampling_defaults({"temperature": -1, "top_k": 20.0, "top_p": "x", "repetition_penalty": 0})
+    assert got == {"top_k": 20}
+    err = capsys.readouterr().err
+    assert "ignoring temperature: expected a finite number >= 0" in err and "ignoring repetition_penalty" in err

@@ -198,7 +198,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def detokenize(request: Request):
         state.serving()
         data = await read_json(request, state.max_body_bytes)
-        return T.detokenize(state.tokenizer, data, state.model_id, state.vocab_size)
+        return T.detokenize(state.tokenizer, data, state.model_id)
 
     app.add_middleware(_Guard, state=state)
     return app
@@ -236,6 +236,9 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
 
 def _submit(sched, tok, n: int, ids: list[int], img, params, chat: bool) -> list[R.Choice]:
     """n choices: n engine requests queued together (all or none); a seed gives each its own, reproducibly."""
+    if n > sched.cfg.max_pending:        # a 429 would invite retries that can never fit
+        raise P.bad_request(f"n: {n} choices exceed the server's queue of {sched.cfg.max_pending} (--max-pending)",
+                            param="n")
     choices = []
     for i in range(n):
         p = params if i == 0 or params.seed is None else replace(params, seed=(params.seed + i) % (MAX_SEED + 1))

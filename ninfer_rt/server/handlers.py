@@ -2,6 +2,8 @@
 (the replies are replies.py)."""
 from __future__ import annotations
 
+import sys
+
 from ..sampling import SamplingError, SamplingParams
 from ..tokenizer import ChatTemplateError, TokenizerError
 from . import protocol as P
@@ -15,9 +17,26 @@ _RESERVED_TEMPLATE_KW = {"messages", "add_generation_prompt", "tools", "bos_toke
 
 
 def sampling_defaults(generation_config: dict) -> dict:
-    """The model's generation_config.json sampling values, used where a request leaves a field out."""
-    return {k: generation_config[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-            if isinstance(generation_config.get(k), (int, float)) and not isinstance(generation_config.get(k), bool)}
+    """The model's generation_config.json sampling values, used where a request leaves a field out. A value that
+    no request could carry is left out with a stderr line (else every request would be refused for a field it
+    never sent); a repetition penalty is named too (it takes requests off the greedy fast paths)."""
+    out = {}
+    for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        v = generation_config.get(k)
+        if v is None:
+            continue
+        if k == "top_k" and isinstance(v, float) and v.is_integer():
+            v = int(v)
+        try:
+            SamplingParams(**{k: v})
+        except SamplingError as e:
+            print(f"ninfer-rt: generation_config.json: ignoring {e}", file=sys.stderr)
+            continue
+        out[k] = v
+    if out.get("repetition_penalty", 1) != 1:
+        print(f"ninfer-rt: generation_config.json: repetition_penalty {out['repetition_penalty']} applies to "
+              f"requests that leave it out", file=sys.stderr)
+    return out
 
 
 def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=(), vocab: int | None = None

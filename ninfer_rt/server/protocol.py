@@ -161,12 +161,12 @@ def _check_common(req: _Sampling) -> None:
     if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise bad_request(f"stop: expected at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
     if isinstance(req, ChatRequest):
-        _check_chat(req)
+        check_chat(req)
     else:
         _check_completion(req)
 
 
-def _check_chat(req: ChatRequest) -> None:
+def check_chat(req: ChatRequest) -> None:
     if not req.messages:
         raise bad_request("messages: must contain at least one message", param="messages")
     for i, m in enumerate(req.messages):

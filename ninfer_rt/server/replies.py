@@ -64,8 +64,9 @@ async def respond(choices: list[Choice], request: Request, reply: Reply):
     except ClientGone:
         return Response(status_code=499)       # nobody reads it; nginx's "client closed request"
     finally:
-        for t in tasks:                        # a failed choice: the others stop too (their handles cancel)
+        for t, c in zip(tasks, choices):       # a failed choice: the others stop too
             t.cancel()
+            c.handle.cancel()                  # also where a task never started (idempotent)
     bodies = [g.choice(i, c.logprobs, reply) for i, (c, g) in enumerate(zip(choices, got))]
     return JSONResponse(P.reply_body(rid, reply.model, reply.chat, bodies, total_usage([g.use for g in got]),
                                      reply.fingerprint))
@@ -187,8 +188,9 @@ async def _stream(choices: list[Choice], chunks: P.Chunks, echo: tuple[str, int]
             if chunks.include_usage:
                 yield _sse(chunks.usage(total_usage([uses[i] for i in range(len(choices))])))
     finally:
-        for t in tasks:
+        for t, c in zip(tasks, choices):
             t.cancel()
+            c.handle.cancel()                  # also where a task never started (idempotent)
     yield b"data: [DONE]\n\n"
 
 

@@ -269,7 +269,10 @@ class Scheduler:
                 continue
             self._take_spec(h, o)
             ids = list(o.new_token_ids)[:h.params.max_tokens - h.generated]
-            used, reasoning, content = self._detok(h, ids)
+            # a stop token id ends the output out of its text (as vLLM), though it counts and has its logprob
+            stop_id = o.finished and o.finish_reason == "stop" and ids and ids[-1] in h.params.stop_token_ids
+            used, reasoning, content = self._detok(h, ids[:-1] if stop_id else ids)
+            used += bool(stop_id) and not h.text.stopped
             self._account_tokens(h, used, now)
             if getattr(o, "prompt_logprobs", None) is not None:      # completions' echo: before the first token
                 self._push(h, ("prompt", o.prompt_logprobs))

@@ -28,15 +28,20 @@ def tokenize(tok, data, served: str, max_model_len: int) -> dict:
         ids = tok.encode(req.prompt)
     else:
         chat = P.ChatRequest(messages=req.messages, chat_template_kwargs=req.chat_template_kwargs)
-        if not chat.messages:
-            raise P.bad_request("messages: must contain at least one message", param="messages")
+        P.check_chat(chat)
+        for i, m in enumerate(chat.messages):      # the count would leave out the image's expanded tokens
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if part.type in P.IMAGE_PART_TYPES:
+                    raise P.bad_request(f"messages.{i}.content.{j}: image parts are not supported by /tokenize",
+                                        param=f"messages.{i}.content.{j}")
         ids = H.chat_prompt(tok, chat, add_generation_prompt=req.add_generation_prompt)
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
 
-def detokenize(tok, data, served: str, vocab: int) -> dict:
+def detokenize(tok, data, served: str) -> dict:
     req = P.parse(DetokenizeRequest, data)
     P.check_model(req.model, served)
+    vocab = tok.vocab_size              # the tokenizer's: a model's padded rows are no token
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise P.bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
