@@ -229,12 +229,12 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
                                       "max_completion_tokens" if by_mct else "max_tokens")
     params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids, state.vocab_size)
     usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
-    reply = R.Reply(chat, state.model_id, bool(req.stream), usage_chunk, state.fingerprint,
-                    (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
-    return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, chat), request, reply)
+    reply = R.Reply(P.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
+                    state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
+    return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply), request, reply)
 
 
-def _submit(sched, tok, n: int, ids: list[int], img, params, chat: bool) -> list[R.Choice]:
+def _submit(sched, tok, n: int, ids: list[int], img, params, reply: R.Reply) -> list[R.Choice]:
     """n choices: n engine requests queued together (all or none); a seed gives each its own, reproducibly."""
     if n > sched.cfg.max_pending:        # a 429 would invite retries that can never fit
         raise P.bad_request(f"n: {n} choices exceed the server's queue of {sched.cfg.max_pending} (--max-pending)",
@@ -242,8 +242,10 @@ def _submit(sched, tok, n: int, ids: list[int], img, params, chat: bool) -> list
     choices = []
     for i in range(n):
         p = params if i == 0 or params.seed is None else replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
-        h = sched.handle(ids, p, H.splitter(tok, ids) if chat else None, vision=img.request if img else None,
+        h = sched.handle(ids, p, H.splitter(tok, ids) if reply.chat else None, vision=img.request if img else None,
                          image_tokens=img.image_tokens if img else 0)
-        choices.append(R.Choice(h, LogprobFormat(tok, chat=chat, top=p.logprobs) if p.logprobs is not None else None))
+        h.reply_id, h.choice = reply.rid, i
+        fmt = LogprobFormat(tok, chat=reply.chat, top=p.logprobs) if p.logprobs is not None else None
+        choices.append(R.Choice(h, fmt))
     sched.submit_all([c.handle for c in choices])
     return choices

@@ -32,6 +32,7 @@ class Choice:
 
 @dataclass
 class Reply:
+    rid: str                                 # the response id the client sees (request logs name it too)
     chat: bool
     model: str
     stream: bool = False
@@ -53,7 +54,7 @@ def total_usage(uses: list[dict]) -> dict:
 
 
 async def respond(choices: list[Choice], request: Request, reply: Reply):
-    rid = P.new_id("chatcmpl" if reply.chat else "cmpl")
+    rid = reply.rid
     if reply.stream:
         chunks = P.Chunks(rid, reply.model, chat=reply.chat, include_usage=reply.include_usage, fp=reply.fingerprint)
         return StreamingResponse(_stream(choices, chunks, reply.echo), media_type="text/event-stream",

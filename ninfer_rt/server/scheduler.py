@@ -72,6 +72,8 @@ class Handle:
     steps: int = 0                     # engine steps that emitted tokens for this request
     drafted: int | None = None         # per-request MTP counts, when the engine's StepOutput carries them
     accepted: int | None = None
+    reply_id: str | None = None        # the client's response id, and which of its n choices this is
+    choice: int = 0
     in_engine: bool = False
     done: bool = False
     cancelled: bool = False
