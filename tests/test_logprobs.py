@@ -20,6 +20,8 @@ LP_TOL = 1e-4            # fp32 engine against fp32 HF: absolute, in nats
 NONSPECIAL = 246         # hf_tiny: ids >= 246 are special tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+MODES = pytest.mark.parametrize("k,temperature", [(0, 0.0), (2, 0.0), (2, 1.0)],
+                                ids=["plain-greedy", "mtp-greedy", "mtp-sampled"])
 
 
 # ---- the packing ----
@@ -101,8 +103,7 @@ def _run(loaded, k: int, params: SamplingParams, prompts, plps: dict | None = No
     return toks, lps
 
 
-@pytest.mark.parametrize("k,temperature", [(0, 0.0), (2, 0.0), (2, 1.0)], ids=["plain-greedy", "mtp-greedy",
-                                                                               "mtp-sampled"])
+@MODES
 def test_engine_logprobs_equal_hf(tiny, loaded, k, temperature):
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in (5, 13)]
@@ -165,8 +166,7 @@ def test_logprobs_leave_the_run_ahead_path(loaded, logprobs):
 
 
 # ---- logit_bias (it shapes the choice; logprobs stay the model's own) ----
-@pytest.mark.parametrize("k,temperature", [(0, 0.0), (2, 0.0), (2, 1.0)], ids=["plain-greedy", "mtp-greedy",
-                                                                               "mtp-sampled"])
+@MODES
 def test_logit_bias_steers_the_choice_not_the_logprobs(tiny, loaded, k, temperature):
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in (6, 11)]

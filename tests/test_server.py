@@ -66,6 +66,15 @@ def real_server(artifact: str, *, max_pending=64, api_key=None, log=None, **rt_k
     return LiveServer(state, sched), rt
 
 
+@pytest.fixture(scope="module")
+def real_srv(tmp_path_factory):
+    """The real Engine's server (MTP, the tiny fp32 artifact), shared by one module's tests."""
+    s, rt = real_server(tiny_artifact(tmp_path_factory))
+    yield s
+    s.close()
+    rt.close()
+
+
 # ---- stand-ins ----------------------------------------------------------------------------------------
 
 class FakePool:

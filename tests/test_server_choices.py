@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import contextmanager
 
 import httpx
 import pytest
-from test_server import (CHAT, MODEL_ID, _post, fake, fake_server, metric, real_server, tiny_artifact,  # noqa: F401
-                         wait_idle)
+from test_server import CHAT, MODEL_ID, _post, fake, fake_server, metric, real_srv, wait_idle  # noqa: F401
+
+
+@contextmanager
+def _freed(**kw):
+    """A FakeEngine server that must end idle with every KV page back in its pool."""
+    srv, _, pool = fake_server(**kw)
+    try:
+        yield srv
+        wait_idle(srv)
+        assert pool.free_pages() == pool.num_pages
+    finally:
+        srv.close()
 
 
 def _chunks(r: httpx.Response) -> list[dict]:
@@ -49,8 +61,7 @@ def test_blocking_and_streamed_choices_agree(fake, chat):
 def test_choices_are_queued_all_or_none():
     """max_pending 3: n = 4 can never fit (a 400, not a 429 to retry); with two requests waiting, n = 2 is a 429
     and leaves nothing queued; n = 3 fits an empty queue."""
-    srv, engine, pool = fake_server(max_pending=3, max_concurrency=1, step_s=0.05)
-    try:
+    with _freed(max_pending=3, max_concurrency=1, step_s=0.05) as srv:
         body = {"model": MODEL_ID, "prompt": "abc", "max_tokens": 3}
         r = _post(srv, "/v1/completions", {**body, "n": 4})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
@@ -67,48 +78,27 @@ def test_choices_are_queued_all_or_none():
         assert metric(srv, "ninfer_requests_waiting") == 0
         r = _post(srv, "/v1/completions", {**body, "n": 3})
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
-        wait_idle(srv)
-        assert pool.free_pages() == pool.num_pages
-    finally:
-        srv.close()
 
 
 def test_a_failed_step_fails_the_reply_and_frees_every_choice():
-    srv, _, pool = fake_server(fail_on=2)
-    try:
+    with _freed(fail_on=2) as srv:
         r = _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "abc", "max_tokens": 6, "n": 2})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-        wait_idle(srv)
-        assert pool.free_pages() == pool.num_pages
-    finally:
-        srv.close()
 
 
 def test_disconnect_mid_stream_cancels_every_choice():
-    srv, _, pool = fake_server(step_s=0.02)
-    try:
+    with _freed(step_s=0.02) as srv:
         before = metric(srv, "ninfer_requests_total", 'finish_reason="abort"')
         body = {"model": MODEL_ID, "prompt": "abc", "max_tokens": 60, "n": 3, "stream": True}
         with httpx.Client(base_url=srv.url, timeout=30) as h:
             with h.stream("POST", "/v1/completions", json=body) as r:
                 assert [ln for _, ln in zip(range(4), r.iter_lines()) if ln.startswith("data:")]
         wait_idle(srv)
-        assert pool.free_pages() == pool.num_pages
         assert metric(srv, "ninfer_requests_total", 'finish_reason="abort"') == before + 3
-    finally:
-        srv.close()
 
 
-@pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    s, rt = real_server(tiny_artifact(tmp_path_factory))
-    yield s
-    s.close()
-    rt.close()
-
-
-def test_seeded_choices_differ_and_reproduce(real):
-    c = real.client()
+def test_seeded_choices_differ_and_reproduce(real_srv):
+    c = real_srv.client()
     kw = dict(model=MODEL_ID, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7, n=3,
               extra_body={"ignore_eos": True})
     a = [ch.text for ch in c.completions.create(**kw).choices]

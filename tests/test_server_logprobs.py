@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import hf_tiny
 import pytest
-from test_server import MODEL_ID, real_server, tiny_artifact
+from test_server import MODEL_ID, real_srv  # noqa: F401
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def srv(real_srv):
+    return real_srv
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
@@ -35,14 +40,6 @@ def test_format_splits_characters_and_skips_specials(chat):
         assert got[0]["tokens"] + got[1]["tokens"] == names
         assert got[0]["text_offset"] + got[1]["text_offset"] == [0, 1, 1, 2, 3, 4, 4]
         assert got[1]["top_logprobs"][0] == {"bytes:\\xc3": -0.5}
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    s, rt = real_server(tiny_artifact(tmp_path_factory))
-    yield s
-    s.close()
-    rt.close()
 
 
 def test_chat_logprobs_spell_the_content(srv):

@@ -4,8 +4,7 @@ generation_config's repetition_penalty as a default."""
 from __future__ import annotations
 
 import pytest
-from test_server import (CHAT, MODEL_ID, _post, fake, real_server, tiny_artifact,  # noqa: F401
-                         tiny_tokenizer)
+from test_server import CHAT, MODEL_ID, _post, fake, real_srv, tiny_tokenizer  # noqa: F401
 
 
 def test_tokenize_a_prompt_and_back(fake):
@@ -51,20 +50,12 @@ def test_tokenize_errors(fake, path, body, status, param):
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
 
 
-@pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    s, rt = real_server(tiny_artifact(tmp_path_factory))
-    yield s
-    s.close()
-    rt.close()
-
-
 @pytest.mark.parametrize("ignore_eos", [False, True], ids=["eos", "ignore-eos"])
-def test_stop_token_ids_end_the_output(real, ignore_eos):
+def test_stop_token_ids_end_the_output(real_srv, ignore_eos):
     """A stop token id ends the output at its first occurrence; as vLLM, it counts and has its logprob but is left
     out of the text. It applies with ignore_eos too, which only drops the model's own stop tokens."""
     import hf_tiny
-    c = real.client()
+    c = real_srv.client()
     kw = dict(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0,
               logprobs=True)
     think = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -78,7 +69,7 @@ def test_stop_token_ids_end_the_output(real, ignore_eos):
     assert [e.bytes for e in got] == [e.bytes for e in full[:n]]            # the stop token has its logprob
     text = b"".join(bytes(e.bytes) for e in full[:n - 1] if e.token not in hf_tiny.SPECIALS)
     assert r.choices[0].message.content == text.decode("utf-8", errors="replace")    # but is not in the text
-    bad = real.client().with_options(max_retries=0)
+    bad = real_srv.client().with_options(max_retries=0)
     with pytest.raises(Exception, match="stop_token_ids: token id 999 is outside the vocabulary"):
         bad.chat.completions.create(**kw, extra_body={"stop_token_ids": [999]})
 
