@@ -42,7 +42,7 @@ def sampling_defaults(generation_config: dict) -> dict:
 def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=(), vocab: int | None = None
                     ) -> SamplingParams:
     """`stop_ids`: the tokenizer's stop ids (e.g. `<|im_end|>`), which the engine's config eos may lack; `vocab`
-    bounds logit_bias's token ids."""
+    bounds the token ids of logit_bias and stop_token_ids."""
     kw = {}
     for name in SAMPLING_FIELDS:
         v = getattr(req, name)
