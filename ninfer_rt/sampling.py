@@ -165,11 +165,11 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
     tokens) and seen[r] (bool [V]: the prompt's tokens, for the repetition penalty)."""
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"process: logits {tuple(logits.shape)} for {len(params)} parameter rows")
-    x = logits.float()
+    x, own = logits.float(), False
     if any(p.logit_bias for p in params):
-        x = _add_bias(x, params)
+        x, own = _add_bias(x, params), True
     if counts is not None and any(c is not None and p.has_penalties for p, c in zip(params, counts)):
-        x = x.clone()
+        x = x if own else x.clone()      # the rows below change in place: never the caller's logits
         for r, (p, c) in enumerate(zip(params, counts)):
             if c is None or not p.has_penalties:
                 continue
