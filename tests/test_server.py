@@ -140,16 +140,20 @@ class FakeEngine:
                 n = self.per_step
                 self.stats["drafted"] += n - 1
                 self.stats["accepted"] += n - 1
-            n = min(n, s["params"].max_tokens - len(s["out"]))
-            new = [97 + (sum(s["prompt"]) + 7 * (len(s["out"]) + i)) % 26 for i in range(n)]
+            new, reason = self.emit(s, n)
             s["out"] += new
             self._grow(s, len(s["prompt"]) + len(s["out"]))
-            fin = len(s["out"]) >= s["params"].max_tokens
-            outs.append(SimpleNamespace(req_id=rid, new_token_ids=new, finished=fin,
-                                        finish_reason="length" if fin else None))
-            if fin:
+            outs.append(SimpleNamespace(req_id=rid, new_token_ids=new, finished=reason is not None,
+                                        finish_reason=reason))
+            if reason is not None:
                 self.abort(rid)
         return outs
+
+    def emit(self, s, n: int) -> tuple[list[int], str | None]:
+        """The next (at most) n tokens of a sequence and its finish reason (None: it goes on)."""
+        n = min(n, s["params"].max_tokens - len(s["out"]))
+        new = [97 + (sum(s["prompt"]) + 7 * (len(s["out"]) + i)) % 26 for i in range(n)]
+        return new, ("length" if len(s["out"]) + n >= s["params"].max_tokens else None)
 
 
 def tiny_tokenizer() -> Tokenizer:
@@ -194,11 +198,12 @@ class LiveServer:
 
 
 def fake_server(*, pages=64, page_size=4, max_concurrency=4, max_pending=8, max_context=96, api_key=None,
-                **engine_kw):
+                engine_cls=None, tok=None, **engine_kw):
+    """`engine_cls`: a FakeEngine subclass (its own tokens); `tok`: a tokenizer other than tiny_tokenizer()."""
     pool = FakePool(pages, page_size)
-    engine = FakeEngine(pool, **engine_kw)
+    engine = (engine_cls or FakeEngine)(pool, **engine_kw)
     state = ServerState(model_id=MODEL_ID, api_key=api_key)
-    tok = tiny_tokenizer()
+    tok = tok or tiny_tokenizer()
     sched = Scheduler(engine, pool, tok, SchedulerConfig(max_concurrency=max_concurrency, max_context=max_context,
                                                          max_pending=max_pending), state.metrics)
     sched.start()

@@ -27,6 +27,7 @@ from .images import image_prompt
 from .logprobs_api import LogprobFormat
 from .metrics import ServerMetrics
 from .runtime import DEFAULT_VISION_TOKENS
+from .tool_calls import ToolParser
 
 MAX_BODY_BYTES = 4 << 20
 BIG_BODY_BYTES = 1 << 20
@@ -231,10 +232,13 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
     reply = R.Reply(P.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
                     state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
-    return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply), request, reply)
+    tools = P.template_tools(req) if chat and P.parses_tools(req) else None
+    return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply, tools,
+                                   req.parallel_tool_calls is not False if chat else True), request, reply)
 
 
-def _submit(sched, tok, n: int, ids: list[int], img, params, reply: R.Reply) -> list[R.Choice]:
+def _submit(sched, tok, n: int, ids: list[int], img, params, reply: R.Reply, tools: list[dict] | None = None,
+            parallel_calls: bool = True) -> list[R.Choice]:
     """n choices: n engine requests queued together (all or none); a seed gives each its own, reproducibly."""
     if n > sched.cfg.max_pending:        # a 429 would invite retries that can never fit
         raise P.bad_request(f"n: {n} choices exceed the server's queue of {sched.cfg.max_pending} (--max-pending)",
@@ -243,9 +247,9 @@ def _submit(sched, tok, n: int, ids: list[int], img, params, reply: R.Reply) -> 
     for i in range(n):
         p = params if i == 0 or params.seed is None else replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
         h = sched.handle(ids, p, H.splitter(tok, ids) if reply.chat else None, vision=img.request if img else None,
-                         image_tokens=img.image_tokens if img else 0)
+                         image_tokens=img.image_tokens if img else 0, keep_special=tools is not None)
         h.reply_id, h.choice = reply.rid, i
         fmt = LogprobFormat(tok, chat=reply.chat, top=p.logprobs) if p.logprobs is not None else None
-        choices.append(R.Choice(h, fmt))
+        choices.append(R.Choice(h, fmt, ToolParser(tools, parallel_calls) if tools is not None else None))
     sched.submit_all([c.handle for c in choices])
     return choices

@@ -85,7 +85,8 @@ def chat_prompt(tok, req: P.ChatRequest, add_generation_prompt: bool = True) -> 
     if bad:
         raise P.bad_request(f"chat_template_kwargs: {bad[0]!r} cannot be set here", param="chat_template_kwargs")
     try:
-        text = tok.render_chat(P.chat_messages(req), add_generation_prompt=add_generation_prompt, **extra)
+        text = tok.render_chat(P.chat_messages(req), add_generation_prompt=add_generation_prompt,
+                               tools=P.template_tools(req), **extra)
     except ChatTemplateError as e:     # the artifact's template is broken: the server's fault, not the request's
         raise P.ApiError(500, str(e), type="server_error", code="chat_template_error") from None
     except TokenizerError as e:        # the template's raise_exception refused these messages

@@ -6,6 +6,8 @@ as `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
 """
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Literal
@@ -59,12 +61,37 @@ class ContentPart(_Strict):
 IMAGE_PART_TYPES = ("image_url", "image")
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str                       # a JSON object's text, as OpenAI sends it back
+
+
+class ToolCallIn(_Strict):
+    """A call in an earlier assistant turn of the conversation."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None       # a JSON schema; its property types convert the parsed values
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
 
 
 class _Sampling(_Strict):
@@ -99,7 +126,9 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None        # "auto" (the default with tools) or "none"
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -136,7 +165,7 @@ def check_model(model: str | None, served: str) -> None:
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "ContentPart", "ImageURL", "StreamOptions",
-               "ChatMessage"}
+               "ChatMessage", "Tool", "FunctionDef", "ToolCallIn", "FunctionCall"}
 
 
 def _check_text(data: dict) -> None:
@@ -182,8 +211,41 @@ def check_chat(req: ChatRequest) -> None:
         _check_logprobs("top_logprobs", req.top_logprobs)
         if not req.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
-    if req.tools:
-        raise bad_request("tools: tool calling is not supported by this server", param="tools")
+    _check_tools(req)
+
+
+# a name the XML call format can carry (OpenAI's own rule is ^[a-zA-Z0-9_-]{1,64}$; dots are common too)
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _check_tools(req: ChatRequest) -> None:
+    names = [t.function.name for t in req.tools or ()]
+    for i, n in enumerate(names):
+        if not _TOOL_NAME.fullmatch(n):
+            raise bad_request(f"tools.{i}.function.name: {n!r} is not a valid function name (letters, digits, "
+                              f"'_', '-', '.', ':'; 1 to 64 characters)", param=f"tools.{i}.function.name")
+        if n in names[:i]:
+            raise bad_request(f"tools.{i}.function.name: {n!r} is defined twice", param=f"tools.{i}.function.name")
+    choice = req.tool_choice
+    if choice is not None and choice not in ("auto", "none"):
+        what = repr(choice) if isinstance(choice, str) else "a named function"
+        raise bad_request(f"tool_choice: {what} would force a call, which needs constrained decoding that this "
+                          f"server does not do; use 'auto' or 'none'", param="tool_choice")
+    for i, m in enumerate(req.messages):
+        for j, call in enumerate(m.tool_calls or ()):
+            where = f"messages.{i}.tool_calls.{j}.function.arguments"
+            if m.role != "assistant":
+                raise bad_request(f"messages.{i}.tool_calls: only assistant messages make tool calls",
+                                  param=f"messages.{i}.tool_calls")
+            if not isinstance(_json_or_none(call.function.arguments), dict):
+                raise bad_request(f"{where}: expected the text of a JSON object", param=where)
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _check_completion(req: CompletionRequest) -> None:
@@ -225,8 +287,22 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         for k in ("name", "reasoning_content", "tool_call_id"):
             if getattr(m, k) is not None:
                 d[k] = getattr(m, k)
+        if m.tool_calls:         # arguments as a mapping: templates iterate them (`arguments|items`), as in vLLM
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in m.tool_calls]
         out.append(d)
     return out
+
+
+def template_tools(req: ChatRequest) -> list[dict] | None:
+    """The request's tools for the chat template (OpenAI's {"type", "function"} objects)."""
+    return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+
+
+def parses_tools(req: ChatRequest) -> bool:
+    """Calls are parsed out of the answer unless tool_choice is "none" (the tools are still in the prompt, as in
+    vLLM)."""
+    return bool(req.tools) and req.tool_choice != "none"
 
 
 # ---- responses ----
@@ -244,8 +320,13 @@ def _body(obj: str, rid: str, model: str, created: int, fp: str | None, choices:
             "choices": choices, **use}
 
 
-def chat_choice(index: int, content: str, reasoning: str | None, finish: str, logprobs: dict | None = None) -> dict:
+def chat_choice(index: int, content: str, reasoning: str | None, finish: str, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """With tool calls, an answer of whitespace only is a null content, as OpenAI sends it."""
     msg = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+        msg["content"] = content if content.strip() else None
     return {"index": index, "message": msg, "finish_reason": finish, "logprobs": logprobs}
 
 

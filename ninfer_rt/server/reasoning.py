@@ -70,13 +70,14 @@ class ReasoningSplitter:
 class OutputText:
     """Generated ids -> (reasoning text, answer text) deltas, with stop strings on the answer.
 
-    `split=None` means no reasoning split (completions): everything is answer text.
+    `split=None` means no reasoning split (completions): everything is answer text. `keep_special`: the answer
+    keeps special tokens' text (a tokenizer may mark `<tool_call>` special; the tool parser needs it).
     """
 
-    def __init__(self, tok, stop: tuple[str, ...], split: ReasoningSplitter | None):
+    def __init__(self, tok, stop: tuple[str, ...], split: ReasoningSplitter | None, keep_special: bool = False):
         from ..tokenizer import TextStream
         self.split = split
-        self.answer = TextStream(tok, stop)
+        self.answer = TextStream(tok, stop, skip_special_tokens=not keep_special)
         self.reasoning = TextStream(tok, ()) if split is not None else None
         self._reasoning_flushed = False
 

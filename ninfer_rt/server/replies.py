@@ -19,15 +19,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import protocol as P
 from .logprobs_api import LogprobFormat
+from .tool_calls import ToolParser
 
 DISCONNECT_POLL_S = 0.25
 
 
 @dataclass
 class Choice:
-    """One choice: its engine request and its logprobs formatter (None: not asked for)."""
+    """One choice: its engine request, its logprobs formatter and its tool-call parser (None: not asked for)."""
     handle: object
     logprobs: LogprobFormat | None = None
+    tools: ToolParser | None = None
+
+
+def _finish_reason(c: Choice, finish: str) -> str:
+    """A chat answer that made calls and ended by itself finishes with "tool_calls", as OpenAI's does."""
+    return "tool_calls" if c.tools is not None and c.tools.calls and finish == "stop" else finish
 
 
 @dataclass
@@ -68,7 +75,7 @@ async def respond(choices: list[Choice], request: Request, reply: Reply):
         for t, c in zip(tasks, choices):       # a failed choice: the others stop too
             t.cancel()
             c.handle.cancel()                  # also where a task never started (idempotent)
-    bodies = [g.choice(i, c.logprobs, reply) for i, (c, g) in enumerate(zip(choices, got))]
+    bodies = [g.choice(i, c, reply) for i, (c, g) in enumerate(zip(choices, got))]
     return JSONResponse(P.reply_body(rid, reply.model, reply.chat, bodies, total_usage([g.use for g in got]),
                                      reply.fingerprint))
 
@@ -82,11 +89,17 @@ class _Collected:
     finish: str | None = None
     use: dict | None = None
 
-    def choice(self, index: int, fmt: LogprobFormat | None, reply: Reply) -> dict:
+    def choice(self, index: int, c: Choice, reply: Reply) -> dict:
+        fmt = c.logprobs
         head = fmt.format_prompt(reply.echo[1], self.prompt_lps) if fmt is not None and reply.echo else None
         lp = fmt.format(self.lps) if fmt is not None else None
         if reply.chat:
-            return P.chat_choice(index, "".join(self.content), "".join(self.reasoning), self.finish, lp)
+            content, calls = "".join(self.content), None
+            if c.tools is not None:            # the same parser a stream uses, over the whole answer
+                content = c.tools.feed(content)[0] + c.tools.finish()
+                calls = [t.api(i) for i, t in enumerate(c.tools.calls)]
+            return P.chat_choice(index, content, "".join(self.reasoning), _finish_reason(c, self.finish), lp,
+                                 calls)
         lp = {k: head[k] + lp[k] for k in lp} if head else lp
         text = (reply.echo[0] if reply.echo else "") + "".join(self.content)
         return P.completion_choice(index, text, self.finish, lp)
@@ -176,7 +189,9 @@ async def _stream(choices: list[Choice], chunks: P.Chunks, echo: tuple[str, int]
                 yield _sse(chunks.delta(echo[0], logprobs=head, index=i))
                 echoing.discard(i)
             if ev[0] == "delta":
-                chunk = _delta(chunks, ev[1], ev[2], fmt.format(ev[3]) if fmt is not None and ev[3] else None, i)
+                content, calls = _tool_split(choices[i].tools, ev[2])
+                chunk = _delta(chunks, ev[1], content, fmt.format(ev[3]) if fmt is not None and ev[3] else None, i,
+                               calls)
                 if chunk is not None:
                     yield _sse(chunk)
             elif ev[0] == "error":     # headers are sent: the error travels as an SSE event, then [DONE]
@@ -184,7 +199,10 @@ async def _stream(choices: list[Choice], chunks: P.Chunks, echo: tuple[str, int]
                 break
             elif ev[0] == "done":
                 _, finish, uses[i] = ev
-                yield _sse(chunks.delta({} if chunks.chat else "", finish, index=i))
+                rest = choices[i].tools.finish() if choices[i].tools is not None else ""
+                if rest:
+                    yield _sse(chunks.delta({"content": rest}, index=i))
+                yield _sse(chunks.delta({} if chunks.chat else "", _finish_reason(choices[i], finish), index=i))
         else:
             if chunks.include_usage:
                 yield _sse(chunks.usage(total_usage([uses[i] for i in range(len(choices))])))
@@ -195,11 +213,25 @@ async def _stream(choices: list[Choice], chunks: P.Chunks, echo: tuple[str, int]
     yield b"data: [DONE]\n\n"
 
 
-def _delta(chunks: P.Chunks, reasoning: str, content: str, lp: dict | None, index: int) -> dict | None:
+def _tool_split(parser: ToolParser | None, content: str) -> tuple[str, list[dict]]:
+    """A delta's answer text -> (content to send, tool_calls entries completed by it)."""
+    if parser is None:
+        return content, []
+    done = len(parser.calls)
+    text, new = parser.feed(content)
+    return text, [t.api(done + k) for k, t in enumerate(new)]
+
+
+def _delta(chunks: P.Chunks, reasoning: str, content: str, lp: dict | None, index: int,
+           calls: list[dict] = ()) -> dict | None:
     """The chunk of one delta event; None when a completion stream has neither text nor logprobs to send."""
     if not chunks.chat:
         return chunks.delta(content, logprobs=lp, index=index) if content or lp else None
     delta = {"reasoning_content": reasoning} if reasoning else {}
     if content:
         delta["content"] = content
+    if calls:
+        delta["tool_calls"] = list(calls)
+    if not delta and lp is None:          # the tool parser holds this text back for now
+        return None
     return chunks.delta(delta, logprobs=lp, index=index)

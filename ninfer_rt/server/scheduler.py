@@ -138,11 +138,11 @@ class Scheduler:
         return self.submit_all([self.handle(prompt_ids, params, split, vision, image_tokens)])[0]
 
     def handle(self, prompt_ids: list[int], params: SamplingParams, split=None, vision=None,
-               image_tokens: int = 0) -> Handle:
-        """A request to `submit_all` (the arguments of `submit`)."""
+               image_tokens: int = 0, keep_special: bool = False) -> Handle:
+        """A request to `submit_all` (the arguments of `submit`; `keep_special`: see OutputText)."""
         n_prompt, images = (len(vision), len(vision.grid_thw)) if vision is not None else (len(prompt_ids), 0)
         h = Handle(id=f"r{next(self._ids)}", prompt_ids=list(prompt_ids), params=replace(params, stop=()),
-                   text=OutputText(self.tok, params.stop, split), loop=asyncio.get_running_loop(),
+                   text=OutputText(self.tok, params.stop, split, keep_special), loop=asyncio.get_running_loop(),
                    events=asyncio.Queue(), vision=vision, prompt_len=n_prompt, images=images,
                    image_tokens=image_tokens, scheduler=self)
         self.max_tokens_for(h.prompt_len, params.max_tokens)
