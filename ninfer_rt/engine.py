@@ -182,7 +182,7 @@ class Engine(RunAhead, Decisions, Core):
             s.seen[small_tensor(prompt, torch.long, self.device)] = True
         if self.tokenizer is not None:
             from .tokenizer import TextStream
-            s.stream = TextStream(self.tokenizer, params.stop)
+            s.stream = TextStream(self.tokenizer, params.stop, armed=params.min_tokens == 0)
         self.waiting.append(s)
 
     def _vision_prompt(self, req_id: str, prompt: list[int], vision: VisionRequest) -> list[int]:

@@ -14,15 +14,20 @@ import torch
 
 from .engine_core import Seq, Verdict
 from .logprobs import token_logprobs
-from .sampling import sample, small_tensor
+from .sampling import sample, small_tensor, stop_ban
 from .speculative import RoundInput, argmax_decides, draft_distributions, verify_rows
+
+
+def _min_pending(s: Seq) -> bool:
+    """Fewer than min_tokens out: the next tokens are not the raw argmax's to decide (stop tokens are banned)."""
+    return len(s.out) < s.params.min_tokens
 
 
 class Decisions:
     def _chainable(self, seqs: list[Seq]) -> bool:
         """Steps whose sequences all draft greedily without penalties or bias (one argmax decides each draft):
         NINFER_DRAFT_CHAIN (default on) keeps those drafts on the device between the draft steps."""
-        return self.chain_drafts and all(s.params.plain_greedy for s in seqs)
+        return self.chain_drafts and all(s.params.plain_greedy and not _min_pending(s) for s in seqs)
 
     def _device_drafts(self, j, items):
         if j == 1:
@@ -37,12 +42,14 @@ class Decisions:
         if j == 1:
             for s in seqs:
                 s.q = []
-        if all(p.plain_greedy for p in params):
+        # draft j guesses output position len(out) + j - 1: its stop tokens are banned below min_tokens
+        ban = [stop_ban(s.params, self.eos, len(s.out) + j - 1, 1)[0] for s in seqs]
+        if all(p.plain_greedy for p in params) and not any(ban):
             # the processed distribution would be one-hot at this argmax: one kernel instead of five per draft step
             toks = logits.argmax(-1)
         else:
             q = draft_distributions(logits, params, [s.counts for s in seqs], [d for _, _, d in items],
-                                    self.cfg.vocab_size, [s.seen for s in seqs])
+                                    self.cfg.vocab_size, [s.seen for s in seqs], ban)
             toks = sample(q, params, [s.generator for s in seqs])
             for s, row in zip(seqs, q):
                 if not s.params.greedy:
@@ -60,7 +67,7 @@ class Decisions:
         """Greedy rows without penalties are decided by the argmax alone: queue it behind the verify step, so
         `_execute` reads it back with the drafts (one host sync per round, not two)."""
         seqs = self._verified(dec, pre)
-        if not seqs or not all(argmax_decides(s.params, s.counts) for _, s in seqs):
+        if not seqs or not all(argmax_decides(s.params, s.counts) and not _min_pending(s) for _, s in seqs):
             return None
         return torch.cat([out.seq_logits(i) if i < len(dec) else out.seq_logits(i)[-1:] for i, _ in seqs]).argmax(-1)
 
@@ -68,11 +75,13 @@ class Decisions:
         """Every row is verified on the device first and read back in one transfer (not two host syncs per
         sequence); a row only reads its own sequence's counts, so accepting afterwards changes nothing."""
         final = self._verified(dec, pre)[len(dec):]
-        rows = [RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator, seen=s.seen)
+        # target row j of a round chooses output position len(out) + j
+        rows = [RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator, seen=s.seen,
+                           ban=stop_ban(s.params, self.eos, len(s.out), len(d) + 1))
                 for i, ((s, _), d) in enumerate(zip(dec, drafts))]
         # a prompt chunk may return every row (prompt logprobs): its last one chose the first token
-        rows += [RoundInput(s.params, out.seq_logits(i)[-1:], [], [], s.counts, s.generator, seen=s.seen)
-                 for i, s in final]
+        rows += [RoundInput(s.params, out.seq_logits(i)[-1:], [], [], s.counts, s.generator, seen=s.seen,
+                            ban=stop_ban(s.params, self.eos, 0, 1)) for i, s in final]
         if self._argmax is not None:
             o = 0
             for r in rows:
@@ -111,6 +120,8 @@ class Decisions:
             s.out.append(t)
             n += 1
             if s.stream is not None:
+                if len(s.out) > s.params.min_tokens:     # vLLM: stop strings count past min_tokens tokens
+                    s.stream.arm()
                 s.text_delta += s.stream.push([t])
             if (t in self.eos and not s.params.ignore_eos) or t in s.params.stop_token_ids or \
                     (s.stream is not None and s.stream.stopped):

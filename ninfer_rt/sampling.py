@@ -53,6 +53,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first (vLLM's name)
     logit_bias: tuple = ()              # ((token id, bias), ...) added to the logits before anything else; a
                                         # {id: bias} mapping is accepted and stored sorted
+    min_tokens: int = 0                 # vLLM's: no stop token (eos, stop_token_ids) and no stop string before
+                                        # this many tokens; at most max_tokens
 
     def __post_init__(self):
         self._check_numbers()
@@ -60,6 +62,9 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens: expected an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingError(f"min_tokens: expected an integer in [0, max_tokens = {self.max_tokens}], "
+                                f"got {self.min_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise SamplingError(f"seed: expected an integer in [0, 2^63), got {self.seed!r}")
         ids = self.stop_token_ids
@@ -160,14 +165,20 @@ def token_counts(token_ids, vocab: int, device) -> torch.Tensor:
 
 
 def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[torch.Tensor | None] | None = None,
-            seen: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+            seen: list[torch.Tensor | None] | None = None, ban: list[tuple] | None = None) -> torch.Tensor:
     """Processed distributions [R, V] float32 for logits [R, V]; row r uses params[r], counts[r] (generated
-    tokens) and seen[r] (bool [V]: the prompt's tokens, for the repetition penalty)."""
+    tokens), seen[r] (bool [V]: the prompt's tokens, for the repetition penalty) and ban[r] (token ids it may
+    not draw: the stop tokens while min_tokens is not reached, `stop_ban`)."""
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"process: logits {tuple(logits.shape)} for {len(params)} parameter rows")
     x, own = logits.float(), False
     if any(p.logit_bias for p in params):
         x, own = _add_bias(x, params), True
+    if ban is not None and any(ban):
+        rows = [r for r, b in enumerate(ban) for _ in b]
+        cols = [t for b in ban for t in b]
+        idx = (small_tensor(rows, torch.long, x.device), small_tensor(cols, torch.long, x.device))
+        x, own = x.index_put(idx, torch.tensor(-math.inf, device=x.device)), True
     if counts is not None and any(c is not None and p.has_penalties for p, c in zip(params, counts)):
         x = x if own else x.clone()      # the rows below change in place: never the caller's logits
         for r, (p, c) in enumerate(zip(params, counts)):
@@ -189,6 +200,15 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
     out[g] = _one_hot(x[g])
     out[r] = _truncate(x[r], [params[i] for i in rand])
     return out
+
+
+def stop_ban(params: SamplingParams, eos, emitted: int, rows: int) -> list[tuple]:
+    """The `ban` of `process` for `rows` consecutive output positions starting at `emitted` tokens already out:
+    the stop tokens (eos unless ignore_eos, and stop_token_ids) where fewer than min_tokens precede."""
+    if emitted >= params.min_tokens:
+        return [()] * rows
+    stops = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))))
+    return [stops if emitted + j < params.min_tokens else () for j in range(rows)]
 
 
 def _add_bias(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -105,10 +105,12 @@ def column_counts(base: torch.Tensor | None, drafts: list[int], vocab: int) -> t
 
 
 def draft_distributions(logits: torch.Tensor, params: list[SamplingParams], counts: list,
-                        prev: list[list[int]], vocab: int, seen: list | None = None) -> torch.Tensor:
-    """Processed MTP distributions [R, V] for the next draft of each row (penalties see earlier drafts)."""
+                        prev: list[list[int]], vocab: int, seen: list | None = None,
+                        ban: list[tuple] | None = None) -> torch.Tensor:
+    """Processed MTP distributions [R, V] for the next draft of each row (penalties see earlier drafts; `ban`:
+    process's)."""
     rows = [None if c is None else column_counts(c, d, vocab)[-1] for c, d in zip(counts, prev)]
-    return process(logits, params, rows, seen)
+    return process(logits, params, rows, seen, ban)
 
 
 @dataclass
@@ -123,6 +125,11 @@ class RoundInput:
     generator: torch.Generator | None
     argmax: list[int] | None = None      # the argmax of each logits row, when the host has read it back already
     seen: torch.Tensor | None = None     # bool [V]: the prompt's tokens (repetition penalty)
+    ban: list[tuple] | None = None       # per logits row: token ids it may not choose (sampling.stop_ban)
+
+    @property
+    def argmax_decides(self) -> bool:
+        return argmax_decides(self.params, self.counts) and not (self.ban and any(self.ban))
 
 
 def verify(r: RoundInput) -> tuple[int, int]:
@@ -136,7 +143,7 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
     a batch of sequences reads all its verdicts back in one transfer."""
     k, vocab = len(r.drafts), r.logits.shape[-1]
     p = process(r.logits, [r.params] * (k + 1), _split(column_counts(r.counts, r.drafts, vocab), k + 1),
-                [r.seen] * (k + 1))
+                [r.seen] * (k + 1), r.ban)
     drafts = small_tensor([r.drafts], torch.long, p.device).reshape(1, k)
     if r.params.greedy:
         n, tok = greedy_verify(p.argmax(-1)[None], drafts)
@@ -160,7 +167,7 @@ def verify_rows(rows: list[RoundInput]) -> list[list[int]]:
     `argmax` (the engine read it back with the drafts, `Engine._target_argmax`) need no device work here."""
     if not rows:
         return []
-    if not all(argmax_decides(r.params, r.counts) for r in rows):
+    if not all(r.argmax_decides for r in rows):
         return decide_on_device(rows).tolist()
     sizes = [len(r.drafts) + 1 for r in rows]
     for r, n in zip(rows, sizes):
@@ -187,7 +194,7 @@ def decide_on_device(rows: list[RoundInput]) -> torch.Tensor:
     of `verify_on_device`'s handful of launches per row, which sit on the host's critical path."""
     if not rows:
         raise ValueError("decide_on_device: no rows")
-    if all(not r.drafts and argmax_decides(r.params, r.counts) for r in rows):
+    if all(not r.drafts and r.argmax_decides for r in rows):
         toks = torch.cat([r.logits for r in rows]).argmax(-1)
         if toks.numel() != len(rows):       # a plain decode row has exactly one logits row
             raise ValueError(f"decide_on_device: {toks.numel()} logits rows for {len(rows)} sequences")

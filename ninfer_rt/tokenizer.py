@@ -259,6 +259,11 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _find_ending_past(text: str, s: str, start: int, floor: int) -> int:
+    """The first index >= start where s occurs and ends past `floor` chars; -1 if none."""
+    return text.find(s, max(start, floor - len(s) + 1))
+
+
 class TextStream:
     """Incremental detokenization with stop strings for one sequence.
 
@@ -267,13 +272,21 @@ class TextStream:
     Text that could be the start of a stop string is held back until it is decided.
     """
 
-    def __init__(self, tok: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
+    def __init__(self, tok: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 armed: bool = True):
+        """`armed=False`: stop strings do not apply until `arm()` (min_tokens: only text after it can stop)."""
         self.tok, self.stop, self.skip = tok, tuple(stop), skip_special_tokens
         self.ids: list[int] = []
         self._prefix = self._read = 0
         self.text = ""            # everything decoded so far (before stop trimming)
         self._sent = 0            # chars of `text` already released
         self.stopped = False      # a stop string matched; text is final
+        self._floor = 0 if armed else None    # a stop string must end past this many chars of `text`
+
+    def arm(self) -> None:
+        """From the next pushed id on, stop strings apply (a match must end in text decoded from then)."""
+        if self._floor is None:
+            self._floor = len(self.text)
 
     def push(self, ids) -> str:
         """Add ids; return newly released text ("" when held back or after a stop string)."""
@@ -288,9 +301,9 @@ class TextStream:
         return self._release()
 
     def _release(self) -> str:
-        if self.stop:
+        if self.stop and self._floor is not None:
             start = max(0, self._sent - max(len(s) for s in self.stop) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [i for i in (_find_ending_past(self.text, s, start, self._floor) for s in self.stop) if i >= 0]
             if hits:
                 self.text, self.stopped = self.text[:min(hits)], True
                 return self._emit(len(self.text))

@@ -107,6 +107,7 @@ class FakeEngine:
     def add_request(self, rid, prompt_ids, params) -> None:
         assert rid not in self.seqs
         self.seqs[rid] = dict(prompt=list(prompt_ids), done=0, out=[], params=params, pages=0)
+        self.last_params = params
 
     def has_work(self) -> bool:
         return bool(self.seqs)

@@ -53,7 +53,8 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
     lp, plp = requested(req, isinstance(req, P.ChatRequest))
     asked = _token_ids("stop_token_ids", req.stop_token_ids or (), vocab)
     try:
-        return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=req.ignore_eos,
+        return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens or 0, stop=tuple(stop),
+                              ignore_eos=req.ignore_eos,
                               stop_token_ids=tuple(sorted(set(asked) | (set() if req.ignore_eos else set(stop_ids)))),
                               logprobs=lp, prompt_logprobs=plp, logit_bias=_logit_bias(req, vocab), **kw)
     except SamplingError as e:

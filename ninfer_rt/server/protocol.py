@@ -99,6 +99,7 @@ class _Sampling(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int | None = Field(default=None, ge=0)     # vLLM's: no stop (token or string) before this many
     stop: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -74,10 +74,13 @@ class OutputText:
     keeps special tokens' text (a tokenizer may mark `<tool_call>` special; the tool parser needs it).
     """
 
-    def __init__(self, tok, stop: tuple[str, ...], split: ReasoningSplitter | None, keep_special: bool = False):
+    def __init__(self, tok, stop: tuple[str, ...], split: ReasoningSplitter | None, keep_special: bool = False,
+                 min_tokens: int = 0):
+        """`min_tokens`: stop strings apply only to text after that many generated ids (tags included), as in
+        vLLM."""
         from ..tokenizer import TextStream
-        self.split = split
-        self.answer = TextStream(tok, stop, skip_special_tokens=not keep_special)
+        self.split, self.min_tokens, self.pushed = split, min_tokens, 0
+        self.answer = TextStream(tok, stop, skip_special_tokens=not keep_special, armed=min_tokens == 0)
         self.reasoning = TextStream(tok, ()) if split is not None else None
         self._reasoning_flushed = False
 
@@ -87,6 +90,18 @@ class OutputText:
         return self.answer.stopped
 
     def push(self, ids) -> tuple[str, str]:
+        ids = list(ids)
+        before = self.pushed
+        self.pushed += len(ids)
+        if self.min_tokens and before <= self.min_tokens < self.pushed:     # arm stop strings past min_tokens
+            cut = self.min_tokens - before
+            r1, c1 = self._push(ids[:cut])
+            self.answer.arm()
+            r2, c2 = self._push(ids[cut:])
+            return r1 + r2, c1 + c2
+        return self._push(ids)
+
+    def _push(self, ids) -> tuple[str, str]:
         if self.split is None:
             return "", self.answer.push(ids)
         r = c = ""

@@ -142,7 +142,8 @@ class Scheduler:
         """A request to `submit_all` (the arguments of `submit`; `keep_special`: see OutputText)."""
         n_prompt, images = (len(vision), len(vision.grid_thw)) if vision is not None else (len(prompt_ids), 0)
         h = Handle(id=f"r{next(self._ids)}", prompt_ids=list(prompt_ids), params=replace(params, stop=()),
-                   text=OutputText(self.tok, params.stop, split, keep_special), loop=asyncio.get_running_loop(),
+                   text=OutputText(self.tok, params.stop, split, keep_special, params.min_tokens),
+                   loop=asyncio.get_running_loop(),
                    events=asyncio.Queue(), vision=vision, prompt_len=n_prompt, images=images,
                    image_tokens=image_tokens, scheduler=self)
         self.max_tokens_for(h.prompt_len, params.max_tokens)
