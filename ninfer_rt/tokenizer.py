@@ -281,6 +281,7 @@ class TextStream:
         self.text = ""            # everything decoded so far (before stop trimming)
         self._sent = 0            # chars of `text` already released
         self.stopped = False      # a stop string matched; text is final
+        self.matched: str | None = None      # which one (Anthropic's stop_sequence)
         self._floor = 0 if armed else None    # a stop string must end past this many chars of `text`
 
     def arm(self) -> None:
@@ -303,9 +304,10 @@ class TextStream:
     def _release(self) -> str:
         if self.stop and self._floor is not None:
             start = max(0, self._sent - max(len(s) for s in self.stop) + 1)
-            hits = [i for i in (_find_ending_past(self.text, s, start, self._floor) for s in self.stop) if i >= 0]
+            hits = [(i, s) for s in self.stop if (i := _find_ending_past(self.text, s, start, self._floor)) >= 0]
             if hits:
-                self.text, self.stopped = self.text[:min(hits)], True
+                at, self.matched = min(hits)
+                self.text, self.stopped = self.text[:at], True
                 return self._emit(len(self.text))
             return self._emit(len(self.text) - self._held())
         return self._emit(len(self.text))

@@ -19,6 +19,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling import MAX_SEED
+from . import anthropic_api as A
+from . import anthropic_replies as AR
 from . import handlers as H
 from . import protocol as P
 from . import replies as R
@@ -32,6 +34,7 @@ from .tool_calls import ToolParser
 MAX_BODY_BYTES = 4 << 20
 BIG_BODY_BYTES = 1 << 20
 UNGUARDED = ("/health",)
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 @dataclass
@@ -91,7 +94,7 @@ class _Guard:
         err = self._check(scope, headers)
         if err is not None:
             self.state.metrics.errors.labels(status=str(err.status)).inc()
-            return await _error(err)(scope, receive, send)
+            return await _error(err, scope.get("path", ""))(scope, receive, send)
         return await self.app(scope, receive, send)
 
     def _check(self, scope, headers) -> P.ApiError | None:
@@ -116,8 +119,10 @@ def _too_large(cap: int) -> P.ApiError:
     return P.ApiError(413, f"request body exceeds {cap} bytes", code="request_too_large")
 
 
-def _error(e: P.ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: P.ApiError, path: str = "") -> JSONResponse:
+    """OpenAI's error body, or Anthropic's on the Messages routes (their clients read that shape)."""
+    anthropic = path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+    return JSONResponse(A.error_body(e) if anthropic else e.body(), status_code=e.status)
 
 
 async def read_json(request: Request, cap: int):
@@ -141,13 +146,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(P.ApiError)
     async def _api_error(request, e: P.ApiError):
         state.metrics.errors.labels(status=str(e.status)).inc()
-        return _error(e)
+        return _error(e, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
         kind = "not_found" if e.status_code == 404 else "method_not_allowed" if e.status_code == 405 else None
         state.metrics.errors.labels(status=str(e.status_code)).inc()
-        resp = _error(P.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=kind))
+        resp = _error(P.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=kind),
+                      request.url.path)
         resp.headers.update(e.headers or {})          # a 405 names the allowed methods in `Allow`
         return resp
 
@@ -156,7 +162,7 @@ def create_app(state: ServerState) -> FastAPI:
         # a bug, not a client error: keep the OpenAI error shape; Starlette still logs the traceback
         state.metrics.errors.labels(status="500").inc()
         return _error(P.ApiError(500, f"internal server error: {type(e).__name__}", type="server_error",
-                                 code="internal_error"))
+                                 code="internal_error"), request.url.path)
 
     @app.get("/health")
     async def health():
@@ -189,6 +195,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         return await _complete(state, request, chat=False)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await _messages(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await _count_tokens(state, request)
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         sched = state.serving()
@@ -217,6 +231,24 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     data = await read_json(request, state.max_body_bytes)
     req = P.parse(P.ChatRequest if chat else P.CompletionRequest, data)
     P.check_model(req.model, state.model_id)
+    ids, img, params = await _prepare(state, sched, req, chat)
+    tok = state.tokenizer
+    usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
+    reply = R.Reply(P.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
+                    state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
+    return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply, *_tools(req, chat)), request,
+                           reply)
+
+
+def _tools(req, chat: bool) -> tuple[list[dict] | None, bool]:
+    """(the tools to parse calls of, or None; whether several calls may be kept)."""
+    if not chat or not P.parses_tools(req):
+        return None, True
+    return P.template_tools(req), req.parallel_tool_calls is not False
+
+
+async def _prepare(state: ServerState, sched, req, chat: bool):
+    """-> (prompt ids, ImagePrompt or None, SamplingParams) of a parsed chat or completion request."""
     tok, img = state.tokenizer, None
     if chat:
         ids = H.chat_prompt(tok, req)
@@ -228,13 +260,30 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     n_prompt = len(img.request) if img is not None else len(ids)     # image placeholders expanded
     max_tokens = sched.max_tokens_for(n_prompt, requested, "messages" if chat else "prompt",
                                       "max_completion_tokens" if by_mct else "max_tokens")
-    params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids, state.vocab_size)
-    usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
-    reply = R.Reply(P.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
-                    state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
-    tools = P.template_tools(req) if chat and P.parses_tools(req) else None
-    return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply, tools,
-                                   req.parallel_tool_calls is not False if chat else True), request, reply)
+    return ids, img, H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids, state.vocab_size)
+
+
+async def _messages(state: ServerState, request: Request):
+    """Anthropic's `POST /v1/messages` (anthropic_api.py): the chat path under Anthropic's names and shapes."""
+    sched = state.serving()
+    areq = A.parse(await read_json(request, state.max_body_bytes))
+    P.check_model(areq.model, state.model_id)
+    req = A.to_chat(areq)
+    ids, img, params = await _prepare(state, sched, req, True)
+    reply = R.Reply(AR.new_id(), True, state.model_id, bool(req.stream))
+    (choice,) = _submit(sched, state.tokenizer, 1, ids, img, params, reply, *_tools(req, True))
+    return await AR.respond(choice, request, reply, len(img.request) if img else len(ids))
+
+
+async def _count_tokens(state: ServerState, request: Request):
+    sched = state.serving()
+    areq = A.parse(await read_json(request, state.max_body_bytes), A.CountRequest)
+    P.check_model(areq.model, state.model_id)
+    req = A.to_chat(areq)
+    ids = H.chat_prompt(state.tokenizer, req)
+    img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
+    sched.max_tokens_for(len(img.request) if img else len(ids), None, "messages")
+    return {"input_tokens": len(img.request) if img else len(ids)}
 
 
 def _submit(sched, tok, n: int, ids: list[int], img, params, reply: R.Reply, tools: list[dict] | None = None,
