@@ -29,6 +29,7 @@ step from this one's device tokens before it reads this one back, so the host's 
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from .speculative import SpecConfig, SpecStats, draft_chain_env
 from .tp_group import LocalGroup
 
 PROMPT_LOGPROBS_CHUNK = 128   # prompt tokens per chunk of a request with prompt logprobs (64 MB of bf16 logits at 27B)
+_GRAMMAR_LOCK = threading.Lock()
 
 if TYPE_CHECKING:
     from .vision.prompt import VisionRequest, VisionRuntime
@@ -105,9 +107,12 @@ class Engine(RunAhead, Decisions, Core):
     def __init__(self, loaded, ops, tp=None, spec: SpecConfig | None = None, *, max_batch: int = 8,
                  kv_pages: int | None = None, page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
                  prefill_chunk: int = 512, tokenizer=None, vision: VisionRuntime | None = None,
-                 graphs: str | GraphConfig = "auto", async_scheduling: bool | None = None):
+                 graphs: str | GraphConfig = "auto", async_scheduling: bool | None = None,
+                 grammar_tokenizer=None):
         """graphs: "auto" | "eager" | "off" | a GraphConfig (see `graph_config`); followers get the same
         `engine_layout` so every rank captures the same graphs in the same order.
+        grammar_tokenizer: the vocabulary structured output reads (default: `tokenizer`; a server that
+        detokenizes outside the engine passes its tokenizer here only).
         async_scheduling: launch each decode step before reading the previous one back where that is exact
         (engine_ahead.py); None = on CUDA devices (off CPU there is nothing to overlap)."""
         tp = tp or LocalGroup()
@@ -120,6 +125,8 @@ class Engine(RunAhead, Decisions, Core):
             raise EngineError(f"prefill_chunk: expected a positive integer, got {prefill_chunk!r}")
         self.prefill_chunk, self.tokenizer = prefill_chunk, tokenizer
         self.eos = frozenset(self.cfg.eos_token_ids) | (tokenizer.stop_ids if tokenizer else frozenset())
+        self._grammars = None                # grammar.GrammarBackend, on the first structured request
+        self._grammar_tok = grammar_tokenizer or tokenizer
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self._free_msg: list[str] = []
@@ -172,9 +179,11 @@ class Engine(RunAhead, Decisions, Core):
                               f"{self.max_model_len} (prompt + generated), leaving no room to generate")
         if params.stop and self.tokenizer is None:
             raise EngineError(f"request {req_id!r}: stop strings need an engine with a tokenizer")
+        grammar = self._constraint(req_id, params) if params.structured else None
         s = Seq(req_id, prompt, params=params, prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         if vision is not None:
             s.vision = self.vision.encode_request(vision)
+        s.grammar = grammar
         if params.has_penalties:
             s.counts = torch.zeros(self.cfg.vocab_size, device=self.device)
         if params.repetition_penalty != 1:
@@ -184,6 +193,24 @@ class Engine(RunAhead, Decisions, Core):
             from .tokenizer import TextStream
             s.stream = TextStream(self.tokenizer, params.stop, armed=params.min_tokens == 0)
         self.waiting.append(s)
+
+    def grammars(self):
+        """The structured-output backend (ninfer_rt.grammar), built on first use; GrammarError if unavailable."""
+        with _GRAMMAR_LOCK:          # the server checks grammars from worker threads
+            if self._grammars is None:
+                from .grammar import GrammarBackend, GrammarError
+                tok = self._grammar_tok
+                if tok is None:
+                    raise GrammarError("structured output needs an engine with a tokenizer")
+                self._grammars = GrammarBackend(tok, self.cfg.vocab_size, self.eos | tok.stop_ids)
+        return self._grammars
+
+    def _constraint(self, req_id: str, params: SamplingParams):
+        from .grammar import GrammarError
+        try:
+            return self.grammars().constraint(params.structured, params.grammar_after)
+        except GrammarError as e:
+            raise EngineError(f"request {req_id!r}: {e}") from None
 
     def _vision_prompt(self, req_id: str, prompt: list[int], vision: VisionRequest) -> list[int]:
         """The expanded prompt; placeholder expansion may only lengthen the image runs of `prompt`."""

@@ -60,6 +60,7 @@ class Seq:
     generator: torch.Generator | None = None
     counts: torch.Tensor | None = None
     seen: torch.Tensor | None = None         # bool [V]: the prompt's tokens (params.repetition_penalty != 1)
+    grammar: object = None                   # grammar.Constraint of a structured-output request
     stream: object = None
     text_delta: str = ""
     q: list = field(default_factory=list)     # draft distributions of the current round

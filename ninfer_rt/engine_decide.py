@@ -18,16 +18,33 @@ from .sampling import sample, small_tensor, stop_ban
 from .speculative import RoundInput, argmax_decides, draft_distributions, verify_rows
 
 
-def _min_pending(s: Seq) -> bool:
-    """Fewer than min_tokens out: the next tokens are not the raw argmax's to decide (stop tokens are banned)."""
-    return len(s.out) < s.params.min_tokens
+def _masked(s: Seq) -> bool:
+    """Fewer than min_tokens out, or a grammar: the raw argmax does not decide (stop tokens are banned, or the
+    grammar masks tokens)."""
+    return len(s.out) < s.params.min_tokens or s.grammar is not None
+
+
+def _allow(s: Seq, drafts: list[int], logits: torch.Tensor) -> torch.Tensor | None:
+    return s.grammar.allowed(drafts, logits.device) if s.grammar is not None else None
+
+
+def _draft_allow(seqs: list[Seq], prev: list[list[int]], logits: torch.Tensor) -> torch.Tensor | None:
+    """bool [R, V] of a draft step: each grammar's tokens after the round's earlier drafts; None without one."""
+    if all(s.grammar is None for s in seqs):
+        return None
+    out, any_row = torch.ones(logits.shape, dtype=torch.bool, device=logits.device), False
+    for r, (s, d) in enumerate(zip(seqs, prev)):
+        rows = s.grammar.allowed(d, logits.device) if s.grammar is not None else None
+        if rows is not None:
+            out[r], any_row = rows[-1], True
+    return out if any_row else None
 
 
 class Decisions:
     def _chainable(self, seqs: list[Seq]) -> bool:
         """Steps whose sequences all draft greedily without penalties or bias (one argmax decides each draft):
         NINFER_DRAFT_CHAIN (default on) keeps those drafts on the device between the draft steps."""
-        return self.chain_drafts and all(s.params.plain_greedy and not _min_pending(s) for s in seqs)
+        return self.chain_drafts and all(s.params.plain_greedy and not _masked(s) for s in seqs)
 
     def _device_drafts(self, j, items):
         if j == 1:
@@ -44,12 +61,13 @@ class Decisions:
                 s.q = []
         # draft j guesses output position len(out) + j - 1: its stop tokens are banned below min_tokens
         ban = [stop_ban(s.params, self.eos, len(s.out) + j - 1, 1)[0] for s in seqs]
-        if all(p.plain_greedy for p in params) and not any(ban):
+        allow = _draft_allow(seqs, [d for _, _, d in items], logits)
+        if all(p.plain_greedy for p in params) and not any(ban) and allow is None:
             # the processed distribution would be one-hot at this argmax: one kernel instead of five per draft step
             toks = logits.argmax(-1)
         else:
             q = draft_distributions(logits, params, [s.counts for s in seqs], [d for _, _, d in items],
-                                    self.cfg.vocab_size, [s.seen for s in seqs], ban)
+                                    self.cfg.vocab_size, [s.seen for s in seqs], ban, allow)
             toks = sample(q, params, [s.generator for s in seqs])
             for s, row in zip(seqs, q):
                 if not s.params.greedy:
@@ -67,7 +85,7 @@ class Decisions:
         """Greedy rows without penalties are decided by the argmax alone: queue it behind the verify step, so
         `_execute` reads it back with the drafts (one host sync per round, not two)."""
         seqs = self._verified(dec, pre)
-        if not seqs or not all(argmax_decides(s.params, s.counts) and not _min_pending(s) for _, s in seqs):
+        if not seqs or not all(argmax_decides(s.params, s.counts) and not _masked(s) for _, s in seqs):
             return None
         return torch.cat([out.seq_logits(i) if i < len(dec) else out.seq_logits(i)[-1:] for i, _ in seqs]).argmax(-1)
 
@@ -76,12 +94,13 @@ class Decisions:
         sequence); a row only reads its own sequence's counts, so accepting afterwards changes nothing."""
         final = self._verified(dec, pre)[len(dec):]
         # target row j of a round chooses output position len(out) + j
-        rows = [RoundInput(s.params, out.seq_logits(i), d, s.q, s.counts, s.generator, seen=s.seen,
-                           ban=stop_ban(s.params, self.eos, len(s.out), len(d) + 1))
-                for i, ((s, _), d) in enumerate(zip(dec, drafts))]
+        rows = [RoundInput(s.params, lg, d, s.q, s.counts, s.generator, seen=s.seen,
+                           ban=stop_ban(s.params, self.eos, len(s.out), len(d) + 1), allow=_allow(s, d, lg))
+                for (s, _), d, lg in zip(dec, drafts, (out.seq_logits(i) for i in range(len(dec))))]
         # a prompt chunk may return every row (prompt logprobs): its last one chose the first token
-        rows += [RoundInput(s.params, out.seq_logits(i)[-1:], [], [], s.counts, s.generator, seen=s.seen,
-                            ban=stop_ban(s.params, self.eos, 0, 1)) for i, s in final]
+        rows += [RoundInput(s.params, lg, [], [], s.counts, s.generator, seen=s.seen,
+                            ban=stop_ban(s.params, self.eos, 0, 1), allow=_allow(s, [], lg))
+                 for s, lg in ((s, out.seq_logits(i)[-1:]) for i, s in final)]
         if self._argmax is not None:
             o = 0
             for r in rows:
@@ -133,6 +152,8 @@ class Decisions:
                 if s.stream is not None:
                     s.text_delta += s.stream.flush()
                 break
+        if s.grammar is not None:
+            s.grammar.accept(tokens[:n])
         if s.counts is not None:        # one scatter for the step's tokens, not an indexed add per token
             s.counts.index_put_((small_tensor(tokens[:n], torch.long, s.counts.device),),
                                 torch.ones(n, device=s.counts.device), accumulate=True)

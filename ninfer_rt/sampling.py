@@ -55,6 +55,11 @@ class SamplingParams:
                                         # {id: bias} mapping is accepted and stored sorted
     min_tokens: int = 0                 # vLLM's: no stop token (eos, stop_token_ids) and no stop string before
                                         # this many tokens; at most max_tokens
+    structured: tuple = ()              # (kind, text): the output follows a grammar (ninfer_rt.grammar.KINDS):
+                                        # ("json_schema", schema), ("regex", r), ("choice", JSON list of
+                                        # strings), ("grammar", EBNF)
+    grammar_after: int | None = None    # the grammar starts after this token (a reasoning block's end, as vLLM's
+                                        # reasoning parsers do); None: from the first token
 
     def __post_init__(self):
         self._check_numbers()
@@ -78,6 +83,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos: expected a boolean, got {self.ignore_eos!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        self._check_structured()
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
             if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
@@ -100,6 +106,21 @@ class SamplingParams:
         r = self.repetition_penalty
         if not _is_num(r) or not 0 < r <= REPETITION_LIMIT:
             raise SamplingError(f"repetition_penalty: expected a number in (0, {REPETITION_LIMIT:g}], got {r!r}")
+
+    def _check_structured(self):
+        st = self.structured
+        if st == ():
+            return
+        from .grammar import KINDS
+        if not (isinstance(st, tuple) and len(st) == 2 and st[0] in KINDS and isinstance(st[1], str)):
+            raise SamplingError(f"structured: expected (kind, text) with kind one of {', '.join(KINDS)}, got {st!r}")
+        after = self.grammar_after
+        if after is not None and not (_is_int(after) and after >= 0):
+            raise SamplingError(f"grammar_after: expected a token id, got {after!r}")
+        if self.ignore_eos or self.min_tokens:      # a grammar ends on a stop token, which these hold back
+            raise SamplingError(f"structured: cannot be combined with "
+                                f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} (the grammar ends on a stop "
+                                f"token)")
 
     @property
     def greedy(self) -> bool:
@@ -165,10 +186,12 @@ def token_counts(token_ids, vocab: int, device) -> torch.Tensor:
 
 
 def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[torch.Tensor | None] | None = None,
-            seen: list[torch.Tensor | None] | None = None, ban: list[tuple] | None = None) -> torch.Tensor:
+            seen: list[torch.Tensor | None] | None = None, ban: list[tuple] | None = None,
+            allow: torch.Tensor | None = None) -> torch.Tensor:
     """Processed distributions [R, V] float32 for logits [R, V]; row r uses params[r], counts[r] (generated
-    tokens), seen[r] (bool [V]: the prompt's tokens, for the repetition penalty) and ban[r] (token ids it may
-    not draw: the stop tokens while min_tokens is not reached, `stop_ban`)."""
+    tokens), seen[r] (bool [V]: the prompt's tokens, for the repetition penalty), ban[r] (token ids it may
+    not draw: the stop tokens while min_tokens is not reached, `stop_ban`) and allow[r] (bool [R, V]: the only
+    tokens it may draw, a grammar's; None: all)."""
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"process: logits {tuple(logits.shape)} for {len(params)} parameter rows")
     x, own = logits.float(), False
@@ -179,6 +202,8 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
         cols = [t for b in ban for t in b]
         idx = (small_tensor(rows, torch.long, x.device), small_tensor(cols, torch.long, x.device))
         x, own = x.index_put(idx, torch.tensor(-math.inf, device=x.device)), True
+    if allow is not None:
+        x, own = x.masked_fill(~allow, -math.inf), True
     if counts is not None and any(c is not None and p.has_penalties for p, c in zip(params, counts)):
         x = x if own else x.clone()      # the rows below change in place: never the caller's logits
         for r, (p, c) in enumerate(zip(params, counts)):

@@ -106,11 +106,11 @@ def column_counts(base: torch.Tensor | None, drafts: list[int], vocab: int) -> t
 
 def draft_distributions(logits: torch.Tensor, params: list[SamplingParams], counts: list,
                         prev: list[list[int]], vocab: int, seen: list | None = None,
-                        ban: list[tuple] | None = None) -> torch.Tensor:
-    """Processed MTP distributions [R, V] for the next draft of each row (penalties see earlier drafts; `ban`:
-    process's)."""
+                        ban: list[tuple] | None = None, allow: torch.Tensor | None = None) -> torch.Tensor:
+    """Processed MTP distributions [R, V] for the next draft of each row (penalties see earlier drafts; `ban`,
+    `allow`: process's)."""
     rows = [None if c is None else column_counts(c, d, vocab)[-1] for c, d in zip(counts, prev)]
-    return process(logits, params, rows, seen, ban)
+    return process(logits, params, rows, seen, ban, allow)
 
 
 @dataclass
@@ -126,10 +126,11 @@ class RoundInput:
     argmax: list[int] | None = None      # the argmax of each logits row, when the host has read it back already
     seen: torch.Tensor | None = None     # bool [V]: the prompt's tokens (repetition penalty)
     ban: list[tuple] | None = None       # per logits row: token ids it may not choose (sampling.stop_ban)
+    allow: torch.Tensor | None = None    # bool [k+1, V]: the tokens a grammar allows each row (grammar.Constraint)
 
     @property
     def argmax_decides(self) -> bool:
-        return argmax_decides(self.params, self.counts) and not (self.ban and any(self.ban))
+        return argmax_decides(self.params, self.counts) and not (self.ban and any(self.ban)) and self.allow is None
 
 
 def verify(r: RoundInput) -> tuple[int, int]:
@@ -143,7 +144,7 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
     a batch of sequences reads all its verdicts back in one transfer."""
     k, vocab = len(r.drafts), r.logits.shape[-1]
     p = process(r.logits, [r.params] * (k + 1), _split(column_counts(r.counts, r.drafts, vocab), k + 1),
-                [r.seen] * (k + 1), r.ban)
+                [r.seen] * (k + 1), r.ban, r.allow)
     drafts = small_tensor([r.drafts], torch.long, p.device).reshape(1, k)
     if r.params.greedy:
         n, tok = greedy_verify(p.argmax(-1)[None], drafts)

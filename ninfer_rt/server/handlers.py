@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 from ..sampling import SamplingError, SamplingParams
 from ..tokenizer import ChatTemplateError, TokenizerError
 from . import protocol as P
 from .logprobs_api import requested
-from .reasoning import ReasoningSplitter, prompt_think_state
+from .reasoning import OPEN, ReasoningSplitter, prompt_think_state
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed")
@@ -56,10 +57,33 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
         return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens or 0, stop=tuple(stop),
                               ignore_eos=req.ignore_eos,
                               stop_token_ids=tuple(sorted(set(asked) | (set() if req.ignore_eos else set(stop_ids)))),
-                              logprobs=lp, prompt_logprobs=plp, logit_bias=_logit_bias(req, vocab), **kw)
+                              logprobs=lp, prompt_logprobs=plp, logit_bias=_logit_bias(req, vocab),
+                              structured=P.structured(req)[0], **kw)
     except SamplingError as e:
         msg = str(e)
+        if msg.startswith("structured:"):       # name the field the client used
+            field = P.structured(req)[1]
+            msg = field + msg[len("structured"):]
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
+
+
+async def check_grammar(engine, req: P._Sampling, params: SamplingParams) -> None:
+    """Compile a structured request's grammar before it is queued (in a worker thread: compiling may take a
+    while), so a bad schema or regex is the client's 400 naming its field; the engine's compile is then a cache
+    hit."""
+    if not params.structured:
+        return
+    field = P.structured(req)[1]
+    grammars = getattr(engine, "grammars", None)
+    if grammars is None:
+        raise P.bad_request(f"{field}: structured output is not available with this engine", param=field)
+    from starlette.concurrency import run_in_threadpool
+
+    from ..grammar import GrammarError
+    try:
+        await run_in_threadpool(lambda: grammars().compile(params.structured))
+    except GrammarError as e:
+        raise P.bad_request(f"{field}: {e}", param=field) from None
 
 
 def _token_ids(name: str, ids, vocab: int | None) -> list[int]:
@@ -111,6 +135,17 @@ def prompt_text(tok, req: P.CompletionRequest, ids: list[int]) -> str:
     """What `echo` repeats: the prompt as sent, or the text of a token-id prompt (special tokens kept)."""
     p = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else req.prompt
     return p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False)
+
+
+def after_reasoning(tok, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+    """A chat prompt that leaves a `<think>` block open: the grammar starts after its `</think>` (vLLM's
+    structured output with a reasoning parser), so the reasoning stays free text."""
+    if not params.structured:
+        return params
+    start, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    if prompt_think_state(prompt_ids, start, end, tok.token_to_id("<|im_start|>")) != OPEN:
+        return params
+    return replace(params, grammar_after=end)
 
 
 def splitter(tok, prompt_ids: list[int]) -> ReasoningSplitter:

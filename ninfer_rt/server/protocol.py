@@ -116,9 +116,12 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None     # vLLM's: token ids that end the output (kept with ignore_eos)
     user: str | None = None
     logit_bias: dict | None = None          # {"token id": bias in [-100, 100]}
-    # accepted so that a request using it is refused by name (400) rather than answered as if it were
-    # honoured: a response format changes what the client gets back
+    # structured output (ninfer_rt.grammar): OpenAI's response_format, or one of vLLM's guided_* fields
     response_format: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatRequest(_Sampling):
@@ -181,10 +184,7 @@ def _check_text(data: dict) -> None:
 def _check_common(req: _Sampling) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"n: expected an integer in [1, {MAX_CHOICES}], got {req.n}", param="n")
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(f"response_format: only type 'text' is supported, got {fmt.get('type')!r}",
-                          param="response_format")
+    structured(req)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -194,6 +194,48 @@ def _check_common(req: _Sampling) -> None:
         check_chat(req)
     else:
         _check_completion(req)
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def structured(req: _Sampling) -> tuple[tuple, str | None]:
+    """-> (SamplingParams.structured, the request field that set it); ((), None) for free text."""
+    given = [f for f in ("response_format",) + _GUIDED if getattr(req, f) is not None]
+    given = [f for f in given if not (f == "response_format" and req.response_format.get("type") == "text")]
+    if len(given) > 1:
+        raise bad_request(f"{given[1]}: only one of response_format and the guided_* fields may be given "
+                          f"(also got {given[0]})", param=given[1])
+    if not given:
+        return (), None
+    f = given[0]
+    v = getattr(req, f)
+    if f == "response_format":
+        return _response_format(v), f
+    if f == "guided_json":
+        return ("json_schema", v if isinstance(v, str) else json.dumps(v)), f
+    if f == "guided_choice":
+        if not v or not all(isinstance(c, str) and c for c in v):
+            raise bad_request("guided_choice: expected a list of non-empty strings", param=f)
+        return ("choice", json.dumps(v)), f
+    if not v:
+        raise bad_request(f"{f}: must not be empty", param=f)
+    return ("regex" if f == "guided_regex" else "grammar", v), f
+
+
+def _response_format(fmt: dict) -> tuple:
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return ("json_schema", '{"type": "object"}')
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          param="response_format.type")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema: expected a JSON schema object",
+                          param="response_format.json_schema.schema")
+    return ("json_schema", json.dumps(schema))
 
 
 def check_chat(req: ChatRequest) -> None:

@@ -224,11 +224,12 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
 
     def make(loaded, ops, pages):
         vis = _vision(loaded, ops, opts)
+        tok = Tokenizer.from_resources(loaded.resources, eos_token_ids=loaded.config.eos_token_ids)
         engine = Engine(loaded, ops, group, _spec(opts), max_batch=opts.max_concurrency, kv_pages=pages,
                         page_size=PAGE_SIZE, max_model_len=model_context(loaded.config, opts),
                         prefill_chunk=opts.prefill_chunk, vision=vis, graphs=_graphs(opts),
-                        async_scheduling=opts.async_scheduling)
-        return engine, Tokenizer.from_resources(loaded.resources, eos_token_ids=loaded.config.eos_token_ids), vis
+                        async_scheduling=opts.async_scheduling, grammar_tokenizer=tok)
+        return engine, tok, vis
     try:
         loaded, pages, (engine, tok, vis) = _build(opts, group, rank_device(opts.device, 0), make)
     except BaseException as e:

@@ -1,0 +1,208 @@
+"""Structured output (ninfer_rt/grammar.py): grammar masks by output position, with and without MTP, against a
+step-by-step reference over HF's logits and xgrammar's own matcher; the API's response_format and guided_*
+fields on the real engine's server; what cannot work is a 400 naming the field."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from hf_tiny import build_hf_model, loaded_model
+from test_server import MODEL_ID, _post, real_srv, tiny_tokenizer  # noqa: F401
+
+from ninfer_rt.backends.torch_ops import TorchOps
+from ninfer_rt.engine import Engine
+from ninfer_rt import grammar
+from ninfer_rt.grammar import GrammarBackend, GrammarError, unpack
+from ninfer_rt.sampling import SamplingError, SamplingParams
+from ninfer_rt.speculative import SpecConfig
+
+xgr = pytest.importorskip("xgrammar")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["ok", "tag", "n"], "additionalProperties": False}
+SPECS = {
+    "schema": ("json_schema", json.dumps(SCHEMA)),
+    "regex": ("regex", r"[0-9]{2,3}-[a-z]{1,4}"),
+    "choice": ("choice", json.dumps(["alpha", "beta", "gamma"])),
+    "ebnf": ("grammar", 'root ::= "(" item ("," item){0,3} ")"\nitem ::= [a-c]'),
+}
+
+
+def valid(kind: str, text: str) -> bool:
+    if kind == "schema":
+        v = json.loads(text)
+        return set(v) == {"ok", "tag", "n"} and isinstance(v["ok"], bool) and v["tag"] in ("red", "green") \
+            and 0 <= v["n"] <= 99
+    if kind == "choice":
+        return text in ("alpha", "beta", "gamma")
+    return re.fullmatch({"regex": r"[0-9]{2,3}-[a-z]{1,4}", "ebnf": r"\([a-c](,[a-c]){0,3}\)"}[kind], text) is not None
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_hf_model(seed=5)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def run(tiny, tok, k: int, params: list[SamplingParams], prompts) -> dict:
+    eng = Engine(loaded_model(tiny), TorchOps(), spec=SpecConfig(num_draft_tokens=k) if k else None, max_batch=4,
+                 prefill_chunk=8, tokenizer=tok)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    out = {f"r{i}": ([], None) for i in range(len(prompts))}
+    while eng.has_work():
+        for o in eng.step():
+            out[o.req_id] = (out[o.req_id][0] + o.new_token_ids, o.finish_reason if o.finished else None)
+    eng.shutdown()
+    return out
+
+
+PROMPTS = ["Answer:", "x", "The list", "ok?"]
+
+
+@pytest.mark.parametrize("k", [0, 2, 3], ids=["plain", "mtp-2", "mtp-3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_every_output_follows_its_grammar(tiny, tok, k, temperature, monkeypatch):
+    monkeypatch.setattr(grammar, "JSON_WHITESPACE", 2)     # the random model pads JSON with every newline allowed
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=200, structured=SPECS[n])
+              for i, n in enumerate(SPECS)]
+    out = run(tiny, tok, k, params, [tok.encode(p) for p in PROMPTS])
+    for (name, _), (ids, reason) in zip(SPECS.items(), out.values()):
+        assert reason == "stop" and ids[-1] in tok.stop_ids | {hf_eos()}, (name, ids)
+        text = tok.decode(ids[:-1])
+        assert valid(name, text), (name, text)
+
+
+def hf_eos() -> int:
+    import hf_tiny
+    return hf_tiny.EOS_ID
+
+
+def test_greedy_equals_masked_argmax_over_hf_logits(tiny, tok):
+    """The reference: HF's logits at each step, xgrammar's mask, argmax; the engine with and without MTP."""
+    spec = SPECS["schema"]
+    prompt = tok.encode("Answer:")
+    backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
+    m = xgr.GrammarMatcher(backend.compile(spec))
+    bits = xgr.allocate_token_bitmask(1, backend.words * 32)
+    lm, ids, want = tiny.causal_lm(), list(prompt), []
+    with torch.no_grad():
+        while len(want) < 48:
+            logits = lm(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            m.fill_next_token_bitmask(bits)
+            t = int(logits.masked_fill(~unpack(bits, 256)[0], float("-inf")).argmax())
+            want.append(t)
+            ids.append(t)
+            if not m.accept_token(t) or m.is_terminated():
+                break
+    for k in (0, 3):
+        got = run(tiny, tok, k, [SamplingParams(temperature=0, max_tokens=48, structured=spec)], [prompt])["r0"][0]
+        assert got == want, k
+
+
+def test_draft_rows_walk_forward_and_roll_back(tok):
+    backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
+    c = backend.constraint(SPECS["regex"])
+    drafts = tok.encode("12-") + [tok.encode("9")[0]]          # the 4th draft breaks the grammar
+    rows = c.allowed(drafts, "cpu")
+    m = xgr.GrammarMatcher(backend.compile(SPECS["regex"]))
+    bits = xgr.allocate_token_bitmask(1, backend.words * 32)
+    for j in range(4):
+        m.fill_next_token_bitmask(bits)
+        assert torch.equal(rows[j], unpack(bits, 256)[0]), j
+        if j < 3:
+            assert m.accept_token(drafts[j])
+    assert torch.equal(rows[4], rows[3]) and not rows[3][drafts[3]]       # past the rejected draft: a copy
+    assert torch.equal(c.allowed([], "cpu")[0], rows[0])                   # rolled back to the start
+    c.accept(tok.encode("7"))
+    assert torch.equal(c.allowed([], "cpu")[0], rows[1]) or rows[1].sum() == c.allowed([], "cpu")[0].sum()
+
+
+def test_a_grammar_after_the_reasoning_end(tok):
+    end = hf_tiny_special("</think>")
+    backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
+    c = backend.constraint(SPECS["regex"], after=end)
+    assert c.allowed(tok.encode("free"), "cpu") is None                     # no row past the end token
+    rows = c.allowed(tok.encode("ab") + [end] + tok.encode("1"), "cpu")
+    assert rows[:3].all() and not rows[3][ord("a")] and rows[3][ord("1")] and not rows[4][ord("-")]
+    c.accept(tok.encode("zz"))
+    assert c.allowed([], "cpu") is None
+    c.accept([end] + tok.encode("12"))
+    assert c.allowed([], "cpu")[0][ord("-")]                              # "12" went into the grammar
+
+
+def hf_tiny_special(name: str) -> int:
+    import hf_tiny
+    return hf_tiny.SPECIALS[name]
+
+
+def test_unpack_equals_xgrammars_own_masking():
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    bits[0, 0] = -2**31 + 0b1011                     # bit 31 set: the sign bit must count as a token
+    x = torch.zeros(3, 150)
+    xgr.apply_token_bitmask_inplace(x, bits)
+    assert torch.equal(unpack(bits, 150), x == 0) and unpack(bits, 150)[0, [0, 1, 3, 31]].all()
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"structured": ("json_schema", "{}"), "ignore_eos": True}, "cannot be combined with ignore_eos"),
+    ({"structured": ("json_schema", "{}"), "min_tokens": 2}, "cannot be combined with min_tokens"),
+    ({"structured": ("yaml", "x")}, "expected (kind, text)"),
+], ids=["ignore-eos", "min-tokens", "kind"])
+def test_structured_params_are_checked(kw, msg):
+    with pytest.raises(SamplingError, match=re.escape(msg)):
+        SamplingParams(max_tokens=8, **kw)
+
+
+def test_bad_grammar_is_a_grammar_error(tok):
+    backend = GrammarBackend(tok, 256, {hf_eos()})
+    with pytest.raises(GrammarError, match=r"^regex: cannot be compiled: "):
+        backend.compile(("regex", "[unclosed"))
+
+
+# ---- over the API (the real engine, MTP on) ----
+CHAT = [{"role": "user", "content": "hi"}]
+API = {
+    "json_object": ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+                    lambda t: valid("schema", t)),
+    "guided_choice": ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+    "guided_regex": ({"guided_regex": "[0-9]{2,3}-[a-z]{1,4}"}, lambda t: valid("regex", t)),
+}
+
+
+@pytest.mark.parametrize("case", list(API), ids=list(API))
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"], ids=["chat", "completions"])
+def test_api_structured_output(real_srv, case, path):  # noqa: F811
+    body = {"model": MODEL_ID, "max_tokens": 200, "temperature": 0, **API[case][0]}
+    body.update({"messages": CHAT} if "chat" in path else {"prompt": "Answer:"})
+    r = _post(real_srv, path, body)
+    assert r.status_code == 200, r.json()
+    c = r.json()["choices"][0]
+    text = c["message"]["content"] if "chat" in path else c["text"]
+    assert c["finish_reason"] == "stop" and API[case][1](text), text
+    if "chat" in path:        # the template opens a <think> block: the grammar starts after its end
+        assert c["message"]["reasoning_content"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"guided_regex": "[unclosed"}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_choice": ["a"], "ignore_eos": True}, "guided_choice"),
+], ids=["bad-schema", "bad-type", "no-schema", "bad-regex", "two", "ignore-eos"])
+def test_api_structured_errors(real_srv, extra, param):  # noqa: F811
+    r = _post(real_srv, "/v1/chat/completions", {"model": MODEL_ID, "messages": CHAT, "max_tokens": 8, **extra})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param, err
+    assert err["message"].startswith(param) and "\n" not in err["message"]
