@@ -120,8 +120,9 @@ def test_count_tokens_is_the_prompt_length(srv):
 PNG = base64.b64encode(b"\x89PNG not really").decode()
 BAD = {
     "no-max-tokens": ({"messages": ASK}, 400, "invalid_request_error", "max_tokens"),
-    "tool-choice-any": ({"tools": [TOOL], "tool_choice": {"type": "any"}}, 400, "invalid_request_error",
-                        "tool_choice.type"),
+    "tool-choice-unknown": ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, 400,
+                            "invalid_request_error", "tool_choice.name"),
+    "tool-choice-any-no-tools": ({"tool_choice": {"type": "any"}}, 400, "invalid_request_error", "tool_choice.type"),
     "tool-use-from-user": ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400, "invalid_request_error",
         "messages.0.content.0"),

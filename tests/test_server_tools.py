@@ -150,8 +150,11 @@ def test_tokenize_renders_tools(tools_srv):
 
 
 BAD = {
-    "required": ({"tool_choice": "required"}, "tool_choice"),
-    "named": ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    "unknown-choice": ({"tool_choice": "sometimes"}, "tool_choice"),
+    "named-unknown": ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                      "tool_choice.function.name"),
+    "required-no-tools": ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+    "forced-needs-grammars": ({"tool_choice": "required"}, "tool_choice"),       # this fake engine has none
     "bad-name": ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools.0.function.name"),
     "twice": ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
     "not-function": ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools.0.type"),

@@ -206,3 +206,37 @@ def test_api_structured_errors(real_srv, extra, param):  # noqa: F811
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param, err
     assert err["message"].startswith(param) and "\n" not in err["message"]
+
+
+# ---- forced tool calls (tool_choice "required" / a named function): a grammar of the call format ----
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+NOOP = {"type": "function", "function": {"name": "noop"}}
+
+
+@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False),
+                                             ({"type": "function", "function": {"name": "get_weather"}}, True)],
+                         ids=["required", "required-one", "named"])
+def test_forced_tool_calls(real_srv, choice, parallel):  # noqa: F811
+    r = _post(real_srv, "/v1/chat/completions", {
+        "model": MODEL_ID, "messages": CHAT, "max_tokens": 200, "temperature": 0, "tools": [WEATHER, NOOP],
+        "tool_choice": choice, "parallel_tool_calls": parallel,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.json()
+    c = r.json()["choices"][0]
+    calls = c["message"].get("tool_calls") or []
+    assert c["finish_reason"] == "tool_calls" and calls and (parallel or len(calls) == 1), c
+    for call in calls:
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] in (["get_weather"] if isinstance(choice, dict) else ["get_weather", "noop"])
+        assert set(args) <= {"city", "days"}
+
+
+def test_forced_tool_call_grammar_refuses_other_text(tok):
+    from ninfer_rt.server.tool_calls import call_grammar
+    backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
+    m = xgr.GrammarMatcher(backend.compile(("grammar", call_grammar([WEATHER, NOOP], "noop", parallel=False))))
+    assert all(m.accept_token(t) for t in tok.encode("<tool_call>\n<function=noop>\n</function>\n</tool_call>"))
+    assert not m.accept_token(tok.encode("\n")[0]) and m.accept_token(hf_eos())        # one call, then the end
+    m = xgr.GrammarMatcher(backend.compile(("grammar", call_grammar([WEATHER, NOOP]))))
+    assert not m.accept_token(tok.encode("I")[0])                                      # no text before the call

@@ -5,7 +5,7 @@ into the chat request the rest of the server runs (same template, sampling, tool
 Mapping: `system` -> a system message; text / image blocks -> content parts (a base64 source becomes a data
 URL); `tool_use` blocks -> the assistant's tool calls; `tool_result` blocks -> tool messages, in order;
 `thinking` blocks -> reasoning content; `tools[].input_schema` -> function parameters; `tool_choice` auto /
-none (any / tool would need constrained decoding: a 400); `thinking.type` -> the template's
+none / any / tool -> auto / none / required / the named function; `thinking.type` -> the template's
 `enable_thinking` (absent: the template's default); `stop_sequences` -> stop strings.
 Errors use Anthropic's shape: `{"type": "error", "error": {"type", "message"}}` (`error_body`).
 """
@@ -159,10 +159,13 @@ def _sampling(req: MessagesRequest) -> dict:
           "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     c = req.tool_choice
     if c is not None:
-        if c.type in ("any", "tool"):
-            raise P.bad_request(f"tool_choice.type: {c.type!r} would force a call, which needs constrained decoding "
-                                "that this server does not do; use 'auto' or 'none'", param="tool_choice.type")
-        kw["tool_choice"] = c.type
+        kw["tool_choice"] = {"any": "required", "tool": {"type": "function", "function": {"name": c.name}}}.get(
+            c.type, c.type)
+        if c.type == "tool" and c.name not in [t.name for t in req.tools or ()]:
+            raise P.bad_request(f"tool_choice.name: {c.name!r} is not one of the request's tools",
+                                param="tool_choice.name")
+        if c.type in ("any", "tool") and not req.tools:
+            raise P.bad_request("tool_choice.type: forcing a tool call needs tools", param="tool_choice.type")
         if c.disable_parallel_tool_use:
             kw["parallel_tool_calls"] = False
     return _given(**kw)

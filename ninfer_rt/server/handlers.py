@@ -8,6 +8,7 @@ from dataclasses import replace
 from ..sampling import SamplingError, SamplingParams
 from ..tokenizer import ChatTemplateError, TokenizerError
 from . import protocol as P
+from . import structured_api as S
 from .logprobs_api import requested
 from .reasoning import OPEN, ReasoningSplitter, prompt_think_state
 
@@ -58,11 +59,11 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
                               ignore_eos=req.ignore_eos,
                               stop_token_ids=tuple(sorted(set(asked) | (set() if req.ignore_eos else set(stop_ids)))),
                               logprobs=lp, prompt_logprobs=plp, logit_bias=_logit_bias(req, vocab),
-                              structured=P.structured(req)[0], **kw)
+                              structured=S.structured(req)[0], **kw)
     except SamplingError as e:
         msg = str(e)
         if msg.startswith("structured:"):       # name the field the client used
-            field = P.structured(req)[1]
+            field = S.structured(req)[1]
             msg = field + msg[len("structured"):]
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
 
@@ -73,7 +74,7 @@ async def check_grammar(engine, req: P._Sampling, params: SamplingParams) -> Non
     hit."""
     if not params.structured:
         return
-    field = P.structured(req)[1]
+    field = S.structured(req)[1]
     grammars = getattr(engine, "grammars", None)
     if grammars is None:
         raise P.bad_request(f"{field}: structured output is not available with this engine", param=field)

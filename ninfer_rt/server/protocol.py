@@ -184,6 +184,7 @@ def _check_text(data: dict) -> None:
 def _check_common(req: _Sampling) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"n: expected an integer in [1, {MAX_CHOICES}], got {req.n}", param="n")
+    from .structured_api import structured       # it builds on this module
     structured(req)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
@@ -194,48 +195,6 @@ def _check_common(req: _Sampling) -> None:
         check_chat(req)
     else:
         _check_completion(req)
-
-
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
-def structured(req: _Sampling) -> tuple[tuple, str | None]:
-    """-> (SamplingParams.structured, the request field that set it); ((), None) for free text."""
-    given = [f for f in ("response_format",) + _GUIDED if getattr(req, f) is not None]
-    given = [f for f in given if not (f == "response_format" and req.response_format.get("type") == "text")]
-    if len(given) > 1:
-        raise bad_request(f"{given[1]}: only one of response_format and the guided_* fields may be given "
-                          f"(also got {given[0]})", param=given[1])
-    if not given:
-        return (), None
-    f = given[0]
-    v = getattr(req, f)
-    if f == "response_format":
-        return _response_format(v), f
-    if f == "guided_json":
-        return ("json_schema", v if isinstance(v, str) else json.dumps(v)), f
-    if f == "guided_choice":
-        if not v or not all(isinstance(c, str) and c for c in v):
-            raise bad_request("guided_choice: expected a list of non-empty strings", param=f)
-        return ("choice", json.dumps(v)), f
-    if not v:
-        raise bad_request(f"{f}: must not be empty", param=f)
-    return ("regex" if f == "guided_regex" else "grammar", v), f
-
-
-def _response_format(fmt: dict) -> tuple:
-    kind = fmt.get("type")
-    if kind == "json_object":
-        return ("json_schema", '{"type": "object"}')
-    if kind != "json_schema":
-        raise bad_request(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
-                          param="response_format.type")
-    spec = fmt.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        raise bad_request("response_format.json_schema.schema: expected a JSON schema object",
-                          param="response_format.json_schema.schema")
-    return ("json_schema", json.dumps(schema))
 
 
 def check_chat(req: ChatRequest) -> None:
@@ -269,11 +228,7 @@ def _check_tools(req: ChatRequest) -> None:
                               f"'_', '-', '.', ':'; 1 to 64 characters)", param=f"tools.{i}.function.name")
         if n in names[:i]:
             raise bad_request(f"tools.{i}.function.name: {n!r} is defined twice", param=f"tools.{i}.function.name")
-    choice = req.tool_choice
-    if choice is not None and choice not in ("auto", "none"):
-        what = repr(choice) if isinstance(choice, str) else "a named function"
-        raise bad_request(f"tool_choice: {what} would force a call, which needs constrained decoding that this "
-                          f"server does not do; use 'auto' or 'none'", param="tool_choice")
+    forced_tool(req)
     for i, m in enumerate(req.messages):
         for j, call in enumerate(m.tool_calls or ()):
             where = f"messages.{i}.tool_calls.{j}.function.arguments"
@@ -282,6 +237,27 @@ def _check_tools(req: ChatRequest) -> None:
                                   param=f"messages.{i}.tool_calls")
             if not isinstance(_json_or_none(call.function.arguments), dict):
                 raise bad_request(f"{where}: expected the text of a JSON object", param=where)
+
+
+def forced_tool(req: ChatRequest) -> str | bool:
+    """What tool_choice forces: False (nothing: "auto", "none" or absent), True ("required": some call) or the
+    name of the function to call."""
+    choice, names = req.tool_choice, [t.function.name for t in req.tools or ()]
+    if choice is None or choice in ("auto", "none"):
+        return False
+    if choice == "required":
+        forced = True
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        forced = choice["function"].get("name")
+        if forced not in names:
+            raise bad_request(f"tool_choice.function.name: {forced!r} is not one of the request's tools",
+                              param="tool_choice.function.name")
+    else:
+        raise bad_request(f"tool_choice: expected 'auto', 'none', 'required' or {{\"type\": \"function\", "
+                          f"\"function\": {{\"name\": ...}}}}, got {choice!r}", param="tool_choice")
+    if not names:
+        raise bad_request("tool_choice: forcing a call needs tools", param="tool_choice")
+    return forced
 
 
 def _json_or_none(text: str):

@@ -167,6 +167,31 @@ class ToolParser:
         return out
 
 
+# a parameter value: any text without "</" (which would start a closing tag)
+_VALUE_RULE = 'value ::= [^<]* ("<" [^/] [^<]*)*'
+
+
+def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
+    """EBNF (xgrammar's) for answers that are only calls in this format: of function `name`, or of any of the
+    tools; one call, or several separated by newlines when `parallel`. Parameter names are the schema's; values
+    are text (they are typed by `convert` when parsed). The tool_choice "required" / named-function grammar."""
+    nl, rules, calls = "\n", [], []
+    tail = json.dumps("</function>" + nl + CLOSE)
+    end_param = json.dumps(nl + "</parameter>" + nl)
+    for i, t in enumerate(x.get("function", x) for x in tools):
+        if name is not None and t["name"] != name:
+            continue
+        head = json.dumps(OPEN + nl + "<function=" + t["name"] + ">" + nl)
+        keys = list(((t.get("parameters") or {}).get("properties") or {}))
+        rules.append(f"call{i} ::= {head}" + (f" param{i}*" if keys else "") + f" {tail}")
+        if keys:
+            alts = " | ".join(json.dumps("<parameter=" + k + ">" + nl) for k in keys)
+            rules.append(f"param{i} ::= ({alts}) value {end_param}")
+        calls.append(f"call{i}")
+    root = "root ::= call (" + json.dumps(nl) + " call)*" if parallel else "root ::= call"
+    return nl.join([root, "call ::= " + " | ".join(calls), *rules, _VALUE_RULE])
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
