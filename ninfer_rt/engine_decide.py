@@ -19,9 +19,10 @@ from .speculative import RoundInput, argmax_decides, draft_distributions, verify
 
 
 def _masked(s: Seq) -> bool:
-    """Fewer than min_tokens out, or a grammar: the raw argmax does not decide (stop tokens are banned, or the
-    grammar masks tokens)."""
-    return len(s.out) < s.params.min_tokens or s.grammar is not None
+    """Fewer than min_tokens out, or a grammar in force: the raw argmax does not decide (stop tokens are banned,
+    or the grammar masks tokens). A grammar waiting for the end of a reasoning block does not count: a round that
+    reaches it masks its later rows (`_allow`), and those rows then leave the argmax paths by themselves."""
+    return len(s.out) < s.params.min_tokens or (s.grammar is not None and s.grammar.active)
 
 
 def _allow(s: Seq, drafts: list[int], logits: torch.Tensor) -> torch.Tensor | None:

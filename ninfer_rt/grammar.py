@@ -12,14 +12,21 @@ value ends the request with finish reason "stop".
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
 from ninfer_formats.errors import NinferError
 
+from .tokenizer import TOOL_CALL_TAGS
+
 KINDS = ("json_schema", "regex", "choice", "grammar")
 MAX_ROLLBACK = 16            # rows of one round's masks: more than any MTP round's drafts + 1
+CACHE_BYTES = 256 << 20      # compiled grammars kept (xgrammar's cache; the default keeps every client's forever)
 JSON_WHITESPACE = 20         # longest whitespace run in JSON output (llama.cpp's bound): models loop on newlines
+
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
 class GrammarError(NinferError):
@@ -43,13 +50,15 @@ class GrammarBackend:
         self.vocab_size = vocab_size          # the logits' width (the model's, maybe padded past the tokenizer's)
         raw = tokenizer._tok
         n = raw.get_vocab_size(with_added_tokens=True)
-        special = {i for i, t in raw.get_added_tokens_decoder().items() if t.special}
-        # an empty piece is xgrammar's mark for a special token: never part of the text a grammar matches
+        special = {i for i, t in raw.get_added_tokens_decoder().items()
+                   if t.special and t.content not in TOOL_CALL_TAGS}
+        # an empty piece is xgrammar's mark for a special token: never part of the text a grammar matches; the
+        # tool-call tags stay text, so a forced call (tool_choice) is written with the tokens the model knows
         vocab = ["" if i in special else (raw.id_to_token(i) or "") for i in range(n)]
         kind = xgr.VocabType.BYTE_LEVEL if getattr(tokenizer, "_byte_level", False) else xgr.VocabType.RAW
         self.stop_ids = sorted(int(t) for t in stop_ids)
         info = xgr.TokenizerInfo(vocab, kind, vocab_size=max(vocab_size, n), stop_token_ids=self.stop_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self.words = -(-max(vocab_size, n) // 32)
 
     def compile(self, spec: tuple):
@@ -61,10 +70,12 @@ class GrammarBackend:
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             if kind == "choice":
-                return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
+                alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text))
+                return self.compiler.compile_grammar("root ::= " + alts)
             return self.compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = _LOG_PREFIX.sub("", first)      # xgrammar's "[hh:mm:ss] /path/file.cc:123: " is not for clients
             raise GrammarError(f"{kind}: cannot be compiled: {first}") from None
 
     def constraint(self, spec: tuple, after: int | None = None) -> Constraint:
@@ -79,6 +90,11 @@ class Constraint:
     def __init__(self, matcher, backend: GrammarBackend, after: int | None = None):
         self.m, self.backend, self.after = matcher, backend, after
         self._bits = torch.zeros(MAX_ROLLBACK + 1, backend.words, dtype=torch.int32)
+
+    @property
+    def active(self) -> bool:
+        """The grammar applies from the next token on (False while the reasoning block before it runs)."""
+        return self.after is None
 
     def allowed(self, drafts: list[int], device) -> torch.Tensor | None:
         """bool [len(drafts) + 1, vocab]: row j = the tokens allowed after the drafts d_1..d_j; None while every

@@ -17,6 +17,10 @@ from tokenizers import Tokenizer as _HFTokenizer
 from ninfer_formats.errors import NinferError
 
 
+# Qwen3.8's tool-call tags (reference §15: ids 248058 / 248059); a tokenizer may mark them special
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+
+
 class TokenizerError(NinferError):
     """The artifact's tokenizer/template resources are missing or unusable, or rendering failed."""
 
@@ -302,15 +306,17 @@ class TextStream:
         return self._release()
 
     def _release(self) -> str:
-        if self.stop and self._floor is not None:
+        if not self.stop:
+            return self._emit(len(self.text))
+        if self._floor is not None:
             start = max(0, self._sent - max(len(s) for s in self.stop) + 1)
             hits = [(i, s) for s in self.stop if (i := _find_ending_past(self.text, s, start, self._floor)) >= 0]
             if hits:
                 at, self.matched = min(hits)
                 self.text, self.stopped = self.text[:at], True
                 return self._emit(len(self.text))
-            return self._emit(len(self.text) - self._held())
-        return self._emit(len(self.text))
+        # unarmed too: a stop string begun before the arming may still end after it, and then it is cut
+        return self._emit(len(self.text) - self._held())
 
     def _held(self) -> int:
         """Length of the longest suffix of text that is a proper prefix of a stop string."""

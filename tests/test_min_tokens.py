@@ -100,14 +100,35 @@ def test_sampled_never_stops_early(tiny, k):
             assert len(toks) > MIN and not set(toks[:MIN]) & set(p.stop_token_ids)
 
 
+def test_run_ahead_waits_for_min_tokens_and_grammars(tiny):
+    """Run-ahead decides on the device without the host's bans or masks: such sequences stay off it."""
+    import types
+    eng = Engine(loaded_model(tiny), TorchOps(), max_batch=2, prefill_chunk=8)
+    seq = dict(prefilling=False, vision=None, counts=None, grammar=None, out=[1, 2])
+    ok = eng._ahead_eligible(types.SimpleNamespace(params=SamplingParams(max_tokens=8, min_tokens=2), **seq))
+    pending = eng._ahead_eligible(types.SimpleNamespace(params=SamplingParams(max_tokens=8, min_tokens=3), **seq))
+    ruled = eng._ahead_eligible(types.SimpleNamespace(params=SamplingParams(max_tokens=8), **{**seq, "grammar": 1}))
+    eng.shutdown()
+    assert ok and not pending and not ruled
+
+
 def test_text_stream_stops_only_past_its_arming():
     tok = tiny_tokenizer()
     s = TextStream(tok, ("ab",), armed=False)
-    assert s.push(tok.encode("xab")) == "xab" and not s.stopped      # not armed: no match, nothing held
+    assert s.push(tok.encode("xa")) == "x"                           # 'a' may begin a stop that ends armed
+    assert s.push(tok.encode("b")) == "ab" and not s.stopped         # not armed: no match
     s.arm()
     assert s.push(tok.encode("b")) == "b" and not s.stopped          # "xabb": its 'ab' ends before the arming
     assert s.push(tok.encode("a")) == "" and s.push(tok.encode("b")) == "" and s.stopped      # "xabbab"
     assert s.text == "xabb"
+
+
+def test_a_stop_begun_before_the_arming_is_cut_whole():
+    """vLLM: stop "xyz", min_tokens 2, output "qxyz" -> "q" (the stop ends with token 4, past min_tokens)."""
+    tok = tiny_tokenizer()
+    out = OutputText(tok, ("xyz",), None, min_tokens=2)
+    sent = "".join(out.push([t])[1] for t in tok.encode("qxyz")) + out.flush()[1]
+    assert sent == "q" and out.stopped
 
 
 def test_output_text_arms_after_min_tokens_ids():
@@ -117,7 +138,7 @@ def test_output_text_arms_after_min_tokens_ids():
     text = out.push(ids)[1] + out.flush()[1]
     assert text == "stop here, then " and out.stopped
     out = OutputText(tok, ("stop",), None, min_tokens=4)
-    assert out.push(ids[:2])[1] == "st" and out.push(ids[2:5])[1] == "op "       # ids split at the arming
+    assert out.push(ids[:2])[1] == "" and out.push(ids[2:5])[1] == "stop "      # ids split at the arming
 
 
 @pytest.mark.parametrize("path,prompt", [("/v1/completions", {"prompt": "hello"}),

@@ -150,3 +150,12 @@ def test_unknown_messages_route_is_an_anthropic_404(srv):
     r = _post(s, "/v1/messages/nope", {})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     assert json.loads(_post(s, "/v1/nope", {}).content)["error"]["code"] == "not_found"    # OpenAI's elsewhere
+
+
+@pytest.mark.parametrize("thinking,on", [(None, False), ({"type": "disabled"}, False),
+                                         ({"type": "enabled", "budget_tokens": 1024}, True),
+                                         ({"type": "adaptive"}, True)], ids=["absent", "disabled", "enabled", "adaptive"])
+def test_thinking_maps_onto_the_template_switch(thinking, on):
+    from ninfer_rt.server import anthropic_api as A
+    body = {"max_tokens": 8, "messages": ASK, **({"thinking": thinking} if thinking else {})}
+    assert A.to_chat(A.parse(body)).chat_template_kwargs == {"enable_thinking": on}

@@ -158,6 +158,8 @@ BAD = {
     "bad-name": ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools.0.function.name"),
     "twice": ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
     "not-function": ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools.0.type"),
+    "bad-properties": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": ["a"]}}}]}, "tools.0.function.parameters.properties"),
     "arguments-not-json": ({"messages": ASK + [{"role": "assistant", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
         "messages.1.tool_calls.0.function.arguments"),

@@ -336,7 +336,7 @@ def test_greedy_draft_fast_path_equals_the_processed_argmax(loaded):
     vocab = eng.cfg.vocab_size
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(8))
     logits[1, 5] = logits[1, 9] = logits[1].max() + 1.0              # a tie: the first index wins either way
-    seqs = [types.SimpleNamespace(params=GREEDY, counts=None, generator=None, q=None, out=[]) for _ in range(3)]
+    seqs = [types.SimpleNamespace(params=GREEDY, counts=None, generator=None, q=None, out=[], grammar=None) for _ in range(3)]
     got = eng._decide_drafts(1, [(s, logits[i], []) for i, s in enumerate(seqs)])
     q = draft_distributions(logits, [GREEDY] * 3, [None] * 3, [[]] * 3, vocab)
     assert got == sample(q, [GREEDY] * 3, [None] * 3).tolist() and got[1] == 5
@@ -385,7 +385,7 @@ def test_sampled_or_penalized_rows_read_drafts_back(loaded, prompts, params):
     while eng.has_work():
         eng.step()
     assert eng.calls["host"] > 0 and eng.calls["device"] == 0
-    seqs = [types.SimpleNamespace(params=GREEDY, out=[]), types.SimpleNamespace(params=params, out=[])]
+    seqs = [types.SimpleNamespace(params=p, out=[], grammar=None) for p in (GREEDY, params)]
     assert eng._chainable(seqs[:1]) and not eng._chainable(seqs)
 
 

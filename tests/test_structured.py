@@ -123,7 +123,10 @@ def test_draft_rows_walk_forward_and_roll_back(tok):
     assert torch.equal(rows[4], rows[3]) and not rows[3][drafts[3]]       # past the rejected draft: a copy
     assert torch.equal(c.allowed([], "cpu")[0], rows[0])                   # rolled back to the start
     c.accept(tok.encode("7"))
-    assert torch.equal(c.allowed([], "cpu")[0], rows[1]) or rows[1].sum() == c.allowed([], "cpu")[0].sum()
+    ref = xgr.GrammarMatcher(backend.compile(SPECS["regex"]))
+    assert ref.accept_token(tok.encode("7")[0])
+    ref.fill_next_token_bitmask(bits)
+    assert torch.equal(c.allowed([], "cpu")[0], unpack(bits, 256)[0])       # "7" went into the matcher
 
 
 def test_a_grammar_after_the_reasoning_end(tok):
@@ -230,6 +233,17 @@ def test_forced_tool_calls(real_srv, choice, parallel):  # noqa: F811
         args = json.loads(call["function"]["arguments"])
         assert call["function"]["name"] in (["get_weather"] if isinstance(choice, dict) else ["get_weather", "noop"])
         assert set(args) <= {"city", "days"}
+
+
+def test_forced_call_values_may_hold_markup(tok):
+    from ninfer_rt.server.tool_calls import call_grammar
+    backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
+    m = xgr.GrammarMatcher(backend.compile(("grammar", call_grammar([WEATHER], parallel=False))))
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\n<b>Paris</b> </para x\n</parameter>\n"
+    assert all(m.accept_token(t) for t in tok.encode(text))
+    m = xgr.GrammarMatcher(backend.compile(("grammar", call_grammar([WEATHER], parallel=False))))
+    head = "<tool_call>\n<function=get_weather>\n<parameter=city>\nA</paramete"
+    assert all(m.accept_token(t) for t in tok.encode(head)) and not m.accept_token(ord("r"))   # only the real end
 
 
 def test_forced_tool_call_grammar_refuses_other_text(tok):

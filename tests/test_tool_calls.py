@@ -80,6 +80,7 @@ def test_parallel_false_keeps_the_first_call():
     ("False", "boolean", False), ("yes", "boolean", "yes"), ("null", "object", None), ("null", "string", "null"),
     (" [1, 2] ", "array", [1, 2]), ("{'k': None}", "object", {"k": None}), ("{oops", "object", "{oops"),
     (" spaced ", None, " spaced "), ("3", "string", "3"),
+    ("{1, 2}", "object", "{1, 2}"), ("nan", "number", "nan"), ("inf", "number", "inf"), ("b'x'", "array", "b'x'"),
 ], ids=lambda v: repr(v))
 def test_convert_by_schema_type(value, ty, want):
     assert convert(value, ty) == want

@@ -5,8 +5,9 @@ into the chat request the rest of the server runs (same template, sampling, tool
 Mapping: `system` -> a system message; text / image blocks -> content parts (a base64 source becomes a data
 URL); `tool_use` blocks -> the assistant's tool calls; `tool_result` blocks -> tool messages, in order;
 `thinking` blocks -> reasoning content; `tools[].input_schema` -> function parameters; `tool_choice` auto /
-none / any / tool -> auto / none / required / the named function; `thinking.type` -> the template's
-`enable_thinking` (absent: the template's default); `stop_sequences` -> stop strings.
+none / any / tool -> auto / none / required / the named function; `thinking.type` enabled / adaptive -> the
+template's `enable_thinking` on, disabled or absent -> off (as Anthropic's models think only when asked);
+`stop_sequences` -> stop strings.
 Errors use Anthropic's shape: `{"type": "error", "error": {"type", "message"}}` (`error_body`).
 """
 from __future__ import annotations
@@ -139,9 +140,8 @@ def to_chat(req) -> P.ChatRequest:
         msgs.append({"role": "system", "content": text})
     for m in req.messages:
         msgs += _messages(m)
-    kw = {}
-    if req.thinking is not None and req.thinking.type != "adaptive":
-        kw["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+    # Anthropic's models think only when asked: no `thinking` (or "disabled") closes the template's think block
+    kw = {"chat_template_kwargs": {"enable_thinking": req.thinking is not None and req.thinking.type != "disabled"}}
     if req.tools:
         kw["tools"] = [{"type": "function", "function": _given(name=t.name, description=t.description,
                                                                parameters=t.input_schema)} for t in req.tools]

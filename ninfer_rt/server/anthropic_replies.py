@@ -83,7 +83,7 @@ class _Blocks:
     """The open content block of a stream: a delta of another kind closes it and opens the next."""
 
     def __init__(self):
-        self.index, self.kind = -1, None
+        self.index, self.kind, self.kinds = -1, None, set()
 
     def switch(self, kind: str | None, start: dict | None = None) -> list[bytes]:
         out = []
@@ -91,6 +91,7 @@ class _Blocks:
             out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
         self.kind = kind
         if kind is not None:
+            self.kinds.add(kind)
             self.index += 1
             out.append(_sse("content_block_start", {"type": "content_block_start", "index": self.index,
                                                     "content_block": start}))
@@ -137,7 +138,7 @@ async def _stream(c: Choice, rid: str, model: str, prompt_tokens: int):
                 rest = c.tools.finish() if c.tools is not None else ""
                 for b in _chunks(blocks, "", rest, []):
                     yield b
-                if blocks.index < 0:                  # an empty answer is still one (empty) text block
+                if not blocks.kinds & {"text", "tool_use"}:     # as the blocking reply: a text block, maybe empty
                     for b in blocks.switch("text", {"type": "text", "text": ""}):
                         yield b
                 for b in blocks.switch(None):

@@ -280,13 +280,12 @@ async def _messages(state: ServerState, request: Request):
 
 
 async def _count_tokens(state: ServerState, request: Request):
-    sched = state.serving()
+    state.serving()
     areq = A.parse(await read_json(request, state.max_body_bytes), A.CountRequest)
     P.check_model(areq.model, state.model_id)
     req = A.to_chat(areq)
     ids = H.chat_prompt(state.tokenizer, req)
     img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
-    sched.max_tokens_for(len(img.request) if img else len(ids), None, "messages")
     return {"input_tokens": len(img.request) if img else len(ids)}
 
 

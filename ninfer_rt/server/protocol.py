@@ -228,6 +228,10 @@ def _check_tools(req: ChatRequest) -> None:
                               f"'_', '-', '.', ':'; 1 to 64 characters)", param=f"tools.{i}.function.name")
         if n in names[:i]:
             raise bad_request(f"tools.{i}.function.name: {n!r} is defined twice", param=f"tools.{i}.function.name")
+        props = (req.tools[i].function.parameters or {}).get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+            where = f"tools.{i}.function.parameters.properties"
+            raise bad_request(f"{where}: expected an object of JSON schemas", param=where)
     forced_tool(req)
     for i, m in enumerate(req.messages):
         for j, call in enumerate(m.tool_calls or ()):

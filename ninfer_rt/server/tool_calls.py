@@ -26,7 +26,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from ..tokenizer import TOOL_CALL_TAGS
+
+OPEN, CLOSE = TOOL_CALL_TAGS
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.S)
 # a parameter ends at its closing tag, or (the model left it out) where the next one or the function ends
 _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
@@ -51,7 +53,7 @@ def _schema_types(tools: list[dict]) -> dict[str, dict[str, str | None]]:
         fn = t.get("function", t)
         props = ((fn.get("parameters") or {}).get("properties") or {})
         types = {}
-        for key, schema in props.items():
+        for key, schema in (props.items() if isinstance(props, dict) else ()):
             ty = schema.get("type") if isinstance(schema, dict) else None
             if isinstance(ty, list):
                 ty = next((x for x in ty if x != "null"), None)
@@ -68,20 +70,26 @@ def convert(value: str, ty: str | None):
     if v == "null":
         return None
     try:
-        if ty == "integer":
-            return int(v)
-        if ty == "number":
-            return int(v) if re.fullmatch(r"[+-]?\d+", v) else float(v)
-        if ty == "boolean":
-            return {"true": True, "false": False}[v.lower()]
-        if ty in ("object", "array"):
-            try:
-                return json.loads(v)
-            except ValueError:
-                return ast.literal_eval(v)      # a Python literal ({'a': 1}, True) is what models often write
-    except (ValueError, KeyError, SyntaxError, MemoryError, RecursionError):
-        pass
-    return value
+        out = _typed(v, ty)
+        json.dumps(out, allow_nan=False)       # a set, bytes, NaN...: not a JSON value, so the text it is
+        return out
+    except (ValueError, KeyError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return value
+
+
+def _typed(v: str, ty: str):
+    if ty == "integer":
+        return int(v)
+    if ty == "number":
+        return int(v) if re.fullmatch(r"[+-]?\d+", v) else float(v)
+    if ty == "boolean":
+        return {"true": True, "false": False}[v.lower()]
+    if ty in ("object", "array"):
+        try:
+            return json.loads(v)
+        except ValueError:
+            return ast.literal_eval(v)      # a Python literal ({'a': 1}, True) is what models often write
+    raise ValueError(ty)                    # a type this parser does not convert: the text
 
 
 def parse_call(block: str, types: dict) -> ToolCall | None:
@@ -167,8 +175,10 @@ class ToolParser:
         return out
 
 
-# a parameter value: any text without "</" (which would start a closing tag)
-_VALUE_RULE = 'value ::= [^<]* ("<" [^/] [^<]*)*'
+# a parameter value: any text that does not contain "</parameter" (the closing tag it ends at); each "<" must be
+# followed by a character that leaves that tag, so a value cannot end in "<"
+_VALUE_RULE = ('value ::= ([^<] | "<" ([^/] | "/" ([^p] | "p" ([^a] | "a" ([^r] | "r" ([^a] | "a" ([^m] | "m" '
+               '([^e] | "e" ([^t] | "t" ([^e] | "e" [^r]))))))))))*')
 
 
 def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
@@ -176,20 +186,25 @@ def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = Tr
     tools; one call, or several separated by newlines when `parallel`. Parameter names are the schema's; values
     are text (they are typed by `convert` when parsed). The tool_choice "required" / named-function grammar."""
     nl, rules, calls = "\n", [], []
-    tail = json.dumps("</function>" + nl + CLOSE)
-    end_param = json.dumps(nl + "</parameter>" + nl)
+    tail = _lit("</function>" + nl + CLOSE)
+    end_param = _lit(nl + "</parameter>" + nl)
     for i, t in enumerate(x.get("function", x) for x in tools):
         if name is not None and t["name"] != name:
             continue
-        head = json.dumps(OPEN + nl + "<function=" + t["name"] + ">" + nl)
+        head = _lit(OPEN + nl + "<function=" + t["name"] + ">" + nl)
         keys = list(((t.get("parameters") or {}).get("properties") or {}))
         rules.append(f"call{i} ::= {head}" + (f" param{i}*" if keys else "") + f" {tail}")
         if keys:
-            alts = " | ".join(json.dumps("<parameter=" + k + ">" + nl) for k in keys)
+            alts = " | ".join(_lit("<parameter=" + k + ">" + nl) for k in keys)
             rules.append(f"param{i} ::= ({alts}) value {end_param}")
         calls.append(f"call{i}")
-    root = "root ::= call (" + json.dumps(nl) + " call)*" if parallel else "root ::= call"
+    root = "root ::= call (" + _lit(nl) + " call)*" if parallel else "root ::= call"
     return nl.join([root, "call ::= " + " | ".join(calls), *rules, _VALUE_RULE])
+
+
+def _lit(text: str) -> str:
+    """An EBNF string literal (JSON's escapes; characters past the BMP as themselves, not surrogate pairs)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
