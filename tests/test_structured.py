@@ -179,6 +179,8 @@ API = {
                     lambda t: valid("schema", t)),
     "guided_choice": ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
     "guided_regex": ({"guided_regex": "[0-9]{2,3}-[a-z]{1,4}"}, lambda t: valid("regex", t)),
+    "structured_outputs": ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
+    "llama.cpp-schema": ({"response_format": {"type": "json_object", "schema": SCHEMA}}, lambda t: valid("schema", t)),
 }
 
 
@@ -203,7 +205,11 @@ def test_api_structured_output(real_srv, case, path):  # noqa: F811
     ({"guided_regex": "[unclosed"}, "guided_regex"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"guided_choice": ["a"], "ignore_eos": True}, "guided_choice"),
-], ids=["bad-schema", "bad-type", "no-schema", "bad-regex", "two", "ignore-eos"])
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice"),
+    ({"guided_choice": ["a", 1]}, "guided_choice"),
+], ids=["bad-schema", "bad-type", "no-schema", "bad-regex", "two", "ignore-eos", "two-vllm", "choice-not-list",
+        "choice-not-strings"])
 def test_api_structured_errors(real_srv, extra, param):  # noqa: F811
     r = _post(real_srv, "/v1/chat/completions", {"model": MODEL_ID, "messages": CHAT, "max_tokens": 8, **extra})
     err = r.json()["error"]

@@ -120,8 +120,9 @@ class _Sampling(_Strict):
     response_format: dict | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list | None = None
     guided_grammar: str | None = None
+    structured_outputs: dict | None = None      # vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
 
 
 class ChatRequest(_Sampling):

@@ -1,5 +1,6 @@
-"""Structured output fields of a request (OpenAI's `response_format`, vLLM's `guided_*`, a forced tool call) ->
-`SamplingParams.structured`, checked under the request's own field names."""
+"""Structured output fields of a request (OpenAI's `response_format`, llama.cpp's `response_format.schema`, vLLM's
+`structured_outputs` and older `guided_*`, a forced tool call) -> `SamplingParams.structured`, checked under the
+request's own field names."""
 from __future__ import annotations
 
 import json
@@ -7,43 +8,59 @@ import json
 from .protocol import ChatRequest, _Sampling, bad_request, forced_tool, template_tools
 from .tool_calls import call_grammar
 
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# vLLM's request fields (the older guided_* names, and the structured_outputs object that replaced them) -> kind
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_VLLM = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _given(req: _Sampling) -> list[tuple[str, str, object]]:
+    """(field, kind, value) of every structured-output field the request sets."""
+    out = []
+    if isinstance(req, ChatRequest) and (forced := forced_tool(req)) is not False:
+        grammar = call_grammar(template_tools(req), None if forced is True else forced,
+                               req.parallel_tool_calls is not False)
+        out.append(("tool_choice", "grammar", grammar))
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        out.append(("response_format", *_response_format(req.response_format)))
+    out += [(f, kind, getattr(req, f)) for f, kind in _GUIDED.items() if getattr(req, f) is not None]
+    so = req.structured_outputs or {}
+    out += [(f"structured_outputs.{k}", _VLLM[k], v) for k, v in so.items() if k in _VLLM and v is not None]
+    if so.get("json_object"):
+        out.append(("structured_outputs.json_object", "json_schema", {"type": "object"}))
+    return out
 
 
 def structured(req: _Sampling) -> tuple[tuple, str | None]:
     """-> (SamplingParams.structured, the request field that set it); ((), None) for free text."""
-    given = [f for f in ("response_format",) + _GUIDED if getattr(req, f) is not None]
-    given = [f for f in given if not (f == "response_format" and req.response_format.get("type") == "text")]
-    forced = forced_tool(req) if isinstance(req, ChatRequest) else False
-    if forced is not False:
-        given.insert(0, "tool_choice")
+    given = _given(req)
     if len(given) > 1:
-        raise bad_request(f"{given[1]}: only one of response_format and the guided_* fields may be given "
-                          f"(also got {given[0]})", param=given[1])
+        raise bad_request(f"{given[1][0]}: only one way of structuring the output may be given (also got "
+                          f"{given[0][0]})", param=given[1][0])
     if not given:
         return (), None
-    f = given[0]
-    v = getattr(req, f)
-    if f == "tool_choice":
-        return ("grammar", call_grammar(template_tools(req), None if forced is True else forced,
-                                        req.parallel_tool_calls is not False)), f
-    if f == "response_format":
-        return _response_format(v), f
-    if f == "guided_json":
-        return ("json_schema", v if isinstance(v, str) else json.dumps(v)), f
-    if f == "guided_choice":
-        if not v or not all(isinstance(c, str) and c for c in v):
-            raise bad_request("guided_choice: expected a list of non-empty strings", param=f)
-        return ("choice", json.dumps(v)), f
-    if not v:
-        raise bad_request(f"{f}: must not be empty", param=f)
-    return ("regex" if f == "guided_regex" else "grammar", v), f
+    f, kind, v = given[0]
+    if kind == "json_schema":
+        if not isinstance(v, (str, dict)):
+            raise bad_request(f"{f}: expected a JSON schema (an object, or its text)", param=f)
+        return (kind, v if isinstance(v, str) else json.dumps(v)), f
+    if kind == "choice":
+        if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+            raise bad_request(f"{f}: expected a list of non-empty strings", param=f)
+        return (kind, json.dumps(v)), f
+    if not isinstance(v, str) or not v:
+        raise bad_request(f"{f}: expected a non-empty string", param=f)
+    return (kind, v), f
 
 
-def _response_format(fmt: dict) -> tuple:
+def _response_format(fmt: dict) -> tuple[str, object]:
+    """OpenAI's json_object / json_schema, and llama.cpp's json_object with a `schema`."""
     kind = fmt.get("type")
     if kind == "json_object":
-        return ("json_schema", '{"type": "object"}')
+        schema = fmt.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.schema: expected a JSON schema object", param="response_format.schema")
+        return ("json_schema", schema)
     if kind != "json_schema":
         raise bad_request(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
                           param="response_format.type")
@@ -52,4 +69,4 @@ def _response_format(fmt: dict) -> tuple:
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema: expected a JSON schema object",
                           param="response_format.json_schema.schema")
-    return ("json_schema", json.dumps(schema))
+    return ("json_schema", schema)
