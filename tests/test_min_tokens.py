@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_tiny import build_hf_model, loaded_model
+from test_engine_graphs import run as run_engine
 from test_server import _post, fake_server
 
 from ninfer_rt.backends.torch_ops import TorchOps
@@ -54,12 +55,7 @@ def tiny():
 def _engine_run(tiny, k: int, params: SamplingParams, prompts) -> dict:
     eng = Engine(loaded_model(tiny), TorchOps(), spec=SpecConfig(num_draft_tokens=k) if k else None, max_batch=2,
                  prefill_chunk=8)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    toks = {f"r{i}": [] for i in range(len(prompts))}
-    while eng.has_work():
-        for o in eng.step():
-            toks[o.req_id] += o.new_token_ids
+    toks = run_engine(eng, prompts, params)
     eng.shutdown()
     return toks
 
