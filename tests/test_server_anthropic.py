@@ -126,8 +126,10 @@ BAD = {
     "tool-use-from-user": ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400, "invalid_request_error",
         "messages.0.content.0"),
-    "image-needs-vision": ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": PNG}}]}]}, 400, "invalid_request_error", "messages.0"),
+    "image-needs-vision": ({"system": "s", "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "r"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}]}]}, 400,
+        "invalid_request_error", "messages.0.content.1.source"),      # its block's name, not the chat message's
     "base64-without-type": ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "data": PNG}}]}]}, 400, "invalid_request_error", "messages.0.content.0.source.media_type"),
     "wrong-model": ({"model": "claude-opus"}, 404, "not_found_error", "model"),

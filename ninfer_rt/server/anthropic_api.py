@@ -134,12 +134,21 @@ def _check_block(b: Block, where: str, role: str) -> None:
 
 def to_chat(req) -> P.ChatRequest:
     """The chat request this Messages request stands for (MessagesRequest or CountRequest)."""
-    msgs = []
+    return to_chat_named(req)[0]
+
+
+def to_chat_named(req) -> tuple[P.ChatRequest, dict[str, str]]:
+    """(the chat request, {its content part's name: the Messages request's}): an image's error names the block
+    the client sent, not the chat message it became."""
+    msgs, names = [], {}
     if req.system:
         text = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
         msgs.append({"role": "system", "content": text})
-    for m in req.messages:
-        msgs += _messages(m)
+    for i, m in enumerate(req.messages):
+        for chat_msg, blocks in _messages(m):
+            at = len(msgs)
+            names.update({f"messages.{at}.content.{j}": f"messages.{i}.content.{b}" for j, b in enumerate(blocks)})
+            msgs.append(chat_msg)
     # Anthropic's models think only when asked: no `thinking` (or "disabled") closes the template's think block
     kw = {"chat_template_kwargs": {"enable_thinking": req.thinking is not None and req.thinking.type != "disabled"}}
     if req.tools:
@@ -147,7 +156,16 @@ def to_chat(req) -> P.ChatRequest:
                                                                parameters=t.input_schema)} for t in req.tools]
     if isinstance(req, MessagesRequest):
         kw.update(_sampling(req))
-    return P.parse(P.ChatRequest, {"messages": msgs, **kw})
+    return P.parse(P.ChatRequest, {"messages": msgs, **kw}), names
+
+
+def renamed(e: P.ApiError, names: dict[str, str]) -> P.ApiError:
+    """An error about a converted content part, under the name of the block it came from."""
+    for chat, ours in names.items():
+        if e.param and (e.param == chat or e.param.startswith(chat + ".")):
+            param = ours + e.param[len(chat):].replace(".image_url", ".source", 1)   # the block's own field
+            return P.ApiError(e.status, e.message.replace(e.param, param, 1), type=e.type, param=param, code=e.code)
+    return e
 
 
 def _given(**kw) -> dict:
@@ -171,23 +189,25 @@ def _sampling(req: MessagesRequest) -> dict:
     return _given(**kw)
 
 
-def _messages(m: Message) -> list[dict]:
-    """One Anthropic message -> chat messages: tool results become tool messages (before the user's own
-    text, as they answer the calls of the turn before)."""
+def _messages(m: Message) -> list[tuple[dict, list[int]]]:
+    """One Anthropic message -> chat messages, each with the block index of each of its content parts: tool
+    results become tool messages (before the user's own text, as they answer the calls of the turn before)."""
     if isinstance(m.content, str):
-        return [{"role": m.role, "content": m.content}]
+        return [({"role": m.role, "content": m.content}, [])]
     if m.role == "assistant":
-        return [_assistant(m.content)]
-    out, parts = [], []
-    for b in m.content:
+        return [(_assistant(m.content), [])]
+    out, parts, blocks = [], [], []
+    for k, b in enumerate(m.content):
         if b.type == "tool_result":
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)})
-        elif b.type == "text":
+            out.append(({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)}, []))
+            continue
+        if b.type == "text":
             parts.append({"type": "text", "text": b.text})
         else:
             parts.append({"type": "image_url", "image_url": {"url": _image_url(b.source)}})
+        blocks.append(k)
     if parts:
-        out.append({"role": "user", "content": parts})
+        out.append(({"role": "user", "content": parts}, blocks))
     return out
 
 

@@ -272,8 +272,11 @@ async def _messages(state: ServerState, request: Request):
     sched = state.serving()
     areq = A.parse(await read_json(request, state.max_body_bytes))
     P.check_model(areq.model, state.model_id)
-    req = A.to_chat(areq)
-    ids, img, params = await _prepare(state, sched, req, True)
+    req, names = A.to_chat_named(areq)
+    try:
+        ids, img, params = await _prepare(state, sched, req, True)
+    except P.ApiError as e:
+        raise A.renamed(e, names) from None
     reply = R.Reply(AR.new_id(), True, state.model_id, bool(req.stream))
     (choice,) = _submit(sched, state.tokenizer, 1, ids, img, params, reply, *_tools(req, True))
     return await AR.respond(choice, request, reply, len(img.request) if img else len(ids))
@@ -283,9 +286,12 @@ async def _count_tokens(state: ServerState, request: Request):
     state.serving()
     areq = A.parse(await read_json(request, state.max_body_bytes), A.CountRequest)
     P.check_model(areq.model, state.model_id)
-    req = A.to_chat(areq)
+    req, names = A.to_chat_named(areq)
     ids = H.chat_prompt(state.tokenizer, req)
-    img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
+    try:
+        img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
+    except P.ApiError as e:
+        raise A.renamed(e, names) from None
     return {"input_tokens": len(img.request) if img else len(ids)}
 
 
