@@ -161,3 +161,10 @@ def test_thinking_maps_onto_the_template_switch(thinking, on):
     from ninfer_rt.server import anthropic_api as A
     body = {"max_tokens": 8, "messages": ASK, **({"thinking": thinking} if thinking else {})}
     assert A.to_chat(A.parse(body)).chat_template_kwargs == {"enable_thinking": on}
+
+
+def test_a_final_assistant_message_is_a_prefill(srv):
+    s, engine, tok = srv
+    client(s).messages.create(model=s.state.model_id, max_tokens=8, messages=ASK + [
+        {"role": "assistant", "content": "Sunny in"}])
+    assert tok.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<|im_start|>assistant\nSunny in")

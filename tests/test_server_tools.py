@@ -176,3 +176,28 @@ def test_what_cannot_be_honoured_is_a_400_by_name(tools_srv, case):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == BAD[case][1], err
     assert err["message"].startswith(BAD[case][1]) and "\n" not in err["message"]
+
+
+PREFILL = ASK + [{"role": "assistant", "content": "The answer is"}]
+
+
+def test_continue_final_message_ends_the_prompt_inside_it(tools_srv):
+    srv, engine, tok = tools_srv
+    r = _post(srv, "/v1/chat/completions", {"messages": PREFILL, "continue_final_message": True,
+                                            "add_generation_prompt": False})
+    assert r.status_code == 200, r.json()
+    assert tok.decode(engine.prompts[-1], skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\nThe answer is")
+    r = _post(srv, "/tokenize", {"messages": PREFILL, "continue_final_message": True})
+    assert r.json()["tokens"] == engine.prompts[-1]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"messages": ASK + [{"role": "assistant", "content": ""}], "continue_final_message": True},
+     "messages.1.content"),
+], ids=["both", "empty-final"])
+def test_continue_final_message_errors(tools_srv, body, param):
+    srv, _, _ = tools_srv
+    r = _post(srv, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()

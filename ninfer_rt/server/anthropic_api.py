@@ -7,7 +7,7 @@ URL); `tool_use` blocks -> the assistant's tool calls; `tool_result` blocks -> t
 `thinking` blocks -> reasoning content; `tools[].input_schema` -> function parameters; `tool_choice` auto /
 none / any / tool -> auto / none / required / the named function; `thinking.type` enabled / adaptive -> the
 template's `enable_thinking` on, disabled or absent -> off (as Anthropic's models think only when asked);
-`stop_sequences` -> stop strings.
+`stop_sequences` -> stop strings; a final assistant message is a prefill (vLLM's `continue_final_message`).
 Errors use Anthropic's shape: `{"type": "error", "error": {"type", "message"}}` (`error_body`).
 """
 from __future__ import annotations
@@ -156,6 +156,8 @@ def to_chat_named(req) -> tuple[P.ChatRequest, dict[str, str]]:
                                                                parameters=t.input_schema)} for t in req.tools]
     if isinstance(req, MessagesRequest):
         kw.update(_sampling(req))
+    if req.messages[-1].role == "assistant":        # a prefill: the answer continues that message
+        kw["continue_final_message"] = True
     return P.parse(P.ChatRequest, {"messages": msgs, **kw}), names
 
 

@@ -110,14 +110,27 @@ def chat_prompt(tok, req: P.ChatRequest, add_generation_prompt: bool = True) -> 
     bad = sorted(k for k in extra if not isinstance(k, str) or k in _RESERVED_TEMPLATE_KW)
     if bad:
         raise P.bad_request(f"chat_template_kwargs: {bad[0]!r} cannot be set here", param="chat_template_kwargs")
+    cont = req.continue_final_message
+    agp = add_generation_prompt and req.add_generation_prompt is not False and not cont
     try:
-        text = tok.render_chat(P.chat_messages(req), add_generation_prompt=add_generation_prompt,
-                               tools=P.template_tools(req), **extra)
+        text = tok.render_chat(P.chat_messages(req), add_generation_prompt=agp, tools=P.template_tools(req), **extra)
     except ChatTemplateError as e:     # the artifact's template is broken: the server's fault, not the request's
         raise P.ApiError(500, str(e), type="server_error", code="chat_template_error") from None
     except TokenizerError as e:        # the template's raise_exception refused these messages
         raise P.bad_request(str(e), param="messages") from None
-    return tok.encode(text)
+    return tok.encode(_open_final(text, req) if cont else text)
+
+
+def _open_final(text: str, req: P.ChatRequest) -> str:
+    """vLLM's continue_final_message (Anthropic's prefill): the prompt ends right after the final message's text,
+    its end of turn cut, so the model continues that message."""
+    i = len(req.messages) - 1
+    final = P.message_text(req.messages[i])
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise P.bad_request(f"messages.{i}.content: continuing the final message needs text that the chat template "
+                            f"renders", param=f"messages.{i}.content")
+    return text[:at + len(final)]
 
 
 def completion_prompt(tok, req: P.CompletionRequest, vocab: int) -> list[int]:

@@ -132,8 +132,10 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: str | dict | None = None        # "auto" (the default with tools) or "none"
+    tool_choice: str | dict | None = None        # "auto" (the default with tools), "none", "required", a function
     parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool | None = None    # vLLM's; null: true
+    continue_final_message: bool = False         # vLLM's: the prompt ends inside the final message (a prefill)
 
 
 class CompletionRequest(_Sampling):
@@ -215,6 +217,9 @@ def check_chat(req: ChatRequest) -> None:
         if not req.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
     _check_tools(req)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message: cannot be combined with add_generation_prompt true",
+                          param="continue_final_message")
 
 
 # a name the XML call format can carry (OpenAI's own rule is ^[a-zA-Z0-9_-]{1,64}$; dots are common too)
@@ -291,6 +296,13 @@ def _check_completion(req: CompletionRequest) -> None:
 def _check_logprobs(name: str, v: int) -> None:
     if not 0 <= v <= MAX_LOGPROBS:
         raise bad_request(f"{name}: expected an integer in [0, {MAX_LOGPROBS}], got {v}", param=name)
+
+
+def message_text(m: ChatMessage) -> str:
+    """A message's text: its string, or its text parts joined."""
+    if isinstance(m.content, list):
+        return "".join(p.text or "" for p in m.content if p.type == "text")
+    return m.content or ""
 
 
 def _template_content(content):

@@ -13,6 +13,7 @@ class TokenizeRequest(P._Strict):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
     tools: list[P.Tool] | None = None          # rendered by the template, as in a chat request
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(P._Strict):
@@ -28,7 +29,8 @@ def tokenize(tok, data, served: str, max_model_len: int) -> dict:
     if req.prompt is not None:
         ids = tok.encode(req.prompt)
     else:
-        chat = P.ChatRequest(messages=req.messages, chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
+        chat = P.ChatRequest(messages=req.messages, chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
+                             continue_final_message=req.continue_final_message)
         P.check_chat(chat)
         for i, m in enumerate(chat.messages):      # the count would leave out the image's expanded tokens
             for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
