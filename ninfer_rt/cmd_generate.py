@@ -60,6 +60,7 @@ class GenerateOptions:
     vision: VisionOptions | None = None  # None: images are refused and the tower is not loaded
     eager: bool = False                  # no CUDA-graph capture
     async_scheduling: bool | None = None  # run-ahead decode steps; None = on CUDA
+    structured: tuple = ()               # SamplingParams.structured (--json-schema / --regex / --grammar-file)
 
     def __post_init__(self):
         given = [n for n in ("prompt", "messages", "raw") if getattr(self, n) is not None]
@@ -183,7 +184,31 @@ def sampling_params(opts: GenerateOptions, generation_config: dict, stop_ids):
                           top_p=float(pick(opts.top_p, "top_p", 1.0)), min_p=float(pick(opts.min_p, "min_p", 0.0)),
                           presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
                           repetition_penalty=float(rep), seed=opts.seed, max_tokens=opts.max_new,
-                          stop_token_ids=tuple(sorted(stop_ids)))
+                          stop_token_ids=tuple(sorted(stop_ids)), structured=opts.structured)
+
+
+def structured_flag(json_schema: str | None, regex: str | None, grammar_file: str | None) -> tuple:
+    """--json-schema (text or @FILE) / --regex / --grammar-file -> SamplingParams.structured; at most one."""
+    given = [(n, v) for n, v in (("json-schema", json_schema), ("regex", regex), ("grammar-file", grammar_file)) if v]
+    if len(given) > 1:
+        raise GenerateError(f"--{given[1][0]}: cannot be combined with --{given[0][0]}")
+    if not given:
+        return ()
+    name, v = given[0]
+    if name == "regex":
+        return ("regex", v)
+    path = v[1:] if name == "json-schema" and v.startswith("@") else (v if name == "grammar-file" else None)
+    try:
+        text = open(path, encoding="utf-8").read() if path is not None else v
+    except (OSError, UnicodeDecodeError) as e:
+        raise GenerateError(f"--{name} {path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    if name == "grammar-file":
+        return ("grammar", text)
+    try:
+        json.loads(text)
+    except ValueError as e:
+        raise GenerateError(f"--json-schema: not JSON ({e})") from None
+    return ("json_schema", text)
 
 
 def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
@@ -207,6 +232,9 @@ def run_generate(opts: GenerateOptions, out=None, log=None) -> dict:
         load_s = time.perf_counter() - t0
         ids = prompt_ids(opts, tok, msgs)
         params = sampling_params(opts, rt.loaded.generation_config, tok.stop_ids)
+        if msgs is not None:        # a chat prompt that opens <think>: the grammar starts after it
+            from .server.handlers import after_reasoning
+            params = after_reasoning(tok, ids, params)
         vr = vis.preprocess_request(ids, images, names) if images else None
         eng.add_request("generate", ids, params, vision=vr)
         n_prompt = len(vr) if vr is not None else len(ids)
@@ -310,13 +338,18 @@ def _default_device() -> str:
               help="Read each decode step's tokens back before launching the next (default on CUDA: launch ahead).")
 @click.option("--vision", is_flag=True,
               help="Accept image_url parts in --messages (data URIs or local paths); loads the vision tower.")
+@click.option("--json-schema", help="Constrain the answer to this JSON schema (its text, or @FILE; '{}': any JSON). "
+                                    "Needs xgrammar (pip install 'ninfer[structured]').")
+@click.option("--regex", help="Constrain the answer to this regular expression (xgrammar).")
+@click.option("--grammar-file", type=click.Path(dir_okay=False), help="Constrain the answer to this EBNF grammar "
+                                                                      "(xgrammar's syntax, root rule `root`).")
 @image_limit_options("prompt")
 @user_errors
 def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_tokens, draft_head, tp, device, dtype,
                  backend, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
                  seed, no_think,
-                 max_context, no_verify, stats_json, eager, no_async_scheduling, vision, max_images, max_image_bytes,
-                 max_image_pixels, vision_max_pixels):
+                 max_context, no_verify, stats_json, eager, no_async_scheduling, vision, json_schema, regex,
+                 grammar_file, max_images, max_image_bytes, max_image_pixels, vision_max_pixels):
     """Generate text for one prompt from ARTIFACT_DIR."""
     from .speculative import MAX_DRAFT_TOKENS
     vis = vision_options(vision, max_images=max_images, max_image_bytes=max_image_bytes,
@@ -334,7 +367,8 @@ def generate_cmd(artifact_dir, prompt, messages, raw, max_new, spec, draft_token
         frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, seed=seed,
         thinking=not no_think, max_context=max_context,
         stats_json=stats_json, vision=vis, eager=eager,
-        async_scheduling=False if no_async_scheduling else None)
+        async_scheduling=False if no_async_scheduling else None,
+        structured=structured_flag(json_schema, regex, grammar_file))
     run_generate(opts)
 
 

@@ -244,3 +244,36 @@ def test_tp2_rank_file_that_is_a_folder_is_named(tmp_path):
     assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert last == f"error: {rank1}: is a directory, expected a .ninfer rank file", res.stderr
+
+
+@pytest.mark.parametrize("flag", ["--regex", "--json-schema", "--json-schema-file", "--grammar-file"])
+def test_generate_constrained_output(packed, tmp_path, flag):
+    """llama-cli's --json-schema / --grammar-file, and --regex: the text follows it (MTP on, greedy)."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.ebnf").write_text('root ::= "yes" | "no"')
+    arg = {"--regex": ["--regex", "[0-9]{3}"], "--json-schema": ["--json-schema", json.dumps(schema)],
+           "--json-schema-file": ["--json-schema", f"@{tmp_path / 's.json'}"],
+           "--grammar-file": ["--grammar-file", tmp_path / "g.ebnf"]}[flag]
+    res = cli(packed, "--raw", "Answer:", "--max-new", "120", "--temperature", "0", "--spec", "mtp", *arg)
+    assert res.exit_code == 0, res.stderr
+    text = res.stdout.rstrip("\n")
+    if flag == "--regex":
+        assert len(text) == 3 and text.isdigit()
+    elif flag == "--grammar-file":
+        assert text in ("yes", "no")
+    else:
+        assert json.loads(text).keys() == {"ok"}
+    assert "finish stop" in res.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--regex", "a", "--json-schema", "{}"], "error: --regex: cannot be combined with --json-schema"),
+    (["--json-schema", "{oops"], "error: --json-schema: not JSON"),
+    (["--json-schema", "@/nonexistent.json"], "error: --json-schema /nonexistent.json: cannot read"),
+], ids=["two", "not-json", "missing-file"])
+def test_constrained_flag_errors(packed, args, message):
+    res = cli(packed, "--raw", "x", *args)
+    assert res.exit_code != 0 and message in res.stderr and "Traceback" not in res.stderr
