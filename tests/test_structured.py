@@ -252,6 +252,17 @@ def test_forced_call_values_may_hold_markup(tok):
     assert all(m.accept_token(t) for t in tok.encode(head)) and not m.accept_token(ord("r"))   # only the real end
 
 
+def test_forced_call_typed_parameters(tok):
+    from ninfer_rt.server.tool_calls import call_grammar
+    backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
+    g = backend.compile(("grammar", call_grammar([WEATHER], parallel=False)))
+    head = "<tool_call>\n<function=get_weather>\n<parameter=days>\n"
+    m = xgr.GrammarMatcher(g)
+    assert all(m.accept_token(t) for t in tok.encode(head + "-12")) and not m.accept_token(ord("x"))
+    m = xgr.GrammarMatcher(g)
+    assert all(m.accept_token(t) for t in tok.encode(head.replace("days", "city") + "x1"))     # strings: any text
+
+
 def test_forced_tool_call_grammar_refuses_other_text(tok):
     from ninfer_rt.server.tool_calls import call_grammar
     backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)

@@ -181,25 +181,35 @@ _VALUE_RULE = ('value ::= ([^<] | "<" ([^/] | "/" ([^p] | "p" ([^a] | "a" ([^r] 
                '([^e] | "e" ([^t] | "t" ([^e] | "e" [^r]))))))))))*')
 
 
+# values of the schema types that have a short grammar; the others (string, object, array, none) take `value`
+_TYPED_VALUES = {"integer": 'int_value ::= "-"? [0-9]+',
+                 "number": 'num_value ::= "-"? [0-9]+ ("." [0-9]+)? ([eE] [-+]? [0-9]+)?',
+                 "boolean": 'bool_value ::= "true" | "false"'}
+_TYPED_RULE = {"integer": "int_value", "number": "num_value", "boolean": "bool_value"}
+
+
 def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
     """EBNF (xgrammar's) for answers that are only calls in this format: of function `name`, or of any of the
-    tools; one call, or several separated by newlines when `parallel`. Parameter names are the schema's; values
-    are text (they are typed by `convert` when parsed). The tool_choice "required" / named-function grammar."""
+    tools; one call, or several separated by newlines when `parallel`. Parameter names are the schema's; an
+    integer, number or boolean parameter takes only such a value, the others any text (typed by `convert` when
+    parsed). The tool_choice "required" / named-function grammar."""
     nl, rules, calls = "\n", [], []
     tail = _lit("</function>" + nl + CLOSE)
     end_param = _lit(nl + "</parameter>" + nl)
+    types = _schema_types(tools)
     for i, t in enumerate(x.get("function", x) for x in tools):
         if name is not None and t["name"] != name:
             continue
         head = _lit(OPEN + nl + "<function=" + t["name"] + ">" + nl)
-        keys = list(((t.get("parameters") or {}).get("properties") or {}))
-        rules.append(f"call{i} ::= {head}" + (f" param{i}*" if keys else "") + f" {tail}")
-        if keys:
-            alts = " | ".join(_lit("<parameter=" + k + ">" + nl) for k in keys)
-            rules.append(f"param{i} ::= ({alts}) value {end_param}")
+        params = types.get(t["name"], {})
+        rules.append(f"call{i} ::= {head}" + (f" param{i}*" if params else "") + f" {tail}")
+        if params:
+            alts = " | ".join(f"({_lit('<parameter=' + k + '>' + nl)} {_TYPED_RULE.get(ty, 'value')})"
+                              for k, ty in params.items())
+            rules.append(f"param{i} ::= ({alts}) {end_param}")
         calls.append(f"call{i}")
     root = "root ::= call (" + _lit(nl) + " call)*" if parallel else "root ::= call"
-    return nl.join([root, "call ::= " + " | ".join(calls), *rules, _VALUE_RULE])
+    return nl.join([root, "call ::= " + " | ".join(calls), *rules, _VALUE_RULE, *_TYPED_VALUES.values()])
 
 
 def _lit(text: str) -> str:
