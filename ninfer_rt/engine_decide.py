@@ -144,7 +144,7 @@ class Decisions:
                     s.stream.arm()
                 s.text_delta += s.stream.push([t])
             if (t in self.eos and not s.params.ignore_eos) or t in s.params.stop_token_ids or \
-                    (s.stream is not None and s.stream.stopped):
+                    (s.stream is not None and s.stream.stopped) or (s.grammar is not None and s.grammar.ends(t)):
                 s.reason = "stop"
             elif len(s.out) >= s.params.max_tokens or len(s.prompt) + len(s.out) >= self.max_model_len:
                 s.reason = "length"

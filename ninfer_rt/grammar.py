@@ -56,8 +56,8 @@ class GrammarBackend:
         # tool-call tags stay text, so a forced call (tool_choice) is written with the tokens the model knows
         vocab = ["" if i in special else (raw.id_to_token(i) or "") for i in range(n)]
         kind = xgr.VocabType.BYTE_LEVEL if getattr(tokenizer, "_byte_level", False) else xgr.VocabType.RAW
-        self.stop_ids = sorted(int(t) for t in stop_ids)
-        info = xgr.TokenizerInfo(vocab, kind, vocab_size=max(vocab_size, n), stop_token_ids=self.stop_ids)
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        info = xgr.TokenizerInfo(vocab, kind, vocab_size=max(vocab_size, n), stop_token_ids=sorted(self.stop_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self.words = -(-max(vocab_size, n) // 32)
 
@@ -90,6 +90,11 @@ class Constraint:
     def __init__(self, matcher, backend: GrammarBackend, after: int | None = None):
         self.m, self.backend, self.after = matcher, backend, after
         self._bits = torch.zeros(MAX_ROLLBACK + 1, backend.words, dtype=torch.int32)
+
+    def ends(self, token: int) -> bool:
+        """A stop token of the grammar: it ends the request (a grammar ends only on one, and nothing can follow it;
+        in the reasoning before it, it is a stop token all the same)."""
+        return token in self.backend.stop_ids
 
     @property
     def active(self) -> bool:

@@ -224,6 +224,7 @@ def check_chat(req: ChatRequest) -> None:
 
 # a name the XML call format can carry (OpenAI's own rule is ^[a-zA-Z0-9_-]{1,64}$; dots are common too)
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_PARAM_NAME = re.compile(r"[^<>\s](?:[^<>\n]*[^<>\s])?")
 
 
 def _check_tools(req: ChatRequest) -> None:
@@ -235,9 +236,13 @@ def _check_tools(req: ChatRequest) -> None:
         if n in names[:i]:
             raise bad_request(f"tools.{i}.function.name: {n!r} is defined twice", param=f"tools.{i}.function.name")
         props = (req.tools[i].function.parameters or {}).get("properties", {})
+        where = f"tools.{i}.function.parameters.properties"
         if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
-            where = f"tools.{i}.function.parameters.properties"
             raise bad_request(f"{where}: expected an object of JSON schemas", param=where)
+        bad = next((k for k in props if not _PARAM_NAME.fullmatch(k)), None)
+        if bad is not None:       # the call format writes <parameter=NAME>: it cannot carry these
+            raise bad_request(f"{where}: parameter name {bad!r} cannot be written in a tool call (no '<', '>', "
+                              f"line breaks or surrounding spaces)", param=where)
     forced_tool(req)
     for i, m in enumerate(req.messages):
         for j, call in enumerate(m.tool_calls or ()):

@@ -175,10 +175,30 @@ class ToolParser:
         return out
 
 
-# a parameter value: any text that does not contain "</parameter" (the closing tag it ends at); each "<" must be
-# followed by a character that leaves that tag, so a value cannot end in "<"
-_VALUE_RULE = ('value ::= ([^<] | "<" ([^/] | "/" ([^p] | "p" ([^a] | "a" ([^r] | "r" ([^a] | "a" ([^m] | "m" '
-               '([^e] | "e" ([^t] | "t" ([^e] | "e" [^r]))))))))))*')
+# a parameter value may not contain the format's tags (after a "<"): the parser would end the value there
+_TAGS_AFTER_LT = ("/parameter", "/function", "/tool_call", "parameter=")
+
+
+def _value_rules() -> list[str]:
+    """EBNF `value`: text in which no "<" starts one of the tags. One rule per trie node of the tags (after "<"):
+    a character that leaves the trie ends the tag-like run; another "<" starts over; completing a tag is not
+    possible. A value cannot end inside a tag's prefix (e.g. in "<")."""
+    rules, nodes = [], {}
+
+    def node(suffixes: tuple[str, ...]) -> str:
+        if suffixes in nodes:
+            return nodes[suffixes]
+        name = nodes[suffixes] = f"tag{len(nodes)}"
+        firsts = sorted({x[0] for x in suffixes})
+        alts = ["[^<" + "".join(firsts) + "]", f'"<" {node(_TAGS_AFTER_LT)}']
+        for c in firsts:
+            rest = tuple(x[1:] for x in suffixes if x[0] == c)
+            if "" not in rest:
+                alts.append(f"{_lit(c)} {node(rest)}")
+        rules.append(f"{name} ::= " + " | ".join(alts))
+        return name
+    root = node(_TAGS_AFTER_LT)
+    return [f'value ::= ([^<] | "<" {root})*', *rules]
 
 
 # values of the schema types that have a short grammar; the others (string, object, array, none) take `value`
@@ -196,20 +216,30 @@ def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = Tr
     nl, rules, calls = "\n", [], []
     tail = _lit("</function>" + nl + CLOSE)
     end_param = _lit(nl + "</parameter>" + nl)
-    types = _schema_types(tools)
     for i, t in enumerate(x.get("function", x) for x in tools):
         if name is not None and t["name"] != name:
             continue
         head = _lit(OPEN + nl + "<function=" + t["name"] + ">" + nl)
-        params = types.get(t["name"], {})
+        params = (t.get("parameters") or {}).get("properties") or {}
         rules.append(f"call{i} ::= {head}" + (f" param{i}*" if params else "") + f" {tail}")
         if params:
-            alts = " | ".join(f"({_lit('<parameter=' + k + '>' + nl)} {_TYPED_RULE.get(ty, 'value')})"
-                              for k, ty in params.items())
+            alts = " | ".join(f"({_lit('<parameter=' + k + '>' + nl)} {_typed_rule(schema)})"
+                              for k, schema in params.items())
             rules.append(f"param{i} ::= ({alts}) {end_param}")
         calls.append(f"call{i}")
     root = "root ::= call (" + _lit(nl) + " call)*" if parallel else "root ::= call"
-    return nl.join([root, "call ::= " + " | ".join(calls), *rules, _VALUE_RULE, *_TYPED_VALUES.values()])
+    return nl.join([root, "call ::= " + " | ".join(calls), *rules, *_value_rules(), *_TYPED_VALUES.values()])
+
+
+def _typed_rule(schema) -> str:
+    """The value rule of one parameter: a typed one where the schema names exactly one such type (or it and
+    null), else any text."""
+    ty = schema.get("type") if isinstance(schema, dict) else None
+    types = [ty] if isinstance(ty, str) else [x for x in ty if isinstance(x, str)] if isinstance(ty, list) else []
+    real = [x for x in types if x != "null"]
+    if len(real) != 1 or real[0] not in _TYPED_RULE:
+        return "value"
+    return f'({_TYPED_RULE[real[0]]} | "null")' if "null" in types else _TYPED_RULE[real[0]]
 
 
 def _lit(text: str) -> str:
