@@ -189,12 +189,25 @@ def sampling_params(opts: GenerateOptions, generation_config: dict, stop_ids):
 
 def structured_flag(json_schema: str | None, regex: str | None, grammar_file: str | None) -> tuple:
     """--json-schema (text or @FILE) / --regex / --grammar-file -> SamplingParams.structured; at most one."""
-    given = [(n, v) for n, v in (("json-schema", json_schema), ("regex", regex), ("grammar-file", grammar_file)) if v]
+    given = [(n, v) for n, v in (("json-schema", json_schema), ("regex", regex), ("grammar-file", grammar_file))
+             if v is not None]
     if len(given) > 1:
         raise GenerateError(f"--{given[1][0]}: cannot be combined with --{given[0][0]}")
     if not given:
         return ()
     name, v = given[0]
+    spec = _structured_spec(name, v)
+    from .grammar import GrammarError, check_syntax
+    try:
+        check_syntax(spec)
+    except GrammarError as e:
+        raise GenerateError(f"--{name}: {e}") from None
+    return spec
+
+
+def _structured_spec(name: str, v: str) -> tuple:
+    if not v:
+        raise GenerateError(f"--{name}: empty")
     if name == "regex":
         return ("regex", v)
     path = v[1:] if name == "json-schema" and v.startswith("@") else (v if name == "grammar-file" else None)

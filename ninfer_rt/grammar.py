@@ -42,6 +42,30 @@ def _xgrammar():
     return xgrammar
 
 
+def _ebnf(spec: tuple) -> str:
+    kind, text = spec
+    if kind == "choice":
+        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text))
+    return text
+
+
+def _compiling(spec: tuple, build):
+    try:
+        return build()
+    except (RuntimeError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = _LOG_PREFIX.sub("", first)      # xgrammar's "[hh:mm:ss] /path/file.cc:123: " is not for clients
+        raise GrammarError(f"{spec[0]}: cannot be compiled: {first}") from None
+
+
+def check_syntax(spec: tuple) -> None:
+    """The grammar parses (no vocabulary needed: a CLI checks its flags before the model loads); GrammarError."""
+    xgr = _xgrammar()
+    kind, text = spec
+    build = {"json_schema": lambda: xgr.Grammar.from_json_schema(text), "regex": lambda: xgr.Grammar.from_regex(text)}
+    _compiling(spec, build.get(kind, lambda: xgr.Grammar.from_ebnf(_ebnf(spec))))
+
+
 class GrammarBackend:
     """The tokenizer's vocabulary as xgrammar sees it, and a compiler with its cache."""
 
@@ -63,20 +87,15 @@ class GrammarBackend:
 
     def compile(self, spec: tuple):
         """spec = (kind, text) of SamplingParams.structured -> a compiled grammar; GrammarError naming the problem."""
+        return _compiling(spec, lambda: self._compile(spec))
+
+    def _compile(self, spec: tuple):
         kind, text = spec
-        try:
-            if kind == "json_schema":
-                return self.compiler.compile_json_schema(text, max_whitespace_cnt=JSON_WHITESPACE)
-            if kind == "regex":
-                return self.compiler.compile_regex(text)
-            if kind == "choice":
-                alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text))
-                return self.compiler.compile_grammar("root ::= " + alts)
-            return self.compiler.compile_grammar(text)
-        except (RuntimeError, ValueError, TypeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            first = _LOG_PREFIX.sub("", first)      # xgrammar's "[hh:mm:ss] /path/file.cc:123: " is not for clients
-            raise GrammarError(f"{kind}: cannot be compiled: {first}") from None
+        if kind == "json_schema":
+            return self.compiler.compile_json_schema(text, max_whitespace_cnt=JSON_WHITESPACE)
+        if kind == "regex":
+            return self.compiler.compile_regex(text)
+        return self.compiler.compile_grammar(_ebnf(spec))
 
     def constraint(self, spec: tuple, after: int | None = None) -> Constraint:
         xgr = _xgrammar()

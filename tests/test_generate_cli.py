@@ -273,7 +273,9 @@ def test_generate_constrained_output(packed, tmp_path, flag):
     (["--regex", "a", "--json-schema", "{}"], "error: --regex: cannot be combined with --json-schema"),
     (["--json-schema", "{oops"], "error: --json-schema: not JSON"),
     (["--json-schema", "@/nonexistent.json"], "error: --json-schema /nonexistent.json: cannot read"),
-], ids=["two", "not-json", "missing-file"])
+    (["--regex", ""], "error: --regex: empty"),
+    (["--regex", "[unclosed"], "error: --regex: regex: cannot be compiled: Regex parsing error"),
+], ids=["two", "not-json", "missing-file", "empty", "bad-regex"])
 def test_constrained_flag_errors(packed, args, message):
     res = cli(packed, "--raw", "x", *args)
     assert res.exit_code != 0 and message in res.stderr and "Traceback" not in res.stderr

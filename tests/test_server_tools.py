@@ -181,23 +181,30 @@ def test_what_cannot_be_honoured_is_a_400_by_name(tools_srv, case):
 PREFILL = ASK + [{"role": "assistant", "content": "The answer is"}]
 
 
-def test_continue_final_message_ends_the_prompt_inside_it(tools_srv):
+@pytest.mark.parametrize("final", ["The answer is", "", "m_end|>", "\n"], ids=["text", "empty", "tag-like", "newline"])
+def test_continue_final_message_ends_the_prompt_inside_it(tools_srv, final):
     srv, engine, tok = tools_srv
-    r = _post(srv, "/v1/chat/completions", {"messages": PREFILL, "continue_final_message": True,
+    msgs = ASK + [{"role": "assistant", "content": final}]
+    r = _post(srv, "/v1/chat/completions", {"messages": msgs, "continue_final_message": True,
                                             "add_generation_prompt": False})
     assert r.status_code == 200, r.json()
-    assert tok.decode(engine.prompts[-1], skip_special_tokens=False).endswith(
-        "<|im_start|>assistant\nThe answer is")
-    r = _post(srv, "/tokenize", {"messages": PREFILL, "continue_final_message": True})
+    assert tok.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<|im_start|>assistant\n" + final)
+    r = _post(srv, "/tokenize", {"messages": msgs, "continue_final_message": True})
     assert r.json()["tokens"] == engine.prompts[-1]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
-    ({"messages": ASK + [{"role": "assistant", "content": ""}], "continue_final_message": True},
-     "messages.1.content"),
-], ids=["both", "empty-final"])
-def test_continue_final_message_errors(tools_srv, body, param):
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message"),
+    ("/tokenize", {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message"),
+    ("/v1/chat/completions", {"messages": ASK + [{"role": "assistant", "content": [
+        {"type": "text", "text": "a"}, IMAGE_PART]}], "continue_final_message": True}, "messages.1.content"),
+], ids=["both", "both-tokenize", "final-with-image"])
+def test_continue_final_message_errors(tools_srv, path, body, param):
     srv, _, _ = tools_srv
-    r = _post(srv, "/v1/chat/completions", body)
+    r = _post(srv, path, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()

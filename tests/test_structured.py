@@ -208,8 +208,9 @@ def test_api_structured_output(real_srv, case, path):  # noqa: F811
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice"),
     ({"guided_choice": ["a", 1]}, "guided_choice"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
 ], ids=["bad-schema", "bad-type", "no-schema", "bad-regex", "two", "ignore-eos", "two-vllm", "choice-not-list",
-        "choice-not-strings"])
+        "choice-not-strings", "unknown-key"])
 def test_api_structured_errors(real_srv, extra, param):  # noqa: F811
     r = _post(real_srv, "/v1/chat/completions", {"model": MODEL_ID, "messages": CHAT, "max_tokens": 8, **extra})
     err = r.json()["error"]

@@ -148,6 +148,7 @@ def to_chat_named(req) -> tuple[P.ChatRequest, dict[str, str]]:
         for chat_msg, blocks in _messages(m):
             at = len(msgs)
             names.update({f"messages.{at}.content.{j}": f"messages.{i}.content.{b}" for j, b in enumerate(blocks)})
+            names.setdefault(f"messages.{at}", f"messages.{i}")
             msgs.append(chat_msg)
     # Anthropic's models think only when asked: no `thinking` (or "disabled") closes the template's think block
     kw = {"chat_template_kwargs": {"enable_thinking": req.thinking is not None and req.thinking.type != "disabled"}}
@@ -163,7 +164,7 @@ def to_chat_named(req) -> tuple[P.ChatRequest, dict[str, str]]:
 
 def renamed(e: P.ApiError, names: dict[str, str]) -> P.ApiError:
     """An error about a converted content part, under the name of the block it came from."""
-    for chat, ours in names.items():
+    for chat, ours in sorted(names.items(), key=lambda kv: -len(kv[0])):     # the most specific name first
         if e.param and (e.param == chat or e.param.startswith(chat + ".")):
             param = ours + e.param[len(chat):].replace(".image_url", ".source", 1)   # the block's own field
             return P.ApiError(e.status, e.message.replace(e.param, param, 1), type=e.type, param=param, code=e.code)

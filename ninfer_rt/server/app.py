@@ -287,8 +287,8 @@ async def _count_tokens(state: ServerState, request: Request):
     areq = A.parse(await read_json(request, state.max_body_bytes), A.CountRequest)
     P.check_model(areq.model, state.model_id)
     req, names = A.to_chat_named(areq)
-    ids = H.chat_prompt(state.tokenizer, req)
     try:
+        ids = H.chat_prompt(state.tokenizer, req)
         img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
     except P.ApiError as e:
         raise A.renamed(e, names) from None

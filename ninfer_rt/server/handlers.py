@@ -112,8 +112,11 @@ def chat_prompt(tok, req: P.ChatRequest, add_generation_prompt: bool = True) -> 
         raise P.bad_request(f"chat_template_kwargs: {bad[0]!r} cannot be set here", param="chat_template_kwargs")
     cont = req.continue_final_message
     agp = add_generation_prompt and req.add_generation_prompt is not False and not cont
+    messages = P.chat_messages(req)
+    if cont:
+        messages[-1] = _marked_final(req, messages[-1])
     try:
-        text = tok.render_chat(P.chat_messages(req), add_generation_prompt=agp, tools=P.template_tools(req), **extra)
+        text = tok.render_chat(messages, add_generation_prompt=agp, tools=P.template_tools(req), **extra)
     except ChatTemplateError as e:     # the artifact's template is broken: the server's fault, not the request's
         raise P.ApiError(500, str(e), type="server_error", code="chat_template_error") from None
     except TokenizerError as e:        # the template's raise_exception refused these messages
@@ -121,16 +124,28 @@ def chat_prompt(tok, req: P.ChatRequest, add_generation_prompt: bool = True) -> 
     return tok.encode(_open_final(text, req) if cont else text)
 
 
+# stands in for the final message's text while the template renders (private-use characters no client text has)
+_FINAL_MARK = "\ue000ninfer-final\ue001"
+
+
+def _marked_final(req: P.ChatRequest, message: dict) -> dict:
+    i = len(req.messages) - 1
+    if isinstance(message["content"], list):       # image parts: the prompt could not end inside the text
+        raise P.bad_request(f"messages.{i}.content: a final message with images cannot be continued",
+                            param=f"messages.{i}.content")
+    return dict(message, content=_FINAL_MARK)
+
+
 def _open_final(text: str, req: P.ChatRequest) -> str:
     """vLLM's continue_final_message (Anthropic's prefill): the prompt ends right after the final message's text,
-    its end of turn cut, so the model continues that message."""
+    its end of turn cut, so the model continues that message. The template rendered a mark in its place: what
+    it put before the mark is kept, the text follows as the client sent it."""
     i = len(req.messages) - 1
-    final = P.message_text(req.messages[i])
-    at = text.rfind(final) if final else -1
+    at = text.find(_FINAL_MARK)
     if at < 0:
-        raise P.bad_request(f"messages.{i}.content: continuing the final message needs text that the chat template "
-                            f"renders", param=f"messages.{i}.content")
-    return text[:at + len(final)]
+        raise P.bad_request(f"messages.{i}: the chat template does not render this message's content, so it "
+                            f"cannot be continued", param=f"messages.{i}")
+    return text[:at] + P.message_text(req.messages[i])
 
 
 def completion_prompt(tok, req: P.CompletionRequest, vocab: int) -> list[int]:

@@ -12,6 +12,9 @@ from .tool_calls import call_grammar
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 _VLLM = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+# vLLM's backend switches: xgrammar is the only backend here, with its own whitespace rule (grammar.JSON_WHITESPACE)
+_VLLM_OPTIONS = ("json_object", "disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                 "whitespace_pattern")
 
 
 def _given(req: _Sampling) -> list[tuple[str, str, object]]:
@@ -25,6 +28,10 @@ def _given(req: _Sampling) -> list[tuple[str, str, object]]:
         out.append(("response_format", *_response_format(req.response_format)))
     out += [(f, kind, getattr(req, f)) for f, kind in _GUIDED.items() if getattr(req, f) is not None]
     so = req.structured_outputs or {}
+    unknown = next((k for k in so if k not in _VLLM and k not in _VLLM_OPTIONS), None)
+    if unknown is not None:
+        raise bad_request(f"structured_outputs.{unknown}: not supported by this server (json, regex, choice, "
+                          f"grammar, json_object)", param=f"structured_outputs.{unknown}")
     out += [(f"structured_outputs.{k}", _VLLM[k], v) for k, v in so.items() if k in _VLLM and v is not None]
     if so.get("json_object"):
         out.append(("structured_outputs.json_object", "json_schema", {"type": "object"}))

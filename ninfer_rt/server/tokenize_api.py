@@ -29,6 +29,9 @@ def tokenize(tok, data, served: str, max_model_len: int) -> dict:
     if req.prompt is not None:
         ids = tok.encode(req.prompt)
     else:
+        if req.continue_final_message and "add_generation_prompt" in data and req.add_generation_prompt:
+            raise P.bad_request("continue_final_message: cannot be combined with add_generation_prompt true",
+                                param="continue_final_message")
         chat = P.ChatRequest(messages=req.messages, chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
                              continue_final_message=req.continue_final_message)
         P.check_chat(chat)
