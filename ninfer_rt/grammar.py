@@ -5,9 +5,9 @@ use).
 `GrammarBackend` is built once per engine, on the first structured request (the tokenizer's vocabulary is
 indexed then, ~1 s at 248K tokens); compiled grammars are cached by xgrammar. `Constraint` follows one sequence:
 `allowed(drafts)` gives the token masks of an MTP round's rows (row j after the drafts d_1..d_j, walked forward
-and rolled back), `accept(tokens)` commits the emitted ones. Special tokens other than the stop tokens are
-never allowed (their text is not output text), and the grammar ends only on a stop token, so a finished JSON
-value ends the request with finish reason "stop".
+and rolled back), `accept(tokens)` commits the emitted ones. Special tokens other than the stop tokens and the
+tool-call tags are never allowed (their text is not output text), and the grammar ends only on a stop token, which
+ends the request (finish reason "stop").
 """
 from __future__ import annotations
 
