@@ -66,7 +66,7 @@ async def respond(c: Choice, request: Request, reply: Reply, prompt_tokens: int)
         content.append({"type": "thinking", "thinking": "".join(got.reasoning), "signature": ""})
     text = "".join(got.content)
     if c.tools is not None:
-        text = c.tools.feed(text)[0] + c.tools.finish()
+        text = c.tools.parse_all(text)
     if text or not (c.tools and c.tools.calls):
         content.append({"type": "text", "text": text})
     content += [_tool_block(t) for t in (c.tools.calls if c.tools is not None else ())]

@@ -96,7 +96,7 @@ class _Collected:
         if reply.chat:
             content, calls = "".join(self.content), None
             if c.tools is not None:            # the same parser a stream uses, over the whole answer
-                content = c.tools.feed(content)[0] + c.tools.finish()
+                content = c.tools.parse_all(content)
                 calls = [t.api(i) for i, t in enumerate(c.tools.calls)]
             return P.chat_choice(index, content, "".join(self.reasoning), _finish_reason(c, self.finish), lp,
                                  calls)

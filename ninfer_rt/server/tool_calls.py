@@ -54,12 +54,15 @@ def _schema_types(tools: list[dict]) -> dict[str, dict[str, str | None]]:
         props = ((fn.get("parameters") or {}).get("properties") or {})
         types = {}
         for key, schema in (props.items() if isinstance(props, dict) else ()):
-            ty = schema.get("type") if isinstance(schema, dict) else None
-            if isinstance(ty, list):
-                ty = next((x for x in ty if x != "null"), None)
-            types[key] = ty if isinstance(ty, str) else None
+            types[key] = next((x for x in _type_list(schema) if x != "null"), None)
         out[fn.get("name")] = types
     return out
+
+
+def _type_list(schema) -> list[str]:
+    """The JSON-schema `type` of a parameter as a list (a string, a list of them, or absent)."""
+    ty = schema.get("type") if isinstance(schema, dict) else None
+    return [ty] if isinstance(ty, str) else [x for x in ty if isinstance(x, str)] if isinstance(ty, list) else []
 
 
 def convert(value: str, ty: str | None):
@@ -142,6 +145,10 @@ class ToolParser:
             self._buf = self._buf[len(self._buf) - keep:]
             break
         return content, new
+
+    def parse_all(self, text: str) -> str:
+        """A whole answer (a blocking reply) -> its content; the calls are in `calls`."""
+        return self.feed(text)[0] + self.finish()
 
     def finish(self) -> str:
         """End of the answer: the rest is content (an unclosed call too, as written)."""
@@ -234,8 +241,7 @@ def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = Tr
 def _typed_rule(schema) -> str:
     """The value rule of one parameter: a typed one where the schema names exactly one such type (or it and
     null), else any text."""
-    ty = schema.get("type") if isinstance(schema, dict) else None
-    types = [ty] if isinstance(ty, str) else [x for x in ty if isinstance(x, str)] if isinstance(ty, list) else []
+    types = _type_list(schema)
     real = [x for x in types if x != "null"]
     if len(real) != 1 or real[0] not in _TYPED_RULE:
         return "value"
