@@ -1,4 +1,5 @@
-"""Structured output: a request's grammar (a JSON schema, a regex, a choice, an EBNF grammar) turned into
+"""Structured output: a request's grammar (a JSON schema, a regex, a choice, an EBNF grammar, a structural tag: the
+forced tool calls) turned into
 the set of tokens each output position may take, through xgrammar (an optional dependency, imported on first
 use).
 
@@ -20,7 +21,7 @@ from ninfer_formats.errors import NinferError
 
 from .tokenizer import TOOL_CALL_TAGS
 
-KINDS = ("json_schema", "regex", "choice", "grammar")
+KINDS = ("json_schema", "regex", "choice", "grammar", "structural_tag")
 MAX_ROLLBACK = 16            # rows of one round's masks: more than any MTP round's drafts + 1
 CACHE_BYTES = 256 << 20      # compiled grammars kept (xgrammar's cache; the default keeps every client's forever)
 JSON_WHITESPACE = 20         # longest whitespace run in JSON output (llama.cpp's bound): models loop on newlines
@@ -55,14 +56,16 @@ def _compiling(spec: tuple, build):
     except (RuntimeError, ValueError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         first = _LOG_PREFIX.sub("", first)      # xgrammar's "[hh:mm:ss] /path/file.cc:123: " is not for clients
-        raise GrammarError(f"{spec[0]}: cannot be compiled: {first}") from None
+        what = "the tool-call grammar (its parameter schemas)" if spec[0] == "structural_tag" else spec[0]
+        raise GrammarError(f"{what}: cannot be compiled: {first}") from None
 
 
 def check_syntax(spec: tuple) -> None:
     """The grammar parses (no vocabulary needed: a CLI checks its flags before the model loads); GrammarError."""
     xgr = _xgrammar()
     kind, text = spec
-    build = {"json_schema": lambda: xgr.Grammar.from_json_schema(text), "regex": lambda: xgr.Grammar.from_regex(text)}
+    build = {"json_schema": lambda: xgr.Grammar.from_json_schema(text), "regex": lambda: xgr.Grammar.from_regex(text),
+             "structural_tag": lambda: xgr.Grammar.from_structural_tag(text)}
     _compiling(spec, build.get(kind, lambda: xgr.Grammar.from_ebnf(_ebnf(spec))))
 
 
@@ -95,6 +98,8 @@ class GrammarBackend:
             return self.compiler.compile_json_schema(text, max_whitespace_cnt=JSON_WHITESPACE)
         if kind == "regex":
             return self.compiler.compile_regex(text)
+        if kind == "structural_tag":
+            return self.compiler.compile_structural_tag(text)
         return self.compiler.compile_grammar(_ebnf(spec))
 
     def constraint(self, spec: tuple, after: int | None = None) -> Constraint:

@@ -57,7 +57,7 @@ class SamplingParams:
                                         # this many tokens; at most max_tokens
     structured: tuple = ()              # (kind, text): the output follows a grammar (ninfer_rt.grammar.KINDS):
                                         # ("json_schema", schema), ("regex", r), ("choice", JSON list of
-                                        # strings), ("grammar", EBNF)
+                                        # strings), ("grammar", EBNF), ("structural_tag", xgrammar's JSON)
     grammar_after: int | None = None    # the grammar starts after this token (a reasoning block's end, as vLLM's
                                         # reasoning parsers do); None: from the first token
 

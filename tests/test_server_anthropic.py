@@ -133,6 +133,10 @@ BAD = {
     "base64-without-type": ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "data": PNG}}]}]}, 400, "invalid_request_error", "messages.0.content.0.source.media_type"),
     "wrong-model": ({"model": "claude-opus"}, 404, "not_found_error", "model"),
+    "bad-input-schema": ({"tools": [TOOL, {"name": "f", "input_schema": {"type": "object", "properties": {"x": 1}}}]},
+                         400, "invalid_request_error", "tools.1.input_schema.properties"),
+    "bad-tool-name": ({"tools": [{"name": "a b", "input_schema": {"type": "object"}}]}, 400, "invalid_request_error",
+                      "tools.0.name"),
 }
 
 

@@ -208,9 +208,16 @@ def test_api_structured_output(real_srv, case, path):  # noqa: F811
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice"),
     ({"guided_choice": ["a", 1]}, "guided_choice"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"backend": "x"}}, "structured_outputs.backend"),
+    ({"structured_outputs": {"structural_tag": "{x"}}, "structured_outputs.structural_tag"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<a"]}}, "response_format.structures"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<a"], "structures": [{"begin": "<b>"}]}},
+     "response_format.structures.0"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<a"], "structures": [
+        {"begin": "<b>", "schema": {}, "end": "</b>"}]}}, "response_format"),        # xgrammar: no trigger matches
 ], ids=["bad-schema", "bad-type", "no-schema", "bad-regex", "two", "ignore-eos", "two-vllm", "choice-not-list",
-        "choice-not-strings", "unknown-key"])
+        "choice-not-strings", "unknown-key", "tag-not-json", "tag-no-structures", "tag-bad-structure",
+        "tag-no-trigger"])
 def test_api_structured_errors(real_srv, extra, param):  # noqa: F811
     r = _post(real_srv, "/v1/chat/completions", {"model": MODEL_ID, "messages": CHAT, "max_tokens": 8, **extra})
     err = r.json()["error"]
@@ -242,36 +249,101 @@ def test_forced_tool_calls(real_srv, choice, parallel):  # noqa: F811
         assert set(args) <= {"city", "days"}
 
 
-def test_forced_call_values_may_hold_markup(tok):
-    from ninfer_rt.server.tool_calls import call_grammar
+def accepts(backend, spec: tuple, text: str, tok) -> bool:
+    """The grammar takes the whole text (as the tiny tokenizer's tokens); it may go on after it."""
+    m = xgr.GrammarMatcher(backend.compile(spec))
+    return all(m.accept_token(t) for t in tok.encode(text))
+
+
+def forced(tools, name=None, parallel=False) -> tuple:
+    from ninfer_rt.server.tool_calls import call_tag
+    return ("structural_tag", call_tag(tools, name, parallel))
+
+
+def call(name: str, **args) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+RICH = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "nights": {"type": "integer"}, "pets": {"type": "boolean"},
+    "room": {"type": "object", "properties": {"view": {"enum": ["sea", "city"]}}, "required": ["view"]},
+    "notes": {"type": ["string", "null"]}}, "required": ["city", "nights"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("text,ok", [
+    (call("book", city="Paris", nights=3), True),
+    (call("book", city="Paris", nights=3, pets="true", room='{"view": "sea"}', notes="late"), True),
+    (call("book", city="Paris"), False),                                   # a required parameter left out
+    (call("book", nights=3, city="Paris"), False),                         # not the schema's order
+    (call("book", city="Paris", nights="3.5"), False),                     # integer
+    (call("book", city="Paris", nights=3, pets="yes"), False),             # boolean
+    (call("book", city="Paris", nights=3, room='{"view": "garden"}'), False),     # enum inside an object
+    (call("book", city="Paris", nights=3, extra="1"), False),              # additionalProperties: false
+    (call("book", city="<b>Paris</b> </para x", nights=3), True),          # markup is text
+    (call("book", city="Paris</function>x", nights=3), False),             # the format's own tags are not
+    (call("book", city="a<parameter=b", nights=3), False),
+    (call("book", city="a</tool_call>", nights=3), False),
+    (call("book", city="P", nights=3, room='{"view": "sea", "x": "</function>"}'), False),
+], ids=["required", "all", "missing-required", "order", "int", "bool", "nested-enum", "extra", "markup",
+        "function-tag", "parameter-tag", "call-tag", "nested-tag"])
+def test_forced_call_follows_the_parameter_schema(tok, text, ok):
     backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
-    m = xgr.GrammarMatcher(backend.compile(("grammar", call_grammar([WEATHER], parallel=False))))
-    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\n<b>Paris</b> </para x\n</parameter>\n"
-    assert all(m.accept_token(t) for t in tok.encode(text))
-    m = xgr.GrammarMatcher(backend.compile(("grammar", call_grammar([WEATHER], parallel=False))))
-    head = "<tool_call>\n<function=get_weather>\n<parameter=city>\nA</paramete"
-    assert all(m.accept_token(t) for t in tok.encode(head)) and not m.accept_token(ord("r"))   # only the real end
+    assert accepts(backend, forced([RICH]), text, tok) is ok
 
 
-def test_forced_call_typed_parameters(tok):
-    from ninfer_rt.server.tool_calls import call_grammar
+def test_forced_call_without_parameters_and_the_end(tok):
     backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
-    g = backend.compile(("grammar", call_grammar([WEATHER], parallel=False)))
-    head = "<tool_call>\n<function=get_weather>\n<parameter=days>\n"
-    m = xgr.GrammarMatcher(g)
-    assert all(m.accept_token(t) for t in tok.encode(head + "-12")) and not m.accept_token(ord("x"))
-    m = xgr.GrammarMatcher(g)
-    assert all(m.accept_token(t) for t in tok.encode(head.replace("days", "city") + "x1"))     # strings: any text
-
-
-def test_forced_tool_call_grammar_refuses_other_text(tok):
-    from ninfer_rt.server.tool_calls import call_grammar
-    backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
-    m = xgr.GrammarMatcher(backend.compile(("grammar", call_grammar([WEATHER, NOOP], "noop", parallel=False))))
-    assert all(m.accept_token(t) for t in tok.encode("<tool_call>\n<function=noop>\n</function>\n</tool_call>"))
+    m = xgr.GrammarMatcher(backend.compile(forced([WEATHER, NOOP], "noop")))
+    assert all(m.accept_token(t) for t in tok.encode(call("noop")))
     assert not m.accept_token(tok.encode("\n")[0]) and m.accept_token(hf_eos())        # one call, then the end
-    m = xgr.GrammarMatcher(backend.compile(("grammar", call_grammar([WEATHER, NOOP]))))
-    assert not m.accept_token(tok.encode("I")[0])                                      # no text before the call
+    assert not accepts(backend, forced([WEATHER, NOOP], "noop"), call("noop", x=1), tok)   # no parameters at all
+    assert not accepts(backend, forced([WEATHER, NOOP], "noop"), call("get_weather", city="A"), tok)
+    assert not accepts(backend, forced([WEATHER, NOOP], parallel=True), "I", tok)       # no text before a call
+    two = call("get_weather", city="A", days=-12) + "\n" + call("noop")
+    assert accepts(backend, forced([WEATHER, NOOP], parallel=True), two, tok)
+    assert not accepts(backend, forced([WEATHER, NOOP], parallel=False), two, tok)
+
+
+def test_forced_call_with_a_bad_parameter_schema_names_the_tool(real_srv):  # noqa: F811
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "properties": {
+        "x": {"type": "objectx"}}}}}
+    r = _post(real_srv, "/v1/chat/completions", {"model": MODEL_ID, "messages": CHAT, "max_tokens": 8,
+                                                 "tools": [WEATHER, bad], "tool_choice": "required"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tools.1.function.parameters", err
+    assert "objectx" in err["message"] and "\n" not in err["message"]
+
+
+# ---- structural tags (vLLM's structured_outputs.structural_tag, response_format "structural_tag") ----
+LEGACY_TAG = {"type": "structural_tag", "triggers": ["<fn="], "structures": [
+    {"begin": "<fn=get>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+     "end": "</fn>"}]}
+
+
+@pytest.mark.parametrize("text,ok", [
+    ('hi <fn=get>{"a": 1}</fn> bye', True), ("no call at all", True), ('hi <fn=get>{"a": "x"}</fn>', False),
+    ('<fn=put>{"a": 1}</fn>', False)], ids=["call", "free", "bad-value", "unknown-tag"])
+def test_legacy_structural_tag_is_triggered_tags(tok, text, ok):
+    from ninfer_rt.server.structured_api import structural_tag
+    backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
+    for given in (LEGACY_TAG, json.dumps(LEGACY_TAG)):
+        assert accepts(backend, ("structural_tag", structural_tag(given, "f")), text, tok) is ok
+
+
+@pytest.mark.parametrize("how", ["response_format", "structured_outputs"])
+def test_api_structural_tag(real_srv, how):  # noqa: F811
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<x>", "end": "</x>",
+                                                "content": {"type": "json_schema", "json_schema": SCHEMA}}}
+    extra = {"response_format": tag} if how == "response_format" else {"structured_outputs": {
+        "structural_tag": json.dumps(tag)}}
+    r = _post(real_srv, "/v1/chat/completions", {"model": MODEL_ID, "messages": CHAT, "max_tokens": 60,
+                                                 "temperature": 0, "chat_template_kwargs": {"enable_thinking": False},
+                                                 **extra})
+    c = r.json()["choices"][0]
+    text = c["message"]["content"]
+    assert r.status_code == 200 and c["finish_reason"] == "stop", c
+    assert text.startswith("<x>") and text.endswith("</x>") and valid("schema", text[3:-4]), text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -138,8 +138,8 @@ def to_chat(req) -> P.ChatRequest:
 
 
 def to_chat_named(req) -> tuple[P.ChatRequest, dict[str, str]]:
-    """(the chat request, {its content part's name: the Messages request's}): an image's error names the block
-    the client sent, not the chat message it became."""
+    """(the chat request, {its field's name: the Messages request's}): an error about an image or a tool names
+    the block or tool the client sent, not the chat field it became."""
     msgs, names = [], {}
     if req.system:
         text = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
@@ -155,11 +155,17 @@ def to_chat_named(req) -> tuple[P.ChatRequest, dict[str, str]]:
     if req.tools:
         kw["tools"] = [{"type": "function", "function": _given(name=t.name, description=t.description,
                                                                parameters=t.input_schema)} for t in req.tools]
+        for i in range(len(req.tools)):
+            names.update({f"tools.{i}.function.parameters": f"tools.{i}.input_schema",
+                          f"tools.{i}.function.name": f"tools.{i}.name"})
     if isinstance(req, MessagesRequest):
         kw.update(_sampling(req))
     if req.messages[-1].role == "assistant":        # a prefill: the answer continues that message
         kw["continue_final_message"] = True
-    return P.parse(P.ChatRequest, {"messages": msgs, **kw}), names
+    try:
+        return P.parse(P.ChatRequest, {"messages": msgs, **kw}), names
+    except P.ApiError as e:
+        raise renamed(e, names) from None
 
 
 def renamed(e: P.ApiError, names: dict[str, str]) -> P.ApiError:

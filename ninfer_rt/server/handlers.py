@@ -84,6 +84,7 @@ async def check_grammar(engine, req: P._Sampling, params: SamplingParams) -> Non
     try:
         await run_in_threadpool(lambda: grammars().compile(params.structured))
     except GrammarError as e:
+        field = await run_in_threadpool(lambda: S.blame(req, field, grammars().compile))
         raise P.bad_request(f"{field}: {e}", param=field) from None
 
 

@@ -26,6 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from ..grammar import JSON_WHITESPACE
 from ..tokenizer import TOOL_CALL_TAGS
 
 OPEN, CLOSE = TOOL_CALL_TAGS
@@ -182,75 +183,28 @@ class ToolParser:
         return out
 
 
-# a parameter value may not contain the format's tags (after a "<"): the parser would end the value there
-_TAGS_AFTER_LT = ("/parameter", "/function", "/tool_call", "parameter=")
+# tags a value may not hold: the parser ends a value (or the call) at the first of them
+_VALUE_EXCLUDES = ("</parameter>", "</function>", CLOSE, "<parameter=")
 
 
-def _value_rules() -> list[str]:
-    """EBNF `value`: text in which no "<" starts one of the tags. One rule per trie node of the tags (after "<"):
-    a character that leaves the trie ends the tag-like run; another "<" starts over; completing a tag is not
-    possible. A value cannot end inside a tag's prefix (e.g. in "<")."""
-    rules, nodes = [], {}
-
-    def node(suffixes: tuple[str, ...]) -> str:
-        if suffixes in nodes:
-            return nodes[suffixes]
-        name = nodes[suffixes] = f"tag{len(nodes)}"
-        firsts = sorted({x[0] for x in suffixes})
-        alts = ["[^<" + "".join(firsts) + "]", f'"<" {node(_TAGS_AFTER_LT)}']
-        for c in firsts:
-            rest = tuple(x[1:] for x in suffixes if x[0] == c)
-            if "" not in rest:
-                alts.append(f"{_lit(c)} {node(rest)}")
-        rules.append(f"{name} ::= " + " | ".join(alts))
-        return name
-    root = node(_TAGS_AFTER_LT)
-    return [f'value ::= ([^<] | "<" {root})*', *rules]
+def call_tag(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
+    """xgrammar's structural tag (its JSON text) for answers that are only calls in this format: of function
+    `name`, or of any of the tools; one call, or several separated by newlines when `parallel`. The arguments
+    follow each tool's JSON schema as the format writes them (xgrammar's "qwen_xml" style: the schema's order,
+    required parameters present, typed values), and no string in them holds one of the format's tags, where the
+    parser would end the value. The tool_choice "required" / named-function grammar."""
+    tags = [{"type": "tag", "begin": f"{OPEN}\n<function={t['name']}>\n", "end": f"</function>\n{CLOSE}",
+             "content": {"type": "json_schema", "json_schema": _parameters(t), "style": "qwen_xml",
+                         "max_whitespace_cnt": JSON_WHITESPACE, "excludes": list(_VALUE_EXCLUDES)}}
+            for t in (x.get("function", x) for x in tools) if name is None or t["name"] == name]
+    fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+           "stop_after_first": not parallel}
+    return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
 
 
-# values of the schema types that have a short grammar; the others (string, object, array, none) take `value`
-_TYPED_VALUES = {"integer": 'int_value ::= "-"? [0-9]+',
-                 "number": 'num_value ::= "-"? [0-9]+ ("." [0-9]+)? ([eE] [-+]? [0-9]+)?',
-                 "boolean": 'bool_value ::= "true" | "false"'}
-_TYPED_RULE = {"integer": "int_value", "number": "num_value", "boolean": "bool_value"}
-
-
-def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
-    """EBNF (xgrammar's) for answers that are only calls in this format: of function `name`, or of any of the
-    tools; one call, or several separated by newlines when `parallel`. Parameter names are the schema's; an
-    integer, number or boolean parameter takes only such a value, the others any text (typed by `convert` when
-    parsed). The tool_choice "required" / named-function grammar."""
-    nl, rules, calls = "\n", [], []
-    tail = _lit("</function>" + nl + CLOSE)
-    end_param = _lit(nl + "</parameter>" + nl)
-    for i, t in enumerate(x.get("function", x) for x in tools):
-        if name is not None and t["name"] != name:
-            continue
-        head = _lit(OPEN + nl + "<function=" + t["name"] + ">" + nl)
-        params = (t.get("parameters") or {}).get("properties") or {}
-        rules.append(f"call{i} ::= {head}" + (f" param{i}*" if params else "") + f" {tail}")
-        if params:
-            alts = " | ".join(f"({_lit('<parameter=' + k + '>' + nl)} {_typed_rule(schema)})"
-                              for k, schema in params.items())
-            rules.append(f"param{i} ::= ({alts}) {end_param}")
-        calls.append(f"call{i}")
-    root = "root ::= call (" + _lit(nl) + " call)*" if parallel else "root ::= call"
-    return nl.join([root, "call ::= " + " | ".join(calls), *rules, *_value_rules(), *_TYPED_VALUES.values()])
-
-
-def _typed_rule(schema) -> str:
-    """The value rule of one parameter: a typed one where the schema names exactly one such type (or it and
-    null), else any text."""
-    types = _type_list(schema)
-    real = [x for x in types if x != "null"]
-    if len(real) != 1 or real[0] not in _TYPED_RULE:
-        return "value"
-    return f'({_TYPED_RULE[real[0]]} | "null")' if "null" in types else _TYPED_RULE[real[0]]
-
-
-def _lit(text: str) -> str:
-    """An EBNF string literal (JSON's escapes; characters past the BMP as themselves, not surrogate pairs)."""
-    return json.dumps(text, ensure_ascii=False)
+def _parameters(fn: dict) -> dict:
+    """A function's parameter schema; none given is an empty parameter list (OpenAI's rule)."""
+    return fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _partial_suffix(text: str, tag: str) -> int:
