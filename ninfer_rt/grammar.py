@@ -22,7 +22,6 @@ from ninfer_formats.errors import NinferError
 from .tokenizer import TOOL_CALL_TAGS
 
 KINDS = ("json_schema", "regex", "choice", "grammar", "structural_tag")
-MAX_ROLLBACK = 16            # rows of one round's masks: more than any MTP round's drafts + 1
 CACHE_BYTES = 256 << 20      # compiled grammars kept (xgrammar's cache; the default keeps every client's forever)
 JSON_WHITESPACE = 20         # longest whitespace run in JSON output (llama.cpp's bound): models loop on newlines
 
@@ -113,7 +112,9 @@ class Constraint:
 
     def __init__(self, matcher, backend: GrammarBackend, after: int | None = None):
         self.m, self.backend, self.after = matcher, backend, after
-        self._bits = torch.zeros(MAX_ROLLBACK + 1, backend.words, dtype=torch.int32)
+        # mask rows of this round by the drafts before them: a draft step's row is the verify step's row again,
+        # so each is filled once per round (filling is the costly part); emptied when tokens are committed
+        self._rows: dict[tuple[int, ...], torch.Tensor] = {}
 
     def ends(self, token: int) -> bool:
         """A stop token of the grammar: it ends the request (a grammar ends only on one, and nothing can follow it;
@@ -139,20 +140,28 @@ class Constraint:
 
     def _walk(self, drafts: list[int], device) -> torch.Tensor:
         rows, walked = len(drafts) + 1, 0
-        bits = self._bits[:rows]
+        # pinned for the GPU: the copy does not wait for the queued steps (the host allocator keeps the block
+        # until the copy has run)
+        bits = torch.empty(rows, self.backend.words, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
         for j in range(rows):
             if j == 0 or (walked == j and not self.m.is_terminated()):
-                self.m.fill_next_token_bitmask(bits, j)
+                row = self._rows.get(key := tuple(drafts[:j]))
+                if row is None:
+                    self.m.fill_next_token_bitmask(bits, j)
+                    self._rows[key] = bits[j].clone()
+                else:
+                    bits[j] = row
             else:                 # past a rejected draft or a stop token: the row decides nothing that is kept
                 bits[j] = bits[j - 1]
             if j < len(drafts) and walked == j and not self.m.is_terminated() and self.m.accept_token(drafts[j]):
                 walked += 1
         if walked:
             self.m.rollback(walked)
-        return unpack(bits.to(device, non_blocking=False), self.backend.vocab_size)
+        return unpack(bits.to(device, non_blocking=True), self.backend.vocab_size)
 
     def accept(self, tokens: list[int]) -> None:
         """Commit emitted tokens (each was allowed: the masks made sure)."""
+        self._rows.clear()
         if self.after is not None:
             if self.after not in tokens:
                 return

@@ -108,6 +108,44 @@ def test_greedy_equals_masked_argmax_over_hf_logits(tiny, tok):
         assert got == want, k
 
 
+class CountingMatcher:
+    """xgrammar's matcher, counting the mask fills (the costly call)."""
+    fills = accepts = 0
+
+    def __init__(self, m):
+        self._m = m
+
+    def fill_next_token_bitmask(self, *a):
+        CountingMatcher.fills += 1
+        return self._m.fill_next_token_bitmask(*a)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+
+def test_each_mask_row_is_filled_once_per_round(tiny, tok, monkeypatch):
+    """A draft step's row is the verify step's row again: K + 1 fills per round at most, not 1 + 2 + .. + K + 1."""
+    make, commit = GrammarBackend.constraint, grammar.Constraint.accept
+
+    def counting(self, *a, **kw):
+        c = make(self, *a, **kw)
+        c.m = CountingMatcher(c.m)
+        return c
+
+    def accept(self, tokens):
+        CountingMatcher.accepts += 1
+        return commit(self, tokens)
+    monkeypatch.setattr(GrammarBackend, "constraint", counting)
+    monkeypatch.setattr(grammar.Constraint, "accept", accept)
+    monkeypatch.setattr(CountingMatcher, "fills", 0)
+    monkeypatch.setattr(CountingMatcher, "accepts", 0)
+    want = run(tiny, tok, 0, [SamplingParams(temperature=0, max_tokens=40, structured=SPECS["schema"])], [[5, 6]])
+    got = run(tiny, tok, 3, [SamplingParams(temperature=0, max_tokens=40, structured=SPECS["schema"])], [[5, 6]])
+    assert got == want
+    rounds = CountingMatcher.accepts - len(want["r0"][0])       # the K = 0 run: one commit and one fill per token
+    assert 0 < rounds and CountingMatcher.fills - len(want["r0"][0]) <= 4 * rounds, (CountingMatcher.fills, rounds)
+
+
 def test_draft_rows_walk_forward_and_roll_back(tok):
     backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
     c = backend.constraint(SPECS["regex"])
