@@ -24,6 +24,8 @@ from . import anthropic_replies as AR
 from . import handlers as H
 from . import protocol as P
 from . import replies as R
+from . import responses_api as RA
+from . import responses_replies as RR
 from . import tokenize_api as T
 from .images import image_prompt
 from .logprobs_api import LogprobFormat
@@ -52,6 +54,7 @@ class ServerState:
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     fingerprint: str = ""                  # system_fingerprint of every reply; derived from model_id if empty
+    responses: RA.Store = field(default_factory=RA.Store)    # stored Responses API responses (in memory)
 
     def __post_init__(self):
         if not self.fingerprint:
@@ -203,6 +206,27 @@ def create_app(state: ServerState) -> FastAPI:
     async def count_tokens(request: Request):
         return await _count_tokens(state, request)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await _responses(state, request)
+
+    @app.post("/v1/responses/input_tokens")
+    async def response_input_tokens(request: Request):
+        return await _responses(state, request, count=True)
+
+    @app.get("/v1/responses/{rid}")
+    async def stored_response(rid: str):
+        return state.responses.get(rid)[0]
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        state.responses.delete(rid)
+        return {"id": rid, "object": "response.deleted", "deleted": True}
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def input_items(rid: str):
+        return RA.listing(state.responses.get(rid)[1])
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         sched = state.serving()
@@ -282,17 +306,42 @@ async def _messages(state: ServerState, request: Request):
     return await AR.respond(choice, request, reply, len(img.request) if img else len(ids))
 
 
+async def _responses(state: ServerState, request: Request, count: bool = False):
+    """OpenAI's `POST /v1/responses` (responses_api.py): the chat path under the Responses API's names and shapes;
+    `count`: `POST /v1/responses/input_tokens`, the prompt's length only."""
+    sched = state.serving()
+    rreq = RA.parse(await read_json(request, state.max_body_bytes))
+    P.check_model(rreq.model, state.model_id)
+    earlier = state.responses.continuation(rreq.previous_response_id) if rreq.previous_response_id else []
+    req, names = RA.to_chat(rreq, earlier)
+    try:
+        if count:
+            return {"object": "response.input_tokens", "input_tokens": await _prompt_tokens(state, req)}
+        ids, img, params = await _prepare(state, sched, req, True)
+    except P.ApiError as e:
+        raise RA.renamed(e, names) from None
+    reply = R.Reply(RR.new_id(), True, state.model_id, bool(req.stream))
+    (choice,) = _submit(sched, state.tokenizer, 1, ids, img, params, reply, *_tools(req, True))
+    shape = RR.Shape(reply, rreq, len(img.request) if img else len(ids))
+    return await RR.respond(choice, request, reply, shape, state.responses, earlier + RA.input_items(rreq))
+
+
 async def _count_tokens(state: ServerState, request: Request):
     state.serving()
     areq = A.parse(await read_json(request, state.max_body_bytes), A.CountRequest)
     P.check_model(areq.model, state.model_id)
     req, names = A.to_chat_named(areq)
     try:
-        ids = H.chat_prompt(state.tokenizer, req)
-        img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
+        return {"input_tokens": await _prompt_tokens(state, req)}
     except P.ApiError as e:
         raise A.renamed(e, names) from None
-    return {"input_tokens": len(img.request) if img else len(ids)}
+
+
+async def _prompt_tokens(state: ServerState, req: P.ChatRequest) -> int:
+    """A chat request's prompt length, image tokens included (nothing is queued)."""
+    ids = H.chat_prompt(state.tokenizer, req)
+    img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
+    return len(img.request) if img else len(ids)
 
 
 def _submit(sched, tok, n: int, ids: list[int], img, params, reply: R.Reply, tools: list[dict] | None = None,

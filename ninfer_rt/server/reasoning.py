@@ -80,6 +80,7 @@ class OutputText:
         vLLM."""
         from ..tokenizer import TextStream
         self.split, self.min_tokens, self.pushed = split, min_tokens, 0
+        self.reasoning_tokens = 0         # ids of the reasoning block so far, its tags included
         self.answer = TextStream(tok, stop, skip_special_tokens=not keep_special, armed=min_tokens == 0)
         self.reasoning = TextStream(tok, ()) if split is not None else None
         self._reasoning_flushed = False
@@ -105,6 +106,7 @@ class OutputText:
         if self.split is None:
             return "", self.answer.push(ids)
         r = c = ""
+        self.reasoning_tokens += len(ids)             # less the answer's ids below: the dropped tags count here
         for phase, run in self.split.split(ids):
             if phase == REASONING:
                 r += self.reasoning.push(run)
@@ -113,6 +115,7 @@ class OutputText:
                     # the block is closed: release a held-back partial character before the answer starts
                     r += self.reasoning.flush()
                     self._reasoning_flushed = True
+                self.reasoning_tokens -= len(run)
                 c += self.answer.push(run)
         return r, c
 

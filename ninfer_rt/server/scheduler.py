@@ -85,7 +85,8 @@ class Handle:
             self.scheduler.cancel(self)
 
     async def next_event(self):
-        """('delta', reasoning, content) | ('done', finish_reason, usage) | ('error', ApiError)."""
+        """('delta', reasoning, content, logprobs, reasoning ids among them) | ('prompt', prompt logprobs) |
+        ('done', finish_reason, usage) | ('error', ApiError)."""
         return await self.events.get()
 
 
@@ -274,14 +275,16 @@ class Scheduler:
             ids = list(o.new_token_ids)[:h.params.max_tokens - h.generated]
             # a stop token id ends the output out of its text (as vLLM), though it counts and has its logprob
             stop_id = o.finished and o.finish_reason == "stop" and ids and ids[-1] in h.params.stop_token_ids
+            before = h.text.reasoning_tokens
             used, reasoning, content = self._detok(h, ids[:-1] if stop_id else ids)
             used += bool(stop_id) and not h.text.stopped
             self._account_tokens(h, used, now)
             if getattr(o, "prompt_logprobs", None) is not None:      # completions' echo: before the first token
                 self._push(h, ("prompt", o.prompt_logprobs))
             lps = o.logprobs[:used] if getattr(o, "logprobs", None) else None
-            if reasoning or content or lps:       # a delta event: (reasoning, content, TokenLogprobs or None)
-                self._push(h, ("delta", reasoning, content, lps))
+            if reasoning or content or lps:
+                # a delta event: (reasoning, content, TokenLogprobs or None, how many of them are reasoning ids)
+                self._push(h, ("delta", reasoning, content, lps, h.text.reasoning_tokens - before))
             if h.text.stopped:
                 self._finish(h, "stop")
             elif o.finished:
@@ -342,7 +345,7 @@ class Scheduler:
         if push:
             r, c = h.text.flush()
             if r or c:
-                self._push(h, ("delta", r, c, None))
+                self._push(h, ("delta", r, c, None, 0))
         use = usage(h.prompt_len, h.generated)
         if push:
             self._push(h, ("done", reason, use))
