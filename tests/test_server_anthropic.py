@@ -7,8 +7,8 @@ import base64
 import json
 
 import pytest
-from test_server import _post, fake_server
-from test_server_tools import ANSWER, CALLS, WEATHER, ScriptEngine, tool_tokenizer
+from test_server import _post
+from test_server_tools import ANSWER, CALLS, WEATHER, script_server
 
 import hf_tiny
 
@@ -20,11 +20,9 @@ ASK = [{"role": "user", "content": "Weather in Paris and Rome?"}]
 
 @pytest.fixture(scope="module")
 def srv():
-    tok = tool_tokenizer()
-    srv, engine, _ = fake_server(pages=4096, max_context=4096, engine_cls=ScriptEngine, tok=tok, per_step=3)
-    engine.script = [THINK] + tok.encode("Two cities.") + [UNTHINK] + tok.encode(ANSWER) + [hf_tiny.IM_END_ID]
-    yield srv, engine, tok
-    srv.close()
+    s = script_server("Two cities.")
+    yield s
+    s[0].close()
 
 
 def client(srv):

@@ -67,11 +67,19 @@ class ScriptEngine(FakeEngine):
         return new, ("length" if len(new) >= left else None)
 
 
-@pytest.fixture(scope="module")
-def tools_srv():
+def script_server(thinking: str | None = None):
+    """(server, ScriptEngine, tokenizer) answering every request with ANSWER, after a think block if given."""
     tok = tool_tokenizer()
     srv, engine, _ = fake_server(pages=4096, max_context=4096, engine_cls=ScriptEngine, tok=tok, per_step=3)
-    engine.script = tok.encode(ANSWER) + [hf_tiny.IM_END_ID]
+    think = [] if thinking is None else \
+        [hf_tiny.SPECIALS["<think>"]] + tok.encode(thinking) + [hf_tiny.SPECIALS["</think>"]]
+    engine.script = think + tok.encode(ANSWER) + [hf_tiny.IM_END_ID]
+    return srv, engine, tok
+
+
+@pytest.fixture(scope="module")
+def tools_srv():
+    srv, engine, tok = script_server()
     assert TOOL_IDS["<tool_call>"] in engine.script       # the tags are single special tokens here
     yield srv, engine, tok
     srv.close()

@@ -13,11 +13,11 @@ import traceback
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from . import protocol as P
 from .anthropic_api import error_body
-from .replies import Choice, ClientGone, Reply, _collect, _events
+from .replies import Choice, Reply, _events, collect_one, sse_response
 
 
 def _stop(c: Choice, finish: str) -> tuple[str, str | None]:
@@ -51,16 +51,10 @@ def new_id() -> str:
 async def respond(c: Choice, request: Request, reply: Reply, prompt_tokens: int):
     rid, model, stream = reply.rid, reply.model, reply.stream
     if stream:
-        return StreamingResponse(_stream(c, rid, model, prompt_tokens), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        got = await _collect(c, request)
-    except ClientGone:
-        return Response(status_code=499)
-    except P.ApiError as e:
-        return JSONResponse(error_body(e), status_code=e.status)
-    finally:
-        c.handle.cancel()
+        return sse_response(_stream(c, rid, model, prompt_tokens))
+    got = await collect_one(c, request, error_body)
+    if isinstance(got, Response):
+        return got
     content = []
     if got.reasoning and "".join(got.reasoning):
         content.append({"type": "thinking", "thinking": "".join(got.reasoning), "signature": ""})

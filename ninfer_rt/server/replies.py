@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import protocol as P
+from .protocol import ApiError
 from .logprobs_api import LogprobFormat
 from .tool_calls import ToolParser
 
@@ -64,8 +65,7 @@ async def respond(choices: list[Choice], request: Request, reply: Reply):
     rid = reply.rid
     if reply.stream:
         chunks = P.Chunks(rid, reply.model, chat=reply.chat, include_usage=reply.include_usage, fp=reply.fingerprint)
-        return StreamingResponse(_stream(choices, chunks, reply.echo), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(_stream(choices, chunks, reply.echo))
     tasks = [asyncio.ensure_future(_collect(c, request)) for c in choices]
     try:
         got = await asyncio.gather(*tasks)
@@ -78,6 +78,24 @@ async def respond(choices: list[Choice], request: Request, reply: Reply):
     bodies = [g.choice(i, c, reply) for i, (c, g) in enumerate(zip(choices, got))]
     return JSONResponse(P.reply_body(rid, reply.model, reply.chat, bodies, total_usage([g.use for g in got]),
                                      reply.fingerprint))
+
+
+def sse_response(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def collect_one(c: Choice, request: Request, error_body) -> _Collected | Response:
+    """One choice's whole answer, or the response to send instead: 499 when the client left, the error's body
+    (`error_body(ApiError)`: the API's own shape) when the request failed."""
+    try:
+        return await _collect(c, request)
+    except ClientGone:
+        return Response(status_code=499)
+    except ApiError as e:
+        return JSONResponse(error_body(e), status_code=e.status)
+    finally:
+        c.handle.cancel()
 
 
 @dataclass

@@ -16,10 +16,10 @@ import traceback
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from . import protocol as P
-from .replies import Choice, ClientGone, Reply, _collect, _events
+from .replies import Choice, Reply, _events, collect_one, sse_response
 from .responses_api import ResponsesRequest, Store, input_items
 
 
@@ -87,16 +87,10 @@ async def respond(c: Choice, request: Request, reply: Reply, shape: Shape, store
     """`items`: the items a continuation of this response starts from before its output (the earlier response's,
     then this request's input)."""
     if reply.stream:
-        return StreamingResponse(_stream(c, shape, store, items), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        got = await _collect(c, request)
-    except ClientGone:
-        return Response(status_code=499)
-    except P.ApiError as e:
-        return JSONResponse(e.body(), status_code=e.status)
-    finally:
-        c.handle.cancel()
+        return sse_response(_stream(c, shape, store, items))
+    got = await collect_one(c, request, P.ApiError.body)
+    if isinstance(got, Response):
+        return got
     reasoning, text = "".join(got.reasoning), "".join(got.content)
     if c.tools is not None:
         text = c.tools.parse_all(text)
