@@ -86,6 +86,12 @@ def test_models_list_and_card(fake):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_version_is_the_installed_package(fake):
+    import importlib.metadata
+    srv, _, _ = fake
+    assert httpx.get(srv.url + "/version").json() == {"version": importlib.metadata.version("ninfer")}
+
+
 @pytest.mark.parametrize("method,path,status,code,allow", [
     ("GET", "/nowhere", 404, "not_found", None),
     ("POST", "/v1/chat", 404, "not_found", None),

@@ -74,13 +74,16 @@ class ServerState:
         return self.scheduler
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("ninfer")
+    except importlib.metadata.PackageNotFoundError:
+        return "dev"
+
+
 def _fingerprint(model_id: str) -> str:
     """OpenAI's `system_fingerprint`: changes when the serving software or the served model does."""
-    try:
-        version = importlib.metadata.version("ninfer")
-    except importlib.metadata.PackageNotFoundError:
-        version = "dev"
-    return "fp_" + hashlib.sha256(f"{version}\0{model_id}".encode()).hexdigest()[:12]
+    return "fp_" + hashlib.sha256(f"{_version()}\0{model_id}".encode()).hexdigest()[:12]
 
 
 class _Guard:
@@ -175,6 +178,10 @@ def create_app(state: ServerState) -> FastAPI:
         if not state.scheduler.healthy():
             return JSONResponse({"status": "error", "detail": "the engine can no longer step"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():                 # vLLM's
+        return {"version": _version()}
 
     @app.get("/metrics")
     async def metrics():
