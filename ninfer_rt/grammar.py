@@ -55,8 +55,7 @@ def _compiling(spec: tuple, build):
     except (RuntimeError, ValueError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         first = _LOG_PREFIX.sub("", first)      # xgrammar's "[hh:mm:ss] /path/file.cc:123: " is not for clients
-        what = "the tool-call grammar (its parameter schemas)" if spec[0] == "structural_tag" else spec[0]
-        raise GrammarError(f"{what}: cannot be compiled: {first}") from None
+        raise GrammarError(f"{spec[0]}: cannot be compiled: {first}") from None
 
 
 def check_syntax(spec: tuple) -> None:

@@ -77,6 +77,30 @@ def test_stream_events_build_the_same_response(srv):
     assert args == [json.dumps(a) for _, a in CALLS]
 
 
+def test_bodies_and_events_validate_against_the_sdk_types(srv):
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+    s, _, _ = srv
+    for extra in ({}, {"max_output_tokens": 4}):
+        Response.model_validate(_post(s, "/v1/responses", {"input": ASK, "tools": [TOOL], **extra}).json())
+        r = _post(s, "/v1/responses", {"input": ASK, "tools": [TOOL], "stream": True, **extra})
+        events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
+        kinds = [line[len("event: "):] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert kinds == [e["type"] for e in events]
+        for e in events:
+            TypeAdapter(ResponseStreamEvent).validate_python(e)
+
+
+def test_reasoning_cut_by_max_output_tokens_is_incomplete(srv):
+    s, _, _ = srv
+    blocking = _post(s, "/v1/responses", {"input": ASK, "max_output_tokens": 3}).json()
+    r = _post(s, "/v1/responses", {"input": ASK, "max_output_tokens": 3, "stream": True})
+    streamed = json.loads(r.text.strip().splitlines()[-1][len("data: "):])["response"]
+    for body in (blocking, streamed):
+        assert body["status"] == "incomplete" and [i["type"] for i in body["output"]] == ["reasoning"]
+        assert body["output"][0]["status"] == "incomplete"
+
+
 def test_input_items_map_onto_the_chat_template(srv):
     s, engine, tok = srv
     convo = [{"role": "user", "content": "Weather in Paris?"},
@@ -117,6 +141,36 @@ def test_input_tokens_is_the_prompt_length(srv):
     assert n == r.usage.input_tokens == len(engine.prompts[-1]) > 0
 
 
+def test_input_items_pages_newest_first(srv):
+    s, _, _ = srv
+    items = [{"role": "user", "content": f"q{i}"} for i in range(5)]
+    r = client(s).responses.create(model=s.state.model_id, input=items)
+    url = f"{s.url}/v1/responses/{r.id}/input_items"
+    page = httpx.get(url, params={"limit": 2}).json()
+    assert [d["content"] for d in page["data"]] == ["q4", "q3"] and page["has_more"]
+    rest = httpx.get(url, params={"limit": 10, "after": page["last_id"]}).json()
+    assert [d["content"] for d in rest["data"]] == ["q2", "q1", "q0"] and not rest["has_more"]
+    up = httpx.get(url, params={"order": "asc"}).json()
+    assert [d["content"] for d in up["data"]] == [f"q{i}" for i in range(5)]
+    for q, param in [({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "x"}, "after")]:
+        bad = httpx.get(url, params=q)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+
+
+def test_store_is_bounded_in_count_and_bytes():
+    from ninfer_rt.server.responses_api import Store
+    store = Store(size=3, max_bytes=1000)
+    for i in range(5):
+        store.put({"id": f"r{i}"}, [], [{"text": "x" * 100}])
+    assert [k for k in store._items] == ["r2", "r3", "r4"]
+    store.put({"id": "big"}, [], [{"text": "x" * 900}])           # pushes the older ones out by size
+    assert list(store._items) == ["big"] and store.bytes < 1000
+    store.put({"id": "huge"}, [], [{"text": "x" * 5000}])         # never kept
+    assert list(store._items) == ["big"]
+    store.delete("big")
+    assert store.bytes == 0
+
+
 def test_unstored_and_deleted_responses_are_404(srv):
     s, _, _ = srv
     c = client(s)
@@ -155,7 +209,17 @@ BAD = {
     "file": ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content.0"),
     "call-without-name": ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input.0.name"),
     "bad-arguments": ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
-                      "input.0.tool_calls.0.function.arguments"),
+                      "input.0.arguments"),
+    "bad-second-call": ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c",
+                                                                      "name": "f", "arguments": "{}"},
+                                   {"type": "function_call", "call_id": "d", "name": "f", "arguments": "1"}]},
+                        "input.2.arguments"),
+    "text-without-text": ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content.0.text"),
+    "image-in-output": ({"input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]}, "input.0.output.0"),
+    "hosted-tool-choice": ({"tools": [TOOL], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    "unknown-tool-choice": ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+                            "tool_choice.name"),
     "bad-format": ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     "bad-schema": ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     "bad-tool-name": ({"tools": [{"type": "function", "name": "a b"}]}, "tools.0.name"),
@@ -199,13 +263,12 @@ def test_text_format_json_schema_on_the_real_engine(real_srv, stream):  # noqa: 
 
 def test_logprobs_cover_the_answer_tokens(real_srv):  # noqa: F811
     kw = dict(model=MODEL_ID, input="hi", max_output_tokens=12, temperature=0, top_logprobs=2,
-              include=["message.output_text.logprobs"])
+              include=["message.output_text.logprobs"], reasoning={"effort": "none"})
     blocking = client(real_srv).responses.create(**kw)
     events = list(client(real_srv).responses.create(stream=True, **kw))
     lps = blocking.output[-1].content[0].logprobs
     reasoning = blocking.usage.output_tokens_details.reasoning_tokens
     assert len(lps) == blocking.usage.output_tokens - reasoning and all(len(x.top_logprobs) == 2 for x in lps)
-    assert "".join(x.token for x in lps).startswith(blocking.output_text)
     streamed = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
     assert [x.model_dump() for x in streamed] == [x.model_dump() for x in lps]
     assert events[-1].response.output[-1].content[0].logprobs == lps

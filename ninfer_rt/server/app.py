@@ -231,8 +231,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {"id": rid, "object": "response.deleted", "deleted": True}
 
     @app.get("/v1/responses/{rid}/input_items")
-    async def input_items(rid: str):
-        return RA.listing(state.responses.get(rid)[1])
+    async def input_items(rid: str, request: Request):
+        return RA.listing(state.responses.get(rid)[1], request.query_params)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -103,7 +103,6 @@ class _Collected:
     reasoning: list = field(default_factory=list)
     content: list = field(default_factory=list)
     lps: list = field(default_factory=list)
-    answer_lps: list = field(default_factory=list)      # those of the answer's ids (after the reasoning block)
     prompt_lps: list = field(default_factory=list)
     finish: str | None = None
     use: dict | None = None
@@ -131,7 +130,6 @@ async def _collect(c: Choice, request: Request) -> _Collected:
             out.reasoning.append(ev[1])
             out.content.append(ev[2])
             out.lps += ev[3] or []
-            out.answer_lps += (ev[3] or [])[ev[4]:]
         elif ev[0] == "prompt":
             out.prompt_lps = ev[1]
         elif ev[0] == "error":

@@ -14,6 +14,7 @@ thinking off; `include: ["message.output_text.logprobs"]` with `top_logprobs` ->
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from typing import Literal
 
@@ -22,6 +23,7 @@ from pydantic import Field
 from . import protocol as P
 
 STORE_MAX = 1024                # stored responses kept (the oldest go first); they live in this process only
+STORE_BYTES = 256 << 20         # and at most this much of their JSON (images in inputs can be megabytes each)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")   # the second: nothing to add (no encryption here)
 
@@ -70,7 +72,7 @@ class Reasoning(P._Strict):
 
 class ResponsesRequest(P._Strict):
     model: str | None = None
-    input: str | list[Item]
+    input: str | list[Item] | None = None      # may be left out when previous_response_id gives the conversation
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
@@ -100,18 +102,23 @@ class ResponsesRequest(P._Strict):
 
 
 class Store:
-    """Finished responses by id (bounded, oldest out first): their body, their own input items, and the items a
-    continuation starts from (the earlier ones, their input, their output)."""
+    """Finished responses by id (bounded in count and in bytes, oldest out first): their body, their own input
+    items, and the items a continuation starts from (the earlier ones, their input, their output)."""
 
-    def __init__(self, size: int = STORE_MAX):
-        self.size, self._lock = size, threading.Lock()
-        self._items: collections.OrderedDict[str, tuple[dict, list[dict], list[dict]]] = collections.OrderedDict()
+    def __init__(self, size: int = STORE_MAX, max_bytes: int = STORE_BYTES):
+        self.size, self.max_bytes, self.bytes, self._lock = size, max_bytes, 0, threading.Lock()
+        self._items: collections.OrderedDict[str, tuple[dict, list[dict], list[dict], int]] = \
+            collections.OrderedDict()
 
     def put(self, body: dict, inputs: list[dict], continuation: list[dict]) -> None:
+        n = len(json.dumps([body, continuation], ensure_ascii=False))     # inputs: a part of continuation
+        if n > self.max_bytes:
+            return                      # never kept: later requests naming it get the 404
         with self._lock:
-            self._items[body["id"]] = (body, inputs, continuation)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            self._items[body["id"]] = (body, inputs, continuation, n)
+            self.bytes += n
+            while len(self._items) > self.size or self.bytes > self.max_bytes:
+                self.bytes -= self._items.popitem(last=False)[1][3]
 
     def get(self, rid: str, param: str = "response_id") -> tuple[dict, list[dict], list[dict]]:
         with self._lock:
@@ -119,23 +126,42 @@ class Store:
         if got is None:
             raise P.ApiError(404, f"{param}: response {rid!r} not found (not stored, expired, or deleted)",
                              param=param, code="not_found")
-        return got
+        return got[:3]
 
     def continuation(self, rid: str) -> list[dict]:
         return self.get(rid, "previous_response_id")[2]
 
     def delete(self, rid: str) -> None:
         with self._lock:
-            if self._items.pop(rid, None) is not None:
+            got = self._items.pop(rid, None)
+            if got is not None:
+                self.bytes -= got[3]
                 return
         self.get(rid)                   # the 404
 
 
-def listing(items: list[dict]) -> dict:
-    """`GET /v1/responses/{id}/input_items`: a stored response's input items, each with an id."""
+def listing(items: list[dict], query) -> dict:
+    """`GET /v1/responses/{id}/input_items?order=&limit=&after=`: a stored response's input items, each with an
+    id, newest first unless `order=asc` (OpenAI's default and paging)."""
+    order, after = query.get("order", "desc"), query.get("after")
+    if order not in ("asc", "desc"):
+        raise P.bad_request(f"order: expected 'asc' or 'desc', got {order!r}", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise P.bad_request(f"limit: expected an integer in [1, 100], got {query.get('limit')!r}", param="limit")
     data = [dict(item, id=item.get("id") or f"in_{i}") for i, item in enumerate(items)]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": False}
+    data = data[::-1] if order == "desc" else data
+    if after is not None:
+        ids = [d["id"] for d in data]
+        if after not in ids:
+            raise P.bad_request(f"after: no input item {after!r} in this response", param="after")
+        data = data[ids.index(after) + 1:]
+    page = data[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
 
 
 def parse(data) -> ResponsesRequest:
@@ -172,12 +198,20 @@ def _check_item(item: Item, where: str) -> None:
     missing = next((f for f in _NEEDS[item.type] if getattr(item, f) is None), None)
     if missing is not None:
         raise P.bad_request(f"{where}.{missing}: a {item.type} item needs it", param=f"{where}.{missing}")
-    for j, part in enumerate(item.content if isinstance(item.content, list) else ()):
-        if part.type == "input_file" or (part.type == "input_image" and part.image_url is None):
-            raise P.bad_request(f"{where}.content.{j}: files (file_id) are not supported; give an image_url",
-                                param=f"{where}.content.{j}")
-        if part.type == "input_image" and item.role != "user":
-            raise P.bad_request(f"{where}.content.{j}: images belong in user messages", param=f"{where}.content.{j}")
+    for field in ("content", "output", "summary"):
+        parts = getattr(item, field)
+        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+            _check_part(part, f"{where}.{field}.{j}", images=field == "content" and item.role == "user")
+
+
+def _check_part(part: Part, where: str, images: bool) -> None:
+    if part.type == "input_file" or (part.type == "input_image" and part.image_url is None):
+        raise P.bad_request(f"{where}: files (file_id) are not supported; give an image_url", param=where)
+    if part.type == "input_image" and not images:
+        raise P.bad_request(f"{where}: images belong in the content of user messages", param=where)
+    need = "refusal" if part.type == "refusal" else None if part.type == "input_image" else "text"
+    if need is not None and getattr(part, need) is None:
+        raise P.bad_request(f"{where}.{need}: a {part.type} part needs it", param=f"{where}.{need}")
 
 
 def _text(content) -> str:
@@ -220,6 +254,9 @@ class _Messages:
                 last.setdefault("tool_calls", []).append(call)      # the same turn's text, or its earlier calls
             else:
                 self._assistant(where, {"role": "assistant", "content": "", "tool_calls": [call]})
+            at = f"messages.{len(self.msgs) - 1}.tool_calls.{len(self.msgs[-1]['tool_calls']) - 1}"
+            self.names.update({at: where, f"{at}.function.arguments": f"{where}.arguments",
+                               f"{at}.function.name": f"{where}.name"})
         elif item.role == "assistant":
             self._assistant(where, {"role": "assistant", "content": _text(item.content)})
         else:
@@ -239,7 +276,7 @@ def input_items(req: ResponsesRequest) -> list[dict]:
     """The request's input as items (a string input: one user message), as they are stored and listed."""
     if isinstance(req.input, str):
         return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": req.input}]}]
-    return [i.model_dump(exclude_none=True) for i in req.input]
+    return [i.model_dump(exclude_none=True) for i in req.input or ()]
 
 
 def to_chat(req: ResponsesRequest, earlier: list[dict]) -> tuple[P.ChatRequest, dict[str, str]]:
@@ -290,13 +327,16 @@ def _sampling(req: ResponsesRequest) -> dict:
 
 
 def _tool_choice(c):
-    """OpenAI's Responses shape ({"type": "function", "name"}) -> the chat one."""
-    if isinstance(c, dict) and c.get("type") == "function" and "function" not in c:
+    """OpenAI's Responses shape ("auto" / "none" / "required" / {"type": "function", "name"}) -> the chat one."""
+    if c in ("auto", "none", "required"):
+        return c
+    if isinstance(c, dict) and c.get("type") == "function":
         if not isinstance(c.get("name"), str):
             raise P.bad_request("tool_choice.name: a function tool choice needs the function's name",
                                 param="tool_choice.name")
         return {"type": "function", "function": {"name": c["name"]}}
-    return c
+    raise P.bad_request(f"tool_choice: expected 'auto', 'none', 'required' or {{\"type\": \"function\", \"name\": "
+                        f"...}}, got {c!r}", param="tool_choice")
 
 
 def _format(fmt: dict) -> dict:
@@ -312,7 +352,8 @@ def _format(fmt: dict) -> dict:
 
 
 _CHAT_FIELDS = {"max_tokens": "max_output_tokens", "response_format.json_schema.schema": "text.format.schema",
-                "response_format": "text.format", "top_logprobs": "top_logprobs"}
+                "response_format": "text.format", "top_logprobs": "top_logprobs",
+                "tool_choice.function.name": "tool_choice.name"}
 
 
 def renamed(e: P.ApiError, names: dict[str, str]) -> P.ApiError:

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from . import protocol as P
-from .replies import Choice, Reply, _events, collect_one, sse_response
+from .replies import Choice, ClientGone, Reply, _events, sse_response
 from .responses_api import ResponsesRequest, Store, input_items
 
 
@@ -51,7 +51,8 @@ class Shape:
             "truncation": "disabled", "usage": use, "user": r.user, "metadata": r.metadata or {}}
 
     def usage(self, output_tokens: int, reasoning_tokens: int) -> dict:
-        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        # no prefix cache here: nothing is read from or written to one
+        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": self.prompt_tokens + output_tokens}
 
@@ -85,26 +86,33 @@ def reasoning_tokens(c: Choice) -> int:
 
 async def respond(c: Choice, request: Request, reply: Reply, shape: Shape, store: Store, items: list[dict]):
     """`items`: the items a continuation of this response starts from before its output (the earlier response's,
-    then this request's input)."""
+    then this request's input). The blocking reply is built by the stream's own machinery, so both carry the same
+    items."""
     if reply.stream:
         return sse_response(_stream(c, shape, store, items))
-    got = await collect_one(c, request, P.ApiError.body)
-    if isinstance(got, Response):
-        return got
-    reasoning, text = "".join(got.reasoning), "".join(got.content)
-    if c.tools is not None:
-        text = c.tools.parse_all(text)
-    calls = c.tools.calls if c.tools is not None else []
-    output, status = [], _status(got.finish)
-    if reasoning:
-        output.append(_reasoning_item(new_id("rs"), reasoning, "completed"))
-    if text or not calls:
-        lps = c.logprobs.format(got.answer_lps)["content"] if c.logprobs is not None else None
-        output.append(_message_item(new_id("msg"), [_text_part(text, lps)], status))
-    output += [_call_item(t) for t in calls]
-    body = shape.body(status, output, shape.usage(got.use["completion_tokens"], reasoning_tokens(c)), got.finish)
-    _store(store, shape, body, items, output)
+    evs = _Events(c)
+    try:
+        async for ev in _events(c.handle, request):
+            if ev[0] == "error":
+                raise ev[1]
+            if ev[0] == "delta":
+                evs.chunks(*ev[1:])
+            elif ev[0] == "done":
+                body = _done(evs, shape, store, items, *ev[1:])[1]
+    except ClientGone:
+        return Response(status_code=499)
+    except P.ApiError as e:
+        return JSONResponse(e.body(), status_code=e.status)
     return JSONResponse(body)
+
+
+def _done(evs: _Events, shape: Shape, store: Store, items: list[dict], finish: str, use: dict) -> tuple[list, dict]:
+    """The last events of a finished reply and its response object (stored when asked)."""
+    out = evs.finish(finish)
+    status = _status(finish)
+    body = shape.body(status, evs.output, shape.usage(use["completion_tokens"], reasoning_tokens(evs.c)), finish)
+    _store(store, shape, body, items, evs.output)
+    return out + [evs.ev(f"response.{status}", response=body)], body
 
 
 def _store(store: Store, shape: Shape, body: dict, items: list[dict], output: list[dict]) -> None:
@@ -125,7 +133,7 @@ class _Events:
     def __init__(self, c: Choice):
         self.c, self.seq, self.output = c, 0, []
         self.kind: str | None = None
-        self.text, self.lps = "", []
+        self.text, self.lps, self.pending = "", [], []
 
     def ev(self, kind: str, **fields) -> bytes:
         self.seq += 1
@@ -157,7 +165,7 @@ class _Events:
     def close(self, status: str = "completed") -> list[bytes]:
         kind, self.kind = self.kind, None
         if kind == "reasoning":
-            item = _reasoning_item(self.output[-1]["id"], self.text, "completed")
+            item = _reasoning_item(self.output[-1]["id"], self.text, status)
             done, part = self.ev("response.reasoning_text.done", **self._at(), content_index=0, text=self.text), \
                 {"type": "reasoning_text", "text": self.text}
         else:
@@ -182,24 +190,28 @@ class _Events:
         self.output[-1] = done
         return out
 
-    def chunks(self, reasoning: str, content: str, lps: list | None) -> list[bytes]:
+    def chunks(self, reasoning: str, content: str, lps=None, n_reasoning: int = 0) -> list[bytes]:
+        """One delta event. Logprobs are the answer's tokens' (after the `n_reasoning` of the think block), held
+        until their text is released as message text; those of text that becomes a call are dropped."""
+        if lps and self.c.logprobs is not None:
+            self.pending += self.c.logprobs.format(lps[n_reasoning:])["content"]
         out = self.delta("reasoning", reasoning) if reasoning else []
         calls = []
         if self.c.tools is not None:
             content, calls = self.c.tools.feed(content)
-        if content or (lps and self.c.tools is None):
-            out += self.delta("message", content, lps)
-        elif lps and self.kind == "message":
-            self.lps += lps
+        if content:
+            out += self.delta("message", content, self.pending)
+            self.pending = []
         for call in calls:
+            self.pending = []
             out += self.call(call)
         return out
 
     def finish(self, finish: str) -> list[bytes]:
         rest = self.c.tools.finish() if self.c.tools is not None else ""
-        out = self.delta("message", rest) if rest else []
-        if not any(i["type"] in ("message", "function_call") for i in self.output):
-            out += self.open("message")             # as the blocking reply: a message, maybe empty
+        out = self.delta("message", rest, self.pending) if rest else []
+        if finish != "length" and not any(i["type"] in ("message", "function_call") for i in self.output):
+            out += self.open("message")             # an answer with no text and no call: an empty message
         return out + (self.close(_status(finish)) if self.kind is not None else [])
 
 
@@ -209,22 +221,15 @@ async def _stream(c: Choice, shape: Shape, store: Store, items: list[dict]):
     yield evs.ev("response.in_progress", response=shape.body("in_progress", [], None))
     try:
         async for ev in _events(c.handle, None):
-            if ev[0] == "delta":
-                lps = c.logprobs.format(ev[3][ev[4]:])["content"] if c.logprobs is not None and ev[3] else None
-                for b in evs.chunks(ev[1], ev[2], lps):
-                    yield b
-            elif ev[0] == "error":
+            if ev[0] == "error":
                 yield _failed(evs, shape, ev[1])
                 return
-            elif ev[0] == "done":
-                _, finish, use = ev
-                for b in evs.finish(finish):
-                    yield b
-                status = _status(finish)
-                body = shape.body(status, evs.output, shape.usage(use["completion_tokens"], reasoning_tokens(c)),
-                                  finish)
-                _store(store, shape, body, items, evs.output)
-                yield evs.ev(f"response.{status}", response=body)
+            if ev[0] == "delta":
+                out = evs.chunks(*ev[1:])
+            else:
+                out = _done(evs, shape, store, items, *ev[1:])[0] if ev[0] == "done" else []
+            for b in out:
+                yield b
     except Exception as e:       # a bug: the client still gets a failed response, not a stream that just stops
         traceback.print_exc(file=sys.stderr)
         yield _failed(evs, shape, P.ApiError(500, f"internal server error: {type(e).__name__}", type="server_error",
@@ -234,5 +239,7 @@ async def _stream(c: Choice, shape: Shape, store: Store, items: list[dict]):
 
 
 def _failed(evs: _Events, shape: Shape, e: P.ApiError) -> bytes:
-    body = dict(shape.body("failed", evs.output, None), error={"code": e.code or e.type, "message": e.message})
+    # OpenAI's codes: the prompt's fault, or the server's
+    code = "server_error" if e.status >= 500 else "invalid_prompt"
+    body = dict(shape.body("failed", evs.output, None), error={"code": code, "message": e.message})
     return evs.ev("response.failed", response=body)
