@@ -191,7 +191,8 @@ class Engine(RunAhead, Decisions, Core):
             s.seen[small_tensor(prompt, torch.long, self.device)] = True
         if self.tokenizer is not None:
             from .tokenizer import TextStream
-            s.stream = TextStream(self.tokenizer, params.stop, armed=params.min_tokens == 0)
+            s.stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens == 0,
+                                  params.include_stop_str_in_output)
         self.waiting.append(s)
 
     def grammars(self):

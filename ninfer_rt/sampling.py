@@ -60,6 +60,8 @@ class SamplingParams:
                                         # strings), ("grammar", EBNF), ("structural_tag", xgrammar's JSON)
     grammar_after: int | None = None    # the grammar starts after this token (a reasoning block's end, as vLLM's
                                         # reasoning parsers do); None: from the first token
+    include_stop_str_in_output: bool = False     # vLLM's: the matched stop string ends the text, not cut off
+    skip_special_tokens: bool = True    # vLLM's: special tokens' text left out of the output text
 
     def __post_init__(self):
         self._check_numbers()
@@ -80,8 +82,9 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in _iter(stop, "stop")):
             raise SamplingError(f"stop: expected non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingError(f"ignore_eos: expected a boolean, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingError(f"{name}: expected a boolean, got {getattr(self, name)!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._check_structured()
         for name in ("logprobs", "prompt_logprobs"):

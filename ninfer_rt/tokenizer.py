@@ -277,9 +277,10 @@ class TextStream:
     """
 
     def __init__(self, tok: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
-                 armed: bool = True):
-        """`armed=False`: stop strings do not apply until `arm()` (min_tokens: only text after it can stop)."""
-        self.tok, self.stop, self.skip = tok, tuple(stop), skip_special_tokens
+                 armed: bool = True, keep_stop: bool = False):
+        """`armed=False`: stop strings do not apply until `arm()` (min_tokens: only text after it can stop);
+        `keep_stop`: the text ends with the matched stop string (vLLM's include_stop_str_in_output)."""
+        self.tok, self.stop, self.skip, self.keep_stop = tok, tuple(stop), skip_special_tokens, keep_stop
         self.ids: list[int] = []
         self._prefix = self._read = 0
         self.text = ""            # everything decoded so far (before stop trimming)
@@ -313,7 +314,7 @@ class TextStream:
             hits = [(i, s) for s in self.stop if (i := _find_ending_past(self.text, s, start, self._floor)) >= 0]
             if hits:
                 at, self.matched = min(hits)
-                self.text, self.stopped = self.text[:at], True
+                self.text, self.stopped = self.text[:at + len(self.matched) * self.keep_stop], True
                 return self._emit(len(self.text))
         # unarmed too: a stop string begun before the arming may still end after it, and then it is cut
         return self._emit(len(self.text) - self._held())

@@ -129,7 +129,7 @@ def test_a_choice_that_breaks_ends_the_stream_with_an_error(fake, monkeypatch):
 
 def test_a_stream_closed_early_cancels_every_choice():
     """Closed after its first chunk, before the choices' readers ever ran: every engine request is cancelled."""
-    from ninfer_rt.server import protocol as P
+    from ninfer_rt.server import bodies as B
     from ninfer_rt.server.replies import Choice, _stream
 
     class H:
@@ -143,7 +143,7 @@ def test_a_stream_closed_early_cancels_every_choice():
 
     async def run():
         hs = [H() for _ in range(3)]
-        gen = _stream([Choice(h) for h in hs], P.Chunks("id", MODEL_ID, chat=True, include_usage=False), None)
+        gen = _stream([Choice(h) for h in hs], B.Chunks("id", MODEL_ID, chat=True, include_usage=False), None)
         await gen.__anext__()
         await gen.aclose()
         return hs

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..sampling import MAX_SEED
 from . import anthropic_api as A
 from . import anthropic_replies as AR
+from . import bodies as B
 from . import handlers as H
 from . import protocol as P
 from . import replies as R
@@ -265,7 +266,7 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     ids, img, params = await _prepare(state, sched, req, chat)
     tok = state.tokenizer
     usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
-    reply = R.Reply(P.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
+    reply = R.Reply(B.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
                     state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
     return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply, *_tools(req, chat)), request,
                            reply)
@@ -286,6 +287,8 @@ async def _prepare(state: ServerState, sched, req, chat: bool):
         img = await image_prompt(state.vision, state.vision_max_tokens, req.messages, ids)
     else:
         ids = H.completion_prompt(tok, req, state.vocab_size)
+    if req.truncate_prompt_tokens is not None:
+        ids = H.truncated(ids, req.truncate_prompt_tokens, sched.max_context, img)
     by_mct = chat and req.max_completion_tokens is not None
     requested = req.max_completion_tokens if by_mct else req.max_tokens
     n_prompt = len(img.request) if img is not None else len(ids)     # image placeholders expanded

@@ -59,13 +59,23 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
                               ignore_eos=req.ignore_eos,
                               stop_token_ids=tuple(sorted(set(asked) | (set() if req.ignore_eos else set(stop_ids)))),
                               logprobs=lp, prompt_logprobs=plp, logit_bias=_logit_bias(req, vocab),
-                              structured=S.structured(req)[0], **kw)
+                              structured=S.structured(req)[0], skip_special_tokens=req.skip_special_tokens,
+                              include_stop_str_in_output=req.include_stop_str_in_output, **kw)
     except SamplingError as e:
         msg = str(e)
         if msg.startswith("structured:"):       # name the field the client used
             field = S.structured(req)[1]
             msg = field + msg[len("structured"):]
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
+
+
+def truncated(ids: list[int], keep: int, max_context: int, img) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context holds)."""
+    if img is not None:
+        raise P.bad_request("truncate_prompt_tokens: cannot cut a prompt with images (their tokens would be cut "
+                            "apart)", param="truncate_prompt_tokens")
+    keep = max_context if keep == -1 else keep
+    return ids[-keep:]
 
 
 async def check_grammar(engine, req: P._Sampling, params: SamplingParams) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -123,10 +121,32 @@ class _Sampling(_Strict):
     guided_choice: list | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None      # vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    include_stop_str_in_output: bool = False    # vLLM's: a matched stop string stays at the end of the text
+    skip_special_tokens: bool = True            # vLLM's: false keeps special tokens' text in the output
+    truncate_prompt_tokens: int | None = None   # vLLM's: only the prompt's last k tokens (-1: the context length)
+    # vLLM's fields this server does not implement: a 400 unless they hold their no-op value (_NOT_IMPLEMENTED)
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    logits_processors: list | None = None
+    return_tokens_as_token_ids: bool = False
+    spaces_between_special_tokens: bool = True
+    length_penalty: float | int = 1
+    priority: int = 0
+
+
+# vLLM's request fields without an implementation here -> their no-op values
+_NOT_IMPLEMENTED = {"use_beam_search": False, "bad_words": None, "allowed_token_ids": None, "prompt_logprobs": None,
+                    "logits_processors": None, "return_tokens_as_token_ids": False,
+                    "spaces_between_special_tokens": True, "length_penalty": 1, "priority": 0, "echo": False,
+                    "chat_template": None}
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
+    echo: bool = False                           # vLLM's chat echo, and a per-request template: not implemented
+    chat_template: str | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict | None = None
     logprobs: bool | None = None
@@ -185,6 +205,14 @@ def _check_text(data: dict) -> None:
 
 
 def _check_common(req: _Sampling) -> None:
+    for name, noop in _NOT_IMPLEMENTED.items():
+        v = getattr(req, name, noop)
+        if v != noop and not (noop is None and v == []) and not (isinstance(req, CompletionRequest) and name == "echo"):
+            raise bad_request(f"{name}: not supported by this server (only {noop!r})", param=name)
+    t = req.truncate_prompt_tokens
+    if t is not None and not (t >= 1 or t == -1):
+        raise bad_request(f"truncate_prompt_tokens: expected an integer >= 1, or -1 (the context length), got {t}",
+                          param="truncate_prompt_tokens")
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"n: expected an integer in [1, {MAX_CHOICES}], got {req.n}", param="n")
     from .structured_api import structured       # it builds on this module
@@ -344,62 +372,3 @@ def parses_tools(req: ChatRequest) -> bool:
     """Calls are parsed out of the answer unless tool_choice is "none" (the tools are still in the prompt, as in
     vLLM)."""
     return bool(req.tools) and req.tool_choice != "none"
-
-
-# ---- responses ----
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _body(obj: str, rid: str, model: str, created: int, fp: str | None, choices: list, use) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": fp,
-            "choices": choices, **use}
-
-
-def chat_choice(index: int, content: str, reasoning: str | None, finish: str, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
-    """With tool calls, an answer of whitespace only is a null content, as OpenAI sends it."""
-    msg = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
-    if tool_calls:
-        msg["tool_calls"] = tool_calls
-        msg["content"] = content if content.strip() else None
-    return {"index": index, "message": msg, "finish_reason": finish, "logprobs": logprobs}
-
-
-def completion_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
-
-
-def reply_body(rid: str, model: str, chat: bool, choices: list[dict], use: dict, fp: str | None = None) -> dict:
-    obj = "chat.completion" if chat else "text_completion"
-    return _body(obj, rid, model, int(time.time()), fp, choices, {"usage": use})
-
-
-class Chunks:
-    """The SSE chunk bodies of one streamed reply (same id, created and fingerprint on every chunk).
-
-    With `include_usage`, every chunk carries `"usage": null` and only the extra last one (empty
-    `choices`) the counts, as OpenAI documents for `stream_options.include_usage`; without it, no chunk
-    has a `usage` key."""
-
-    def __init__(self, rid: str, model: str, *, chat: bool, include_usage: bool, fp: str | None = None):
-        self.rid, self.model, self.chat, self.fp = rid, model, chat, fp
-        self.include_usage, self.created = include_usage, int(time.time())
-
-    def _make(self, choices: list, use) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        extra = {"usage": use} if self.include_usage else {}
-        return _body(obj, self.rid, self.model, self.created, self.fp, choices, extra)
-
-    def delta(self, delta_or_text, finish: str | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
-        key = "delta" if self.chat else "text"
-        return self._make([{"index": index, key: delta_or_text, "finish_reason": finish, "logprobs": logprobs}],
-                          None)
-
-    def usage(self, use: dict) -> dict:
-        return self._make([], use)

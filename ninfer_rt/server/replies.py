@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from . import bodies as B
 from . import protocol as P
 from .protocol import ApiError
 from .logprobs_api import LogprobFormat
@@ -58,13 +59,13 @@ def _sse(obj) -> bytes:
 
 
 def total_usage(uses: list[dict]) -> dict:
-    return P.usage(uses[0]["prompt_tokens"], sum(u["completion_tokens"] for u in uses))
+    return B.usage(uses[0]["prompt_tokens"], sum(u["completion_tokens"] for u in uses))
 
 
 async def respond(choices: list[Choice], request: Request, reply: Reply):
     rid = reply.rid
     if reply.stream:
-        chunks = P.Chunks(rid, reply.model, chat=reply.chat, include_usage=reply.include_usage, fp=reply.fingerprint)
+        chunks = B.Chunks(rid, reply.model, chat=reply.chat, include_usage=reply.include_usage, fp=reply.fingerprint)
         return sse_response(_stream(choices, chunks, reply.echo))
     tasks = [asyncio.ensure_future(_collect(c, request)) for c in choices]
     try:
@@ -76,7 +77,7 @@ async def respond(choices: list[Choice], request: Request, reply: Reply):
             t.cancel()
             c.handle.cancel()                  # also where a task never started (idempotent)
     bodies = [g.choice(i, c, reply) for i, (c, g) in enumerate(zip(choices, got))]
-    return JSONResponse(P.reply_body(rid, reply.model, reply.chat, bodies, total_usage([g.use for g in got]),
+    return JSONResponse(B.reply_body(rid, reply.model, reply.chat, bodies, total_usage([g.use for g in got]),
                                      reply.fingerprint))
 
 
@@ -116,11 +117,11 @@ class _Collected:
             if c.tools is not None:            # the same parser a stream uses, over the whole answer
                 content = c.tools.parse_all(content)
                 calls = [t.api(i) for i, t in enumerate(c.tools.calls)]
-            return P.chat_choice(index, content, "".join(self.reasoning), _finish_reason(c, self.finish), lp,
+            return B.chat_choice(index, content, "".join(self.reasoning), _finish_reason(c, self.finish), lp,
                                  calls)
         lp = {k: head[k] + lp[k] for k in lp} if head else lp
         text = (reply.echo[0] if reply.echo else "") + "".join(self.content)
-        return P.completion_choice(index, text, self.finish, lp)
+        return B.completion_choice(index, text, self.finish, lp)
 
 
 async def _collect(c: Choice, request: Request) -> _Collected:
@@ -189,7 +190,7 @@ async def _pump(i: int, c: Choice, queue: asyncio.Queue) -> None:
                                                   type="server_error", code="internal_error"))))
 
 
-async def _stream(choices: list[Choice], chunks: P.Chunks, echo: tuple[str, int] | None):
+async def _stream(choices: list[Choice], chunks: B.Chunks, echo: tuple[str, int] | None):
     """The choices' chunks in the order their events come; each choice's echo first, its finish chunk last; the
     usage chunk (if asked) once every choice is done. An error ends the stream (then [DONE])."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -240,7 +241,7 @@ def _tool_split(parser: ToolParser | None, content: str) -> tuple[str, list[dict
     return text, [t.api(done + k) for k, t in enumerate(new)]
 
 
-def _delta(chunks: P.Chunks, reasoning: str, content: str, lp: dict | None, index: int,
+def _delta(chunks: B.Chunks, reasoning: str, content: str, lp: dict | None, index: int,
            calls: list[dict] = ()) -> dict | None:
     """The chunk of one delta event; None when a completion stream has neither text nor logprobs to send."""
     if not chunks.chat:

@@ -25,7 +25,8 @@ import traceback
 from dataclasses import dataclass, field, replace
 
 from ..sampling import SamplingParams
-from .protocol import ApiError, bad_request, usage
+from .bodies import usage
+from .protocol import ApiError, bad_request
 from .reasoning import OutputText
 from .request_log import NullLog, done_record
 
@@ -143,7 +144,8 @@ class Scheduler:
         """A request to `submit_all` (the arguments of `submit`; `keep_special`: see OutputText)."""
         n_prompt, images = (len(vision), len(vision.grid_thw)) if vision is not None else (len(prompt_ids), 0)
         h = Handle(id=f"r{next(self._ids)}", prompt_ids=list(prompt_ids), params=replace(params, stop=()),
-                   text=OutputText(self.tok, params.stop, split, keep_special, params.min_tokens),
+                   text=OutputText(self.tok, params.stop, split, keep_special or not params.skip_special_tokens,
+                                   params.min_tokens, params.include_stop_str_in_output),
                    loop=asyncio.get_running_loop(),
                    events=asyncio.Queue(), vision=vision, prompt_len=n_prompt, images=images,
                    image_tokens=image_tokens, scheduler=self)

@@ -1,0 +1,71 @@
+"""vLLM's extra request fields: include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens (served),
+and the ones this server does not implement (a 400 naming the field unless they hold their no-op value)."""
+from __future__ import annotations
+
+import pytest
+from test_server import _post
+from test_server_tools import ANSWER, script_server
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = script_server()
+    yield s
+    s[0].close()
+
+
+def _text(srv, body: dict, stream: bool) -> str:
+    r = _post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 200, "stream": stream, **body})
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]["text"]
+    import json
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "stream"])
+def test_include_stop_str_in_output(srv, stream):
+    s, _, _ = srv
+    assert _text(s, {"stop": ["check"]}, stream) == "I'll "
+    assert _text(s, {"stop": ["check"], "include_stop_str_in_output": True}, stream) == "I'll check"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "stream"])
+def test_skip_special_tokens_false_keeps_their_text(srv, stream):
+    s, _, tok = srv
+    ids = tok.encode(ANSWER)
+    assert _text(s, {}, stream) == tok.decode(ids) != ANSWER           # the tool-call tags are special here
+    assert _text(s, {"skip_special_tokens": False}, stream) == tok.decode(ids, skip_special_tokens=False) == ANSWER
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(srv):
+    s, engine, _ = srv
+    prompt = list(range(10, 30))
+    r = _post(s, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "truncate_prompt_tokens": 5})
+    assert r.json()["usage"]["prompt_tokens"] == 5 and engine.prompts[-1] == prompt[-5:]
+    r = _post(s, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "truncate_prompt_tokens": -1})
+    assert r.json()["usage"]["prompt_tokens"] == 20 and engine.prompts[-1] == prompt
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1]), ("prompt_logprobs", 1),
+    ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False), ("length_penalty", 2.0),
+    ("priority", 1), ("echo", True), ("chat_template", "{{ messages }}"), ("truncate_prompt_tokens", 0)])
+def test_unimplemented_vllm_fields_are_a_400(srv, field, value):
+    s, _, _ = srv
+    r = _post(s, "/v1/chat/completions", {**CHAT, field: value})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == field and err["message"].startswith(field), err
+
+
+def test_their_no_op_values_are_accepted(srv):
+    s, _, _ = srv
+    noop = {"use_beam_search": False, "bad_words": [], "allowed_token_ids": None, "prompt_logprobs": None,
+            "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True, "length_penalty": 1.0,
+            "priority": 0, "echo": False, "skip_special_tokens": True, "include_stop_str_in_output": False}
+    assert _post(s, "/v1/chat/completions", {**CHAT, **noop}).status_code == 200
+    assert _post(s, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "echo": True, **noop}).status_code == 200
