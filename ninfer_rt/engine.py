@@ -170,10 +170,12 @@ class Engine(RunAhead, Decisions, Core):
         bad = next((t for t in prompt if not 0 <= t < self.cfg.vocab_size), None)
         if bad is not None:
             raise EngineError(f"request {req_id!r}: token id {bad} outside the vocabulary (0..{self.cfg.vocab_size - 1})")
-        bad = next((t for t, _ in params.logit_bias if t >= self.cfg.vocab_size), None)
-        if bad is not None:
-            raise EngineError(f"request {req_id!r}: logit_bias token id {bad} outside the vocabulary "
-                              f"(0..{self.cfg.vocab_size - 1})")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids",
+                                                                               params.allowed_token_ids)):
+            bad = next((t for t in ids if t >= self.cfg.vocab_size), None)
+            if bad is not None:
+                raise EngineError(f"request {req_id!r}: {name} token id {bad} outside the vocabulary "
+                                  f"(0..{self.cfg.vocab_size - 1})")
         if len(prompt) >= self.max_model_len:
             raise EngineError(f"request {req_id!r}: prompt has {len(prompt)} tokens, but the context holds "
                               f"{self.max_model_len} (prompt + generated), leaving no room to generate")

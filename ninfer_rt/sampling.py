@@ -60,6 +60,7 @@ class SamplingParams:
                                         # strings), ("grammar", EBNF), ("structural_tag", xgrammar's JSON)
     grammar_after: int | None = None    # the grammar starts after this token (a reasoning block's end, as vLLM's
                                         # reasoning parsers do); None: from the first token
+    allowed_token_ids: tuple[int, ...] = ()      # vLLM's: the only tokens that may be drawn; () = all
     include_stop_str_in_output: bool = False     # vLLM's: the matched stop string ends the text, not cut off
     skip_special_tokens: bool = True    # vLLM's: special tokens' text left out of the output text
 
@@ -78,6 +79,10 @@ class SamplingParams:
         if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "stop_token_ids")):
             raise SamplingError(f"stop_token_ids: expected non-negative integers, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        ids = self.allowed_token_ids
+        if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "allowed_token_ids")):
+            raise SamplingError(f"allowed_token_ids: expected non-negative integers, got {ids!r}")
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not all(isinstance(s, str) and s for s in _iter(stop, "stop")):
             raise SamplingError(f"stop: expected non-empty strings, got {self.stop!r}")
@@ -135,8 +140,8 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy on the raw logits: their argmax is the token (no penalties, no bias)."""
-        return self.greedy and not self.has_penalties and not self.logit_bias
+        """Greedy on the raw logits: their argmax is the token (no penalties, no bias, no token restriction)."""
+        return self.greedy and not self.has_penalties and not self.logit_bias and not self.allowed_token_ids
 
 
 def _bias_pairs(bias) -> tuple:
@@ -200,6 +205,8 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
     x, own = logits.float(), False
     if any(p.logit_bias for p in params):
         x, own = _add_bias(x, params), True
+    if any(p.allowed_token_ids for p in params):
+        x, own = _only_allowed(x, params), True
     if ban is not None and any(ban):
         rows = [r for r, b in enumerate(ban) for _ in b]
         cols = [t for b in ban for t in b]
@@ -246,6 +253,17 @@ def _add_bias(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vals = [b for p in params for _, b in p.logit_bias]
     idx = (small_tensor(rows, torch.long, x.device), small_tensor(cols, torch.long, x.device))
     return x.index_put(idx, small_tensor(vals, torch.float32, x.device), accumulate=True)
+
+
+def _only_allowed(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """x with -inf outside each restricted row's allowed_token_ids (a copy)."""
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    free = [r for r, p in enumerate(params) if not p.allowed_token_ids]
+    keep[small_tensor(free, torch.long, x.device)] = True
+    rows = [r for r, p in enumerate(params) for _ in p.allowed_token_ids]
+    cols = [t for p in params for t in p.allowed_token_ids]
+    keep[small_tensor(rows, torch.long, x.device), small_tensor(cols, torch.long, x.device)] = True
+    return x.masked_fill(~keep, -math.inf)
 
 
 def _one_hot(x: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 @pytest.mark.parametrize("field,value", [
-    ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1]), ("prompt_logprobs", 1),
+    ("use_beam_search", True), ("bad_words", ["x"]), ("prompt_logprobs", 1),
     ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False), ("length_penalty", 2.0),
     ("priority", 1), ("echo", True), ("chat_template", "{{ messages }}"), ("truncate_prompt_tokens", 0)])
 def test_unimplemented_vllm_fields_are_a_400(srv, field, value):
@@ -64,7 +64,7 @@ def test_unimplemented_vllm_fields_are_a_400(srv, field, value):
 
 def test_their_no_op_values_are_accepted(srv):
     s, _, _ = srv
-    noop = {"use_beam_search": False, "bad_words": [], "allowed_token_ids": None, "prompt_logprobs": None,
+    noop = {"use_beam_search": False, "bad_words": [], "prompt_logprobs": None,
             "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True, "length_penalty": 1.0,
             "priority": 0, "echo": False, "skip_special_tokens": True, "include_stop_str_in_output": False}
     assert _post(s, "/v1/chat/completions", {**CHAT, **noop}).status_code == 200

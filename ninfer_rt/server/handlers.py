@@ -60,6 +60,8 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
                               stop_token_ids=tuple(sorted(set(asked) | (set() if req.ignore_eos else set(stop_ids)))),
                               logprobs=lp, prompt_logprobs=plp, logit_bias=_logit_bias(req, vocab),
                               structured=S.structured(req)[0], skip_special_tokens=req.skip_special_tokens,
+                              allowed_token_ids=tuple(_token_ids("allowed_token_ids", req.allowed_token_ids or (),
+                                                                 vocab)),
                               include_stop_str_in_output=req.include_stop_str_in_output, **kw)
     except SamplingError as e:
         msg = str(e)

@@ -121,13 +121,13 @@ class _Sampling(_Strict):
     guided_choice: list | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None      # vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the output may hold
     include_stop_str_in_output: bool = False    # vLLM's: a matched stop string stays at the end of the text
     skip_special_tokens: bool = True            # vLLM's: false keeps special tokens' text in the output
     truncate_prompt_tokens: int | None = None   # vLLM's: only the prompt's last k tokens (-1: the context length)
     # vLLM's fields this server does not implement: a 400 unless they hold their no-op value (_NOT_IMPLEMENTED)
     use_beam_search: bool = False
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     logits_processors: list | None = None
     return_tokens_as_token_ids: bool = False
@@ -137,7 +137,7 @@ class _Sampling(_Strict):
 
 
 # vLLM's request fields without an implementation here -> their no-op values
-_NOT_IMPLEMENTED = {"use_beam_search": False, "bad_words": None, "allowed_token_ids": None, "prompt_logprobs": None,
+_NOT_IMPLEMENTED = {"use_beam_search": False, "bad_words": None, "prompt_logprobs": None,
                     "logits_processors": None, "return_tokens_as_token_ids": False,
                     "spaces_between_special_tokens": True, "length_penalty": 1, "priority": 0, "echo": False,
                     "chat_template": None}
@@ -209,6 +209,9 @@ def _check_common(req: _Sampling) -> None:
         v = getattr(req, name, noop)
         if v != noop and not (noop is None and v == []) and not (isinstance(req, CompletionRequest) and name == "echo"):
             raise bad_request(f"{name}: not supported by this server (only {noop!r})", param=name)
+    if req.allowed_token_ids == []:
+        raise bad_request("allowed_token_ids: must not be empty (leave it out to allow every token)",
+                          param="allowed_token_ids")
     t = req.truncate_prompt_tokens
     if t is not None and not (t >= 1 or t == -1):
         raise bad_request(f"truncate_prompt_tokens: expected an integer >= 1, or -1 (the context length), got {t}",

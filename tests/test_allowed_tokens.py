@@ -1,0 +1,94 @@
+"""vLLM's `allowed_token_ids`: the only tokens a request may draw, on target rows and MTP drafts alike; greedy
+output equals the argmax over the allowed tokens of HF's logits, sampled output never leaves them; over the API
+it is a field of both endpoints, checked against the vocabulary."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_tiny import build_hf_model, loaded_model
+from test_engine_graphs import run as run_engine
+from test_server import MODEL_ID, _post, real_srv  # noqa: F401
+
+from ninfer_rt.backends.torch_ops import TorchOps
+from ninfer_rt.engine import Engine
+from ninfer_rt.sampling import SamplingError, SamplingParams, process
+from ninfer_rt.speculative import SpecConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ALLOWED = (3, 17, 40, 41, 99, 200)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_process_gives_other_tokens_no_mass(temperature):
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(2))
+    logits[:, 7] = 40.0                       # the argmax, not allowed in row 0
+    p = [SamplingParams(temperature=temperature, allowed_token_ids=(3, 9, 12)), SamplingParams(temperature=temperature)]
+    got = process(logits, p)
+    assert float(got[0, [3, 9, 12]].sum()) == pytest.approx(1.0) and got[1, 7] > 0.99
+    assert logits[0, 7] == 40.0                                       # the caller's logits stay
+
+
+def test_allowed_token_ids_are_checked():
+    assert SamplingParams(allowed_token_ids=[5, 2, 5]).allowed_token_ids == (2, 5)
+    with pytest.raises(SamplingError, match="^allowed_token_ids: expected non-negative integers"):
+        SamplingParams(allowed_token_ids=(1, -2))
+    assert not SamplingParams(temperature=0, allowed_token_ids=(1,)).plain_greedy
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_hf_model(seed=5)
+
+
+PROMPTS = [[5, 9, 11, 60, 2], [100, 7, 7]]
+
+
+def _want(tiny, prompt: list[int], n: int) -> list[int]:
+    lm, ids, out = tiny.causal_lm(), list(prompt), []
+    allowed = torch.tensor(ALLOWED)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = lm(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            t = int(allowed[logits[allowed].argmax()])
+            out.append(t)
+            ids.append(t)
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 2, 3], ids=["plain", "mtp-2", "mtp-3"])
+def test_greedy_equals_the_allowed_argmax_of_hf_logits(tiny, k):
+    eng = Engine(loaded_model(tiny), TorchOps(), spec=SpecConfig(num_draft_tokens=k) if k else None, max_batch=2,
+                 prefill_chunk=8)
+    got = run_engine(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                   allowed_token_ids=ALLOWED))
+    eng.shutdown()
+    for i, p in enumerate(PROMPTS):
+        assert got[f"r{i}"] == _want(tiny, p, 10)
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp"])
+def test_sampled_stays_in_the_allowed_tokens(tiny, k):
+    eng = Engine(loaded_model(tiny), TorchOps(), spec=SpecConfig(num_draft_tokens=k) if k else None, max_batch=2,
+                 prefill_chunk=8)
+    for seed in range(3):
+        got = run_engine(eng, PROMPTS, SamplingParams(temperature=1.5, seed=seed, max_tokens=12, ignore_eos=True,
+                                                       allowed_token_ids=ALLOWED))
+        assert all(set(t) <= set(ALLOWED) and len(t) == 12 for t in got.values()), got
+    eng.shutdown()
+
+
+def test_api_allowed_token_ids(real_srv):  # noqa: F811
+    tok = real_srv.state.tokenizer
+    allowed = sorted({tok.encode("a")[0], tok.encode("b")[0]})
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                 "chat_template_kwargs": {"enable_thinking": False}})):
+        r = _post(real_srv, path, {"model": MODEL_ID, "max_tokens": 8, "temperature": 1.0, "seed": 1,
+                                   "allowed_token_ids": allowed, **body})
+        c = r.json()["choices"][0]
+        text = c.get("text", c.get("message", {}).get("content"))
+        assert r.status_code == 200 and set(text) <= {"a", "b"} and len(text) == 8, r.json()
+    for ids, why in (([], "must not be empty"), ([10 ** 7], "outside the vocabulary")):
+        r = _post(real_srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "allowed_token_ids": ids})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "allowed_token_ids" and why in err["message"], err
