@@ -43,7 +43,14 @@ def _kv_capacity(ctx, param, value):
 @click.argument("artifact")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8080, show_default=True, type=int)
-@click.option("--model-id", default=None, help="Model name clients send (default: the folder or repo name).")
+@click.option("--model-id", "--served-model-name", "model_id", default=None,
+              help="Model name clients send (default: the folder or repo name).")
+@click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
+              help="A Jinja chat template file to use instead of the artifact's.")
+@click.option("--allowed-origins", default="*", show_default=True,
+              help="CORS: comma-separated origins browsers may call from ('*': any; '': no CORS headers).")
+@click.option("--ssl-keyfile", type=click.Path(dir_okay=False), default=None, help="TLS key (HTTPS, with --ssl-certfile).")
+@click.option("--ssl-certfile", type=click.Path(dir_okay=False), default=None, help="TLS certificate chain.")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(1, 8), help="Tensor-parallel ranks.")
 @click.option("--spec", type=click.Choice(["none", "mtp"]), default="none", show_default=True,
               help="Speculative decoding with the artifact's MTP module.")
@@ -92,13 +99,14 @@ def _kv_capacity(ctx, param, value):
               help="Image tokens per request at most (--vision); more is a 400. [default: 4096]")
 @image_limit_options("request")
 @user_errors
-def serve(artifact, host, port, model_id, tp, spec, draft_tokens, draft_head, max_concurrency, kv_capacity,
+def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_keyfile, ssl_certfile, tp, spec, draft_tokens, draft_head, max_concurrency, kv_capacity,
           max_context, max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
           drain_timeout, max_body_mib, no_verify, eager, no_async_scheduling, vision, vision_max_tokens, max_images,
           max_image_bytes, max_image_pixels, vision_max_pixels):
     """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
     from .server.runtime import RuntimeOptions
     from .server.serve import ServeOptions, run_server
+    from .tokenizer import read_template
     vis, vision_tokens = vision_settings(vision, max_images=max_images, max_image_bytes=max_image_bytes,
                                          max_image_pixels=max_image_pixels, max_pixels=vision_max_pixels,
                                          vision_max_tokens=vision_max_tokens)
@@ -115,8 +123,11 @@ def serve(artifact, host, port, model_id, tp, spec, draft_tokens, draft_head, ma
                         draft_tokens=draft_tokens if spec == "mtp" else 0, max_concurrency=max_concurrency,
                         kv_capacity=kv_capacity, max_context=max_context, verify=not no_verify,
                         prefill_chunk=prefill_chunk, vision=vis, vision_max_tokens=vision_tokens, eager=eager,
-                        async_scheduling=False if no_async_scheduling else None)
+                        async_scheduling=False if no_async_scheduling else None,
+                        chat_template=(chat_template, read_template(chat_template)) if chat_template else None)
     opts = ServeOptions(runtime=rt, host=host, port=port, model_id=model_id, max_pending=max_pending,
                         api_key=api_key, log_requests=log_requests, drain_timeout_s=drain_timeout,
-                        max_body_bytes=int(max_body_mib * (1 << 20)), default_max_tokens=default_max_tokens)
+                        max_body_bytes=int(max_body_mib * (1 << 20)), default_max_tokens=default_max_tokens,
+                        allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+                        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
     sys.exit(run_server(opts))

@@ -218,9 +218,29 @@ class Tokenizer:
                 raise ChatTemplateError(f"resource {self.template_source}: {_first_line(e)}") from None
         return self._template
 
+    def use_template(self, text: str, source: str) -> None:
+        """Replace the artifact's chat template (serve --chat-template); `source` names it in errors."""
+        self.chat_template, self.template_source, self.template_problem, self._template = text, source, None, None
+        self.check_template()
+
     def check_template(self) -> None:
         """Raise TokenizerError now if the chat template cannot be used (missing, broken, not compiling)."""
         self._compiled()
+
+
+def read_template(path: str) -> str:
+    """A chat template file's text, compiled once to check it; TokenizerError naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"--chat-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") \
+            from None
+    try:
+        _jinja_env().from_string(text)
+    except Exception as e:  # noqa: BLE001 -- TemplateSyntaxError mostly
+        raise TokenizerError(f"--chat-template {path}: {_first_line(e)}") from None
+    return text
 
 
 def _first_line(e: Exception) -> str:

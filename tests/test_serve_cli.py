@@ -19,8 +19,8 @@ def _start_cli(args: list[str]):
     lines = []
     for line in proc.stderr:
         lines.append(line)
-        if "listening on http://" in line:
-            return proc, line.split("http://")[1].split()[0], lines
+        if "listening on http" in line:        # http:// or https://
+            return proc, line.split("://")[1].split()[0], lines
     proc.wait(10)
     raise AssertionError("server did not start: " + "".join(lines))
 
@@ -100,6 +100,62 @@ def test_cli_errors_are_one_line(tmp_path_factory, args, needle):
         busy.close()
     assert res.exit_code == 2, res.output
     assert needle in res.output and "Traceback" not in res.output
+    assert sum(line.startswith(("error:", "Error:")) for line in res.output.splitlines()) == 1
+
+
+TEMPLATE = "{% for m in messages %}CUSTOM {{ m.role }}: {{ m.content }}\n{% endfor %}"
+
+
+def _self_signed(folder) -> tuple[str, str]:
+    import shutil
+    import subprocess
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    key, cert = str(folder / "key.pem"), str(folder / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    return key, cert
+
+
+def test_cli_https_chat_template_and_served_model_name(tmp_path_factory, tmp_path):
+    art = tiny_artifact(tmp_path_factory)
+    key, cert = _self_signed(tmp_path)
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    proc, addr, lines = _start_cli([art, "--port", "0", "--device", "cpu", "--max-context", str(CTX), "--no-verify",
+                                    "--served-model-name", "my-model", "--chat-template", str(tmp_path / "t.jinja"),
+                                    "--ssl-keyfile", key, "--ssl-certfile", cert])
+    url = f"https://{addr}"
+    try:
+        assert "listening on https://" in lines[-1]
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health", verify=False).status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not become healthy"
+            time.sleep(0.1)
+        assert httpx.get(url + "/v1/models", verify=False).json()["data"][0]["id"] == "my-model"
+        ids = httpx.post(url + "/tokenize", verify=False, json={"messages": [{"role": "user", "content": "hi"}],
+                                                              "add_generation_prompt": False}).json()["tokens"]
+        text = httpx.post(url + "/detokenize", verify=False, json={"tokens": ids}).json()["prompt"]
+        assert text == "CUSTOM user: hi\n"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--ssl-keyfile", "{key}"], "give both"),
+    (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", "{cert}"], "--ssl-keyfile /no/key.pem: no such file"),
+    (["--ssl-keyfile", "{cert}", "--ssl-certfile", "{cert}"], "cannot use them"),
+    (["--chat-template", "/no/t.jinja"], "--chat-template /no/t.jinja: cannot read it"),
+    (["--chat-template", "{broken}"], "--chat-template {broken}: "),
+], ids=["key-alone", "missing-key", "not-a-key", "missing-template", "broken-template"])
+def test_cli_tls_and_template_errors_are_one_line(tmp_path_factory, tmp_path, flags, needle):
+    art = tiny_artifact(tmp_path_factory)
+    key, cert = _self_signed(tmp_path)
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    names = {"key": key, "cert": cert, "broken": str(tmp_path / "broken.jinja")}
+    res = _cli([art, "--port", "0", "--device", "cpu", *[f.format(**names) for f in flags]])
+    assert res.exit_code == 2, res.output
+    assert needle.format(**names) in res.output and "Traceback" not in res.output
     assert sum(line.startswith(("error:", "Error:")) for line in res.output.splitlines()) == 1
 
 

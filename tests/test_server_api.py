@@ -106,3 +106,25 @@ def test_unknown_routes_and_wrong_methods_are_json(fake, method, path, status, c
     assert r.json()["error"] == {"message": f"{method} {path}: {'Not Found' if status == 404 else 'Method Not Allowed'}",
                                  "type": "invalid_request_error", "param": None, "code": code}
     assert r.headers.get("allow") == allow
+
+
+@pytest.mark.parametrize("origins", [("*",), ("https://ui.example",), ()], ids=["any", "one", "none"])
+def test_cors_preflight_passes_before_the_api_key(origins):
+    from fastapi.testclient import TestClient
+
+    from ninfer_rt.server.app import ServerState, create_app
+    client = TestClient(create_app(ServerState(model_id=MODEL_ID, api_key="k", allowed_origins=origins)))
+    pre = client.options("/v1/chat/completions", headers={"Origin": "https://ui.example",
+                                                          "Access-Control-Request-Method": "POST",
+                                                          "Access-Control-Request-Headers": "authorization"})
+    got = client.get("/v1/models", headers={"Origin": "https://ui.example", "Authorization": "Bearer k"})
+    assert got.status_code == 200
+    if origins:
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", "https://ui.example")
+        assert got.headers["access-control-allow-origin"] in ("*", "https://ui.example")
+        other = client.options("/v1/models", headers={"Origin": "https://evil.example",
+                                                      "Access-Control-Request-Method": "GET"})
+        assert (other.status_code == 200) == (origins == ("*",))
+    else:
+        assert pre.status_code == 401 and "access-control-allow-origin" not in got.headers
+    assert client.get("/v1/models", headers={"Origin": "https://ui.example"}).status_code == 401   # still guarded

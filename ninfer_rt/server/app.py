@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,6 +57,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     fingerprint: str = ""                  # system_fingerprint of every reply; derived from model_id if empty
     responses: RA.Store = field(default_factory=RA.Store)    # stored Responses API responses (in memory)
+    allowed_origins: tuple[str, ...] = ()  # CORS: the origins browsers may call from ("*": any); () = no CORS
 
     def __post_init__(self):
         if not self.fingerprint:
@@ -248,6 +250,9 @@ def create_app(state: ServerState) -> FastAPI:
         return T.detokenize(state.tokenizer, data, state.model_id)
 
     app.add_middleware(_Guard, state=state)
+    if state.allowed_origins:       # added last, so outermost: a preflight is answered before the API-key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app
 
 

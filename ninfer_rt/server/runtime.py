@@ -55,6 +55,7 @@ class RuntimeOptions:
     vision_max_tokens: int = DEFAULT_VISION_TOKENS   # image tokens per request (with vision)
     eager: bool = False                 # no CUDA-graph capture (the runner's steps run eagerly; --eager)
     async_scheduling: bool | None = None   # run-ahead decode steps; None = on CUDA (--no-async-scheduling)
+    chat_template: tuple[str, str] | None = None    # (file, its text): replaces the artifact's (--chat-template)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -225,6 +226,8 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
     def make(loaded, ops, pages):
         vis = _vision(loaded, ops, opts)
         tok = Tokenizer.from_resources(loaded.resources, eos_token_ids=loaded.config.eos_token_ids)
+        if opts.chat_template is not None:
+            tok.use_template(opts.chat_template[1], opts.chat_template[0])
         engine = Engine(loaded, ops, group, _spec(opts), max_batch=opts.max_concurrency, kv_pages=pages,
                         page_size=PAGE_SIZE, max_model_len=model_context(loaded.config, opts),
                         prefill_chunk=opts.prefill_chunk, vision=vis, graphs=_graphs(opts),

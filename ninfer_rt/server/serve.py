@@ -8,6 +8,7 @@ cancels what is left and the Engine (and TP followers) shut down.
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -35,6 +36,9 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     max_body_bytes: int = MAX_BODY_BYTES
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    allowed_origins: tuple[str, ...] = ("*",)     # CORS (vLLM's default); () = no CORS headers
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -46,6 +50,11 @@ class ServeOptions:
             raise ServeError(f"--drain-timeout: expected seconds >= 0, got {self.drain_timeout_s}")
         if self.api_key is not None and not self.api_key.strip():
             raise ServeError("--api-key: must not be empty")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ServeError("--ssl-keyfile and --ssl-certfile: give both (HTTPS) or neither")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
+            if path is not None and not os.path.isfile(path):
+                raise ServeError(f"{flag} {path}: no such file")
         if self.runtime.vision is not None and self.runtime.vision.allow_files:
             raise ServeError("vision: a server never reads image files from its own disk (allow_files must be off)")
 
@@ -145,9 +154,14 @@ def run_server(opts: ServeOptions) -> int:
         resolve_artifact(opts.runtime.artifact)          # a missing artifact fails before binding
     sock = bind(opts.host, opts.port)
     log = RequestLog(opts.log_requests) if opts.log_requests else NullLog()
-    state = ServerState(model_id=opts.model_id or default_model_id(opts.runtime.artifact), api_key=opts.api_key, max_body_bytes=opts.max_body_bytes)
+    state = ServerState(model_id=opts.model_id or default_model_id(opts.runtime.artifact), api_key=opts.api_key,
+                        max_body_bytes=opts.max_body_bytes, allowed_origins=opts.allowed_origins)
     config = uvicorn.Config(create_app(state), log_level="warning", timeout_graceful_shutdown=opts.drain_timeout_s,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, ssl_keyfile=opts.ssl_keyfile, ssl_certfile=opts.ssl_certfile)
+    try:
+        config.load()                    # the TLS files are read here: a bad key or certificate fails before binding
+    except (OSError, ValueError) as e:   # ssl.SSLError is an OSError
+        raise ServeError(f"--ssl-keyfile / --ssl-certfile: cannot use them ({e})") from None
     server = uvicorn.Server(config)
     loader = _Loader(opts, state, server, log)
     # uvicorn re-raises the signal that stopped it once it returns; with these handlers in place that
@@ -163,7 +177,8 @@ def run_server(opts: ServeOptions) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         loader.start()
-        print(f"ninfer-rt serve: listening on http://{opts.host}:{sock.getsockname()[1]} (loading the model)",
+        scheme = "https" if opts.ssl_certfile else "http"
+        print(f"ninfer-rt serve: listening on {scheme}://{opts.host}:{sock.getsockname()[1]} (loading the model)",
               file=sys.stderr)
         server.run(sockets=[sock])
     finally:
