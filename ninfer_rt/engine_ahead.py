@@ -47,7 +47,8 @@ class RunAhead:
 
     def _ahead_eligible(self, s: Seq) -> bool:
         return (not s.prefilling and s.vision is None and s.counts is None and not s.params.has_penalties
-                and s.params.logprobs is None and len(s.out) >= s.params.min_tokens and s.grammar is None)
+                and s.params.logprobs is None and len(s.out) >= s.params.min_tokens and s.grammar is None
+                and not s.params.bad_words_ids)          # its bans follow the host's history
 
     def _ahead_plan_ok(self, plan) -> bool:
         """A plan to start running ahead with: decode rows only, every running sequence among them."""

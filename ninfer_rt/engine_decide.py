@@ -14,7 +14,7 @@ import torch
 
 from .engine_core import Seq, Verdict
 from .logprobs import token_logprobs
-from .sampling import sample, small_tensor, stop_ban
+from .sampling import bad_word_ban, merged, sample, small_tensor, stop_ban
 from .speculative import RoundInput, argmax_decides, draft_distributions, verify_rows
 
 
@@ -22,7 +22,8 @@ def _masked(s: Seq) -> bool:
     """Fewer than min_tokens out, or a grammar in force: the raw argmax does not decide (stop tokens are banned,
     or the grammar masks tokens). A grammar waiting for the end of a reasoning block does not count: a round that
     reaches it masks its later rows (`_allow`), and those rows then leave the argmax paths by themselves."""
-    return len(s.out) < s.params.min_tokens or (s.grammar is not None and s.grammar.active)
+    return len(s.out) < s.params.min_tokens or (s.grammar is not None and s.grammar.active) or \
+        bool(s.params.bad_words_ids)
 
 
 def _allow(s: Seq, drafts: list[int], logits: torch.Tensor) -> torch.Tensor | None:
@@ -61,7 +62,8 @@ class Decisions:
             for s in seqs:
                 s.q = []
         # draft j guesses output position len(out) + j - 1: its stop tokens are banned below min_tokens
-        ban = [stop_ban(s.params, self.eos, len(s.out) + j - 1, 1)[0] for s in seqs]
+        ban = [merged(stop_ban(s.params, self.eos, len(s.out) + j - 1, 1),
+                      bad_word_ban(s.params, s.out, d, len(d) + 1)[-1:])[0] for s, _, d in items]
         allow = _draft_allow(seqs, [d for _, _, d in items], logits)
         if all(p.plain_greedy for p in params) and not any(ban) and allow is None:
             # the processed distribution would be one-hot at this argmax: one kernel instead of five per draft step
@@ -96,11 +98,13 @@ class Decisions:
         final = self._verified(dec, pre)[len(dec):]
         # target row j of a round chooses output position len(out) + j
         rows = [RoundInput(s.params, lg, d, s.q, s.counts, s.generator, seen=s.seen,
-                           ban=stop_ban(s.params, self.eos, len(s.out), len(d) + 1), allow=_allow(s, d, lg))
+                           ban=merged(stop_ban(s.params, self.eos, len(s.out), len(d) + 1),
+                                      bad_word_ban(s.params, s.out, d, len(d) + 1)), allow=_allow(s, d, lg))
                 for (s, _), d, lg in zip(dec, drafts, (out.seq_logits(i) for i in range(len(dec))))]
         # a prompt chunk may return every row (prompt logprobs): its last one chose the first token
         rows += [RoundInput(s.params, lg, [], [], s.counts, s.generator, seen=s.seen,
-                            ban=stop_ban(s.params, self.eos, 0, 1), allow=_allow(s, [], lg))
+                            ban=merged(stop_ban(s.params, self.eos, 0, 1), bad_word_ban(s.params, [], [], 1)),
+                            allow=_allow(s, [], lg))
                  for s, lg in ((s, out.seq_logits(i)[-1:]) for i, s in final)]
         if self._argmax is not None:
             o = 0

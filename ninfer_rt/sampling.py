@@ -61,6 +61,7 @@ class SamplingParams:
     grammar_after: int | None = None    # the grammar starts after this token (a reasoning block's end, as vLLM's
                                         # reasoning parsers do); None: from the first token
     allowed_token_ids: tuple[int, ...] = ()      # vLLM's: the only tokens that may be drawn; () = all
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words, tokenized: no output ends with one of these
     include_stop_str_in_output: bool = False     # vLLM's: the matched stop string ends the text, not cut off
     skip_special_tokens: bool = True    # vLLM's: special tokens' text left out of the output text
 
@@ -83,6 +84,10 @@ class SamplingParams:
         if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "allowed_token_ids")):
             raise SamplingError(f"allowed_token_ids: expected non-negative integers, got {ids!r}")
         object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
+        words = [tuple(w) if isinstance(w, (list, tuple)) else w for w in _iter(self.bad_words_ids, "bad_words_ids")]
+        if not all(isinstance(w, tuple) and w and all(_is_int(i) and i >= 0 for i in w) for w in words):
+            raise SamplingError(f"bad_words_ids: expected non-empty sequences of token ids, got {self.bad_words_ids!r}")
+        object.__setattr__(self, "bad_words_ids", tuple(dict.fromkeys(words)))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not all(isinstance(s, str) and s for s in _iter(stop, "stop")):
             raise SamplingError(f"stop: expected non-empty strings, got {self.stop!r}")
@@ -141,7 +146,8 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits: their argmax is the token (no penalties, no bias, no token restriction)."""
-        return self.greedy and not self.has_penalties and not self.logit_bias and not self.allowed_token_ids
+        return self.greedy and not self.has_penalties and not self.logit_bias and not self.allowed_token_ids and \
+            not self.bad_words_ids
 
 
 def _bias_pairs(bias) -> tuple:
@@ -235,6 +241,24 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
     out[g] = _one_hot(x[g])
     out[r] = _truncate(x[r], [params[i] for i in rand])
     return out
+
+
+def bad_word_ban(params: SamplingParams, out: list[int], drafts: list[int], rows: int) -> list[tuple]:
+    """vLLM's bad_words for the `rows` output positions after out + drafts[:j]: the last token of every banned
+    sequence whose other tokens end that history (a one-token sequence always; the prompt is not history)."""
+    if not params.bad_words_ids:
+        return [()] * rows
+    hist, got = list(out) + list(drafts[:rows - 1]), []
+    for j in range(rows):
+        h = hist[:len(out) + j]
+        got.append(tuple(sorted({w[-1] for w in params.bad_words_ids
+                                 if len(w) - 1 <= len(h) and tuple(h[len(h) - len(w) + 1:]) == w[:-1]})))
+    return got
+
+
+def merged(*bans: list[tuple]) -> list[tuple]:
+    """Row-wise union of `ban` lists."""
+    return [tuple(sorted(set().union(*row))) if any(row) else () for row in zip(*bans)]
 
 
 def stop_ban(params: SamplingParams, eos, emitted: int, rows: int) -> list[tuple]:

@@ -159,8 +159,8 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
 def argmax_decides(params: SamplingParams, counts: torch.Tensor | None) -> bool:
     """Greedy without penalties in effect, a bias or a token restriction: the argmax of the raw logits is the
     decision."""
-    return params.greedy and not params.logit_bias and not params.allowed_token_ids and \
-        not (counts is not None and params.has_penalties)
+    return params.greedy and not params.logit_bias and not params.allowed_token_ids and not params.bad_words_ids \
+        and not (counts is not None and params.has_penalties)
 
 
 def verify_rows(rows: list[RoundInput]) -> list[list[int]]:

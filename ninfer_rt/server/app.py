@@ -299,7 +299,7 @@ async def _prepare(state: ServerState, sched, req, chat: bool):
     n_prompt = len(img.request) if img is not None else len(ids)     # image placeholders expanded
     max_tokens = sched.max_tokens_for(n_prompt, requested, "messages" if chat else "prompt",
                                       "max_completion_tokens" if by_mct else "max_tokens")
-    params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids, state.vocab_size)
+    params = H.sampling_params(req, state.defaults, max_tokens, tok.stop_ids, state.vocab_size, tok)
     await H.check_grammar(sched.engine, req, params)
     if chat:
         params = H.after_reasoning(tok, ids, params)

@@ -41,10 +41,10 @@ def sampling_defaults(generation_config: dict) -> dict:
     return out
 
 
-def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=(), vocab: int | None = None
-                    ) -> SamplingParams:
+def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=(), vocab: int | None = None,
+                    tok=None) -> SamplingParams:
     """`stop_ids`: the tokenizer's stop ids (e.g. `<|im_end|>`), which the engine's config eos may lack; `vocab`
-    bounds the token ids of logit_bias and stop_token_ids."""
+    bounds the token ids of logit_bias and stop_token_ids; `tok` tokenizes bad_words."""
     kw = {}
     for name in SAMPLING_FIELDS:
         v = getattr(req, name)
@@ -62,13 +62,31 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
                               structured=S.structured(req)[0], skip_special_tokens=req.skip_special_tokens,
                               allowed_token_ids=tuple(_token_ids("allowed_token_ids", req.allowed_token_ids or (),
                                                                  vocab)),
-                              include_stop_str_in_output=req.include_stop_str_in_output, **kw)
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              bad_words_ids=bad_words_ids(tok, req.bad_words or ()), **kw)
     except SamplingError as e:
         msg = str(e)
         if msg.startswith("structured:"):       # name the field the client used
             field = S.structured(req)[1]
             msg = field + msg[len("structured"):]
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
+
+
+def bad_words_ids(tok, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad_words: each word as it would start the text, and with a leading space as it
+    would follow another word (that one only where it is as many tokens with another first token)."""
+    if words and tok is None:
+        raise P.bad_request("bad_words: needs the server's tokenizer", param="bad_words")
+    out = []
+    for i, w in enumerate(words):
+        bare = tok.encode(w.lstrip())
+        if not bare:
+            raise P.bad_request(f"bad_words.{i}: {w!r} has no tokens", param=f"bad_words.{i}")
+        out.append(tuple(bare))
+        spaced = tok.encode(" " + w.lstrip())
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(tuple(spaced))
+    return tuple(out)
 
 
 def truncated(ids: list[int], keep: int, max_context: int, img) -> list[int]:

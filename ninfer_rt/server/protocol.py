@@ -122,12 +122,12 @@ class _Sampling(_Strict):
     guided_grammar: str | None = None
     structured_outputs: dict | None = None      # vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the output may hold
+    bad_words: list[str] | None = None          # vLLM's: words the output may not contain (as tokenized)
     include_stop_str_in_output: bool = False    # vLLM's: a matched stop string stays at the end of the text
     skip_special_tokens: bool = True            # vLLM's: false keeps special tokens' text in the output
     truncate_prompt_tokens: int | None = None   # vLLM's: only the prompt's last k tokens (-1: the context length)
     # vLLM's fields this server does not implement: a 400 unless they hold their no-op value (_NOT_IMPLEMENTED)
     use_beam_search: bool = False
-    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     logits_processors: list | None = None
     return_tokens_as_token_ids: bool = False
@@ -137,7 +137,7 @@ class _Sampling(_Strict):
 
 
 # vLLM's request fields without an implementation here -> their no-op values
-_NOT_IMPLEMENTED = {"use_beam_search": False, "bad_words": None, "prompt_logprobs": None,
+_NOT_IMPLEMENTED = {"use_beam_search": False, "prompt_logprobs": None,
                     "logits_processors": None, "return_tokens_as_token_ids": False,
                     "spaces_between_special_tokens": True, "length_penalty": 1, "priority": 0, "echo": False,
                     "chat_template": None}
