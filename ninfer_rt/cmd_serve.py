@@ -27,6 +27,21 @@ def vision_settings(enabled: bool, **given):
     return VisionOptions(allow_files=False, **given), budget
 
 
+def origins(value: str) -> tuple[str, ...]:
+    """--allowed-origins: "a,b" or vLLM's JSON list '["a", "b"]'."""
+    from .server.runtime import ServeError
+    if value.lstrip().startswith("["):
+        import json
+        try:
+            got = json.loads(value)
+        except ValueError:
+            got = None
+        if not isinstance(got, list) or not all(isinstance(o, str) for o in got):
+            raise ServeError(f"--allowed-origins {value}: expected a JSON list of strings")
+        return tuple(o.strip() for o in got if o.strip())
+    return tuple(o.strip() for o in value.split(",") if o.strip())
+
+
 def _kv_capacity(ctx, param, value):
     if value is None or value == "auto":
         return None
@@ -45,11 +60,12 @@ def _kv_capacity(ctx, param, value):
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--model-id", "--served-model-name", "model_id", default=None,
               help="Model name clients send (default: the folder or repo name).")
-@click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
-              help="A Jinja chat template file to use instead of the artifact's.")
+@click.option("--chat-template", default=None,
+              help="A Jinja chat template (a file, or the template itself) to use instead of the artifact's.")
 @click.option("--allowed-origins", default="*", show_default=True,
-              help="CORS: comma-separated origins browsers may call from ('*': any; '': no CORS headers).")
-@click.option("--ssl-keyfile", type=click.Path(dir_okay=False), default=None, help="TLS key (HTTPS, with --ssl-certfile).")
+              help="CORS: origins browsers may call from, comma-separated or a JSON list ('*': any; '': none).")
+@click.option("--ssl-keyfile", type=click.Path(dir_okay=False), default=None,
+              help="TLS key (HTTPS, with --ssl-certfile).")
 @click.option("--ssl-certfile", type=click.Path(dir_okay=False), default=None, help="TLS certificate chain.")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(1, 8), help="Tensor-parallel ranks.")
 @click.option("--spec", type=click.Choice(["none", "mtp"]), default="none", show_default=True,
@@ -99,8 +115,8 @@ def _kv_capacity(ctx, param, value):
               help="Image tokens per request at most (--vision); more is a 400. [default: 4096]")
 @image_limit_options("request")
 @user_errors
-def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_keyfile, ssl_certfile, tp, spec, draft_tokens, draft_head, max_concurrency, kv_capacity,
-          max_context, max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
+def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_keyfile, ssl_certfile, tp, spec,
+          draft_tokens, draft_head, max_concurrency, kv_capacity, max_context, max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
           drain_timeout, max_body_mib, no_verify, eager, no_async_scheduling, vision, vision_max_tokens, max_images,
           max_image_bytes, max_image_pixels, vision_max_pixels):
     """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
@@ -124,10 +140,10 @@ def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_ke
                         kv_capacity=kv_capacity, max_context=max_context, verify=not no_verify,
                         prefill_chunk=prefill_chunk, vision=vis, vision_max_tokens=vision_tokens, eager=eager,
                         async_scheduling=False if no_async_scheduling else None,
-                        chat_template=(chat_template, read_template(chat_template)) if chat_template else None)
+                        chat_template=read_template(chat_template) if chat_template else None)
     opts = ServeOptions(runtime=rt, host=host, port=port, model_id=model_id, max_pending=max_pending,
                         api_key=api_key, log_requests=log_requests, drain_timeout_s=drain_timeout,
                         max_body_bytes=int(max_body_mib * (1 << 20)), default_max_tokens=default_max_tokens,
-                        allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+                        allowed_origins=origins(allowed_origins),
                         ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
     sys.exit(run_server(opts))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -76,18 +77,7 @@ class SamplingParams:
                                 f"got {self.min_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise SamplingError(f"seed: expected an integer in [0, 2^63), got {self.seed!r}")
-        ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "stop_token_ids")):
-            raise SamplingError(f"stop_token_ids: expected non-negative integers, got {ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
-        ids = self.allowed_token_ids
-        if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "allowed_token_ids")):
-            raise SamplingError(f"allowed_token_ids: expected non-negative integers, got {ids!r}")
-        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
-        words = [tuple(w) if isinstance(w, (list, tuple)) else w for w in _iter(self.bad_words_ids, "bad_words_ids")]
-        if not all(isinstance(w, tuple) and w and all(_is_int(i) and i >= 0 for i in w) for w in words):
-            raise SamplingError(f"bad_words_ids: expected non-empty sequences of token ids, got {self.bad_words_ids!r}")
-        object.__setattr__(self, "bad_words_ids", tuple(dict.fromkeys(words)))
+        self._check_tokens()
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not all(isinstance(s, str) and s for s in _iter(stop, "stop")):
             raise SamplingError(f"stop: expected non-empty strings, got {self.stop!r}")
@@ -101,6 +91,27 @@ class SamplingParams:
             lp = getattr(self, name)
             if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
                 raise SamplingError(f"{name}: expected an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+
+    def _check_tokens(self):
+        """stop_token_ids, allowed_token_ids, bad_words_ids: token ids, and no request whose bans leave nothing."""
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "stop_token_ids")):
+            raise SamplingError(f"stop_token_ids: expected non-negative integers, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        ids = self.allowed_token_ids
+        if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "allowed_token_ids")):
+            raise SamplingError(f"allowed_token_ids: expected non-negative integers, got {ids!r}")
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
+        words = [tuple(w) if isinstance(w, (list, tuple)) else w for w in _iter(self.bad_words_ids, "bad_words_ids")]
+        if not all(isinstance(w, tuple) and w and all(_is_int(i) and i >= 0 for i in w) for w in words):
+            raise SamplingError(f"bad_words_ids: expected non-empty sequences of token ids, got {self.bad_words_ids!r}")
+        object.__setattr__(self, "bad_words_ids", tuple(dict.fromkeys(words)))
+        allowed, banned = set(self.allowed_token_ids), {w[0] for w in self.bad_words_ids if len(w) == 1}
+        if allowed and allowed <= banned:
+            raise SamplingError("allowed_token_ids: every allowed token is one of the bad_words")
+        if allowed and self.min_tokens and allowed <= set(self.stop_token_ids):
+            raise SamplingError("allowed_token_ids: every allowed token is a stop token, and min_tokens holds "
+                                "those back")
 
     def _check_numbers(self):
         t = self.temperature
@@ -134,6 +145,8 @@ class SamplingParams:
             raise SamplingError(f"structured: cannot be combined with "
                                 f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} (the grammar ends on a stop "
                                 f"token)")
+        if self.allowed_token_ids:                  # the grammar may need any token
+            raise SamplingError("structured: cannot be combined with allowed_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -213,6 +226,7 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
         x, own = _add_bias(x, params), True
     if any(p.allowed_token_ids for p in params):
         x, own = _only_allowed(x, params), True
+    masked = own or (ban is not None and any(ban)) or allow is not None
     if ban is not None and any(ban):
         rows = [r for r, b in enumerate(ban) for _ in b]
         cols = [t for b in ban for t in b]
@@ -220,6 +234,8 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
         x, own = x.index_put(idx, torch.tensor(-math.inf, device=x.device)), True
     if allow is not None:
         x, own = x.masked_fill(~allow, -math.inf), True
+    if masked:       # a row its restrictions leave empty draws from its raw logits: never a crash or token 0
+        x = torch.where(torch.isfinite(x).any(-1, keepdim=True), x, logits.float())
     if counts is not None and any(c is not None and p.has_penalties for p, c in zip(params, counts)):
         x = x if own else x.clone()      # the rows below change in place: never the caller's logits
         for r, (p, c) in enumerate(zip(params, counts)):
@@ -279,14 +295,26 @@ def _add_bias(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return x.index_put(idx, small_tensor(vals, torch.float32, x.device), accumulate=True)
 
 
+_MASKS: dict[tuple, torch.Tensor] = {}      # (id(params), device, vocab) -> bool [V], while the params live
+
+
+def _allowed_mask(p: SamplingParams, vocab: int, device) -> torch.Tensor:
+    """The bool [V] mask of a request's allowed_token_ids, built once per request and device (a request may
+    allow most of the vocabulary: rebuilding it every step would cost the whole batch)."""
+    key = (id(p), str(device), vocab)
+    m = _MASKS.get(key)
+    if m is None:
+        m = torch.zeros(vocab, dtype=torch.bool, device=device)
+        m[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=device)] = True
+        _MASKS[key] = m
+        weakref.finalize(p, _MASKS.pop, key, None)
+    return m
+
+
 def _only_allowed(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """x with -inf outside each restricted row's allowed_token_ids (a copy)."""
-    keep = torch.zeros_like(x, dtype=torch.bool)
-    free = [r for r, p in enumerate(params) if not p.allowed_token_ids]
-    keep[small_tensor(free, torch.long, x.device)] = True
-    rows = [r for r, p in enumerate(params) for _ in p.allowed_token_ids]
-    cols = [t for p in params for t in p.allowed_token_ids]
-    keep[small_tensor(rows, torch.long, x.device), small_tensor(cols, torch.long, x.device)] = True
+    every = torch.ones(x.shape[1], dtype=torch.bool, device=x.device)
+    keep = torch.stack([_allowed_mask(p, x.shape[1], x.device) if p.allowed_token_ids else every for p in params])
     return x.masked_fill(~keep, -math.inf)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -228,19 +229,23 @@ class Tokenizer:
         self._compiled()
 
 
-def read_template(path: str) -> str:
-    """A chat template file's text, compiled once to check it; TokenizerError naming the file otherwise."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"--chat-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") \
-            from None
+def read_template(given: str) -> tuple[str, str]:
+    """--chat-template: a file, or the template itself (vLLM takes both) -> (its name in errors, its text),
+    compiled once to check it; TokenizerError naming it otherwise."""
+    inline = not os.path.exists(given) and ("{{" in given or "{%" in given)
+    name = "--chat-template (inline)" if inline else f"--chat-template {given}"
+    text = given
+    if not inline:
+        try:
+            with open(given, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{name}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     try:
         _jinja_env().from_string(text)
     except Exception as e:  # noqa: BLE001 -- TemplateSyntaxError mostly
-        raise TokenizerError(f"--chat-template {path}: {_first_line(e)}") from None
-    return text
+        raise TokenizerError(f"{name}: {_first_line(e)}") from None
+    return name, text
 
 
 def _first_line(e: Exception) -> str:

@@ -92,3 +92,35 @@ def test_api_allowed_token_ids(real_srv):  # noqa: F811
         r = _post(real_srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "allowed_token_ids": ids})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "allowed_token_ids" and why in err["message"], err
+
+
+def test_a_row_its_restrictions_empty_draws_from_the_raw_logits():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(3))
+    p = [SamplingParams(temperature=0, allowed_token_ids=(4, 5)), SamplingParams(temperature=1.0)]
+    got = process(logits, p, ban=[(4, 5), ()], allow=torch.tensor([[True] * 30, [False] * 30]))
+    assert torch.isfinite(got).all() and got[0].argmax() == logits[0].argmax()     # no token 0 by default
+    assert torch.allclose(got[1], torch.softmax(logits[1], -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(allowed_token_ids=(3, 4), bad_words_ids=((3,), (4,), (5, 6))), "every allowed token is one of the bad"),
+    (dict(allowed_token_ids=(3,), stop_token_ids=(3,), min_tokens=2, max_tokens=4), "every allowed token is a stop"),
+    (dict(allowed_token_ids=(3,), structured=("regex", "a")), "structured: cannot be combined with allowed"),
+], ids=["all-bad", "all-stops", "grammar"])
+def test_requests_that_leave_no_token_are_refused(kw, needle):
+    with pytest.raises(SamplingError, match=needle):
+        SamplingParams(**kw)
+
+
+def test_the_allowed_mask_is_built_once_per_request():
+    import gc
+
+    from ninfer_rt import sampling
+    p = SamplingParams(allowed_token_ids=tuple(range(0, 20000, 3)))
+    logits = torch.randn(3, 20000)
+    first = process(logits, [p, SamplingParams(), p])
+    before = len(sampling._MASKS)
+    assert torch.equal(process(logits, [p, SamplingParams(), p]), first) and len(sampling._MASKS) == before
+    del p
+    gc.collect()
+    assert len(sampling._MASKS) == before - 1                     # dropped with its request

@@ -62,6 +62,9 @@ class ScriptEngine(FakeEngine):
     def emit(self, s, n: int):
         done, left = len(s["out"]), s["params"].max_tokens - len(s["out"])
         new = self.script[done:done + min(n, left)]
+        stop = next((i for i, t in enumerate(new) if t in s["params"].stop_token_ids), None)
+        if stop is not None:                  # as the engine: a stop token ends the output (and is emitted)
+            return new[:stop + 1], "stop"
         if done + len(new) >= len(self.script):
             return new, "stop"
         return new, ("length" if len(new) >= left else None)

@@ -69,3 +69,48 @@ def test_their_no_op_values_are_accepted(srv):
             "priority": 0, "echo": False, "skip_special_tokens": True, "include_stop_str_in_output": False}
     assert _post(s, "/v1/chat/completions", {**CHAT, **noop}).status_code == 200
     assert _post(s, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "echo": True, **noop}).status_code == 200
+
+
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(srv):
+    s, _, tok = srv
+    ids = tok.encode(ANSWER)
+    at = next(i for i, t in enumerate(ids) if i and t not in ids[:i])       # a token's first occurrence
+    assert _text(s, {"stop_token_ids": [ids[at]]}, False) == tok.decode(ids[:at])
+    assert _text(s, {"stop_token_ids": [ids[at]], "include_stop_str_in_output": True}, False) == \
+        tok.decode(ids[:at + 1])
+
+
+def test_echo_of_a_truncated_prompt_is_its_kept_part(srv):
+    s, _, tok = srv
+    r = _post(s, "/v1/completions", {"prompt": "one two three four five", "max_tokens": 1, "echo": True,
+                                     "truncate_prompt_tokens": 3})
+    ids = tok.encode("one two three four five")[-3:]
+    assert r.json()["choices"][0]["text"].startswith(tok.decode(ids)) and r.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_version_needs_no_api_key():
+    import importlib.metadata
+
+    from fastapi.testclient import TestClient
+
+    from ninfer_rt.server.app import ServerState, create_app
+    client = TestClient(create_app(ServerState(model_id="m", api_key="k")))
+    assert client.get("/version").json() == {"version": importlib.metadata.version("ninfer")}
+    assert client.get("/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("value,want", [("*", ("*",)), ("https://a, https://b", ("https://a", "https://b")),
+                                        ('["https://a", "https://b"]', ("https://a", "https://b")), ("", ()),
+                                        ("[]", ())], ids=["any", "commas", "json", "none", "json-none"])
+def test_allowed_origins_take_vllms_json_list(value, want):
+    from ninfer_rt.cmd_serve import origins
+    assert origins(value) == want
+
+
+def test_chat_template_may_be_the_template_itself(tmp_path):
+    from ninfer_rt.tokenizer import TokenizerError, read_template
+    assert read_template("{{ messages[0].content }}") == ("--chat-template (inline)", "{{ messages[0].content }}")
+    (tmp_path / "t.jinja").write_text("{{ x }}")
+    assert read_template(str(tmp_path / "t.jinja")) == (f"--chat-template {tmp_path / 't.jinja'}", "{{ x }}")
+    with pytest.raises(TokenizerError, match=r"^--chat-template \(inline\): "):
+        read_template("{% for m in messages %}")

@@ -37,7 +37,7 @@ from .tool_calls import ToolParser
 
 MAX_BODY_BYTES = 4 << 20
 BIG_BODY_BYTES = 1 << 20
-UNGUARDED = ("/health",)
+UNGUARDED = ("/health", "/version")
 ANTHROPIC_PREFIX = "/v1/messages"
 
 

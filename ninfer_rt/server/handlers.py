@@ -192,9 +192,11 @@ def completion_prompt(tok, req: P.CompletionRequest, vocab: int) -> list[int]:
 
 
 def prompt_text(tok, req: P.CompletionRequest, ids: list[int]) -> str:
-    """What `echo` repeats: the prompt as sent, or the text of a token-id prompt (special tokens kept)."""
+    """What `echo` repeats: the prompt as sent, or the text of a token-id prompt or of a cut one (special tokens
+    kept)."""
     p = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else req.prompt
-    return p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False)
+    whole = isinstance(p, str) and req.truncate_prompt_tokens is None
+    return p if whole else tok.decode(ids, skip_special_tokens=False)
 
 
 def after_reasoning(tok, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:

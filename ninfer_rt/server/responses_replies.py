@@ -52,7 +52,8 @@ class Shape:
 
     def usage(self, output_tokens: int, reasoning_tokens: int) -> dict:
         # no prefix cache here: nothing is read from or written to one
-        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        return {"input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": self.prompt_tokens + output_tokens}
 

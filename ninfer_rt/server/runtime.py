@@ -55,7 +55,7 @@ class RuntimeOptions:
     vision_max_tokens: int = DEFAULT_VISION_TOKENS   # image tokens per request (with vision)
     eager: bool = False                 # no CUDA-graph capture (the runner's steps run eagerly; --eager)
     async_scheduling: bool | None = None   # run-ahead decode steps; None = on CUDA (--no-async-scheduling)
-    chat_template: tuple[str, str] | None = None    # (file, its text): replaces the artifact's (--chat-template)
+    chat_template: tuple[str, str] | None = None    # (its name, its text): replaces the artifact's (--chat-template)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):

@@ -275,8 +275,10 @@ class Scheduler:
                 continue
             self._take_spec(h, o)
             ids = list(o.new_token_ids)[:h.params.max_tokens - h.generated]
-            # a stop token id ends the output out of its text (as vLLM), though it counts and has its logprob
-            stop_id = o.finished and o.finish_reason == "stop" and ids and ids[-1] in h.params.stop_token_ids
+            # a stop token id ends the output out of its text (as vLLM), though it counts and has its logprob;
+            # include_stop_str_in_output keeps its text too (vLLM's rule for stop tokens as for stop strings)
+            stop_id = o.finished and o.finish_reason == "stop" and ids and ids[-1] in h.params.stop_token_ids \
+                and not h.params.include_stop_str_in_output
             before = h.text.reasoning_tokens
             used, reasoning, content = self._detok(h, ids[:-1] if stop_id else ids)
             used += bool(stop_id) and not h.text.stopped

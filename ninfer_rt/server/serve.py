@@ -152,8 +152,6 @@ def run_server(opts: ServeOptions) -> int:
     import uvicorn
     if not opts.runtime.artifact.startswith("hf://"):
         resolve_artifact(opts.runtime.artifact)          # a missing artifact fails before binding
-    sock = bind(opts.host, opts.port)
-    log = RequestLog(opts.log_requests) if opts.log_requests else NullLog()
     state = ServerState(model_id=opts.model_id or default_model_id(opts.runtime.artifact), api_key=opts.api_key,
                         max_body_bytes=opts.max_body_bytes, allowed_origins=opts.allowed_origins)
     config = uvicorn.Config(create_app(state), log_level="warning", timeout_graceful_shutdown=opts.drain_timeout_s,
@@ -162,6 +160,8 @@ def run_server(opts: ServeOptions) -> int:
         config.load()                    # the TLS files are read here: a bad key or certificate fails before binding
     except (OSError, ValueError) as e:   # ssl.SSLError is an OSError
         raise ServeError(f"--ssl-keyfile / --ssl-certfile: cannot use them ({e})") from None
+    sock = bind(opts.host, opts.port)
+    log = RequestLog(opts.log_requests) if opts.log_requests else NullLog()
     server = uvicorn.Server(config)
     loader = _Loader(opts, state, server, log)
     # uvicorn re-raises the signal that stopped it once it returns; with these handlers in place that
