@@ -166,7 +166,7 @@ for step in "$@"; do
       timeout 200 python3 -m pytest -q -x tests/test_kernels_gemv_mma.py > "$OUT/mmatest.txt" 2>&1
       rc=$?; tail -25 "$OUT/mmatest.txt"; [ $rc -eq 0 ] || { echo "mmatest failed (rc=$rc): stopping"; break; } ;;
     pytests)
-      env ${PYTEST_ENV:-} timeout ${PYTEST_S:-240} python3 -m pytest -q -rf \
+      env ${PYTEST_ENV:-} timeout ${PYTEST_S:-240} python3 -u -m pytest -q -rf --durations=20 \
         ${PYTEST_FILES:-tests/test_kernels_gemv_iq3_s_h2.py tests/test_kernels_gemv.py} \
         -k "${PYTEST_K:-iq3 or q6_k}" > "$OUT/pytests.txt" 2>&1
       echo "pytests rc=$?"; grep -E "passed|failed|^FAILED" "$OUT/pytests.txt" | tail -10 ;;
