@@ -116,8 +116,8 @@ def _kv_capacity(ctx, param, value):
 @image_limit_options("request")
 @user_errors
 def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_keyfile, ssl_certfile, tp, spec,
-          draft_tokens, draft_head, max_concurrency, kv_capacity, max_context, max_pending, default_max_tokens, api_key, device, dtype, backend, prefill_chunk, log_requests,
-          drain_timeout, max_body_mib, no_verify, eager, no_async_scheduling, vision, vision_max_tokens, max_images,
+          draft_tokens, draft_head, max_concurrency, kv_capacity, max_context, max_pending, default_max_tokens,
+          api_key, device, dtype, backend, prefill_chunk, log_requests, drain_timeout, max_body_mib, no_verify, eager, no_async_scheduling, vision, vision_max_tokens, max_images,
           max_image_bytes, max_image_pixels, vision_max_pixels):
     """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
     from .server.runtime import RuntimeOptions

@@ -1,7 +1,6 @@
-"""Structured output: a request's grammar (a JSON schema, a regex, a choice, an EBNF grammar, a structural tag: the
-forced tool calls) turned into
-the set of tokens each output position may take, through xgrammar (an optional dependency, imported on first
-use).
+"""Structured output: a request's grammar (a JSON schema, a regex, a choice, an EBNF grammar, or a structural tag,
+as forced tool calls use) turned into the set of tokens each output position may take, through xgrammar (an
+optional dependency, imported on first use).
 
 `GrammarBackend` is built once per engine, on the first structured request (the tokenizer's vocabulary is
 indexed then, ~1 s at 248K tokens); compiled grammars are cached by xgrammar. `Constraint` follows one sequence:
