@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()     # the k most likely tokens at this position, most likely first
+    rank: int | None = None                     # 1 + how many tokens the model found likelier (vLLM's rank)
 
 
 def _finite(v: float) -> float:
@@ -41,7 +42,8 @@ def token_logprobs(items: list[tuple[torch.Tensor, list[int], int]], vocab: int)
         for lo in range(0, len(toks), SLICE):
             rows = lg[lo:min(lo + SLICE, len(toks)), :vocab].float()
             lp = rows - torch.logsumexp(rows, -1, keepdim=True)
-            cols = [lp.gather(1, ids[lo:lo + rows.shape[0], None])]
+            own = lp.gather(1, ids[lo:lo + rows.shape[0], None])
+            cols = [own, 1 + (lp > own).sum(-1, keepdim=True).float()]     # ranks < 2^24: exact in float32
             if k:
                 val, idx = lp.topk(min(k, vocab), -1)
                 cols += [val, idx.float()]          # ids < 2^24: exact in float32, so one tensor and one transfer
@@ -52,9 +54,9 @@ def token_logprobs(items: list[tuple[torch.Tensor, list[int], int]], vocab: int)
         seq = []
         for t in ts:
             row = host[r]
-            kk = (len(row) - 1) // 2
-            top = tuple((int(row[1 + kk + j]), _finite(row[1 + j])) for j in range(min(want, kk)))
-            seq.append(TokenLogprob(int(t), _finite(row[0]), top))
+            kk = (len(row) - 2) // 2
+            top = tuple((int(row[2 + kk + j]), _finite(row[2 + j])) for j in range(min(want, kk)))
+            seq.append(TokenLogprob(int(t), _finite(row[0]), top, int(row[1])))
             r += 1
         out.append(seq)
     return out

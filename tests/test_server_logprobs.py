@@ -178,3 +178,43 @@ def test_format_drops_padded_vocabulary_rows():
     chat = LogprobFormat(tiny_tokenizer(), chat=True, top=2).format([t])
     assert [e["token"] for e in chat["content"][0]["top_logprobs"]] == ["a"]
     assert LogprobFormat(tiny_tokenizer(), chat=False, top=2).format([t])["top_logprobs"] == [{"a": -0.1}]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_vllm_prompt_logprobs_are_hf_log_softmax_with_ranks(srv, chat):
+    """vLLM's prompt_logprobs=k: None for the first prompt token, then {id: {logprob, rank, decoded_token}} for the
+    prompt token (its rank among the vocabulary) and the k likeliest; values are HF's log_softmax."""
+    import torch
+
+    from test_server import _ARTIFACT, _post
+    tok = _tok()
+    if chat:
+        body = {"messages": [{"role": "user", "content": "def add(a, b):"}], **NO_THINK}
+        r = _post(srv, "/v1/chat/completions", {"model": MODEL_ID, "max_tokens": 1, "prompt_logprobs": 2, **body})
+        ids = _post(srv, "/tokenize", {"model": MODEL_ID, "messages": body["messages"],
+                                       "chat_template_kwargs": NO_THINK["chat_template_kwargs"]}).json()["tokens"]
+        got = r.json()["prompt_logprobs"]
+    else:
+        ids = tok.encode("def add(a, b):\n    return a + b\n")
+        r = _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2,
+                                           "ignore_eos": True})
+        got = r.json()["choices"][0]["prompt_logprobs"]
+    assert r.status_code == 200 and len(got) == len(ids) and got[0] is None, r.json()
+    ref = hf_tiny.load_hf_reference(_ARTIFACT["hf"]).causal_lm()
+    with torch.no_grad():
+        want = torch.log_softmax(ref(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    for j, (entry, t) in enumerate(zip(got[1:], ids[1:])):
+        row = want[j]
+        mine = entry[str(t)]
+        assert abs(mine["logprob"] - float(row[t])) < 1e-4
+        lo, hi = 1 + int((row > row[t] + 1e-5).sum()), 1 + int((row > row[t] - 1e-5).sum())     # near-ties
+        assert lo <= mine["rank"] <= hi
+        assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2] and len(entry) in (2, 3)
+        assert mine["decoded_token"] == tok.token_bytes(t).decode("utf-8", "replace") or \
+            mine["decoded_token"].startswith("bytes:")
+
+
+def test_prompt_logprobs_refuse_streams(srv):
+    from test_server import _post
+    r = _post(srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"

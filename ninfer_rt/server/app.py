@@ -272,7 +272,8 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     tok = state.tokenizer
     usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
     reply = R.Reply(B.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
-                    state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None)
+                    state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None,
+                    LogprobFormat(tok, chat=True, top=req.prompt_logprobs) if req.prompt_logprobs is not None else None)
     return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply, *_tools(req, chat)), request,
                            reply)
 

@@ -60,6 +60,18 @@ class LogprobFormat:
         out["top_logprobs"][0] = None
         return out
 
+    def vllm_prompt(self, lps: list) -> list:
+        """vLLM's `prompt_logprobs`: None for the first prompt token (nothing predicts it), then per token
+        {token id: {logprob, rank, decoded_token}} for the token itself and its `top` alternatives."""
+        out = [None]
+        for t in lps:
+            d = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": self._piece(i)[0]}
+                 for r, (i, v) in enumerate(self._top(t))}
+            d.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": t.rank,
+                                           "decoded_token": self._piece(t.token_id)[0]})
+            out.append(d)
+        return out
+
     def _top(self, t: TokenLogprob) -> list[tuple[int, float]]:
         """The alternatives that are tokens (a padded vocabulary row is none)."""
         return [(i, v) for i, v in t.top[:self.top] if i < self.n_tokens]
@@ -83,7 +95,9 @@ class LogprobFormat:
 
 def requested(req, chat: bool) -> tuple[int | None, int | None]:
     """-> the engine's (logprobs, prompt_logprobs) for a request (alternatives per token; None: none). Prompt
-    logprobs come with completions' `echo`."""
+    logprobs come with completions' `echo` and with vLLM's `prompt_logprobs`."""
     if chat:
-        return ((req.top_logprobs or 0) if req.logprobs else None), None
-    return req.logprobs, (req.logprobs if req.echo else None)
+        return ((req.top_logprobs or 0) if req.logprobs else None), req.prompt_logprobs
+    echo = req.logprobs if req.echo else None
+    plp = max((k for k in (echo, req.prompt_logprobs) if k is not None), default=None)
+    return req.logprobs, plp

@@ -126,9 +126,9 @@ class _Sampling(_Strict):
     include_stop_str_in_output: bool = False    # vLLM's: a matched stop string stays at the end of the text
     skip_special_tokens: bool = True            # vLLM's: false keeps special tokens' text in the output
     truncate_prompt_tokens: int | None = None   # vLLM's: only the prompt's last k tokens (-1: the context length)
+    prompt_logprobs: int | None = None          # vLLM's: each prompt token's logprob, rank and k alternatives
     # vLLM's fields this server does not implement: a 400 unless they hold their no-op value (_NOT_IMPLEMENTED)
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
     logits_processors: list | None = None
     return_tokens_as_token_ids: bool = False
     spaces_between_special_tokens: bool = True
@@ -137,8 +137,7 @@ class _Sampling(_Strict):
 
 
 # vLLM's request fields without an implementation here -> their no-op values
-_NOT_IMPLEMENTED = {"use_beam_search": False, "prompt_logprobs": None,
-                    "logits_processors": None, "return_tokens_as_token_ids": False,
+_NOT_IMPLEMENTED = {"use_beam_search": False, "logits_processors": None, "return_tokens_as_token_ids": False,
                     "spaces_between_special_tokens": True, "length_penalty": 1, "priority": 0, "echo": False,
                     "chat_template": None}
 
@@ -212,6 +211,11 @@ def _check_common(req: _Sampling) -> None:
     if req.allowed_token_ids == []:
         raise bad_request("allowed_token_ids: must not be empty (leave it out to allow every token)",
                           param="allowed_token_ids")
+    if req.prompt_logprobs is not None:
+        _check_logprobs("prompt_logprobs", req.prompt_logprobs)
+        if req.stream:
+            raise bad_request("prompt_logprobs: not supported with stream (ask for a blocking reply)",
+                              param="prompt_logprobs")
     t = req.truncate_prompt_tokens
     if t is not None and not (t >= 1 or t == -1):
         raise bad_request(f"truncate_prompt_tokens: expected an integer >= 1, or -1 (the context length), got {t}",

@@ -48,6 +48,7 @@ class Reply:
     include_usage: bool = False
     fingerprint: str | None = None
     echo: tuple[str, int] | None = None      # completions' echo: (prompt text, first prompt token)
+    prompt_logprobs: LogprobFormat | None = None     # vLLM's prompt_logprobs: their formatter (its top k)
 
 
 class ClientGone(Exception):
@@ -77,8 +78,13 @@ async def respond(choices: list[Choice], request: Request, reply: Reply):
             t.cancel()
             c.handle.cancel()                  # also where a task never started (idempotent)
     bodies = [g.choice(i, c, reply) for i, (c, g) in enumerate(zip(choices, got))]
-    return JSONResponse(B.reply_body(rid, reply.model, reply.chat, bodies, total_usage([g.use for g in got]),
-                                     reply.fingerprint))
+    body = B.reply_body(rid, reply.model, reply.chat, bodies, total_usage([g.use for g in got]), reply.fingerprint)
+    if reply.prompt_logprobs is not None:      # vLLM: per choice on completions, once for the chat reply
+        if reply.chat:
+            body["prompt_logprobs"] = reply.prompt_logprobs.vllm_prompt(got[0].prompt_lps)
+        for b, g in zip(bodies, got if not reply.chat else ()):
+            b["prompt_logprobs"] = reply.prompt_logprobs.vllm_prompt(g.prompt_lps)
+    return JSONResponse(body)
 
 
 def sse_response(events) -> StreamingResponse:
