@@ -8,7 +8,7 @@ import json
 
 import pytest
 from test_server import _post
-from test_server_tools import ANSWER, CALLS, WEATHER, script_server
+from test_server_tools import ANSWER, CALLS, WEATHER, thinking_srv  # noqa: F401  (the `srv` fixture)
 
 import hf_tiny
 
@@ -16,13 +16,6 @@ THINK, UNTHINK = hf_tiny.SPECIALS["<think>"], hf_tiny.SPECIALS["</think>"]
 TOOL = {"name": WEATHER["function"]["name"], "description": WEATHER["function"]["description"],
         "input_schema": WEATHER["function"]["parameters"]}
 ASK = [{"role": "user", "content": "Weather in Paris and Rome?"}]
-
-
-@pytest.fixture(scope="module")
-def srv():
-    s = script_server("Two cities.")
-    yield s
-    s[0].close()
 
 
 def client(srv):

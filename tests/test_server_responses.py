@@ -8,20 +8,13 @@ import json
 import httpx
 import pytest
 from test_server import MODEL_ID, _post, fake_server, real_srv  # noqa: F401
-from test_server_tools import CALLS, WEATHER, script_server
+from test_server_tools import CALLS, WEATHER, thinking_srv  # noqa: F401  (the `srv` fixture)
 
 import hf_tiny
 
 THINK, UNTHINK = hf_tiny.SPECIALS["<think>"], hf_tiny.SPECIALS["</think>"]
 TOOL = {"type": "function", **WEATHER["function"]}
 ASK = "Weather in Paris and Rome?"
-
-
-@pytest.fixture(scope="module")
-def srv():
-    s = script_server("Two cities.")
-    yield s
-    s[0].close()
 
 
 def client(srv):

@@ -80,6 +80,14 @@ def script_server(thinking: str | None = None):
     return srv, engine, tok
 
 
+@pytest.fixture(scope="module", name="srv")
+def thinking_srv():
+    """A think block ("Two cities."), then ANSWER: the Messages and Responses API tests' server."""
+    s = script_server("Two cities.")
+    yield s
+    s[0].close()
+
+
 @pytest.fixture(scope="module")
 def tools_srv():
     srv, engine, tok = script_server()
