@@ -22,7 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()     # the k most likely tokens at this position, most likely first
-    rank: int | None = None                     # 1 + how many tokens the model found likelier (vLLM's rank)
+    rank: int | None = None                     # how many tokens are at least as likely, itself included (vLLM's)
 
 
 def _finite(v: float) -> float:
@@ -43,7 +43,8 @@ def token_logprobs(items: list[tuple[torch.Tensor, list[int], int]], vocab: int)
             rows = lg[lo:min(lo + SLICE, len(toks)), :vocab].float()
             lp = rows - torch.logsumexp(rows, -1, keepdim=True)
             own = lp.gather(1, ids[lo:lo + rows.shape[0], None])
-            cols = [own, 1 + (lp > own).sum(-1, keepdim=True).float()]     # ranks < 2^24: exact in float32
+            # vLLM's rank: the tokens at least as likely, itself included (ranks < 2^24: exact in float32)
+            cols = [own, (lp >= own).sum(-1, keepdim=True).float()]
             if k:
                 val, idx = lp.topk(min(k, vocab), -1)
                 cols += [val, idx.float()]          # ids < 2^24: exact in float32, so one tensor and one transfer

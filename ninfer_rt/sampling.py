@@ -106,12 +106,12 @@ class SamplingParams:
         if not all(isinstance(w, tuple) and w and all(_is_int(i) and i >= 0 for i in w) for w in words):
             raise SamplingError(f"bad_words_ids: expected non-empty sequences of token ids, got {self.bad_words_ids!r}")
         object.__setattr__(self, "bad_words_ids", tuple(dict.fromkeys(words)))
-        allowed, banned = set(self.allowed_token_ids), {w[0] for w in self.bad_words_ids if len(w) == 1}
+        allowed = set(self.allowed_token_ids)
+        banned = {w[0] for w in self.bad_words_ids if len(w) == 1} | (set(self.stop_token_ids) if self.min_tokens
+                                                                       else set())
         if allowed and allowed <= banned:
-            raise SamplingError("allowed_token_ids: every allowed token is one of the bad_words")
-        if allowed and self.min_tokens and allowed <= set(self.stop_token_ids):
-            raise SamplingError("allowed_token_ids: every allowed token is a stop token, and min_tokens holds "
-                                "those back")
+            raise SamplingError("allowed_token_ids: every allowed token is banned (a one-token bad word, or a stop "
+                                "token that min_tokens holds back)")
 
     def _check_numbers(self):
         t = self.temperature
@@ -222,20 +222,22 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"process: logits {tuple(logits.shape)} for {len(params)} parameter rows")
     x, own = logits.float(), False
+    raw = x                  # every step below is out of place
     if any(p.logit_bias for p in params):
         x, own = _add_bias(x, params), True
+    restricted = any(p.allowed_token_ids for p in params) or allow is not None
     if any(p.allowed_token_ids for p in params):
         x, own = _only_allowed(x, params), True
-    masked = own or (ban is not None and any(ban)) or allow is not None
+    if allow is not None:
+        x, own = x.masked_fill(~allow, -math.inf), True
+    hard = x                 # what a row must keep: its allowed tokens, its grammar's
     if ban is not None and any(ban):
         rows = [r for r, b in enumerate(ban) for _ in b]
         cols = [t for b in ban for t in b]
         idx = (small_tensor(rows, torch.long, x.device), small_tensor(cols, torch.long, x.device))
-        x, own = x.index_put(idx, torch.tensor(-math.inf, device=x.device)), True
-    if allow is not None:
-        x, own = x.masked_fill(~allow, -math.inf), True
-    if masked:       # a row its restrictions leave empty draws from its raw logits: never a crash or token 0
-        x = torch.where(torch.isfinite(x).any(-1, keepdim=True), x, logits.float())
+        x, own, restricted = x.index_put(idx, torch.tensor(-math.inf, device=x.device)), True, True
+    if restricted:
+        x = _nonempty(x, hard, raw)
     if counts is not None and any(c is not None and p.has_penalties for p, c in zip(params, counts)):
         x = x if own else x.clone()      # the rows below change in place: never the caller's logits
         for r, (p, c) in enumerate(zip(params, counts)):
@@ -257,6 +259,13 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
     out[g] = _one_hot(x[g])
     out[r] = _truncate(x[r], [params[i] for i in rand])
     return out
+
+
+def _nonempty(x: torch.Tensor, hard: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Rows the bans (min_tokens' stop tokens, bad_words) leave empty keep only their hard restrictions (allowed
+    tokens, a grammar's); rows those leave empty too, the raw logits: never a crash or token 0."""
+    x = torch.where(torch.isfinite(x).any(-1, keepdim=True), x, hard)
+    return torch.where(torch.isfinite(x).any(-1, keepdim=True), x, raw)
 
 
 def bad_word_ban(params: SamplingParams, out: list[int], drafts: list[int], rows: int) -> list[tuple]:
@@ -305,7 +314,7 @@ def _allowed_mask(p: SamplingParams, vocab: int, device) -> torch.Tensor:
     m = _MASKS.get(key)
     if m is None:
         m = torch.zeros(vocab, dtype=torch.bool, device=device)
-        m[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=device)] = True
+        m[small_tensor([t for t in p.allowed_token_ids if t < vocab], torch.long, device)] = True
         _MASKS[key] = m
         weakref.finalize(p, _MASKS.pop, key, None)
     return m

@@ -94,19 +94,37 @@ def test_api_allowed_token_ids(real_srv):  # noqa: F811
         assert r.status_code == 400 and err["param"] == "allowed_token_ids" and why in err["message"], err
 
 
+def test_bans_that_empty_a_row_give_way_to_its_hard_restrictions():
+    """A grammar row allowing only token 4 keeps it though a bad word bans it; allowed (3, 4) keeps its tokens
+    though bans (a stop under min_tokens, a bad word) cover both."""
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(5))
+    logits[:, 0] = 50.0                                          # the raw argmax: allowed nowhere
+    grammar = torch.zeros(2, 30, dtype=torch.bool)
+    grammar[0, 4] = True
+    grammar[1] = True
+    p = [SamplingParams(temperature=0), SamplingParams(temperature=0, allowed_token_ids=(3, 4))]
+    got = process(logits, p, ban=[(4,), (3, 4)], allow=grammar)
+    assert int(got[0].argmax()) == 4 and int(got[1].argmax()) in (3, 4)
+
+
 def test_a_row_its_restrictions_empty_draws_from_the_raw_logits():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(3))
+    grammar = torch.ones(2, 30, dtype=torch.bool)
+    grammar[:, 4:6] = False                                      # against the allowed tokens: nothing is left
+    grammar[1] = False
     p = [SamplingParams(temperature=0, allowed_token_ids=(4, 5)), SamplingParams(temperature=1.0)]
-    got = process(logits, p, ban=[(4, 5), ()], allow=torch.tensor([[True] * 30, [False] * 30]))
+    got = process(logits, p, ban=[(7,), ()], allow=grammar)
     assert torch.isfinite(got).all() and got[0].argmax() == logits[0].argmax()     # no token 0 by default
     assert torch.allclose(got[1], torch.softmax(logits[1], -1), atol=1e-6)
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(allowed_token_ids=(3, 4), bad_words_ids=((3,), (4,), (5, 6))), "every allowed token is one of the bad"),
-    (dict(allowed_token_ids=(3,), stop_token_ids=(3,), min_tokens=2, max_tokens=4), "every allowed token is a stop"),
+    (dict(allowed_token_ids=(3, 4), bad_words_ids=((3,), (4,), (5, 6))), "every allowed token is banned"),
+    (dict(allowed_token_ids=(3,), stop_token_ids=(3,), min_tokens=2, max_tokens=4), "every allowed token is banned"),
+    (dict(allowed_token_ids=(3, 4), stop_token_ids=(4,), bad_words_ids=((3,),), min_tokens=1),
+     "every allowed token is banned"),
     (dict(allowed_token_ids=(3,), structured=("regex", "a")), "structured: cannot be combined with allowed"),
-], ids=["all-bad", "all-stops", "grammar"])
+], ids=["all-bad", "all-stops", "bad-and-stops", "grammar"])
 def test_requests_that_leave_no_token_are_refused(kw, needle):
     with pytest.raises(SamplingError, match=needle):
         SamplingParams(**kw)
@@ -119,8 +137,10 @@ def test_the_allowed_mask_is_built_once_per_request():
     p = SamplingParams(allowed_token_ids=tuple(range(0, 20000, 3)))
     logits = torch.randn(3, 20000)
     first = process(logits, [p, SamplingParams(), p])
+    key = (id(p), "cpu", 20000)
     before = len(sampling._MASKS)
     assert torch.equal(process(logits, [p, SamplingParams(), p]), first) and len(sampling._MASKS) == before
+    assert key in sampling._MASKS
     del p
     gc.collect()
-    assert len(sampling._MASKS) == before - 1                     # dropped with its request
+    assert key not in sampling._MASKS                             # dropped with its request

@@ -207,11 +207,10 @@ def test_vllm_prompt_logprobs_are_hf_log_softmax_with_ranks(srv, chat):
         row = want[j]
         mine = entry[str(t)]
         assert abs(mine["logprob"] - float(row[t])) < 1e-4
-        lo, hi = 1 + int((row > row[t] + 1e-5).sum()), 1 + int((row > row[t] - 1e-5).sum())     # near-ties
+        lo, hi = 1 + int((row > row[t] + 1e-5).sum()), int((row >= row[t] - 1e-5).sum())    # vLLM's: ties count
         assert lo <= mine["rank"] <= hi
         assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2] and len(entry) in (2, 3)
-        assert mine["decoded_token"] == tok.token_bytes(t).decode("utf-8", "replace") or \
-            mine["decoded_token"].startswith("bytes:")
+        assert mine["decoded_token"] == tok.decode([t]) and next(iter(entry)) == str(t)     # vLLM's: own first
 
 
 def test_prompt_logprobs_refuse_streams(srv):

@@ -63,7 +63,7 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
                               allowed_token_ids=tuple(_token_ids("allowed_token_ids", req.allowed_token_ids or (),
                                                                  vocab)),
                               include_stop_str_in_output=req.include_stop_str_in_output,
-                              bad_words_ids=bad_words_ids(tok, req.bad_words or ()), **kw)
+                              bad_words_ids=bad_words_ids(tok, req.bad_words or (), vocab), **kw)
     except SamplingError as e:
         msg = str(e)
         if msg.startswith("structured:"):       # name the field the client used
@@ -72,7 +72,7 @@ def sampling_params(req: P._Sampling, defaults: dict, max_tokens: int, stop_ids=
         raise P.bad_request(msg, param=msg.split(":", 1)[0]) from None
 
 
-def bad_words_ids(tok, words) -> tuple[tuple[int, ...], ...]:
+def bad_words_ids(tok, words, vocab: int | None = None) -> tuple[tuple[int, ...], ...]:
     """vLLM's tokenization of bad_words: each word as it would start the text, and with a leading space as it
     would follow another word (that one only where it is as many tokens with another first token)."""
     if words and tok is None:
@@ -82,10 +82,10 @@ def bad_words_ids(tok, words) -> tuple[tuple[int, ...], ...]:
         bare = tok.encode(w.lstrip())
         if not bare:
             raise P.bad_request(f"bad_words.{i}: {w!r} has no tokens", param=f"bad_words.{i}")
-        out.append(tuple(bare))
+        out.append(tuple(_token_ids(f"bad_words.{i}", bare, vocab)))
         spaced = tok.encode(" " + w.lstrip())
         if len(spaced) == len(bare) and spaced[0] != bare[0]:
-            out.append(tuple(spaced))
+            out.append(tuple(_token_ids(f"bad_words.{i}", spaced, vocab)))
     return tuple(out)
 
 

@@ -64,11 +64,11 @@ class LogprobFormat:
         """vLLM's `prompt_logprobs`: None for the first prompt token (nothing predicts it), then per token
         {token id: {logprob, rank, decoded_token}} for the token itself and its `top` alternatives."""
         out = [None]
-        for t in lps:
-            d = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": self._piece(i)[0]}
-                 for r, (i, v) in enumerate(self._top(t))}
-            d.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": t.rank,
-                                           "decoded_token": self._piece(t.token_id)[0]})
+        def entry(i: int, v: float, rank: int | None) -> dict:
+            return {"logprob": v, "rank": rank, "decoded_token": self.tok.decode([i])}
+        for t in lps:           # the token's own entry first, then the alternatives (vLLM's order)
+            d = {str(t.token_id): entry(t.token_id, t.logprob, t.rank)}
+            d.update({str(i): entry(i, v, r + 1) for r, (i, v) in enumerate(self._top(t))})
             out.append(d)
         return out
 
