@@ -114,3 +114,15 @@ def test_chat_template_may_be_the_template_itself(tmp_path):
     assert read_template(str(tmp_path / "t.jinja")) == (f"--chat-template {tmp_path / 't.jinja'}", "{{ x }}")
     with pytest.raises(TokenizerError, match=r"^--chat-template \(inline\): "):
         read_template("{% for m in messages %}")
+
+
+def test_skip_special_tokens_false_reaches_the_reasoning_text():
+    s, _, tok = script_server("Look <tool_call> here")
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+        default = _post(s, "/v1/chat/completions", body).json()["choices"][0]["message"]["reasoning_content"]
+        kept = _post(s, "/v1/chat/completions", {**body, "skip_special_tokens": False}).json()
+        assert default == tok.decode(tok.encode("Look <tool_call> here")) != "Look <tool_call> here"
+        assert kept["choices"][0]["message"]["reasoning_content"] == "Look <tool_call> here"
+    finally:
+        s.close()

@@ -75,14 +75,15 @@ class OutputText:
     """
 
     def __init__(self, tok, stop: tuple[str, ...], split: ReasoningSplitter | None, keep_special: bool = False,
-                 min_tokens: int = 0, keep_stop: bool = False):
+                 min_tokens: int = 0, keep_stop: bool = False, reasoning_special: bool = False):
         """`min_tokens`: stop strings apply only to text after that many generated ids (tags included), as in
-        vLLM; `keep_stop`: a matched stop string stays at the end of the answer."""
+        vLLM; `keep_stop`: a matched stop string stays at the end of the answer; `reasoning_special`: the
+        reasoning text keeps special tokens' text too (vLLM's skip_special_tokens false)."""
         from ..tokenizer import TextStream
         self.split, self.min_tokens, self.pushed = split, min_tokens, 0
         self.reasoning_tokens = 0         # ids of the reasoning block so far, its tags included
         self.answer = TextStream(tok, stop, not keep_special, min_tokens == 0, keep_stop)
-        self.reasoning = TextStream(tok, ()) if split is not None else None
+        self.reasoning = TextStream(tok, (), not reasoning_special) if split is not None else None
         self._reasoning_flushed = False
 
     @property

@@ -145,7 +145,8 @@ class Scheduler:
         n_prompt, images = (len(vision), len(vision.grid_thw)) if vision is not None else (len(prompt_ids), 0)
         h = Handle(id=f"r{next(self._ids)}", prompt_ids=list(prompt_ids), params=replace(params, stop=()),
                    text=OutputText(self.tok, params.stop, split, keep_special or not params.skip_special_tokens,
-                                   params.min_tokens, params.include_stop_str_in_output),
+                                   params.min_tokens, params.include_stop_str_in_output,
+                                   not params.skip_special_tokens),
                    loop=asyncio.get_running_loop(),
                    events=asyncio.Queue(), vision=vision, prompt_len=n_prompt, images=images,
                    image_tokens=image_tokens, scheduler=self)
