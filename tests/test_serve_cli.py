@@ -107,14 +107,24 @@ TEMPLATE = "{% for m in messages %}CUSTOM {{ m.role }}: {{ m.content }}\n{% endf
 
 
 def _self_signed(folder) -> tuple[str, str]:
-    import shutil
-    import subprocess
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a test certificate")
-    key, cert = str(folder / "key.pem"), str(folder / "cert.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
-    return key, cert
+    """A throwaway key and self-signed certificate for 127.0.0.1 (PEM files)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    kp, cp = folder / "key.pem", folder / "cert.pem"
+    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()))
+    cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(kp), str(cp)
 
 
 def test_cli_https_chat_template_and_served_model_name(tmp_path_factory, tmp_path):
