@@ -345,7 +345,10 @@ class TextStream:
         return self._emit(len(self.text) - self._held())
 
     def _held(self) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
+        """Length of the longest suffix of text that is a proper prefix of a stop string (none is held when a
+        match keeps its stop string: the text released stays a prefix of the final text either way)."""
+        if self.keep_stop:
+            return 0
         best = 0
         for s in self.stop:
             for n in range(min(len(s) - 1, len(self.text)), best, -1):

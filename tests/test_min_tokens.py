@@ -153,3 +153,17 @@ def test_api_min_tokens(path, prompt):
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     finally:
         srv.close()
+
+
+def test_text_stream_keeping_its_stop_holds_nothing_back():
+    """include_stop_str_in_output: text that may begin a stop string is released at once (it stays in the output
+    either way), and a match ends the text right after the stop string, armed or not yet."""
+    tok = tiny_tokenizer()
+    held = TextStream(tok, ("abc",))
+    kept = TextStream(tok, ("abc",), keep_stop=True)
+    assert held.push(tok.encode("xab")) == "x" and kept.push(tok.encode("xab")) == "xab"
+    assert kept.push(tok.encode("cyz")) == "c" and kept.stopped and kept.text == "xabc"
+    late = TextStream(tok, ("abc",), armed=False, keep_stop=True)
+    assert late.push(tok.encode("xab")) == "xab"
+    late.arm()
+    assert late.push(tok.encode("c!")) == "c" and late.stopped
