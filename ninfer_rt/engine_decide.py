@@ -14,7 +14,7 @@ import torch
 
 from .engine_core import Seq, Verdict
 from .logprobs import token_logprobs
-from .sampling import bad_word_ban, merged, sample, small_tensor, stop_ban
+from .sampling import row_bans, sample, small_tensor
 from .speculative import RoundInput, argmax_decides, draft_distributions, verify_rows
 
 
@@ -62,8 +62,7 @@ class Decisions:
             for s in seqs:
                 s.q = []
         # draft j guesses output position len(out) + j - 1: its stop tokens are banned below min_tokens
-        ban = [merged(stop_ban(s.params, self.eos, len(s.out) + j - 1, 1),
-                      bad_word_ban(s.params, s.out, d, len(d) + 1)[-1:])[0] for s, _, d in items]
+        ban = [row_bans(s.params, self.eos, s.out, d, len(d) + 1)[-1] for s, _, d in items]
         allow = _draft_allow(seqs, [d for _, _, d in items], logits)
         if all(p.plain_greedy for p in params) and not any(ban) and allow is None:
             # the processed distribution would be one-hot at this argmax: one kernel instead of five per draft step
@@ -98,13 +97,11 @@ class Decisions:
         final = self._verified(dec, pre)[len(dec):]
         # target row j of a round chooses output position len(out) + j
         rows = [RoundInput(s.params, lg, d, s.q, s.counts, s.generator, seen=s.seen,
-                           ban=merged(stop_ban(s.params, self.eos, len(s.out), len(d) + 1),
-                                      bad_word_ban(s.params, s.out, d, len(d) + 1)), allow=_allow(s, d, lg))
+                           ban=row_bans(s.params, self.eos, s.out, d, len(d) + 1), allow=_allow(s, d, lg))
                 for (s, _), d, lg in zip(dec, drafts, (out.seq_logits(i) for i in range(len(dec))))]
         # a prompt chunk may return every row (prompt logprobs): its last one chose the first token
         rows += [RoundInput(s.params, lg, [], [], s.counts, s.generator, seen=s.seen,
-                            ban=merged(stop_ban(s.params, self.eos, 0, 1), bad_word_ban(s.params, [], [], 1)),
-                            allow=_allow(s, [], lg))
+                            ban=row_bans(s.params, self.eos, [], [], 1), allow=_allow(s, [], lg))
                  for s, lg in ((s, out.seq_logits(i)[-1:]) for i, s in final)]
         if self._argmax is not None:
             o = 0

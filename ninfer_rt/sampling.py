@@ -94,14 +94,12 @@ class SamplingParams:
 
     def _check_tokens(self):
         """stop_token_ids, allowed_token_ids, bad_words_ids: token ids, and no request whose bans leave nothing."""
-        ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "stop_token_ids")):
-            raise SamplingError(f"stop_token_ids: expected non-negative integers, got {ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
-        ids = self.allowed_token_ids
-        if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, "allowed_token_ids")):
-            raise SamplingError(f"allowed_token_ids: expected non-negative integers, got {ids!r}")
-        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in _iter(ids, name)):
+                raise SamplingError(f"{name}: expected non-negative integers, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
         words = [tuple(w) if isinstance(w, (list, tuple)) else w for w in _iter(self.bad_words_ids, "bad_words_ids")]
         if not all(isinstance(w, tuple) and w and all(_is_int(i) and i >= 0 for i in w) for w in words):
             raise SamplingError(f"bad_words_ids: expected non-empty sequences of token ids, got {self.bad_words_ids!r}")
@@ -225,9 +223,9 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
     raw = x                  # every step below is out of place
     if any(p.logit_bias for p in params):
         x, own = _add_bias(x, params), True
-    restricted = any(p.allowed_token_ids for p in params) or allow is not None
+    restricted = allow is not None
     if any(p.allowed_token_ids for p in params):
-        x, own = _only_allowed(x, params), True
+        x, own, restricted = _only_allowed(x, params), True, True
     if allow is not None:
         x, own = x.masked_fill(~allow, -math.inf), True
     hard = x                 # what a row must keep: its allowed tokens, its grammar's
@@ -284,6 +282,12 @@ def bad_word_ban(params: SamplingParams, out: list[int], drafts: list[int], rows
 def merged(*bans: list[tuple]) -> list[tuple]:
     """Row-wise union of `ban` lists."""
     return [tuple(sorted(set().union(*row))) if any(row) else () for row in zip(*bans)]
+
+
+def row_bans(params: SamplingParams, eos, out: list[int], drafts: list[int], rows: int) -> list[tuple]:
+    """The `ban` of `process` for the `rows` output positions after out + drafts[:j]: the stop tokens under
+    min_tokens and the bad words' last tokens."""
+    return merged(stop_ban(params, eos, len(out), rows), bad_word_ban(params, out, drafts, rows))
 
 
 def stop_ban(params: SamplingParams, eos, emitted: int, rows: int) -> list[tuple]:
