@@ -189,9 +189,10 @@ def _engine(loaded, args, k: int):
     return eng
 
 
-def measure_head(loaded, args, head: str, base: dict) -> list[dict]:
+def measure_head(loaded, args, head: str, base: dict, save=lambda recs: None) -> list[dict]:
     """K = 0 (the plain rate), then every K at every acceptance, with one draft head. Each engine
-    lives inside one call, so its model's memory is free again before the next one is built (`_collect`)."""
+    lives inside one call, so its model's memory is free again before the next one is built (`_collect`).
+    `save(records so far)` runs after each K's timed runs, ahead of its (slow) audit and profile."""
     os.environ[DRAFT_HEAD_ENV] = head
     prompt = random.Random(args.seed).choices(range(min(loaded.config.vocab_size, 4096)), k=args.prompt_len)
     run = _plain(loaded, args, prompt)
@@ -203,7 +204,7 @@ def measure_head(loaded, args, head: str, base: dict) -> list[dict]:
     log(f"{head}: K=0 {plain['tok_s']:.1f} tok/s")
     out = [plain]
     for k in args.ks:
-        out += _rounds(loaded, args, k, prompt, {**base, "draft_head": head})
+        out += _rounds(loaded, args, k, prompt, {**base, "draft_head": head}, lambda recs: save(out + recs))
         _collect()
     return out
 
@@ -217,7 +218,7 @@ def _plain(loaded, args, prompt) -> Run:
         eng.shutdown()
 
 
-def _rounds(loaded, args, k: int, prompt, base: dict) -> list[dict]:
+def _rounds(loaded, args, k: int, prompt, base: dict, save=lambda recs: None) -> list[dict]:
     eng = _engine(loaded, args, k)
     generate(eng, prompt, min(8, args.new_tokens), args.batch)            # warm-up at this K
     out = []
@@ -233,6 +234,7 @@ def _rounds(loaded, args, k: int, prompt, base: dict) -> list[dict]:
         log(f"{rec['draft_head']}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} "
             f"tokens/round, {rec['ms_round']:.2f} ms/round")
         out.append(rec)
+    save(out)
     if args.sync_audit:
         eng.rate, eng.rng = args.acceptance[0], random.Random(args.seed)
         out[0].update(sync_audit(eng, prompt, args.new_tokens, args.batch))
@@ -354,6 +356,14 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in ("rounds", "accepted", "drafted")}
 
 
+def _init_profiler() -> None:
+    """An empty CUDA profile before any graph is captured: Kineto set up after a capture can hang the first
+    profile of a graph replay (pytorch/pytorch#75504, #135003; both s41 and s42 profiles ran past 300 s)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        pass
+
+
 def measure(args, path: str) -> list[dict]:
     import torch
 
@@ -362,6 +372,8 @@ def measure(args, path: str) -> list[dict]:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     args.backend = args.backend or ("triton" if args.device == "cuda" else "torch")
+    if args.profile_tokens and device.type == "cuda":
+        _init_profiler()
     loaded = load(path, device=device, dtype=dtype)
     base = {"kind": "engine_mtp", "recipe": args.recipe, "tp": 1, "gpu": D.device_name(device),
             "backend": args.backend, "graphs": args.device == "cuda" and not args.eager,
@@ -370,8 +382,10 @@ def measure(args, path: str) -> list[dict]:
     records, before = [], os.environ.get(DRAFT_HEAD_ENV)
     try:
         for head in args.draft_heads:
-            records += measure_head(loaded, args, head, base)
-            write_json_atomic(args.out, records)   # a call that runs out of time keeps the heads it finished
+            # a call that runs out of time keeps every K it timed
+            done = list(records)
+            records += measure_head(loaded, args, head, base, lambda recs: write_json_atomic(args.out, done + recs))
+            write_json_atomic(args.out, records)
     finally:
         if before is None:
             os.environ.pop(DRAFT_HEAD_ENV, None)

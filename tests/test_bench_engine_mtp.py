@@ -105,3 +105,20 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("error: ") and message in err and "\n" not in err
     assert not (tmp_path / "nvfp4-tp1").exists()                          # refused before any build
+
+
+def test_timed_records_are_written_before_the_profile(tmp_path, monkeypatch):
+    """A call killed during the (slow) profile keeps every K it timed: the records are on disk before it starts."""
+    monkeypatch.setenv("NINFER_DRAFT_HEAD", "lm_head")
+    out = tmp_path / "r.json"
+
+    def killed(*a, **kw):
+        raise KeyboardInterrupt                 # what the call's timeout does to the profile
+    monkeypatch.setattr(engine_mtp, "profile_run", killed)
+    with pytest.raises(KeyboardInterrupt):
+        engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "6", "--ks", "2",
+                         "--acceptance", "0.5,1", "--draft-heads", "lm_head,nvfp4:512", "--profile-tokens", "5",
+                         "--dir", str(tmp_path / "a"), "--out", str(out)])
+    recs = json.loads(out.read_text())
+    assert [(r["draft_head"], r["draft_tokens"], r["acceptance"]) for r in recs] == [
+        ("lm_head", 0, None), ("lm_head", 2, 0.5), ("lm_head", 2, 1.0)]
