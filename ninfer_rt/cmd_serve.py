@@ -42,6 +42,33 @@ def origins(value: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in value.split(",") if o.strip())
 
 
+NAME_FLAGS = ("--served-model-name", "--model-id")
+
+
+def spread_names(args: list[str]) -> list[str]:
+    """vLLM's `--served-model-name a b` (argparse's nargs="+": the names run to the next option) as click's
+    repeated `--served-model-name a --served-model-name b` (a click option takes one value)."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        out.append(a)
+        i += 1
+        if a == "--":
+            return out + args[i:]
+        if a in NAME_FLAGS and i < len(args):
+            out.append(args[i])
+            i += 1
+            while i < len(args) and not args[i].startswith("-"):
+                out += [a, args[i]]
+                i += 1
+    return out
+
+
+class _ServeCommand(click.Command):
+    def parse_args(self, ctx, args):
+        return super().parse_args(ctx, spread_names(list(args)))
+
+
 def _kv_capacity(ctx, param, value):
     if value is None or value == "auto":
         return None
@@ -54,12 +81,13 @@ def _kv_capacity(ctx, param, value):
     return n
 
 
-@main.command("serve")
+@main.command("serve", cls=_ServeCommand)
 @click.argument("artifact")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8080, show_default=True, type=int)
-@click.option("--model-id", "--served-model-name", "model_id", default=None,
-              help="Model name clients send (default: the folder or repo name).")
+@click.option("--served-model-name", "--model-id", "model_id", multiple=True,
+              help="Model names clients may send (default: the folder or repo name); replies carry the first. "
+                   "Several: ARTIFACT first, then --served-model-name a b, or the flag repeated.")
 @click.option("--chat-template", default=None,
               help="A Jinja chat template (a file, or the template itself) to use instead of the artifact's.")
 @click.option("--allowed-origins", default="*", show_default=True,
@@ -141,7 +169,8 @@ def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_ke
                         prefill_chunk=prefill_chunk, vision=vis, vision_max_tokens=vision_tokens, eager=eager,
                         async_scheduling=False if no_async_scheduling else None,
                         chat_template=read_template(chat_template) if chat_template else None)
-    opts = ServeOptions(runtime=rt, host=host, port=port, model_id=model_id, max_pending=max_pending,
+    opts = ServeOptions(runtime=rt, host=host, port=port, model_id=model_id[0] if model_id else None,
+                        aliases=tuple(model_id[1:]), max_pending=max_pending,
                         api_key=api_key, log_requests=log_requests, drain_timeout_s=drain_timeout,
                         max_body_bytes=int(max_body_mib * (1 << 20)), default_max_tokens=default_max_tokens,
                         allowed_origins=origins(allowed_origins),

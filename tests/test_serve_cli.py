@@ -127,12 +127,35 @@ def _self_signed(folder) -> tuple[str, str]:
     return str(kp), str(cp)
 
 
+@pytest.mark.parametrize("args,names", [
+    (["art", "--served-model-name", "a", "b", "--port", "1"], ("a", ("b",))),
+    (["art", "--served-model-name", "a", "--model-id", "b", "a"], ("a", ("b", "a"))),
+    (["art", "--served-model-name=a"], ("a", ())),
+    (["--served-model-name", "a", "--", "art"], ("a", ())),
+    (["art"], (None, ())),
+], ids=["vllm-list", "repeated", "equals", "dashdash", "none"])
+def test_served_model_names_parse_like_vllm(monkeypatch, args, names):
+    """vLLM's `--served-model-name a b` (names up to the next option), repeated flags, `=`; replies use the first."""
+    import ninfer_rt.server.serve as S
+    got = []
+    monkeypatch.setattr(S, "run_server", lambda opts: got.append(opts) or 0)
+    res = _cli(["--device", "cpu", *args])
+    assert res.exit_code == 0, res.output
+    assert (got[0].model_id, got[0].aliases) == names and got[0].runtime.artifact == "art"
+
+
+def test_empty_served_model_name_is_one_line(tmp_path_factory):
+    res = _cli([tiny_artifact(tmp_path_factory), "--served-model-name", "a", " ", "--device", "cpu"])
+    assert res.exit_code == 2 and "--served-model-name: a name must not be empty" in res.output
+    assert "Traceback" not in res.output
+
+
 def test_cli_https_chat_template_and_served_model_name(tmp_path_factory, tmp_path):
     art = tiny_artifact(tmp_path_factory)
     key, cert = _self_signed(tmp_path)
     (tmp_path / "t.jinja").write_text(TEMPLATE)
     proc, addr, lines = _start_cli([art, "--port", "0", "--device", "cpu", "--max-context", str(CTX), "--no-verify",
-                                    "--served-model-name", "my-model", "--chat-template", str(tmp_path / "t.jinja"),
+                                    "--served-model-name", "my-model", "alias", "--chat-template", str(tmp_path / "t.jinja"),
                                     "--ssl-keyfile", key, "--ssl-certfile", cert])
     url = f"https://{addr}"
     try:
@@ -141,9 +164,12 @@ def test_cli_https_chat_template_and_served_model_name(tmp_path_factory, tmp_pat
         while httpx.get(url + "/health", verify=False).status_code != 200:
             assert time.monotonic() < deadline and proc.poll() is None, "server did not become healthy"
             time.sleep(0.1)
-        assert httpx.get(url + "/v1/models", verify=False).json()["data"][0]["id"] == "my-model"
+        assert [m["id"] for m in httpx.get(url + "/v1/models", verify=False).json()["data"]] == ["my-model", "alias"]
+        assert httpx.get(url + "/v1/models/alias", verify=False).json()["id"] == "alias"
         ids = httpx.post(url + "/tokenize", verify=False, json={"messages": [{"role": "user", "content": "hi"}],
-                                                              "add_generation_prompt": False}).json()["tokens"]
+                                                              "model": "alias", "add_generation_prompt": False}
+                         ).json()["tokens"]
+        assert httpx.post(url + "/tokenize", verify=False, json={"prompt": "hi", "model": "x"}).status_code == 404
         text = httpx.post(url + "/detokenize", verify=False, json={"tokens": ids}).json()["prompt"]
         assert text == "CUSTOM user: hi\n"
     finally:

@@ -86,6 +86,23 @@ def test_models_list_and_card(fake):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_served_model_aliases(fake):
+    """vLLM's several --served-model-name values: each is listed and accepted on every endpoint; replies carry the
+    first; any other name is a 404 naming them all."""
+    srv, _, _ = fake
+    srv.state.aliases = ("alias",)
+    assert [c["id"] for c in httpx.get(srv.url + "/v1/models").json()["data"]] == [MODEL_ID, "alias"]
+    assert httpx.get(srv.url + "/v1/models/alias").json()["id"] == "alias"
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/responses", {"input": "hi", "max_output_tokens": 16})):
+        r = _post(srv, path, {**body, "model": "alias"})
+        assert r.status_code == 200 and r.json()["model"] == MODEL_ID, (path, r.text)
+    r = _post(srv, "/v1/chat/completions", {**CHAT, "model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["message"] == (
+        f"model 'other' does not exist (this server serves '{MODEL_ID}', 'alias')")
+
+
 def test_version_is_the_installed_package(fake):
     import importlib.metadata
     srv, _, _ = fake

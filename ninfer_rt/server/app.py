@@ -58,10 +58,16 @@ class ServerState:
     fingerprint: str = ""                  # system_fingerprint of every reply; derived from model_id if empty
     responses: RA.Store = field(default_factory=RA.Store)    # stored Responses API responses (in memory)
     allowed_origins: tuple[str, ...] = ()  # CORS: the origins browsers may call from ("*": any); () = no CORS
+    aliases: tuple[str, ...] = ()          # more names requests may use (vLLM's extra --served-model-name values)
 
     def __post_init__(self):
         if not self.fingerprint:
             self.fingerprint = _fingerprint(self.model_id)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name a request's `model` may carry; replies name the first (vLLM's rule)."""
+        return (self.model_id, *self.aliases)
 
     def ready(self, scheduler, tokenizer, vocab_size: int, generation_config: dict, *, vision=None,
               vision_max_tokens: int = DEFAULT_VISION_TOKENS) -> None:
@@ -192,13 +198,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(state, name) for name in state.names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != state.model_id:
+        if model_id not in state.names:
             raise P.ApiError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
-        return _model_card(state)
+        return _model_card(state, model_id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -241,13 +247,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request):
         sched = state.serving()
         data = await read_json(request, state.max_body_bytes)
-        return T.tokenize(state.tokenizer, data, state.model_id, sched.max_context)
+        return T.tokenize(state.tokenizer, data, state.names, sched.max_context)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         state.serving()
         data = await read_json(request, state.max_body_bytes)
-        return T.detokenize(state.tokenizer, data, state.model_id)
+        return T.detokenize(state.tokenizer, data, state.names)
 
     app.add_middleware(_Guard, state=state)
     if state.allowed_origins:       # added last, so outermost: a preflight is answered before the API-key check
@@ -256,8 +262,8 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _model_card(state: ServerState) -> dict:
-    card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "ninfer"}
+def _model_card(state: ServerState, name: str) -> dict:
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "ninfer"}
     if state.scheduler is not None:
         card["max_model_len"] = state.scheduler.max_context
     return card
@@ -267,7 +273,7 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     sched = state.serving()
     data = await read_json(request, state.max_body_bytes)
     req = P.parse(P.ChatRequest if chat else P.CompletionRequest, data)
-    P.check_model(req.model, state.model_id)
+    P.check_model(req.model, state.names)
     ids, img, params = await _prepare(state, sched, req, chat)
     tok = state.tokenizer
     usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
@@ -311,7 +317,7 @@ async def _messages(state: ServerState, request: Request):
     """Anthropic's `POST /v1/messages` (anthropic_api.py): the chat path under Anthropic's names and shapes."""
     sched = state.serving()
     areq = A.parse(await read_json(request, state.max_body_bytes))
-    P.check_model(areq.model, state.model_id)
+    P.check_model(areq.model, state.names)
     req, names = A.to_chat_named(areq)
     try:
         ids, img, params = await _prepare(state, sched, req, True)
@@ -327,7 +333,7 @@ async def _responses(state: ServerState, request: Request, count: bool = False):
     `count`: `POST /v1/responses/input_tokens`, the prompt's length only."""
     sched = state.serving()
     rreq = RA.parse(await read_json(request, state.max_body_bytes))
-    P.check_model(rreq.model, state.model_id)
+    P.check_model(rreq.model, state.names)
     earlier = state.responses.continuation(rreq.previous_response_id) if rreq.previous_response_id else []
     req, names = RA.to_chat(rreq, earlier)
     try:
@@ -345,7 +351,7 @@ async def _responses(state: ServerState, request: Request, count: bool = False):
 async def _count_tokens(state: ServerState, request: Request):
     state.serving()
     areq = A.parse(await read_json(request, state.max_body_bytes), A.CountRequest)
-    P.check_model(areq.model, state.model_id)
+    P.check_model(areq.model, state.names)
     req, names = A.to_chat_named(areq)
     try:
         return {"input_tokens": await _prompt_tokens(state, req)}

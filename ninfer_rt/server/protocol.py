@@ -184,9 +184,11 @@ def parse(model: type[_Strict], data) -> _Strict:
     return req
 
 
-def check_model(model: str | None, served: str) -> None:
-    if model is not None and model != served:
-        raise ApiError(404, f"model {model!r} does not exist (this server serves {served!r})", param="model",
+def check_model(model: str | None, served: tuple[str, ...]) -> None:
+    """`served`: the names this server answers to (--served-model-name; replies carry the first)."""
+    if model is not None and model not in served:
+        names = ", ".join(map(repr, served))
+        raise ApiError(404, f"model {model!r} does not exist (this server serves {names})", param="model",
                        code="model_not_found")
 
 

@@ -30,6 +30,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8080
     model_id: str | None = None
+    aliases: tuple[str, ...] = ()      # more names requests may use; replies carry model_id
     max_pending: int = 64
     api_key: str | None = None
     log_requests: str | None = None
@@ -48,6 +49,11 @@ class ServeOptions:
                 raise ServeError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
         if self.drain_timeout_s < 0:
             raise ServeError(f"--drain-timeout: expected seconds >= 0, got {self.drain_timeout_s}")
+        for name in (self.model_id, *self.aliases):
+            if name is not None and not name.strip():
+                raise ServeError("--served-model-name: a name must not be empty")
+        if self.aliases and self.model_id is None:
+            raise ServeError("--served-model-name: aliases need a first name")
         if self.api_key is not None and not self.api_key.strip():
             raise ServeError("--api-key: must not be empty")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
@@ -153,7 +159,8 @@ def run_server(opts: ServeOptions) -> int:
     if not opts.runtime.artifact.startswith("hf://"):
         resolve_artifact(opts.runtime.artifact)          # a missing artifact fails before binding
     state = ServerState(model_id=opts.model_id or default_model_id(opts.runtime.artifact), api_key=opts.api_key,
-                        max_body_bytes=opts.max_body_bytes, allowed_origins=opts.allowed_origins)
+                        max_body_bytes=opts.max_body_bytes, allowed_origins=opts.allowed_origins,
+                        aliases=tuple(n for n in dict.fromkeys(opts.aliases) if n != opts.model_id))
     config = uvicorn.Config(create_app(state), log_level="warning", timeout_graceful_shutdown=opts.drain_timeout_s,
                             timeout_keep_alive=5, ssl_keyfile=opts.ssl_keyfile, ssl_certfile=opts.ssl_certfile)
     try:

@@ -21,7 +21,7 @@ class DetokenizeRequest(P._Strict):
     tokens: list[int]
 
 
-def tokenize(tok, data, served: str, max_model_len: int) -> dict:
+def tokenize(tok, data, served: tuple[str, ...], max_model_len: int) -> dict:
     req = P.parse(TokenizeRequest, data)
     P.check_model(req.model, served)
     if (req.prompt is None) == (req.messages is None):
@@ -44,7 +44,7 @@ def tokenize(tok, data, served: str, max_model_len: int) -> dict:
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
 
-def detokenize(tok, data, served: str) -> dict:
+def detokenize(tok, data, served: tuple[str, ...]) -> dict:
     req = P.parse(DetokenizeRequest, data)
     P.check_model(req.model, served)
     vocab = tok.vocab_size              # the tokenizer's: a model's padded rows are no token
