@@ -143,8 +143,6 @@ class SamplingParams:
             raise SamplingError(f"structured: cannot be combined with "
                                 f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} (the grammar ends on a stop "
                                 f"token)")
-        if self.allowed_token_ids:                  # the grammar may need any token
-            raise SamplingError("structured: cannot be combined with allowed_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -216,18 +214,22 @@ def process(logits: torch.Tensor, params: list[SamplingParams], counts: list[tor
     """Processed distributions [R, V] float32 for logits [R, V]; row r uses params[r], counts[r] (generated
     tokens), seen[r] (bool [V]: the prompt's tokens, for the repetition penalty), ban[r] (token ids it may
     not draw: the stop tokens while min_tokens is not reached, `stop_ban`) and allow[r] (bool [R, V]: the only
-    tokens it may draw, a grammar's; None: all)."""
+    tokens it may draw, a grammar's; None: all). allowed_token_ids and a grammar both apply; a row they leave
+    empty together keeps the grammar's tokens."""
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"process: logits {tuple(logits.shape)} for {len(params)} parameter rows")
     x, own = logits.float(), False
     raw = x                  # every step below is out of place
     if any(p.logit_bias for p in params):
         x, own = _add_bias(x, params), True
-    restricted = allow is not None
-    if any(p.allowed_token_ids for p in params):
+    restricted, free = allow is not None, x
+    limited = any(p.allowed_token_ids for p in params)
+    if limited:
         x, own, restricted = _only_allowed(x, params), True, True
     if allow is not None:
         x, own = x.masked_fill(~allow, -math.inf), True
+        if limited:     # where both leave nothing the grammar outranks allowed_token_ids: its matcher needs its tokens
+            x = torch.where(torch.isfinite(x).any(-1, keepdim=True), x, free.masked_fill(~allow, -math.inf))
     hard = x                 # what a row must keep: its allowed tokens, its grammar's
     if ban is not None and any(ban):
         rows = [r for r, b in enumerate(ban) for _ in b]

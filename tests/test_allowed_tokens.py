@@ -3,6 +3,8 @@ output equals the argmax over the allowed tokens of HF's logits, sampled output 
 it is a field of both endpoints, checked against the vocabulary."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hf_tiny import build_hf_model, loaded_model
@@ -88,6 +90,12 @@ def test_api_allowed_token_ids(real_srv):  # noqa: F811
         c = r.json()["choices"][0]
         text = c.get("text", c.get("message", {}).get("content"))
         assert r.status_code == 200 and set(text) <= {"a", "b"} and len(text) == 8, r.json()
+    r = _post(real_srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 12, "temperature": 1.0,
+                                            "seed": 2, "allowed_token_ids": tok.encode("12-ab"),
+                                            "structured_outputs": {"regex": "[0-9]{2,3}-[a-z]{1,4}"}})
+    c = r.json()["choices"][0]          # the grammar's stop token is not allowed: the grammar outranks at its end
+    assert r.status_code == 200 and c["finish_reason"] == "stop", r.json()
+    assert re.fullmatch(r"[12]{2,3}-[ab]{1,4}", c["text"]), c
     for ids, why in (([], "must not be empty"), ([10 ** 7], "outside the vocabulary")):
         r = _post(real_srv, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "allowed_token_ids": ids})
         err = r.json()["error"]
@@ -109,13 +117,63 @@ def test_bans_that_empty_a_row_give_way_to_its_hard_restrictions():
 
 def test_a_row_its_restrictions_empty_draws_from_the_raw_logits():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(3))
-    grammar = torch.ones(2, 30, dtype=torch.bool)
-    grammar[:, 4:6] = False                                      # against the allowed tokens: nothing is left
-    grammar[1] = False
+    grammar = torch.zeros(2, 30, dtype=torch.bool)                 # a mask with no token: no grammar's, but safe
     p = [SamplingParams(temperature=0, allowed_token_ids=(4, 5)), SamplingParams(temperature=1.0)]
     got = process(logits, p, ban=[(7,), ()], allow=grammar)
     assert torch.isfinite(got).all() and got[0].argmax() == logits[0].argmax()     # no token 0 by default
     assert torch.allclose(got[1], torch.softmax(logits[1], -1), atol=1e-6)
+
+
+def test_the_grammar_outranks_the_allowed_tokens_where_together_they_leave_nothing():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
+    grammar = torch.zeros(2, 30, dtype=torch.bool)
+    grammar[0, 4:7] = True                                       # meets the allowed tokens at 5 only
+    grammar[1, 8:11] = True                                      # does not meet them
+    p = [SamplingParams(temperature=0, allowed_token_ids=(3, 5)), SamplingParams(temperature=1.0,
+                                                                                 allowed_token_ids=(3, 5))]
+    got = process(logits, p, allow=grammar)
+    assert int(got[0].argmax()) == 5
+    assert torch.allclose(got[1], torch.softmax(logits[1].masked_fill(~grammar[1], float("-inf")), -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [0, 3], ids=["plain", "mtp-3"])
+def test_allowed_tokens_inside_a_grammar_equal_the_masked_hf_argmax(tiny, k):
+    """A regex with allowed_token_ids that hold some of its tokens and not the stop token: greedy output is the
+    argmax of HF's logits over grammar and allowed tokens, over the grammar's alone where they do not meet (its
+    stop token at the end): xgrammar's matcher accepts every token."""
+    xgr = pytest.importorskip("xgrammar")
+    from test_server import tiny_tokenizer
+    from test_structured import hf_eos
+
+    from ninfer_rt.grammar import GrammarBackend, unpack
+    tok, spec = tiny_tokenizer(), ("regex", r"[0-9]{2,3}-[a-z]{1,4}")
+    allowed = tuple(tok.encode("12-ab"))
+    backend = GrammarBackend(tok, 256, {hf_eos()} | tok.stop_ids)
+    m = xgr.GrammarMatcher(backend.compile(spec))
+    bits = xgr.allocate_token_bitmask(1, backend.words * 32)
+    only = torch.zeros(256, dtype=torch.bool)
+    only[list(allowed)] = True
+    prompt, lm, want = tok.encode("x"), tiny.causal_lm(), []
+    with torch.no_grad():
+        while len(want) < 12:
+            logits = lm(input_ids=torch.tensor([prompt + want])).logits[0, -1].float()
+            m.fill_next_token_bitmask(bits)
+            g = unpack(bits, 256)[0]
+            keep = g & only if (g & only).any() else g
+            want.append(int(logits.masked_fill(~keep, float("-inf")).argmax()))
+            assert m.accept_token(want[-1])
+            if m.is_terminated():
+                break
+    assert set(want[:-1]) <= set(allowed) and want[-1] not in allowed      # both restrictions were in play
+    eng = Engine(loaded_model(tiny), TorchOps(), spec=SpecConfig(num_draft_tokens=k) if k else None, max_batch=2,
+                 tokenizer=tok)
+    eng.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=12, structured=spec,
+                                                allowed_token_ids=allowed))
+    got = []
+    while eng.has_work():
+        got += [t for o in eng.step() for t in o.new_token_ids]
+    eng.shutdown()
+    assert got == want
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -123,8 +181,7 @@ def test_a_row_its_restrictions_empty_draws_from_the_raw_logits():
     (dict(allowed_token_ids=(3,), stop_token_ids=(3,), min_tokens=2, max_tokens=4), "every allowed token is banned"),
     (dict(allowed_token_ids=(3, 4), stop_token_ids=(4,), bad_words_ids=((3,),), min_tokens=1),
      "every allowed token is banned"),
-    (dict(allowed_token_ids=(3,), structured=("regex", "a")), "structured: cannot be combined with allowed"),
-], ids=["all-bad", "all-stops", "bad-and-stops", "grammar"])
+], ids=["all-bad", "all-stops", "bad-and-stops"])
 def test_requests_that_leave_no_token_are_refused(kw, needle):
     with pytest.raises(SamplingError, match=needle):
         SamplingParams(**kw)
