@@ -6,7 +6,7 @@ import sys
 import click
 
 from .cli import main, user_errors
-from .kv_limits import MIN_KV_TOKENS
+from .kv_limits import DEFAULT_PREFIX_ENTRIES, MIN_KV_TOKENS
 from .vision.cli_options import IMAGE_LIMIT_FLAGS, image_limit_options
 
 TEXT_BODY_MIB, VISION_BODY_MIB = 4.0, 32.0     # --max-body-mib defaults (images arrive as base64 data URIs)
@@ -136,6 +136,10 @@ def _kv_capacity(ctx, param, value):
 @click.option("--eager", is_flag=True, help="Do not capture CUDA graphs (decode/verify/draft steps run eagerly).")
 @click.option("--no-async-scheduling", is_flag=True,
               help="Read each decode step's tokens back before launching the next (default on CUDA: launch ahead).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Resume prompts that start like an earlier one from its cached KV pages and GDN state (vLLM's).")
+@click.option("--prefix-cache-entries", default=DEFAULT_PREFIX_ENTRIES, show_default=True, type=click.IntRange(1),
+              help="Prompt prefixes kept (least recently used go first; each holds a copy of the GDN state).")
 @click.option("--vision", is_flag=True,
               help="Accept image_url parts (data:image/...;base64 URIs) in chat messages; loads the vision tower. "
                    "Without it the tower stays in the file and image requests get a 400.")
@@ -145,7 +149,8 @@ def _kv_capacity(ctx, param, value):
 @user_errors
 def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_keyfile, ssl_certfile, tp, spec,
           draft_tokens, draft_head, max_concurrency, kv_capacity, max_context, max_pending, default_max_tokens,
-          api_key, device, dtype, backend, prefill_chunk, log_requests, drain_timeout, max_body_mib, no_verify, eager, no_async_scheduling, vision, vision_max_tokens, max_images,
+          api_key, device, dtype, backend, prefill_chunk, log_requests, drain_timeout, max_body_mib, no_verify, eager,
+          no_async_scheduling, enable_prefix_caching, prefix_cache_entries, vision, vision_max_tokens, max_images,
           max_image_bytes, max_image_pixels, vision_max_pixels):
     """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
     from .server.runtime import RuntimeOptions
@@ -168,6 +173,7 @@ def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_ke
                         kv_capacity=kv_capacity, max_context=max_context, verify=not no_verify,
                         prefill_chunk=prefill_chunk, vision=vis, vision_max_tokens=vision_tokens, eager=eager,
                         async_scheduling=False if no_async_scheduling else None,
+                        prefix_cache=prefix_cache_entries if enable_prefix_caching else 0,
                         chat_template=read_template(chat_template) if chat_template else None)
     opts = ServeOptions(runtime=rt, host=host, port=port, model_id=model_id[0] if model_id else None,
                         aliases=tuple(model_id[1:]), max_pending=max_pending,

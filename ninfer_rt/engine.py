@@ -65,6 +65,7 @@ class StepOutput:
     accepted: int | None = None        # of those, accepted (the step emitted accepted + 1 tokens at most)
     logprobs: list | None = None       # ninfer_rt.logprobs.TokenLogprob per new token (params.logprobs set)
     prompt_logprobs: list | None = None  # with the first token: TokenLogprob of prompt tokens 1.. (prompt_logprobs)
+    cached_tokens: int = 0             # prompt tokens resumed from the prefix cache
 
 
 @dataclass
@@ -108,18 +109,20 @@ class Engine(RunAhead, Decisions, Core):
                  kv_pages: int | None = None, page_size: int = DEFAULT_PAGE, max_model_len: int | None = None,
                  prefill_chunk: int = 512, tokenizer=None, vision: VisionRuntime | None = None,
                  graphs: str | GraphConfig = "auto", async_scheduling: bool | None = None,
-                 grammar_tokenizer=None):
+                 grammar_tokenizer=None, prefix_cache: int = 0):
         """graphs: "auto" | "eager" | "off" | a GraphConfig (see `graph_config`); followers get the same
         `engine_layout` so every rank captures the same graphs in the same order.
         grammar_tokenizer: the vocabulary structured output reads (default: `tokenizer`; a server that
         detokenizes outside the engine passes its tokenizer here only).
         async_scheduling: launch each decode step before reading the previous one back where that is exact
-        (engine_ahead.py); None = on CUDA devices (off CPU there is nothing to overlap)."""
+        (engine_ahead.py); None = on CUDA devices (off CPU there is nothing to overlap).
+        prefix_cache: how many prompt prefixes to keep for later prompts that start alike (prefix_cache.py; each
+        holds its KV pages and a copy of the GDN state); 0 = off."""
         tp = tp or LocalGroup()
         if tp.rank != 0:
             raise ValueError("Engine runs on rank 0; other ranks run engine_core.Follower")
         lay = engine_layout(loaded, ops, spec, max_batch, kv_pages, page_size, max_model_len, graphs)
-        super().__init__(loaded, ops, tp, spec, lay.cache, graphs=lay.graphs)
+        super().__init__(loaded, ops, tp, spec, lay.cache, graphs=lay.graphs, prefix_cache=prefix_cache)
         self.max_batch, self.max_model_len = max_batch, lay.max_model_len
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise EngineError(f"prefill_chunk: expected a positive integer, got {prefill_chunk!r}")
@@ -295,7 +298,7 @@ class Engine(RunAhead, Decisions, Core):
         lps, s.logprobs = s.logprobs, None
         plps, s.prompt_logprobs = s.prompt_logprobs, None     # complete once the prompt's last chunk has run
         return StepOutput(s.req_id, emitted, s.finished, s.reason, text, drafted=drafted, accepted=accepted,
-                          logprobs=lps, prompt_logprobs=plps)
+                          logprobs=lps, prompt_logprobs=plps, cached_tokens=s.cached)
 
     def _send_plan(self, plan: Plan) -> None:
         self.tp.broadcast_object({"op": "step", **plan.message()})
@@ -329,11 +332,15 @@ class Engine(RunAhead, Decisions, Core):
             self.seqs[s.req_id] = s
             self.running.append(s)
             plan.admit.append((s.req_id, s.prompt, s.vision.meta() if s.vision is not None else None))
+            if self.prefix is not None and s.vision is None and s.params.prompt_logprobs is None:
+                s.done_prompt = s.cached = self.prefix.resume(s.state, s.prompt, self._hashes(s))
+                if s.done_prompt:
+                    plan.cached.append((s.req_id, s.done_prompt))
         budget = self.prefill_chunk
         for s in self.running:
             if s.prefilling:
                 if budget:
-                    n = min(budget, len(s.prompt) - s.done_prompt)
+                    n = self._chunk(s, budget)
                     if s.params.prompt_logprobs is not None:     # every row's logits: [n, vocab] each chunk
                         n = min(n, PROMPT_LOGPROBS_CHUNK)
                         plan.all_rows.append(s.req_id)
@@ -344,6 +351,16 @@ class Engine(RunAhead, Decisions, Core):
         plan.chain = self.spec is not None and bool(plan.decode) and self._chainable(
             [self.seqs[rid] for rid, _ in plan.decode])
         return plan
+
+    def _chunk(self, s: Seq, budget: int) -> int:
+        """The prompt tokens of `s` to prefill this step: up to `budget`, ending at the prompt's prefix-cache entry
+        point (or where it leaves a cached prompt) when the chunk would pass it and that prefix is not cached yet."""
+        n = min(budget, len(s.prompt) - s.done_prompt)
+        if self.prefix is not None and s.vision is None:
+            for cut in self.prefix.cuts(s.prompt, self._hashes(s)):
+                if s.done_prompt < cut < s.done_prompt + n:
+                    return cut - s.done_prompt
+        return n
 
     def _outstanding(self) -> int:
         """Pages the running sequences have reserved but not taken yet."""

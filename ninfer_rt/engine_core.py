@@ -50,6 +50,8 @@ class Seq:
     prompt: list[int]
     state: object = None                 # SeqState
     done_prompt: int = 0                 # prompt tokens already in the target state
+    cached: int = 0                      # of those, resumed from the prefix cache
+    hashes: list | None = None           # the prompt's page hashes (prefix cache), computed on first use
     last: int | None = None              # last emitted token, not yet fed to the target
     mtp_logits: torch.Tensor | None = None   # [V] MTP logits for the next round's first draft
     mtp_hidden: torch.Tensor | None = None   # [H] MTP output hidden paired with them
@@ -82,10 +84,11 @@ class Plan:
     decode: list = field(default_factory=list)    # (req_id, k drafts)
     chain: bool = False                           # drafts stay on the device between draft steps (`_draft_chained`)
     all_rows: list = field(default_factory=list)  # req_ids whose prompt chunks return every row's logits
+    cached: list = field(default_factory=list)    # (req_id, n): admitted at n tokens from the prefix cache
 
     def message(self) -> dict:
         return {"admit": self.admit, "free": self.free, "prefill": self.prefill, "decode": self.decode,
-                "chain": self.chain, "all_rows": self.all_rows}
+                "chain": self.chain, "all_rows": self.all_rows, "cached": self.cached}
 
 
 @dataclass
@@ -163,7 +166,7 @@ class Core:
     """Owns the model and the per-rank sequence states; subclasses make the decisions."""
 
     def __init__(self, loaded, ops, tp, spec: SpecConfig | None, cache: CacheConfig,
-                 graphs: GraphConfig | None = None):
+                 graphs: GraphConfig | None = None, prefix_cache: int = 0):
         if spec is not None and (loaded.config.mtp_num_hidden_layers == 0
                                  or not any(n.startswith("mtp.") for n in loaded.weights)):
             raise SpecError(f"{getattr(loaded, 'path', 'artifact')}: speculative decoding needs the MTP "
@@ -173,6 +176,10 @@ class Core:
         self.tp, self.spec, self.cache = tp, spec, cache
         self.seqs: dict[str, Seq] = {}
         self._argmax: list[int] | None = None     # this step's target argmax, read back with its drafts
+        self.prefix = None            # PrefixCache with prefix_cache entries (0: off)
+        if prefix_cache:
+            from .prefix_cache import PrefixCache
+            self.prefix = PrefixCache(self.model.kv_pool, self.model.gdn_pool, prefix_cache)
         self.graphs = None
         if graphs is not None:
             from .graphs import GraphRunner
@@ -209,11 +216,27 @@ class Core:
             s = self.seqs.pop(rid, None)
             if s is not None and s.state is not None:
                 s.state.free()
+        cached = dict(plan.cached)
         for rid, prompt, meta in plan.admit:
             s = Seq(rid, list(prompt), state=self.model.new_state())
             if meta is not None:
                 s.vision = self._receive_vision(meta)
+            if rid in cached:
+                s.done_prompt = self.prefix.resume(s.state, s.prompt, self._hashes(s), cached[rid])
             self.seqs[rid] = s
+
+    def _hashes(self, s: Seq) -> list[int]:
+        if s.hashes is None:
+            s.hashes = self.prefix.hashes(s.prompt)
+        return s.hashes
+
+    def _keep_prefix(self, pre: list) -> None:
+        """Cache the prompts whose prefill just stopped at one of their cut points (every rank, in plan order)."""
+        for s, _, b in pre:
+            mtp = s.state.mtp if self.spec is not None else None      # without MTP its cache stays empty
+            if s.vision is None and b == s.state.length and (mtp is None or mtp.length == b) and \
+                    b in self.prefix.cuts(s.prompt, self._hashes(s)):
+                self.prefix.insert(s.state, s.prompt, self._hashes(s), b)
 
     # ---- per-sequence model arguments ----
     def _seq_input(self, s: Seq, ids: list[int], **kw) -> SeqInput:
@@ -273,6 +296,8 @@ class Core:
             mtp_in.append(self._mtp_input(s, nxt, out.seq_hidden(i), logits="last" if final else "none"))
             mtp_seqs.append(s if final else None)
         self._align(mtp_in, mtp_seqs, n_round)
+        if self.prefix is not None:
+            self._keep_prefix(pre)
         for s, v, _ in results:
             if v.finished:
                 self._drop(s)

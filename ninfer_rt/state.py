@@ -5,6 +5,10 @@ KV: one pool of pages shared by every full-attention layer and the MTP layer (`K
 positions [i*page_size, (i+1)*page_size) of *every* layer, the MTP layer included (MTP position p pairs the
 target hidden at p, so the main and MTP caches share one block table).
 
+Pages are reference-counted: a prefix cache (prefix_cache.py) may hold a finished prompt's full pages and
+hand them to later sequences, which read them and never write them (every write lands at a sequence's own
+length, past the shared prefix). Pages only the cache holds count as free: `alloc` evicts for them.
+
 GDN: a pool of `max_seqs` slots, each with an fp32 conv window [ck-1, C] and recurrent state [Hv, dk, dv]
 per GDN layer. A sequence holds one slot for its lifetime.
 
@@ -49,24 +53,46 @@ class KVPool:
         self.page_size = page_size
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))      # stack: low page ids are handed out first
+        self.refs = [0] * num_pages
+        self.reclaimer = None         # a PrefixCache: its pages nobody else holds are free on demand
 
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.k[0, 0, 0].numel() * self.k.shape[0] * self.k.element_size()
 
-    def free_pages(self) -> int:
+    def unused(self) -> int:
         return len(self._free)
+
+    def free_pages(self) -> int:
+        """Pages `alloc` can hand out: the unused ones and those only the prefix cache holds."""
+        return len(self._free) + (self.reclaimer.evictable() if self.reclaimer is not None else 0)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
     def alloc(self, n: int) -> list[int]:
+        if n > len(self._free) and self.reclaimer is not None:
+            self.reclaimer.reclaim(n)
         if n > len(self._free):
             raise CapacityError(f"KV cache full: need {n} pages, {len(self._free)} free of {self.num_pages}")
-        return [self._free.pop() for _ in range(n)]
+        got = [self._free.pop() for _ in range(n)]
+        for p in got:
+            self.refs[p] = 1
+        return got
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder of each page (a prefix cache entry, or a sequence resuming from one)."""
+        for p in pages:
+            self.refs[p] += 1
 
     def release(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """One holder fewer; a page nobody holds is free again."""
+        for p in reversed(pages):
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self._free.append(p)
+            elif self.refs[p] < 0:
+                raise RuntimeError(f"kv pool: page {p} released more often than taken")
 
 
 class GdnPool:
@@ -156,6 +182,20 @@ class SeqState:
         self.length += n
         self.pending = None
         self.trim()
+
+    def adopt(self, pages: list[int], length: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        """Start from a cached prefix: its `length` positions in the shared `pages` (main and MTP caches), its
+        GDN state (conv [n_gdn, ck-1, C], rec [n_gdn, Hv, dk, dv]) copied into this sequence's slot."""
+        self._check_live()
+        if self.length or self.pages:
+            raise RuntimeError("adopt: the sequence has started already")
+        self._kv.share(pages)
+        self.pages = list(pages)
+        self._gdn.conv[:, self.slot] = conv
+        self._gdn.rec[:, self.slot] = rec
+        self.gdn_row, self.length = self.slot, length
+        if self.mtp is not None:
+            self.mtp.length = length
 
     def materialize(self) -> None:
         """Move a committed state that lives in a snapshot row into the slot (before that row is written)."""

@@ -708,6 +708,12 @@ def test_tp2_server_matches_tp1(real, tmp_path_factory):
         lp2, lp1 = (x.client().completions.create(**kw).choices[0].logprobs for x in (srv, real.srv))
         assert lp2.tokens == lp1.tokens and lp2.text_offset == lp1.text_offset       # the leader's, gathered vocab
         assert max(abs(a - b) for a, b in zip(lp2.token_logprobs[1:], lp1.token_logprobs[1:])) < 1e-4
+        # a repeated prompt resumes from every rank's prefix cache (the leader sends where) and answers alike
+        long = PROMPTS[3] * 3
+        want = expected_text(real.tok, solo_ids(real.ref, real.tok.encode(long), 6))[1]
+        for cached in (False, True):
+            r = c.completions.create(model=MODEL_ID, prompt=long, max_tokens=6, temperature=0)
+            assert r.choices[0].text == want and bool(r.usage.prompt_tokens_details) == cached
         wait_idle(srv)
         assert _pool_is_whole(rt)
     finally:

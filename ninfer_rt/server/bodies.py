@@ -9,8 +9,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """`cached`: prompt tokens resumed from the prefix cache (vLLM's prompt_tokens_details, sent when some were)."""
+    use = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached:
+        use["prompt_tokens_details"] = {"cached_tokens": cached}
+    return use
+
+
+def cached_tokens(use: dict) -> int:
+    return (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _body(obj: str, rid: str, model: str, created: int, fp: str | None, choices: list, use) -> dict:

@@ -47,6 +47,11 @@ class ServerMetrics:
         self.spec_pos_accepted = Counter("ninfer_spec_decode_accepted_tokens_per_pos",
                                          "MTP draft tokens accepted at draft position", ["position"], registry=r)
 
+        self.prefix_queries = Counter("ninfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("ninfer_prefix_cache_hits", "Prompt tokens resumed from the prefix cache",
+                                   registry=r)
+
     def set_kv(self, total: int, used: int, reserved: int) -> None:
         self.kv_pages_total.set(total)
         self.kv_pages_used.set(used)

@@ -60,7 +60,7 @@ def _sse(obj) -> bytes:
 
 
 def total_usage(uses: list[dict]) -> dict:
-    return B.usage(uses[0]["prompt_tokens"], sum(u["completion_tokens"] for u in uses))
+    return B.usage(uses[0]["prompt_tokens"], sum(u["completion_tokens"] for u in uses), B.cached_tokens(uses[0]))
 
 
 async def respond(choices: list[Choice], request: Request, reply: Reply):

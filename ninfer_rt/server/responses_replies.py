@@ -18,6 +18,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from . import bodies as B
 from . import protocol as P
 from .replies import Choice, ClientGone, Reply, _events, sse_response
 from .responses_api import ResponsesRequest, Store, input_items
@@ -50,10 +51,10 @@ class Shape:
             "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()], "top_logprobs": r.top_logprobs,
             "truncation": "disabled", "usage": use, "user": r.user, "metadata": r.metadata or {}}
 
-    def usage(self, output_tokens: int, reasoning_tokens: int) -> dict:
-        # no prefix cache here: nothing is read from or written to one
+    def usage(self, output_tokens: int, reasoning_tokens: int, cached: int = 0) -> dict:
+        # cache_write_tokens: OpenAI's prompt caching bills writes; the prefix cache here has no such cost
         return {"input_tokens": self.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": self.prompt_tokens + output_tokens}
 
@@ -111,7 +112,8 @@ def _done(evs: _Events, shape: Shape, store: Store, items: list[dict], finish: s
     """The last events of a finished reply and its response object (stored when asked)."""
     out = evs.finish(finish)
     status = _status(finish)
-    body = shape.body(status, evs.output, shape.usage(use["completion_tokens"], reasoning_tokens(evs.c)), finish)
+    body = shape.body(status, evs.output, shape.usage(use["completion_tokens"], reasoning_tokens(evs.c),
+                                                      B.cached_tokens(use)), finish)
     _store(store, shape, body, items, evs.output)
     return out + [evs.ev(f"response.{status}", response=body)], body
 

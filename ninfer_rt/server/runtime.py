@@ -22,7 +22,7 @@ import torch
 
 from ninfer_formats.errors import NinferError
 
-from ..kv_limits import MIN_KV_TOKENS, PAGE_SIZE
+from ..kv_limits import DEFAULT_PREFIX_ENTRIES, MIN_KV_TOKENS, PAGE_SIZE
 
 if TYPE_CHECKING:
     from ..vision.setup import VisionOptions
@@ -56,6 +56,7 @@ class RuntimeOptions:
     eager: bool = False                 # no CUDA-graph capture (the runner's steps run eagerly; --eager)
     async_scheduling: bool | None = None   # run-ahead decode steps; None = on CUDA (--no-async-scheduling)
     chat_template: tuple[str, str] | None = None    # (its name, its text): replaces the artifact's (--chat-template)
+    prefix_cache: int = DEFAULT_PREFIX_ENTRIES   # prompt prefixes kept for prompts that start alike; 0 = off
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -65,6 +66,8 @@ class RuntimeOptions:
         for name in ("tp", "max_concurrency", "prefill_chunk", "vision_max_tokens"):
             if getattr(self, name) < 1:
                 raise ServeError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
+        if self.prefix_cache < 0:
+            raise ServeError(f"--prefix-cache-entries: expected 0 (off) or more, got {self.prefix_cache}")
         for name in ("kv_capacity", "max_context"):
             v = getattr(self, name)
             if v is not None and v < MIN_KV_TOKENS:
@@ -126,7 +129,7 @@ def auto_kv_tokens(cfg, opts: RuntimeOptions, device: torch.device) -> int:
     slot = gdn_bytes_per_slot(cfg, opts.tp)
     snapshots = opts.max_concurrency * (opts.draft_tokens + 1) * slot if opts.draft_tokens else 0
     workspace = opts.prefill_chunk * (cfg.intermediate_size // opts.tp + 4 * cfg.hidden_size) * 4 * 4
-    slots = opts.max_concurrency + 1        # + the CUDA-graph runner's scratch slot
+    slots = opts.max_concurrency + 1 + opts.prefix_cache   # + the graph runner's scratch slot, the cached states
     budget = free - HEADROOM_BYTES - slots * slot - snapshots - workspace - \
         vision_workspace_bytes(cfg, opts)
     return max(0, budget // kv_bytes_per_token(cfg, opts.tp, DTYPES[opts.dtype]))
@@ -210,7 +213,7 @@ def follower_main(group, opts: RuntimeOptions) -> None:
     def make(loaded, ops, pages):
         lay = engine_layout(loaded, ops, _spec(opts), opts.max_concurrency, pages, PAGE_SIZE,
                             model_context(loaded.config, opts), _graphs(opts))
-        return Follower(loaded, ops, group, _spec(opts), lay.cache, graphs=lay.graphs)
+        return Follower(loaded, ops, group, _spec(opts), lay.cache, graphs=lay.graphs, prefix_cache=opts.prefix_cache)
     _, _, follower = _build(opts, group, group.device, make)
     follower.run()
 
@@ -231,7 +234,7 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
         engine = Engine(loaded, ops, group, _spec(opts), max_batch=opts.max_concurrency, kv_pages=pages,
                         page_size=PAGE_SIZE, max_model_len=model_context(loaded.config, opts),
                         prefill_chunk=opts.prefill_chunk, vision=vis, graphs=_graphs(opts),
-                        async_scheduling=opts.async_scheduling, grammar_tokenizer=tok)
+                        async_scheduling=opts.async_scheduling, grammar_tokenizer=tok, prefix_cache=opts.prefix_cache)
         return engine, tok, vis
     try:
         loaded, pages, (engine, tok, vis) = _build(opts, group, rank_device(opts.device, 0), make)
@@ -241,6 +244,7 @@ def open_runtime(opts: RuntimeOptions) -> Runtime:
         raise
     print(f"ninfer-rt: KV pool {pages} pages x {PAGE_SIZE} tokens, context {engine.max_model_len}, "
           f"{opts.max_concurrency} slots, tp {opts.tp}" + (", vision" if vis is not None else "") +
+          (f", prefix cache {opts.prefix_cache} entries" if opts.prefix_cache else "") +
           _graph_note(engine), file=sys.stderr)
     return Runtime(engine, loaded, tok, engine.max_model_len, lch, vis)
 

@@ -73,6 +73,7 @@ class Handle:
     steps: int = 0                     # engine steps that emitted tokens for this request
     drafted: int | None = None         # per-request MTP counts, when the engine's StepOutput carries them
     accepted: int | None = None
+    cached: int = 0                    # prompt tokens the engine resumed from its prefix cache
     reply_id: str | None = None        # the client's response id, and which of its n choices this is
     choice: int = 0
     in_engine: bool = False
@@ -107,6 +108,7 @@ class Scheduler:
         self._stopping = self._draining = False
         self._ids = itertools.count()
         self._spec_seen = (0, 0, [], [])
+        self._prefix_seen = (0, 0)
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self.metrics.set_kv(self.total_pages, 0, 0)
 
@@ -275,6 +277,7 @@ class Scheduler:
             if h is None or h.done:
                 continue
             self._take_spec(h, o)
+            h.cached = max(h.cached, getattr(o, "cached_tokens", 0) or 0)
             ids = list(o.new_token_ids)[:h.params.max_tokens - h.generated]
             # a stop token id ends the output out of its text (as vLLM), though it counts and has its logprob;
             # include_stop_str_in_output keeps its text too (vLLM's rule for stop tokens as for stop strings)
@@ -351,7 +354,7 @@ class Scheduler:
             r, c = h.text.flush()
             if r or c:
                 self._push(h, ("delta", r, c, None, 0))
-        use = usage(h.prompt_len, h.generated)
+        use = usage(h.prompt_len, h.generated, h.cached)
         if push:
             self._push(h, ("done", reason, use))
         self.metrics.requests.labels(finish_reason=reason).inc()
@@ -371,6 +374,7 @@ class Scheduler:
 
     def _after_step(self) -> None:
         self._update_spec_metrics()
+        self._update_prefix_metrics()
         busy = bool(self._running)
         try:
             busy = busy and self.engine.has_work()
@@ -392,6 +396,17 @@ class Scheduler:
         pos_d = [a - (prev[2][i] if i < len(prev[2]) else 0) for i, a in enumerate(now[2])]
         pos_a = [a - (prev[3][i] if i < len(prev[3]) else 0) for i, a in enumerate(now[3])]
         self.metrics.add_spec(now[0] - prev[0], now[1] - prev[1], pos_d, pos_a)
+
+    def _update_prefix_metrics(self) -> None:
+        prefix = getattr(self.engine, "prefix", None)
+        if prefix is None:
+            return
+        now = (prefix.stats.queries, prefix.stats.hits)
+        prev, self._prefix_seen = self._prefix_seen, now
+        if now[0] > prev[0]:
+            self.metrics.prefix_queries.inc(now[0] - prev[0])
+        if now[1] > prev[1]:
+            self.metrics.prefix_hits.inc(now[1] - prev[1])
 
     @staticmethod
     def _push(h: Handle, event) -> None:

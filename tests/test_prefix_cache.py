@@ -1,0 +1,167 @@
+"""Prefix caching (ninfer_rt/prefix_cache.py): a prompt that starts like a cached one resumes at the cached
+page boundary with the shared KV pages and a copy of the GDN state; greedy output equals the engine without the
+cache, with and without MTP, sequential and concurrent, under eviction; pages are reference-counted and none
+leaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_tiny import build_hf_model, loaded_model
+
+from ninfer_rt.backends.torch_ops import TorchOps
+from ninfer_rt.engine import Engine
+from ninfer_rt.prefix_cache import PrefixCache, page_hashes
+from ninfer_rt.sampling import SamplingParams
+from ninfer_rt.speculative import SpecConfig
+from ninfer_rt.state import KVPool
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PAGE, NEW = 4, 7
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+BASE = [(7 * i + 3) % 250 for i in range(23)]           # cut at 20: the entry holds tokens [0, 20]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return loaded_model(build_hf_model(seed=11))
+
+
+def engine(loaded, k: int, prefix: int, **kw) -> Engine:
+    return Engine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=k) if k else None, page_size=PAGE,
+                  prefix_cache=prefix, prefill_chunk=kw.pop("chunk", 64), **kw)
+
+
+def run(eng: Engine, batches: list[list[list[int]]]) -> list[list[int]]:
+    """Each batch's prompts added together, run to the end, then the next batch."""
+    outs, n = [], 0
+    for prompts in batches:
+        ids = [f"r{n + i}" for i in range(len(prompts))]
+        n += len(prompts)
+        got = {i: [] for i in ids}
+        for rid, p in zip(ids, prompts):
+            eng.add_request(rid, p, GREEDY)
+        while eng.has_work():
+            for o in eng.step():
+                got[o.req_id] += o.new_token_ids
+        outs += [got[i] for i in ids]
+    return outs
+
+
+def later(prefix_len: int, tail: list[int]) -> list[int]:
+    return BASE[:prefix_len] + tail
+
+
+@pytest.mark.parametrize("k", [0, 3], ids=["plain", "mtp-3"])
+def test_resumed_prompts_equal_the_uncached_engine(loaded, k):
+    batches = [[BASE], [later(21, [9, 8, 7, 6, 5])], [later(22, [1])], [list(BASE)], [later(17, [4, 4, 4])]]
+    want = run(engine(loaded, k, 0), batches)
+    eng = engine(loaded, k, 4)
+    got = run(eng, batches)
+    assert got == want
+    st = eng.prefix.stats
+    # BASE and the two prompts sharing its tokens [0, 20] resume at 20; the last one shares 17 tokens only
+    assert st.hits == 3 * 20 and st.queries == sum(len(b[0]) for b in batches)
+    assert eng.model.kv_pool.free_pages() == eng.cache.num_pages and eng.model.gdn_pool.free_slots() == \
+        eng.cache.max_seqs
+
+
+def test_resumed_prompts_through_the_graph_runner(loaded):
+    """The CUDA-graph runner's static-buffer steps (eager here): resumed sequences decode and verify alike."""
+    from test_engine_graphs import eager_graphs
+    batches = [[BASE], [later(21, [9, 8, 7, 6, 5]), later(22, [3])]]
+    want = run(engine(loaded, 2, 0), batches)
+    eng = engine(loaded, 2, 4, graphs=eager_graphs(2), max_batch=2)
+    assert run(eng, batches) == want and eng.graphs.stats.eager_steps > 0 and eng.prefix.stats.hits == 40
+
+
+def test_a_prompt_differing_at_the_entry_token_does_not_resume(loaded):
+    """The MTP row n-1 pairs token n: a prompt sharing tokens [0, 20) but not token 20 starts from scratch."""
+    eng = engine(loaded, 2, 4)
+    run(eng, [[BASE], [later(20, [251, 3, 3])]])
+    assert eng.prefix.stats.hits == 0
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp-2"])
+def test_a_shared_start_is_cached_where_prompts_part(loaded, k):
+    """Prompts that share a start and then differ (a system prompt): the second one's prefill also stops at the
+    last page boundary of the shared part, so the third resumes there; outputs equal the uncached engine's."""
+    batches = [[BASE], [later(18, [200, 201, 202, 203, 204])], [later(17, [9, 9, 9, 9, 9, 9])]]
+    want = run(engine(loaded, k, 0), batches)
+    eng = engine(loaded, k, 4)
+    assert run(eng, batches) == want
+    assert sorted(e.length for e in eng.prefix.entries.values()) == [16, 20, 20, 20]     # + each own cut
+    assert eng.prefix.stats.hits == 16
+
+
+def test_concurrent_sharers_and_the_cut_chunk(loaded):
+    """Two requests resume from one entry while both run (the pages are held three times); a prompt's chunk
+    ends at its entry point when it would pass it."""
+    eng = engine(loaded, 2, 4, chunk=8)
+    first = run(eng, [[BASE]])
+    assert eng.stats.steps > 0 and len(eng.prefix.entries) == 1
+    (entry,) = eng.prefix.entries.values()
+    pool = eng.model.kv_pool
+    eng.add_request("a", later(21, [5, 6]), GREEDY)
+    eng.add_request("b", later(21, [7, 8, 9]), GREEDY)
+    eng.step()
+    assert [pool.refs[p] for p in entry.pages] == [3] * 5
+    while eng.has_work():
+        eng.step()
+    assert [pool.refs[p] for p in entry.pages] == [1] * 5
+    want = run(engine(loaded, 2, 0, chunk=8), [[BASE], [later(21, [5, 6]), later(21, [7, 8, 9])]])
+    assert first == want[:1]
+
+
+def test_eviction_frees_pages_for_new_requests(loaded):
+    """A pool too small for the cache's pages and a new request: allocation evicts the least recently used
+    entries; outputs stay those of the uncached engine and nothing leaks."""
+    prompts = [[(t + 17 * j) % 250 for t in BASE] for j in range(4)]
+    batches = [[p] for p in prompts] + [[later(21, [2, 2])]]
+    want = run(engine(loaded, 0, 0, kv_pages=16, max_batch=1), batches)
+    eng = engine(loaded, 0, 8, kv_pages=16, max_batch=1)
+    assert run(eng, batches) == want
+    pool = eng.model.kv_pool
+    assert eng.prefix.stats.evictions > 0 and pool.free_pages() == pool.num_pages
+    eng.prefix.clear()
+    assert pool.unused() == pool.num_pages and not any(pool.refs) and not eng.prefix.held
+
+
+def test_max_entries_bounds_the_cache(loaded):
+    eng = engine(loaded, 0, 2)
+    run(eng, [[[(t + j) % 250 for t in BASE]] for j in range(3)])
+    assert len(eng.prefix.entries) == 2 and eng.prefix.stats.evictions == 1
+
+
+def test_short_prompts_and_prompt_logprobs_skip_the_cache(loaded):
+    eng = engine(loaded, 0, 4)
+    run(eng, [[BASE[:4]]])                                   # cut 0: no entry
+    assert not eng.prefix.entries
+    run(eng, [[BASE]])
+    eng.add_request("lp", later(21, [1]), SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
+    while eng.has_work():
+        eng.step()
+    assert eng.prefix.stats.hits == 0                        # every prompt row's logits are needed
+
+
+def test_pool_reference_counts():
+    pool = KVPool(6, 2, 1, 1, 2, torch.float32, "cpu")
+    a = pool.alloc(3)
+    pool.share(a[:2])
+    pool.release(a)
+    assert pool.unused() == 4 and [pool.refs[p] for p in a] == [1, 1, 0]
+    pool.release(a[:2])
+    assert pool.unused() == 6
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release(a[:1])
+
+
+def test_page_hashes_chain():
+    h = page_hashes([1, 2, 3, 4, 5, 6], 2, 3)
+    assert len(set(h)) == 3 and page_hashes([1, 2, 3, 4, 9, 9], 2, 3)[:2] == h[:2]
+    assert page_hashes([9, 2, 3, 4], 2, 2)[1] != h[1]         # a change in an earlier page changes the later ones
+
+
+def test_bad_entry_count():
+    pool = KVPool(4, 2, 1, 1, 2, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="positive number of entries"):
+        PrefixCache(pool, None, 0)

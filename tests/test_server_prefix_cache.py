@@ -1,0 +1,42 @@
+"""The server's prefix cache (on by default, vLLM's --enable-prefix-caching): a repeated prompt resumes from the
+cached state and answers as the first time; usage reports the cached tokens (OpenAI's prompt_tokens_details,
+the Responses API's input_tokens_details), /metrics counts queries and hits; the flags reach the runtime."""
+from __future__ import annotations
+
+import pytest
+from test_serve_cli import _cli
+from test_server import MODEL_ID, _post, metric, real_srv  # noqa: F401
+
+PROMPT = "The quick brown fox jumps over the lazy dog; " * 3
+
+
+def test_a_repeated_prompt_resumes_and_answers_alike(real_srv):  # noqa: F811
+    body = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    hits0 = metric(real_srv, "ninfer_prefix_cache_hits_total")
+    first = _post(real_srv, "/v1/completions", body).json()
+    again = _post(real_srv, "/v1/completions", body).json()
+    n = first["usage"]["prompt_tokens"]
+    cut = (n - 1) // 16 * 16                                  # the last page boundary before the final token
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": cut} and cut > 0
+    assert metric(real_srv, "ninfer_prefix_cache_hits_total") - hits0 >= cut
+    assert metric(real_srv, "ninfer_prefix_cache_queries_total") >= 2 * n
+
+
+def test_responses_usage_counts_cached_tokens(real_srv):  # noqa: F811
+    body = {"model": MODEL_ID, "input": PROMPT + "Why?", "max_output_tokens": 16, "temperature": 0,
+            "reasoning": {"effort": "none"}}
+    _post(real_srv, "/v1/responses", body)
+    use = _post(real_srv, "/v1/responses", body).json()["usage"]
+    assert use["input_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("flags,entries", [([], 16), (["--prefix-cache-entries", "3"], 3),
+                                           (["--no-enable-prefix-caching"], 0)], ids=["default", "entries", "off"])
+def test_prefix_cache_flags(monkeypatch, flags, entries):
+    import ninfer_rt.server.serve as S
+    got = []
+    monkeypatch.setattr(S, "run_server", lambda opts: got.append(opts) or 0)
+    res = _cli(["--device", "cpu", "art", *flags])
+    assert res.exit_code == 0, res.output
+    assert got[0].runtime.prefix_cache == entries
