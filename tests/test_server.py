@@ -753,7 +753,8 @@ def test_metrics_and_request_log_account_for_requests(real):
     lines = [json.loads(x) for x in real.log_path.read_text().splitlines()]
     done = [x for x in lines if x["event"] == "request_done"]
     assert done and all(set(d) == {"event", "time", "id", "reply_id", "choice", "finish_reason", "prompt_tokens",
-                                   "completion_tokens", "timings_seconds", "speculative"} for d in done)
+                                   "cached_tokens", "completion_tokens", "timings_seconds", "speculative"}
+                        for d in done)
     assert [(d["reply_id"], d["choice"]) for d in done[-2:]] == [(r.id, 0) for r in rs]   # the ids clients see
     assert all(d["timings_seconds"]["total"] >= d["timings_seconds"]["ttft"] >= 0 for d in done
                if d["timings_seconds"]["ttft"] is not None)

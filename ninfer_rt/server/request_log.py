@@ -38,7 +38,8 @@ class NullLog:
 def done_record(h, reason: str, now: float) -> dict:
     """The `request_done` fields of a finished scheduler Handle."""
     rec = {"id": h.id, "reply_id": h.reply_id, "choice": h.choice, "finish_reason": reason,
-           "prompt_tokens": h.prompt_len, "completion_tokens": h.generated, "timings_seconds": _timings(h, now),
+           "prompt_tokens": h.prompt_len, "cached_tokens": h.cached, "completion_tokens": h.generated,
+           "timings_seconds": _timings(h, now),
            "speculative": _spec_record(h)}
     if h.images:
         rec.update(images=h.images, image_tokens=h.image_tokens)
