@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_cli import ArgParser, int_list, positive_int
+from bench_cli import ArgParser, int_list, nonneg_int, positive_int
 from ninfer_formats.atomic import write_json_atomic
 from ninfer_formats.errors import NinferError
 
@@ -278,6 +278,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=DTYPES, default=None, help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--backend", choices=("torch", "triton"), default=None, help="default triton on cuda, torch on cpu")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per concurrency level over HTTP")
+    ap.add_argument("--prefix-cache-entries", type=nonneg_int, default=0,
+                    help="the server's prefix cache (default 0, off: the HTTP waves send the direct runs' prompts, "
+                         "which would resume from their entries)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
     ap.add_argument("--client", help=argparse.SUPPRESS)       # internal: client process mode
@@ -332,7 +335,7 @@ def _record(c: int, server: dict, client: dict, direct: dict, gpu: str, args) ->
             "ratio_to_direct": server["agg_tok_s"] / direct["agg_tok_s"] if direct["agg_tok_s"] else None,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
             "draft_tokens": args.draft_tokens if args.spec == "mtp" else 0, "tp": args.tp, "waves": args.waves,
-            "artifact": os.path.abspath(args.artifact)}
+            "prefix_cache": args.prefix_cache_entries, "artifact": os.path.abspath(args.artifact)}
 
 
 def measure(args) -> list[dict]:
@@ -348,7 +351,7 @@ def measure(args) -> list[dict]:
         dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
         backend=args.backend or ("triton" if device == "cuda" else "torch"),
         draft_tokens=args.draft_tokens if args.spec == "mtp" else 0, max_concurrency=max(levels),
-        kv_capacity=max(levels) * ctx, max_context=ctx))
+        kv_capacity=max(levels) * ctx, max_context=ctx, prefix_cache=args.prefix_cache_entries))
     vocab = rt.loaded.config.vocab_size
 
     def prompts(n: int, seed: int) -> list[list[int]]:
