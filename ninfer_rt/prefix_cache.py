@@ -63,7 +63,8 @@ class PrefixCache:
         self.kv, self.gdn, self.max_entries = kv, gdn, max_entries
         self.entries: OrderedDict[tuple[int, int], Entry] = OrderedDict()    # (page hash, token n) -> entry
         self.held: dict[int, int] = {}          # page -> entries holding it
-        self.bounds: dict[int, int] = {}        # hash of pages [0, i) -> entries whose prefix passes it
+        self.bounds: dict[tuple[int, int], int] = {}    # (hash of pages [0, i), token i * ps) -> entries sharing it
+        self.dirty, self._evictable = False, 0     # evictable()'s count, stale when dirty
         self.stats = PrefixStats()
         kv.reclaimer = self
 
@@ -80,7 +81,7 @@ class PrefixCache:
         boundary where it leaves the longest cached prefix it shares (a system prompt shared by requests that
         differ after it: the next such request resumes there) and its own entry point."""
         ps, top = self.kv.page_size, len(hashes)
-        branch = next((i for i in range(top - 1, 0, -1) if hashes[i - 1] in self.bounds), 0)
+        branch = next((i for i in range(top - 1, 0, -1) if (hashes[i - 1], prompt[i * ps]) in self.bounds), 0)
         return [n for n in (branch * ps, top * ps) if n and not self._find(prompt, n, hashes)]
 
     def _key(self, prompt: list[int], n: int, hashes: list[int]) -> tuple[int, int]:
@@ -129,39 +130,56 @@ class PrefixCache:
         pages = state.pages[:n // ps]
         row = state.gdn_row
         e = Entry(key, tuple(prompt[:n + 1]), pages, self.gdn.conv[:, row].clone(), self.gdn.rec[:, row].clone())
-        self.kv.share(pages)
         for p in pages:
             self.held[p] = self.held.get(p, 0) + 1
-        for h in hashes[:n // ps]:
-            self.bounds[h] = self.bounds.get(h, 0) + 1
+        self.kv.share(pages)
+        for b in self._bounds(e):
+            self.bounds[b] = self.bounds.get(b, 0) + 1
         self.entries[key] = e
         self.stats.entries = len(self.entries)
+        self.dirty = True
         while len(self.entries) > self.max_entries:
-            self._evict_oldest()
+            self._evict(next(iter(self.entries)))
 
-    def _evict_oldest(self) -> None:
-        _, e = self.entries.popitem(last=False)
+    def _bounds(self, e: Entry) -> list[tuple[int, int]]:
+        """(hash of pages [0, i), token i * page_size) for i = 1 .. n / page_size: the page boundaries m a prompt
+        sharing tokens [0, m] with this entry could resume at (`cuts`' branch points)."""
+        ps = self.kv.page_size
+        return [(h, e.tokens[(i + 1) * ps]) for i, h in enumerate(page_hashes(e.tokens, ps, len(e.pages)))]
+
+    def _evict(self, key: tuple[int, int]) -> None:
+        e = self.entries.pop(key)
         for p in e.pages:
             self.held[p] -= 1
             if not self.held[p]:
                 del self.held[p]
-        for h in page_hashes(e.tokens, self.kv.page_size, len(e.pages)):
-            self.bounds[h] -= 1
-            if not self.bounds[h]:
-                del self.bounds[h]
+        for b in self._bounds(e):
+            self.bounds[b] -= 1
+            if not self.bounds[b]:
+                del self.bounds[b]
         self.kv.release(e.pages)
         self.stats.entries = len(self.entries)
         self.stats.evictions += 1
+        self.dirty = True
 
     def evictable(self) -> int:
-        """Pages that only cache entries hold (free once those entries go)."""
-        return sum(1 for p, n in self.held.items() if self.kv.refs[p] == n)
+        """Pages that only cache entries hold (free once those entries go); recounted only after a held page's
+        holders changed (`KVPool.share` / `release` mark it), since the server asks after every step."""
+        if self.dirty:
+            self._evictable = sum(1 for p, n in self.held.items() if self.kv.refs[p] == n)
+            self.dirty = False
+        return self._evictable
 
     def reclaim(self, free: int) -> None:
-        """Evict the least recently used entries until the pool has `free` unused pages (or none is left)."""
-        while self.entries and self.kv.unused() < free:
-            self._evict_oldest()
+        """Evict the least recently used entries until the pool has `free` unused pages (or none is left). An
+        entry whose every page a running sequence also holds frees nothing: it stays (a shared system prompt in
+        use is the entry most worth keeping)."""
+        for key in list(self.entries):
+            if self.kv.unused() >= free:
+                return
+            if any(self.kv.refs[p] == self.held[p] for p in self.entries[key].pages):
+                self._evict(key)
 
     def clear(self) -> None:
         while self.entries:
-            self._evict_oldest()
+            self._evict(next(iter(self.entries)))

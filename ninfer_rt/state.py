@@ -84,6 +84,13 @@ class KVPool:
         """One more holder of each page (a prefix cache entry, or a sequence resuming from one)."""
         for p in pages:
             self.refs[p] += 1
+        self._mark(pages)
+
+    def _mark(self, pages: list[int]) -> None:
+        """The prefix cache's evictable count is stale once a page it holds gains or loses a holder."""
+        r = self.reclaimer
+        if r is not None and not r.dirty and any(p in r.held for p in pages):
+            r.dirty = True
 
     def release(self, pages: list[int]) -> None:
         """One holder fewer; a page nobody holds is free again."""
@@ -93,6 +100,7 @@ class KVPool:
                 self._free.append(p)
             elif self.refs[p] < 0:
                 raise RuntimeError(f"kv pool: page {p} released more often than taken")
+        self._mark(pages)
 
 
 class GdnPool:

@@ -13,7 +13,7 @@ from ninfer_rt.engine import Engine
 from ninfer_rt.prefix_cache import PrefixCache, page_hashes
 from ninfer_rt.sampling import SamplingParams
 from ninfer_rt.speculative import SpecConfig
-from ninfer_rt.state import KVPool
+from ninfer_rt.state import GdnPool, KVPool, SeqState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PAGE, NEW = 4, 7
@@ -122,8 +122,45 @@ def test_eviction_frees_pages_for_new_requests(loaded):
     assert run(eng, batches) == want
     pool = eng.model.kv_pool
     assert eng.prefix.stats.evictions > 0 and pool.free_pages() == pool.num_pages
+    assert eng.prefix.evictable() == sum(pool.refs[p] == n for p, n in eng.prefix.held.items())
     eng.prefix.clear()
     assert pool.unused() == pool.num_pages and not any(pool.refs) and not eng.prefix.held
+
+
+def test_prompts_parting_at_a_page_boundary_resume_one_page_earlier(loaded):
+    """Prompts that share 16 tokens (four whole pages) and differ at token 16: an entry at 16 would need token 16
+    to match, so the second prompt's prefill stops at 12 and the third resumes there."""
+    system = BASE[:16]
+    batches = [[system + [100 + j] * 6] for j in range(4)]
+    want = run(engine(loaded, 2, 0), batches)
+    eng = engine(loaded, 2, 8)
+    assert run(eng, batches) == want
+    assert eng.prefix.stats.hits == 2 * 12
+
+
+def _kept(kv, gdn, cache, prompt) -> None:
+    """An entry for `prompt` as a finished prefill leaves it (its sequence then freed)."""
+    s = SeqState(kv, gdn, False)
+    n = cache.cut(prompt)
+    s.ensure_capacity(n)
+    s.length = n
+    cache.insert(s, prompt, cache.hashes(prompt), n)
+    s.free()
+
+
+def test_reclaim_keeps_entries_that_running_sequences_hold():
+    """Pages an entry shares with a running sequence free nothing when the entry goes: under pressure the
+    entries that do free pages go first, whatever their age."""
+    kv, gdn = KVPool(8, 2, 1, 1, 2, torch.float32, "cpu"), GdnPool(3, 1, 1, 2, 1, 2, 2, "cpu")
+    cache = PrefixCache(kv, gdn, 4)
+    shared, other = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    _kept(kv, gdn, cache, shared)
+    user = SeqState(kv, gdn, False)
+    assert cache.resume(user, shared + [11], cache.hashes(shared + [11])) == 4
+    _kept(kv, gdn, cache, other)
+    assert kv.free_pages() == 6 and cache.evictable() == 2          # the other entry's two pages
+    kv.alloc(6)
+    assert [e.tokens for e in cache.entries.values()] == [tuple(shared)] and cache.evictable() == 0
 
 
 def test_max_entries_bounds_the_cache(loaded):

@@ -15,6 +15,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from . import bodies as B
 from . import protocol as P
 from .anthropic_api import error_body
 from .replies import Choice, Reply, _events, collect_one, sse_response
@@ -40,8 +41,12 @@ def _message(rid: str, model: str, content: list, stop: tuple, usage: dict) -> d
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
-def _usage(prompt: int, output: int) -> dict:
-    return {"input_tokens": prompt, "output_tokens": output}
+def _usage(prompt: int, output: int, cached: int = 0) -> dict:
+    """Anthropic counts prompt tokens read from a cache apart: input_tokens are the rest."""
+    use = {"input_tokens": prompt - cached, "output_tokens": output}
+    if cached:
+        use["cache_read_input_tokens"] = cached
+    return use
 
 
 def new_id() -> str:
@@ -64,7 +69,7 @@ async def respond(c: Choice, request: Request, reply: Reply, prompt_tokens: int)
     if text or not (c.tools and c.tools.calls):
         content.append({"type": "text", "text": text})
     content += [_tool_block(t) for t in (c.tools.calls if c.tools is not None else ())]
-    use = _usage(got.use["prompt_tokens"], got.use["completion_tokens"])
+    use = _usage(got.use["prompt_tokens"], got.use["completion_tokens"], B.cached_tokens(got.use))
     return JSONResponse(_message(rid, model, content, _stop(c, got.finish), use))
 
 
@@ -140,7 +145,7 @@ async def _stream(c: Choice, rid: str, model: str, prompt_tokens: int):
                 stop = _stop(c, finish)
                 yield _sse("message_delta", {"type": "message_delta", "delta": {
                     "stop_reason": stop[0], "stop_sequence": stop[1]},
-                    "usage": {"output_tokens": use["completion_tokens"]}})
+                    "usage": _usage(use["prompt_tokens"], use["completion_tokens"], B.cached_tokens(use))})
                 yield _sse("message_stop", {"type": "message_stop"})
     except Exception as e:       # a bug: the client still gets an error event, not a stream that just stops
         traceback.print_exc(file=sys.stderr)
