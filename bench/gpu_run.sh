@@ -51,6 +51,9 @@
 #             tokens per round and every K's tokens against plain greedy decoding (tiny_mtp_cuda.json); tinymtp0
 #             the same with NINFER_DRAFT_CHAIN=0 (tiny_mtp_cuda_readback.json); $TINY_ARGS: more tiny_mtp.py arguments;
 #             TINY_S (default 400): each Engine on the tiny shapes compiles and captures for ~2 minutes (s37)
+#   prefixcache bench/prefix_cache.py: time to first token with and without the prefix cache (a repeated prompt,
+#             prompts sharing a system prompt) at $PREFIX_LENS (default 1024,4096) on the nvfp4 artifact (built, or
+#             the one kept under /dev/shm/ninfer-run), $PREFIX_REPS reps (prefix_cache.json); PREFIX_S (default 300)
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_TS and XPRE_EXTRA (xpre.py --T / --extra), XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
@@ -213,6 +216,11 @@ for step in "$@"; do
         --device cuda --recipes ${TINY_RECIPES:-nvfp4} --ks ${TINY_KS:-3} --draft-heads ${TINY_HEADS:-lm_head,nvfp4} \
         ${TINY_ARGS:-} --out "$OUT/$j.json" > "$OUT/${j}_table.txt" 2> "$OUT/${j}_log.txt"
       echo "$step rc=$?"; cat "$OUT/${j}_table.txt"; tail -4 "$OUT/${j}_log.txt" ;;
+    prefixcache)
+      timeout ${PREFIX_S:-300} python3 bench/prefix_cache.py --recipe nvfp4 --dir /dev/shm/ninfer-run \
+        --prompt-lens ${PREFIX_LENS:-1024,4096} --reps ${PREFIX_REPS:-3} --out "$OUT/prefix_cache.json" \
+        > "$OUT/prefix_cache_table.txt" 2> "$OUT/prefix_cache_log.txt"
+      echo "prefixcache rc=$?"; cat "$OUT/prefix_cache_table.txt"; tail -3 "$OUT/prefix_cache_log.txt" ;;
     serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
     servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;
