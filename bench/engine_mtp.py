@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import synth_artifact as synth
-from bench_cli import ArgParser, pick_dir, positive_int
+from bench_cli import ArgParser, positive_int
 from ninfer_formats.atomic import write_json_atomic
 from ninfer_formats.errors import NinferError
 
@@ -412,15 +412,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         _check_heads(args.draft_heads)
-        if args.device == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                raise NinferError("--device cuda: no CUDA device here (use --device cpu for a dry run)")
-        shape = synth.shape_from_args(args)
-        folder = os.path.join(pick_dir(args.dir, synth.planned_bytes(shape, args.recipe, 1)), f"{args.recipe}-tp1")
-        paths, info = synth.build(folder, shape, args.recipe, 1, log=log)
-        log(f"artifact {'reused' if info['reused'] else 'built'}: {info['bytes'] / 1e9:.2f} GB in {folder}")
-        records = measure(args, paths[0])
+        records = measure(args, synth.engine_artifact(args, log))
         write_json_atomic(args.out, records)
     except (NinferError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -20,7 +20,6 @@ costs nothing beyond the uncached tokens)}.
 """
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import sys
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 import synth_artifact as synth
-from bench_cli import ArgParser, int_list, pick_dir, positive_int
+from bench_cli import ArgParser, int_list, positive_int
 from ninfer_formats.atomic import write_json_atomic
 from ninfer_formats.errors import NinferError
 
@@ -160,15 +159,7 @@ def _line(r: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.device == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                raise NinferError("--device cuda: no CUDA device here (use --device cpu for a dry run)")
-        shape = synth.shape_from_args(args)
-        folder = os.path.join(pick_dir(args.dir, synth.planned_bytes(shape, args.recipe, 1)), f"{args.recipe}-tp1")
-        paths, info = synth.build(folder, shape, args.recipe, 1, log=log)
-        log(f"artifact {'reused' if info['reused'] else 'built'}: {info['bytes'] / 1e9:.2f} GB in {folder}")
-        records = measure(args, paths[0])
+        records = measure(args, synth.engine_artifact(args, log))
         write_json_atomic(args.out, records)
     except (NinferError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

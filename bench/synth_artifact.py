@@ -310,3 +310,18 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def engine_artifact(args, log) -> str:
+    """The rank-0 file of the TP1 --recipe artifact of the shape flags (built in --dir unless it is there), for a
+    benchmark that runs the real Engine on --device; a missing CUDA device is a NinferError first."""
+    from bench_cli import pick_dir
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise NinferError("--device cuda: no CUDA device here (use --device cpu for a dry run)")
+    shape = shape_from_args(args)
+    folder = os.path.join(pick_dir(args.dir, planned_bytes(shape, args.recipe, 1)), f"{args.recipe}-tp1")
+    paths, info = build(folder, shape, args.recipe, 1, log=log)
+    log(f"artifact {'reused' if info['reused'] else 'built'}: {info['bytes'] / 1e9:.2f} GB in {folder}")
+    return paths[0]
