@@ -74,19 +74,13 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=positive_int, default=1024)
     ap.add_argument("--new-tokens", type=positive_int, default=256)
     ap.add_argument("--batch", type=positive_int, default=1, help="requests decoded together (same prompt)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--backend", choices=("triton", "torch"), default=None, help="default triton on cuda, torch on cpu")
-    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm/ninfer-bench when it fits)")
-    ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--profile-tokens", type=int, default=0,
                     help="after each K's runs, profile one more generation of this many tokens at the first "
                          "acceptance (torch.profiler: tables to stderr, a Chrome trace beside --out)")
     ap.add_argument("--sync-audit", action="store_true",
                     help="after each K's runs, one more generation under torch.cuda.set_sync_debug_mode: the host "
                          "syncs per decode step and where they come from (syncs_per_step, sync_sites)")
-    synth.add_shape_args(ap)
+    synth.add_engine_args(ap, OUT)
     args = ap.parse_args(argv)
     try:
         args.ks = tuple(sorted({int(k) for k in args.ks.split(",") if k.strip()}))

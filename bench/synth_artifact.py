@@ -312,6 +312,17 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def add_engine_args(ap: argparse.ArgumentParser, out) -> None:
+    """The flags of a benchmark that runs the real Engine on a synthetic artifact (`engine_artifact`)."""
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--backend", choices=("triton", "torch"), default=None, help="default triton on cuda, torch on cpu")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--dir", default=None, help="artifact folder (default /dev/shm/ninfer-bench when it fits)")
+    ap.add_argument("--out", default=str(out))
+    add_shape_args(ap)
+
+
 def engine_artifact(args, log) -> str:
     """The rank-0 file of the TP1 --recipe artifact of the shape flags (built in --dir unless it is there), for a
     benchmark that runs the real Engine on --device; a missing CUDA device is a NinferError first."""
