@@ -132,6 +132,7 @@ class Engine(RunAhead, Decisions, Core):
         self._grammar_tok = grammar_tokenizer or tokenizer
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
+        self._reset_prefix = False           # reset_prefix_cache() asked, done at the next schedule
         self._free_msg: list[str] = []
         self._unusable: str | None = None    # why step() is refused from now on (None: usable)
         self.stats = EngineStats(spec=SpecStats() if spec else None,
@@ -321,9 +322,19 @@ class Engine(RunAhead, Decisions, Core):
     def _reserve_pages(self, s: Seq) -> int:
         return self.model.kv_pool.pages_for(min(len(s.prompt) + s.params.max_tokens, self.max_model_len))
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache before the next step's admissions (on every rank; any thread may ask: the step
+        loop does it). False when the engine has no prefix cache."""
+        if self.prefix is None:
+            return False
+        self._reset_prefix = True
+        return True
+
     def _schedule(self) -> Plan:
-        plan = Plan(free=self._free_msg)
-        self._free_msg = []
+        plan = Plan(free=self._free_msg, reset_prefix=self._reset_prefix)
+        self._free_msg, self._reset_prefix = [], False
+        if plan.reset_prefix:
+            self.prefix.clear()
         outstanding = self._outstanding()
         while self._head_fits(outstanding):
             s = self.waiting.popleft()

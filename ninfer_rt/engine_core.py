@@ -85,10 +85,12 @@ class Plan:
     chain: bool = False                           # drafts stay on the device between draft steps (`_draft_chained`)
     all_rows: list = field(default_factory=list)  # req_ids whose prompt chunks return every row's logits
     cached: list = field(default_factory=list)    # (req_id, n): admitted at n tokens from the prefix cache
+    reset_prefix: bool = False                    # empty the prefix cache before this step's admissions
 
     def message(self) -> dict:
         return {"admit": self.admit, "free": self.free, "prefill": self.prefill, "decode": self.decode,
-                "chain": self.chain, "all_rows": self.all_rows, "cached": self.cached}
+                "chain": self.chain, "all_rows": self.all_rows, "cached": self.cached,
+                "reset_prefix": self.reset_prefix}
 
 
 @dataclass
@@ -216,6 +218,8 @@ class Core:
             s = self.seqs.pop(rid, None)
             if s is not None and s.state is not None:
                 s.state.free()
+        if plan.reset_prefix:
+            self.prefix.clear()
         cached = dict(plan.cached)
         for rid, prompt, meta in plan.admit:
             s = Seq(rid, list(prompt), state=self.model.new_state())

@@ -202,3 +202,20 @@ def test_bad_entry_count():
     pool = KVPool(4, 2, 1, 1, 2, torch.float32, "cpu")
     with pytest.raises(ValueError, match="positive number of entries"):
         PrefixCache(pool, None, 0)
+
+
+def test_reset_empties_the_cache_at_the_next_step(loaded):
+    """vLLM's reset_prefix_cache: asked between steps (any thread), done before the next step's admissions; pages
+    running sequences share stay theirs."""
+    eng = engine(loaded, 2, 4)
+    run(eng, [[BASE]])
+    eng.add_request("a", later(21, [5, 6]), GREEDY)
+    eng.step()                                       # resumed from the entry: its pages are shared now
+    assert eng.reset_prefix_cache() and len(eng.prefix.entries) == 1
+    eng.add_request("b", later(21, [7]), GREEDY)
+    while eng.has_work():
+        eng.step()
+    assert eng.prefix.stats.hits == 20                # "a" only: "b" was admitted after the reset
+    pool = eng.model.kv_pool
+    assert pool.free_pages() == pool.num_pages
+    assert not engine(loaded, 0, 0).reset_prefix_cache()

@@ -711,9 +711,11 @@ def test_tp2_server_matches_tp1(real, tmp_path_factory):
         # a repeated prompt resumes from every rank's prefix cache (the leader sends where) and answers alike
         long = PROMPTS[3] * 3
         want = expected_text(real.tok, solo_ids(real.ref, real.tok.encode(long), 6))[1]
-        for cached in (False, True):
+        for cached in (False, True, "reset"):
+            if cached == "reset":                           # every rank empties its cache before the next step
+                assert _post(srv, "/reset_prefix_cache").status_code == 200
             r = c.completions.create(model=MODEL_ID, prompt=long, max_tokens=6, temperature=0)
-            assert r.choices[0].text == want and bool(r.usage.prompt_tokens_details) == cached
+            assert r.choices[0].text == want and bool(r.usage.prompt_tokens_details) == (cached is True)
         wait_idle(srv)
         assert _pool_is_whole(rt)
     finally:

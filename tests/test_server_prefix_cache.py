@@ -58,3 +58,21 @@ def test_messages_usage_counts_cache_reads(real_srv, stream):  # noqa: F811
     assert use.cache_read_input_tokens > 0 and use.input_tokens > 0
     n = client.messages.count_tokens(model=MODEL_ID, messages=kw["messages"]).input_tokens
     assert use.input_tokens + use.cache_read_input_tokens == n
+
+
+def test_reset_prefix_cache_endpoint(real_srv):  # noqa: F811
+    body = {"model": MODEL_ID, "prompt": PROMPT + "reset", "max_tokens": 2, "temperature": 0}
+    _post(real_srv, "/v1/completions", body)
+    r = _post(real_srv, "/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {}
+    assert "prompt_tokens_details" not in _post(real_srv, "/v1/completions", body).json()["usage"]
+
+
+def test_reset_without_a_prefix_cache_is_a_400():
+    from test_server import fake_server
+    srv, _, _ = fake_server()
+    try:
+        r = _post(srv, "/reset_prefix_cache")
+        assert r.status_code == 400 and "prefix cache is off" in r.json()["error"]["message"]
+    finally:
+        srv.close()

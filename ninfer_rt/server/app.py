@@ -249,6 +249,13 @@ def create_app(state: ServerState) -> FastAPI:
         data = await read_json(request, state.max_body_bytes)
         return T.tokenize(state.tokenizer, data, state.names, sched.max_context)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        reset = getattr(state.serving().engine, "reset_prefix_cache", None)
+        if reset is None or not reset():
+            raise P.ApiError(400, "the prefix cache is off (the server runs with --no-enable-prefix-caching)")
+        return {}
+
     @app.post("/detokenize")
     async def detokenize(request: Request):
         state.serving()
