@@ -132,7 +132,8 @@ class Engine(RunAhead, Decisions, Core):
         self._grammar_tok = grammar_tokenizer or tokenizer
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
-        self._reset_prefix = False           # reset_prefix_cache() asked, done at the next schedule
+        # reset_prefix_cache() counts asks on any thread, _schedule counts those done: one writer each, no lost ask
+        self._resets_asked = self._resets_done = 0
         self._free_msg: list[str] = []
         self._unusable: str | None = None    # why step() is refused from now on (None: usable)
         self.stats = EngineStats(spec=SpecStats() if spec else None,
@@ -327,12 +328,13 @@ class Engine(RunAhead, Decisions, Core):
         loop does it). False when the engine has no prefix cache."""
         if self.prefix is None:
             return False
-        self._reset_prefix = True
+        self._resets_asked += 1
         return True
 
     def _schedule(self) -> Plan:
-        plan = Plan(free=self._free_msg, reset_prefix=self._reset_prefix)
-        self._free_msg, self._reset_prefix = [], False
+        asked = self._resets_asked          # read once: an ask from another thread after this waits a step
+        plan = Plan(free=self._free_msg, reset_prefix=asked != self._resets_done)
+        self._free_msg, self._resets_done = [], asked
         if plan.reset_prefix:
             self.prefix.clear()
         outstanding = self._outstanding()

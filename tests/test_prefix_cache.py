@@ -219,3 +219,24 @@ def test_reset_empties_the_cache_at_the_next_step(loaded):
     pool = eng.model.kv_pool
     assert pool.free_pages() == pool.num_pages
     assert not engine(loaded, 0, 0).reset_prefix_cache()
+
+
+def test_a_reset_asked_while_a_step_is_planned_is_not_lost(loaded, monkeypatch):
+    """The server asks from its event-loop thread: an ask landing while _schedule builds its plan is done at the
+    next one."""
+    import ninfer_rt.engine as E
+    eng = engine(loaded, 0, 4)
+    run(eng, [[BASE]])
+    real, asked = E.Plan, []
+
+    def plan_asking(*a, **kw):
+        if not asked:
+            asked.append(eng.reset_prefix_cache())
+        return real(*a, **kw)
+    monkeypatch.setattr(E, "Plan", plan_asking)
+    eng.add_request("a", later(21, [5]), GREEDY)
+    eng.step()                                       # planned before the ask: resumes from the entry
+    eng.add_request("b", later(21, [6]), GREEDY)
+    while eng.has_work():
+        eng.step()
+    assert asked == [True] and eng.prefix.stats.hits == 20      # "b" was admitted after the reset
