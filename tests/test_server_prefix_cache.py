@@ -76,3 +76,24 @@ def test_reset_without_a_prefix_cache_is_a_400():
         assert r.status_code == 400 and "prefix cache is off" in r.json()["error"]["message"]
     finally:
         srv.close()
+
+
+def test_auto_kv_size_leaves_room_for_the_cached_states(monkeypatch):
+    """Each entry's GDN state copy is one sequence slot's bytes: `--kv-capacity auto` takes them off the pool."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    import torch
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: bench/ must not shadow anything
+    import synth_artifact as synth
+
+    from ninfer_rt.server.runtime import RuntimeOptions, auto_kv_tokens, gdn_bytes_per_slot, kv_bytes_per_token
+    cfg = synth.TINY.config()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 16 << 30))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    opts = RuntimeOptions(artifact="x", device="cuda", dtype="bfloat16", prefix_cache=0)
+    off = auto_kv_tokens(cfg, opts, torch.device("cuda"))
+    on = auto_kv_tokens(cfg, dataclasses.replace(opts, prefix_cache=16), torch.device("cuda"))
+    per = kv_bytes_per_token(cfg, 1, torch.bfloat16)
+    assert off - on in (16 * gdn_bytes_per_slot(cfg, 1) // per, 16 * gdn_bytes_per_slot(cfg, 1) // per + 1)
