@@ -42,6 +42,30 @@ def origins(value: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in value.split(",") if o.strip())
 
 
+def speculative_tokens(value: str) -> int:
+    """vLLM's --speculative-config for this model's MTP module -> draft tokens per round."""
+    import json
+
+    from .server.runtime import ServeError
+    try:
+        cfg = json.loads(value)
+    except ValueError:
+        cfg = None
+    if not isinstance(cfg, dict):
+        raise ServeError(f"--speculative-config {value}: expected a JSON object")
+    extra = sorted(set(cfg) - {"method", "num_speculative_tokens"})
+    if extra:
+        raise ServeError(f"--speculative-config: {extra[0]!r} is not supported (method and "
+                         f"num_speculative_tokens are)")
+    method, n = cfg.get("method", "mtp"), cfg.get("num_speculative_tokens")
+    if not (isinstance(method, str) and (method == "mtp" or method.endswith("_mtp"))):
+        raise ServeError(f"--speculative-config: method {method!r}: only the model's own MTP module drafts here "
+                         f"(\"mtp\")")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 7:
+        raise ServeError(f"--speculative-config: num_speculative_tokens: expected an integer in 1..7, got {n!r}")
+    return n
+
+
 NAME_FLAGS = ("--served-model-name", "--model-id")
 
 
@@ -95,20 +119,23 @@ def _kv_capacity(ctx, param, value):
 @click.option("--ssl-keyfile", type=click.Path(dir_okay=False), default=None,
               help="TLS key (HTTPS, with --ssl-certfile).")
 @click.option("--ssl-certfile", type=click.Path(dir_okay=False), default=None, help="TLS certificate chain.")
-@click.option("--tp", default=1, show_default=True, type=click.IntRange(1, 8), help="Tensor-parallel ranks.")
+@click.option("--tp", "--tensor-parallel-size", "tp", default=1, show_default=True, type=click.IntRange(1, 8), help="Tensor-parallel ranks.")
 @click.option("--spec", type=click.Choice(["none", "mtp"]), default="none", show_default=True,
               help="Speculative decoding with the artifact's MTP module.")
 @click.option("--draft-tokens", default=3, show_default=True, type=click.IntRange(1, 7),
               help="MTP draft tokens per round (with --spec mtp).")
+@click.option("--speculative-config", default=None,
+              help='vLLM\'s JSON form of --spec mtp --draft-tokens N: \'{"method": "mtp", "num_speculative_tokens": N}\' '
+                   '(methods named *_mtp too).')
 @click.option("--draft-head", default=None, envvar="NINFER_DRAFT_HEAD",
               help="Where MTP drafts get their logits: lm_head, nvfp4 (an NVFP4 copy of the lm_head made "
                    "at load), nvfp4:N (only token ids below N) or auto (nvfp4 where the lm_head allows it); "
                    "verify always uses the lm_head (env NINFER_DRAFT_HEAD). [default: auto]")
-@click.option("--max-concurrency", default=4, show_default=True, type=click.IntRange(1, 256),
+@click.option("--max-concurrency", "--max-num-seqs", "max_concurrency", default=4, show_default=True, type=click.IntRange(1, 256),
               help="Sequences batched together (continuous batching slots).")
 @click.option("--kv-capacity", default="auto", show_default=True, callback=_kv_capacity,
               help="Tokens in the shared KV pool, or 'auto' (free device memory after weights).")
-@click.option("--max-context", default=None, type=click.IntRange(MIN_KV_TOKENS),
+@click.option("--max-context", "--max-model-len", "max_context", default=None, type=click.IntRange(MIN_KV_TOKENS),
               help=f"Prompt + completion tokens per request (at least {MIN_KV_TOKENS}).")
 @click.option("--max-pending", default=64, show_default=True, type=click.IntRange(1),
               help="Queued requests before answering 429.")
@@ -123,7 +150,7 @@ def _kv_capacity(ctx, param, value):
               help="Activation and KV dtype (default: bfloat16 on cuda, float32 on cpu).")
 @click.option("--backend", type=click.Choice(["torch", "triton"]), default=None,
               help="Ops backend (default: triton on cuda, torch on cpu).")
-@click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
+@click.option("--prefill-chunk", "--max-num-batched-tokens", "prefill_chunk", default=512, show_default=True, type=click.IntRange(1),
               help="Prompt tokens per engine step (shared by all prefilling requests).")
 @click.option("--log-requests", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Append a JSONL record per request (timings, token counts, MTP stats; no text).")
@@ -133,7 +160,7 @@ def _kv_capacity(ctx, param, value):
               help=f"Largest accepted request body (413 beyond). [default: {TEXT_BODY_MIB:g}, "
                    f"{VISION_BODY_MIB:g} with --vision]")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum verification at load.")
-@click.option("--eager", is_flag=True, help="Do not capture CUDA graphs (decode/verify/draft steps run eagerly).")
+@click.option("--eager", "--enforce-eager", "eager", is_flag=True, help="Do not capture CUDA graphs (decode/verify/draft steps run eagerly).")
 @click.option("--no-async-scheduling", is_flag=True,
               help="Read each decode step's tokens back before launching the next (default on CUDA: launch ahead).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
@@ -148,7 +175,7 @@ def _kv_capacity(ctx, param, value):
 @image_limit_options("request")
 @user_errors
 def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_keyfile, ssl_certfile, tp, spec,
-          draft_tokens, draft_head, max_concurrency, kv_capacity, max_context, max_pending, default_max_tokens,
+          draft_tokens, speculative_config, draft_head, max_concurrency, kv_capacity, max_context, max_pending, default_max_tokens,
           api_key, device, dtype, backend, prefill_chunk, log_requests, drain_timeout, max_body_mib, no_verify, eager,
           no_async_scheduling, enable_prefix_caching, prefix_cache_entries, vision, vision_max_tokens, max_images,
           max_image_bytes, max_image_pixels, vision_max_pixels):
@@ -161,6 +188,8 @@ def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_ke
                                          vision_max_tokens=vision_max_tokens)
     from .draft_head import use as use_draft_head
     use_draft_head(draft_head)
+    if speculative_config is not None:
+        spec, draft_tokens = "mtp", speculative_tokens(speculative_config)
     if max_body_mib is None:
         max_body_mib = VISION_BODY_MIB if vis is not None else TEXT_BODY_MIB
     if device is None:

@@ -144,6 +144,33 @@ def test_served_model_names_parse_like_vllm(monkeypatch, args, names):
     assert (got[0].model_id, got[0].aliases) == names and got[0].runtime.artifact == "art"
 
 
+@pytest.mark.parametrize("flags,want", [
+    (["--tensor-parallel-size", "2", "--max-num-seqs", "3", "--max-model-len", "64", "--enforce-eager",
+      "--max-num-batched-tokens", "128"],
+     dict(tp=2, max_concurrency=3, max_context=64, eager=True, prefill_chunk=128, draft_tokens=0)),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'], dict(draft_tokens=2)),
+    (["--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 5}'], dict(draft_tokens=5)),
+], ids=["vllm-names", "speculative-config", "speculative-config-next"])
+def test_vllm_flag_names(monkeypatch, flags, want):
+    import ninfer_rt.server.serve as S
+    got = []
+    monkeypatch.setattr(S, "run_server", lambda opts: got.append(opts) or 0)
+    res = _cli(["--device", "cpu", "art", *flags])
+    assert res.exit_code == 0, res.output
+    assert {k: getattr(got[0].runtime, k) for k in want} == want
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("3", "expected a JSON object"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle': only the model's own MTP"),
+    ('{"method": "mtp", "num_speculative_tokens": 9}', "num_speculative_tokens: expected an integer in 1..7"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "model": "x"}', "'model' is not supported"),
+], ids=["not-json-object", "method", "count", "extra-key"])
+def test_bad_speculative_config_is_one_line(value, needle):
+    res = _cli(["--device", "cpu", "art", "--speculative-config", value])
+    assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output
+
+
 def test_empty_served_model_name_is_one_line(tmp_path_factory):
     res = _cli([tiny_artifact(tmp_path_factory), "--served-model-name", "a", " ", "--device", "cpu"])
     assert res.exit_code == 2 and "--served-model-name: a name must not be empty" in res.output
