@@ -84,7 +84,8 @@ def _cli(args):
     (["hf://not-a-repo"], "expected hf://ORG/REPO"),
     # the KV pool needs two 16-token pages: refused at parsing, not after the load with a misleading hint
     (["{art}", "--kv-capacity", "31", "--port", "{busy}"], "'--kv-capacity': expected at least 32 tokens"),
-    (["{art}", "--max-context", "31", "--port", "{busy}"], "'--max-context': 31 is not in the range x>=32"),
+    (["{art}", "--max-context", "31", "--port", "{busy}"],
+     "'--max-context' / '--max-model-len': 31 is not in the range x>=32"),
     (["{art}", "--spec", "mtp", "--draft-head", "nvfp4:0", "--port", "{busy}"],
      "--draft-head='nvfp4:0': expected auto, lm_head, nvfp4 or nvfp4:N"),
 ], ids=["missing-artifact", "bad-kv-capacity", "port-in-use", "context-over-model", "bad-hf-spec",
