@@ -76,6 +76,16 @@ def _cli(args):
     return CliRunner().invoke(main, ["serve", *args])
 
 
+def parsed(monkeypatch, args):
+    """The ServeOptions `serve ARGS` (on the CPU) would run the server with; the server is not started."""
+    import ninfer_rt.server.serve as S
+    got = []
+    monkeypatch.setattr(S, "run_server", lambda opts: got.append(opts) or 0)
+    res = _cli(["--device", "cpu", *args])
+    assert res.exit_code == 0, res.output
+    return got[0]
+
+
 @pytest.mark.parametrize("args,needle", [
     (["/definitely/not/here"], "no such file or folder"),
     (["{art}", "--kv-capacity", "lots"], "expected a number of tokens or 'auto'"),
@@ -137,12 +147,8 @@ def _self_signed(folder) -> tuple[str, str]:
 ], ids=["vllm-list", "repeated", "equals", "dashdash", "none"])
 def test_served_model_names_parse_like_vllm(monkeypatch, args, names):
     """vLLM's `--served-model-name a b` (names up to the next option), repeated flags, `=`; replies use the first."""
-    import ninfer_rt.server.serve as S
-    got = []
-    monkeypatch.setattr(S, "run_server", lambda opts: got.append(opts) or 0)
-    res = _cli(["--device", "cpu", *args])
-    assert res.exit_code == 0, res.output
-    assert (got[0].model_id, got[0].aliases) == names and got[0].runtime.artifact == "art"
+    opts = parsed(monkeypatch, args)
+    assert (opts.model_id, opts.aliases) == names and opts.runtime.artifact == "art"
 
 
 @pytest.mark.parametrize("flags,want", [
@@ -153,12 +159,8 @@ def test_served_model_names_parse_like_vllm(monkeypatch, args, names):
     (["--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 5}'], dict(draft_tokens=5)),
 ], ids=["vllm-names", "speculative-config", "speculative-config-next"])
 def test_vllm_flag_names(monkeypatch, flags, want):
-    import ninfer_rt.server.serve as S
-    got = []
-    monkeypatch.setattr(S, "run_server", lambda opts: got.append(opts) or 0)
-    res = _cli(["--device", "cpu", "art", *flags])
-    assert res.exit_code == 0, res.output
-    assert {k: getattr(got[0].runtime, k) for k in want} == want
+    rt = parsed(monkeypatch, ["art", *flags]).runtime
+    assert {k: getattr(rt, k) for k in want} == want
 
 
 @pytest.mark.parametrize("value,needle", [

@@ -4,7 +4,7 @@ the Responses API's input_tokens_details), /metrics counts queries and hits; the
 from __future__ import annotations
 
 import pytest
-from test_serve_cli import _cli
+from test_serve_cli import parsed
 from test_server import MODEL_ID, _post, metric, real_srv  # noqa: F401
 
 PROMPT = "The quick brown fox jumps over the lazy dog; " * 3
@@ -34,12 +34,7 @@ def test_responses_usage_counts_cached_tokens(real_srv):  # noqa: F811
 @pytest.mark.parametrize("flags,entries", [([], 16), (["--prefix-cache-entries", "3"], 3),
                                            (["--no-enable-prefix-caching"], 0)], ids=["default", "entries", "off"])
 def test_prefix_cache_flags(monkeypatch, flags, entries):
-    import ninfer_rt.server.serve as S
-    got = []
-    monkeypatch.setattr(S, "run_server", lambda opts: got.append(opts) or 0)
-    res = _cli(["--device", "cpu", "art", *flags])
-    assert res.exit_code == 0, res.output
-    assert got[0].runtime.prefix_cache == entries
+    assert parsed(monkeypatch, ["art", *flags]).runtime.prefix_cache == entries
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["blocking", "stream"])
