@@ -54,6 +54,9 @@
 #   prefixcache bench/prefix_cache.py: time to first token with and without the prefix cache (a repeated prompt,
 #             prompts sharing a system prompt) at $PREFIX_LENS (default 1024,4096) on the nvfp4 artifact (built, or
 #             the one kept under /dev/shm/ninfer-run), $PREFIX_REPS reps (prefix_cache.json); PREFIX_S (default 300)
+#   launch    bench/graph_launch.py: each CUDA graph of the real Engine (K = $LAUNCH_KS, default 0,3) replayed onto an
+#             idle GPU against back to back: the launch time a step that starts on an idle GPU pays
+#             (graph_launch.json); LAUNCH_S (default 240), LAUNCH_ENV: VAR=value words for it alone
 #   serve     bench/serve.py at concurrency $SERVE_C (default 1,2,4,8) on the nvfp4 artifact decode kept
 #   servex    the same with NINFER_XPRE=${SERVEX_XPRE:-0} (the comparison run), written as serve_xpre.json
 # Env: ANATOMY_S, FLOOR_S, PATTERN_S, XPRE_S, XPRE_TS and XPRE_EXTRA (xpre.py --T / --extra), XPRE_SHAPES, NCU_SHAPES, KERNELS_S, SERVE_S, DECODEX_S, TOTAL_S (whole call, default 580), RECIPES
@@ -221,6 +224,11 @@ for step in "$@"; do
         --prompt-lens ${PREFIX_LENS:-1024,4096} --reps ${PREFIX_REPS:-3} --out "$OUT/prefix_cache.json" \
         > "$OUT/prefix_cache_table.txt" 2> "$OUT/prefix_cache_log.txt"
       echo "prefixcache rc=$?"; cat "$OUT/prefix_cache_table.txt"; tail -3 "$OUT/prefix_cache_log.txt" ;;
+    launch)
+      env ${LAUNCH_ENV:-} timeout ${LAUNCH_S:-240} python3 bench/graph_launch.py --recipe nvfp4 --dir /dev/shm/ninfer-run \
+        --ks ${LAUNCH_KS:-0,3} --out "$OUT/graph_launch${LAUNCH_TAG:-}.json" > "$OUT/graph_launch${LAUNCH_TAG:-}_table.txt" \
+        2> "$OUT/graph_launch${LAUNCH_TAG:-}_log.txt"
+      echo "launch rc=$?"; cat "$OUT/graph_launch${LAUNCH_TAG:-}_table.txt"; tail -4 "$OUT/graph_launch${LAUNCH_TAG:-}_log.txt" ;;
     serve) run_serve serve "${NINFER_XPRE:-auto}" "$(reserve servex)" ;;
     servex) run_serve servex "${SERVEX_XPRE:-0}" 0 ;;
     *) echo "unknown step $step" ;;

@@ -312,7 +312,10 @@ class Core:
         parts = []
         for lo, hi, via_graph in forward_parts(n_dec, len(batch), self.graphs is not None):
             owner = self.graphs if via_graph else self.model
-            parts.append((lo, (owner.mtp_forward if mtp else owner.forward)(batch[lo:hi])))
+            run = owner.mtp_forward if mtp else owner.forward
+            if not mtp and not via_graph and self.graphs is not None:
+                run = self.graphs.prefill          # short chunks as graph steps, the rest eagerly
+            parts.append((lo, run(batch[lo:hi])))
         return StepOut(parts)
 
     def _align(self, mtp_in: list[MtpInput], mtp_seqs: list, n_round: int) -> None:

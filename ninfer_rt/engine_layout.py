@@ -7,6 +7,7 @@ re-exports all of this.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ DEFAULT_CONTEXT = 8192          # default KV reservation per batch slot when kv_
 DEFAULT_PAGE = 16
 GRAPH_MODES = ("auto", "eager", "off")
 GRAPH_MAX_BATCH = 64            # larger decode batches run without graphs (capture time, snapshot buffers)
+PREFILL_GRAPH_TOKENS = (2, 4, 8, 16)    # batch-1 graph sizes short prefill chunks are cut into (graph_prefill)
+PREFILL_GRAPHS_ENV = "NINFER_PREFILL_GRAPHS"
 
 
 class EngineError(NinferError):
@@ -61,7 +64,15 @@ def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model
     sizes = tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i < top} | {top}))
     k = spec.num_draft_tokens if spec is not None else 0
     return GraphConfig(batch_sizes=sizes, tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)) if k else (),
-                       kv_buckets=(max_model_len,), eager=mode == "eager")
+                       kv_buckets=(max_model_len,), eager=mode == "eager", prefill_tokens=prefill_graph_tokens())
+
+
+def prefill_graph_tokens() -> tuple[int, ...]:
+    """The batch-1 prefill graph sizes (`graph_prefill`): PREFILL_GRAPH_TOKENS, none with NINFER_PREFILL_GRAPHS=0."""
+    v = os.environ.get(PREFILL_GRAPHS_ENV, "1")
+    if v not in ("0", "1"):
+        raise EngineError(f"{PREFILL_GRAPHS_ENV}={v!r}: expected 1 (short prefill chunks as graph steps) or 0")
+    return PREFILL_GRAPH_TOKENS if v == "1" else ()
 
 
 def engine_layout(loaded, ops, spec: SpecConfig | None, max_batch: int, kv_pages: int | None,
@@ -75,6 +86,6 @@ def engine_layout(loaded, ops, spec: SpecConfig | None, max_batch: int, kv_pages
     g = graph_config(getattr(loaded, "device", "cpu"), ops, spec, max_batch, limit, graphs)
     if g is None:
         return Layout(base, None, limit)
-    spare = math.ceil(max(g.tokens + g.mtp_tokens) / page_size)
+    spare = math.ceil(g.max_tokens / page_size)
     return Layout(CacheConfig(num_pages=base.num_pages + spare, page_size=page_size, max_seqs=max_batch + 1),
                   g, limit)

@@ -39,7 +39,7 @@ class RowSpec:
     snap: int = -1          # snapshot row offset (>= 0: keep the pool slot, write per-token states there)
 
 
-STAGING = 8     # pinned staging buffers used in turn: an MTP round fills K + 1 <= 8 (alignment, drafts, verify)
+STAGING = 16    # pinned staging buffers used in turn: an MTP round fills K + 1 <= 8, a prefill chunk up to 6 more
 
 
 def _split(raw: torch.Tensor, n64: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,11 +30,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import graph_prefill
 from .batch import RECURRENT_MAX_T
 from .graph_model import RowSpec, StaticMeta, mtp_step, target_step
 from .model import LOGITS, Output, logit_rows
 from .sampling import small_tensor
 from .state import CapacityError, PendingSnapshot
+
+
+# The widest prefill graph: the decode kernels' widest step (ninfer_kernels.dispatch.DECODE_MAX_T; a test keeps
+# the two equal). Wider chunks take the prefill kernels, which run eagerly.
+PREFILL_MAX_T = 16
 
 
 class GraphError(RuntimeError):
@@ -57,13 +63,30 @@ class GraphConfig:
     kv_buckets: tuple[int, ...] = (8192,)         # KV-length buckets; the largest bounds graph-served contexts
     eager: bool = False                           # run the static-buffer bodies without capturing (debugging)
     copy_outputs: bool = True                     # hand out copies, not the graph's static outputs
+    prefill_tokens: tuple[int, ...] = ()          # more batch-1 target sizes that prefill chunks are cut into
+    prefill_pieces: int = 6                       # a chunk needing more pieces runs eagerly
 
     def __post_init__(self):
-        for name in ("batch_sizes", "tokens", "mtp_tokens", "kv_buckets"):
-            hi = RECURRENT_MAX_T if "tokens" in name else None
+        for name in ("batch_sizes", "tokens", "mtp_tokens", "kv_buckets", "prefill_tokens"):
+            hi = PREFILL_MAX_T if name == "prefill_tokens" else RECURRENT_MAX_T if "tokens" in name else None
             object.__setattr__(self, name, _sizes(name, getattr(self, name), 1, hi))
         if not self.batch_sizes or not self.tokens or not self.kv_buckets:
             raise ValueError("graphs: batch_sizes, tokens and kv_buckets must not be empty")
+        if self.prefill_tokens and self.batch_sizes[0] != 1:
+            raise ValueError(f"graphs.prefill_tokens: prefill graphs are batch-1 graphs; batch_sizes "
+                             f"{self.batch_sizes!r} has no 1")
+        if not isinstance(self.prefill_pieces, int) or self.prefill_pieces < 1:
+            raise ValueError(f"graphs.prefill_pieces: expected a positive integer, got {self.prefill_pieces!r}")
+
+    @property
+    def max_tokens(self) -> int:
+        """The widest step of any graph (sizes the metadata buffers and the scratch row)."""
+        return max(self.tokens + self.mtp_tokens + self.prefill_tokens)
+
+    @property
+    def single_tokens(self) -> tuple[int, ...]:
+        """The target sizes captured at batch 1: `tokens` and `prefill_tokens`."""
+        return tuple(sorted(set(self.tokens) | set(self.prefill_tokens)))
 
 
 @dataclass
@@ -72,6 +95,7 @@ class GraphStats:
     eager_steps: int = 0      # steps served by the static-buffer bodies without a graph (eager mode)
     fallbacks: int = 0        # steps handed to the model's own forward
     padded_tokens: int = 0    # MTP tokens computed only to pad a sequence to its graph's T (ragged re-alignments)
+    prefill_chunks: int = 0   # prefill chunks served as consecutive batch-1 graph steps (`GraphRunner.prefill`)
     captured: int = 0
     capture_s: float = 0.0
     reasons: dict = field(default_factory=dict)
@@ -96,7 +120,7 @@ class GraphRunner:
                              f"use eager mode")
         self.mtp_tokens = config.mtp_tokens if model.mtp is not None else ()
         self.max_batch = config.batch_sizes[-1]
-        max_t = max(config.tokens + self.mtp_tokens)
+        max_t = max(config.tokens + self.mtp_tokens + config.prefill_tokens)
         ps = model.kv_pool.page_size
         try:
             self._scratch = model.new_state()         # padding rows write here
@@ -128,6 +152,7 @@ class GraphRunner:
     def keys(self) -> list[tuple]:
         c = self.cfg
         out = [("target", b, t, k) for b in c.batch_sizes for t in c.tokens for k in c.kv_buckets]
+        out += [("target", 1, t, k) for t in c.prefill_tokens if t not in c.tokens for k in c.kv_buckets]
         out += [("mtp", b, t, k) for b in c.batch_sizes for t in self.mtp_tokens for k in c.kv_buckets]
         return out
 
@@ -238,6 +263,16 @@ class GraphRunner:
                 s.state.length += t
         return self._output(hidden, logits, [t] * len(batch), t, [s.logits for s in batch])
 
+    @torch.no_grad()
+    def prefill(self, batch: list, *, gather: bool = True) -> Output:
+        """A step's prefill chunks (`Model.forward`'s contract): each as consecutive batch-1 graph steps when every
+        chunk of the part can be (`graph_prefill`), else the model's own forward for all of them."""
+        plans = [graph_prefill.plan(self, s, gather) for s in batch]
+        if not batch or self._scratch.freed or any(p is None for p in plans):
+            return self.model.forward(batch, gather=gather)
+        self.stats.prefill_chunks += len(batch)
+        return graph_prefill.concat([graph_prefill.run_chunk(self, s, p, gather) for s, p in zip(batch, plans)])
+
     def _protect(self, batch, snap: list[int], t: int) -> None:
         """Move home every committed state in a snapshot row this step writes, unless the row is its own
         sequence's (each kernel program reads its part of a state before it writes that part of any row)."""
@@ -293,7 +328,8 @@ class GraphRunner:
     def _plan_target(self, batch, gather):
         items = [(s.token_ids, s.state.length, s.positions is None and s.inputs_embeds is None
                   and s.logits in LOGITS) for s in batch]
-        key, why = self._common(items, gather, self.cfg.tokens)
+        single = len(batch) == 1 and not batch[0].snapshot      # the prefill sizes: batch 1, no snapshot rows
+        key, why = self._common(items, gather, self.cfg.single_tokens if single else self.cfg.tokens)
         if key is None:
             return None, why
         if any(s.snapshot for s in batch):

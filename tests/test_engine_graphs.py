@@ -242,6 +242,7 @@ def test_captured_engine_equals_eager_engine_gpu(tmp_path_factory, k):
         engines.append(eng)
     assert outs[0] == outs[1]
     assert engines[1].graphs.stats.captured > 0 and engines[1].graphs.stats.replays > 0
+    assert engines[1].graphs.stats.prefill_chunks > 0                  # the 9-token chunk and the 23-token tail
     assert engines[0].graphs.stats.captured == 0 and engines[0].graphs.stats.eager_steps > 0
     for eng in engines:
         eng.shutdown()
