@@ -19,7 +19,7 @@ request's KV or state is touched.
     python3 bench/graph_launch.py [--ks 0,3] [--reps 20]      # JSON: bench/results/graph_launch.json
 
 Records: {"kind": "graph_launch", "recipe", "gpu", "draft_tokens", "graph": "target|mtp", "batch", "tokens",
-"kv_bucket", "nodes", "host_us", "idle_us", "steady_us", "exposed_us", "segments"}.
+"kv_bucket", "nodes", "host_us", "idle_us", "steady_us", "exposed_us"}.
 """
 from __future__ import annotations
 
@@ -110,7 +110,6 @@ def measure_engine(loaded, args, k: int, base: dict) -> list[dict]:
             runner._fill_padding(key)          # the replays write only the scratch rows
             rec = {**base, "draft_tokens": k, "graph": key[0], "batch": key[1], "tokens": key[2],
                    "kv_bucket": key[3], "nodes": node_count(g.graph),
-                   "segments": len(g.graph) if isinstance(g.graph, (list, tuple)) else 1,
                    **time_graph(g.graph, args.reps, eng.device)}
             log(f"K={k} {key}: {rec['nodes']} nodes, host {rec['host_us']:.0f} us, idle start {rec['idle_us']:.0f} "
                 f"us, steady {rec['steady_us']:.0f} us, exposed {rec['exposed_us']:.0f} us")
