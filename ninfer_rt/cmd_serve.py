@@ -163,6 +163,9 @@ def _kv_capacity(ctx, param, value):
 @click.option("--eager", "--enforce-eager", "eager", is_flag=True, help="Do not capture CUDA graphs (decode/verify/draft steps run eagerly).")
 @click.option("--no-async-scheduling", is_flag=True,
               help="Read each decode step's tokens back before launching the next (default on CUDA: launch ahead).")
+@click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True,
+              help="Queue order (vLLM's): first come first served, or by each request's 'priority' (lower first, "
+                   "then arrival; running requests are not preempted). With fcfs a nonzero priority is a 400.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Resume prompts that start like an earlier one from its cached KV pages and GDN state (vLLM's).")
 @click.option("--prefix-cache-entries", default=DEFAULT_PREFIX_ENTRIES, show_default=True, type=click.IntRange(1),
@@ -177,7 +180,7 @@ def _kv_capacity(ctx, param, value):
 def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_keyfile, ssl_certfile, tp, spec,
           draft_tokens, speculative_config, draft_head, max_concurrency, kv_capacity, max_context, max_pending, default_max_tokens,
           api_key, device, dtype, backend, prefill_chunk, log_requests, drain_timeout, max_body_mib, no_verify, eager,
-          no_async_scheduling, enable_prefix_caching, prefix_cache_entries, vision, vision_max_tokens, max_images,
+          no_async_scheduling, scheduling_policy, enable_prefix_caching, prefix_cache_entries, vision, vision_max_tokens, max_images,
           max_image_bytes, max_image_pixels, vision_max_pixels):
     """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
     from .server.runtime import RuntimeOptions
@@ -209,5 +212,5 @@ def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_ke
                         api_key=api_key, log_requests=log_requests, drain_timeout_s=drain_timeout,
                         max_body_bytes=int(max_body_mib * (1 << 20)), default_max_tokens=default_max_tokens,
                         allowed_origins=origins(allowed_origins),
-                        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+                        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, scheduling_policy=scheduling_policy)
     sys.exit(run_server(opts))

@@ -163,6 +163,17 @@ def test_vllm_flag_names(monkeypatch, flags, want):
     assert {k: getattr(rt, k) for k in want} == want
 
 
+@pytest.mark.parametrize("flags,want", [([], "fcfs"), (["--scheduling-policy", "priority"], "priority")],
+                         ids=["default", "priority"])
+def test_scheduling_policy_reaches_the_server(monkeypatch, flags, want):
+    assert parsed(monkeypatch, ["art", *flags]).scheduling_policy == want
+
+
+def test_scheduling_policy_is_checked():
+    res = _cli(["art", "--scheduling-policy", "lifo"])
+    assert res.exit_code == 2 and "'lifo' is not one of 'fcfs', 'priority'" in res.output
+
+
 @pytest.mark.parametrize("value,needle", [
     ("3", "expected a JSON object"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle': only the model's own MTP"),

@@ -199,14 +199,14 @@ class LiveServer:
 
 
 def fake_server(*, pages=64, page_size=4, max_concurrency=4, max_pending=8, max_context=96, api_key=None,
-                engine_cls=None, tok=None, **engine_kw):
+                engine_cls=None, tok=None, policy="fcfs", **engine_kw):
     """`engine_cls`: a FakeEngine subclass (its own tokens); `tok`: a tokenizer other than tiny_tokenizer()."""
     pool = FakePool(pages, page_size)
     engine = (engine_cls or FakeEngine)(pool, **engine_kw)
     state = ServerState(model_id=MODEL_ID, api_key=api_key)
     tok = tok or tiny_tokenizer()
     sched = Scheduler(engine, pool, tok, SchedulerConfig(max_concurrency=max_concurrency, max_context=max_context,
-                                                         max_pending=max_pending), state.metrics)
+                                                         max_pending=max_pending, policy=policy), state.metrics)
     sched.start()
     state.ready(sched, tok, 256, {})
     return LiveServer(state, sched), engine, pool

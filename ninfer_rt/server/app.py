@@ -287,8 +287,8 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     reply = R.Reply(B.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
                     state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None,
                     LogprobFormat(tok, chat=True, top=req.prompt_logprobs) if req.prompt_logprobs is not None else None)
-    return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply, *_tools(req, chat)), request,
-                           reply)
+    return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply, *_tools(req, chat),
+                                   priority=req.priority), request, reply)
 
 
 def _tools(req, chat: bool) -> tuple[list[dict] | None, bool]:
@@ -374,7 +374,7 @@ async def _prompt_tokens(state: ServerState, req: P.ChatRequest) -> int:
 
 
 def _submit(sched, tok, n: int, ids: list[int], img, params, reply: R.Reply, tools: list[dict] | None = None,
-            parallel_calls: bool = True) -> list[R.Choice]:
+            parallel_calls: bool = True, priority: int = 0) -> list[R.Choice]:
     """n choices: n engine requests queued together (all or none); a seed gives each its own, reproducibly."""
     if n > sched.cfg.max_pending:        # a 429 would invite retries that can never fit
         raise P.bad_request(f"n: {n} choices exceed the server's queue of {sched.cfg.max_pending} (--max-pending)",
@@ -383,7 +383,8 @@ def _submit(sched, tok, n: int, ids: list[int], img, params, reply: R.Reply, too
     for i in range(n):
         p = params if i == 0 or params.seed is None else replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
         h = sched.handle(ids, p, H.splitter(tok, ids) if reply.chat else None, vision=img.request if img else None,
-                         image_tokens=img.image_tokens if img else 0, keep_special=tools is not None)
+                         image_tokens=img.image_tokens if img else 0, keep_special=tools is not None,
+                         priority=priority)
         h.reply_id, h.choice = reply.rid, i
         fmt = LogprobFormat(tok, chat=reply.chat, top=p.logprobs) if p.logprobs is not None else None
         choices.append(R.Choice(h, fmt, ToolParser(tools, parallel_calls) if tools is not None else None))

@@ -133,12 +133,12 @@ class _Sampling(_Strict):
     return_tokens_as_token_ids: bool = False
     spaces_between_special_tokens: bool = True
     length_penalty: float | int = 1
-    priority: int = 0
+    priority: int = 0                           # vLLM's: queue order under --scheduling-policy priority (lower first)
 
 
 # vLLM's request fields without an implementation here -> their no-op values
 _NOT_IMPLEMENTED = {"use_beam_search": False, "logits_processors": None, "return_tokens_as_token_ids": False,
-                    "spaces_between_special_tokens": True, "length_penalty": 1, "priority": 0, "echo": False,
+                    "spaces_between_special_tokens": True, "length_penalty": 1, "echo": False,
                     "chat_template": None}
 
 

@@ -31,6 +31,7 @@ from .reasoning import OutputText
 from .request_log import NullLog, done_record
 
 DEFAULT_MAX_TOKENS = 4096
+POLICIES = ("fcfs", "priority")     # vLLM's --scheduling-policy values
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class SchedulerConfig:
     max_pending: int = 64              # queued (not yet running) requests before 429
     reserve_slack: int = 0             # extra KV tokens reserved per request (speculative drafts)
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    policy: str = "fcfs"               # vLLM's --scheduling-policy: "fcfs", or "priority" (lower value first)
 
     def __post_init__(self):
         for n in ("max_concurrency", "max_context", "max_pending", "default_max_tokens"):
@@ -48,6 +50,8 @@ class SchedulerConfig:
                 raise ValueError(f"scheduler.{n}: expected a positive integer, got {v!r}")
         if not isinstance(self.reserve_slack, int) or self.reserve_slack < 0:
             raise ValueError(f"scheduler.reserve_slack: expected an integer >= 0, got {self.reserve_slack!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler.policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(eq=False)
@@ -65,6 +69,7 @@ class Handle:
     images: int = 0
     image_tokens: int = 0              # of prompt_len, image tokens
     pages: int = 0                     # reserved KV pages
+    priority: int = 0                  # queue order under the "priority" policy (lower first, then arrival)
     arrival: float = field(default_factory=time.monotonic)
     admitted: float | None = None
     first: float | None = None
@@ -142,8 +147,12 @@ class Scheduler:
         return self.submit_all([self.handle(prompt_ids, params, split, vision, image_tokens)])[0]
 
     def handle(self, prompt_ids: list[int], params: SamplingParams, split=None, vision=None,
-               image_tokens: int = 0, keep_special: bool = False) -> Handle:
-        """A request to `submit_all` (the arguments of `submit`; `keep_special`: see OutputText)."""
+               image_tokens: int = 0, keep_special: bool = False, priority: int = 0) -> Handle:
+        """A request to `submit_all` (the arguments of `submit`; `keep_special`: see OutputText; `priority`: its
+        place in the queue under the "priority" policy, where it must be 0 otherwise)."""
+        if priority and self.cfg.policy != "priority":
+            raise bad_request(f"priority: {priority} needs priority scheduling; this server schedules first come, "
+                              f"first served (start it with --scheduling-policy priority)", param="priority")
         n_prompt, images = (len(vision), len(vision.grid_thw)) if vision is not None else (len(prompt_ids), 0)
         h = Handle(id=f"r{next(self._ids)}", prompt_ids=list(prompt_ids), params=replace(params, stop=()),
                    text=OutputText(self.tok, params.stop, split, keep_special or not params.skip_special_tokens,
@@ -151,7 +160,7 @@ class Scheduler:
                                    not params.skip_special_tokens),
                    loop=asyncio.get_running_loop(),
                    events=asyncio.Queue(), vision=vision, prompt_len=n_prompt, images=images,
-                   image_tokens=image_tokens, scheduler=self)
+                   image_tokens=image_tokens, scheduler=self, priority=priority)
         self.max_tokens_for(h.prompt_len, params.max_tokens)
         h.pages = -(-(h.prompt_len + params.max_tokens + self.cfg.reserve_slack) // self.page_size)
         return h
@@ -167,10 +176,20 @@ class Scheduler:
             if len(self._waiting) + len(handles) > self.cfg.max_pending:
                 raise ApiError(429, f"too many queued requests ({self.cfg.max_pending}); retry later",
                                type="rate_limit_error", code="queue_full")
-            self._waiting.extend(handles)
+            for h in handles:
+                self._enqueue(h)
             self.metrics.waiting.set(len(self._waiting))
             self._cv.notify()
         return handles
+
+    def _enqueue(self, h: Handle) -> None:
+        """FCFS: at the end. Priority: behind every waiting request of the same or a lower value (vLLM's order:
+        priority, then arrival); a running request is never preempted for it."""
+        if self.cfg.policy == "priority":
+            i = next((i for i, w in enumerate(self._waiting) if w.priority > h.priority), len(self._waiting))
+            self._waiting.insert(i, h)
+        else:
+            self._waiting.append(h)
 
     def cancel(self, h: Handle) -> None:
         with self._cv:

@@ -21,7 +21,7 @@ from ninfer_formats.errors import NinferError
 from .app import MAX_BODY_BYTES, ServerState, create_app
 from .request_log import NullLog, RequestLog
 from .runtime import RuntimeOptions, ServeError, default_model_id, open_runtime, resolve_artifact
-from .scheduler import DEFAULT_MAX_TOKENS, Scheduler, SchedulerConfig
+from .scheduler import DEFAULT_MAX_TOKENS, POLICIES, Scheduler, SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ("*",)     # CORS (vLLM's default); () = no CORS headers
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    scheduling_policy: str = "fcfs"    # vLLM's --scheduling-policy (scheduler.POLICIES)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -47,6 +48,9 @@ class ServeOptions:
         for name in ("max_pending", "default_max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ServeError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
+        if self.scheduling_policy not in POLICIES:
+            raise ServeError(f"--scheduling-policy: expected one of {', '.join(POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
         if self.drain_timeout_s < 0:
             raise ServeError(f"--drain-timeout: expected seconds >= 0, got {self.drain_timeout_s}")
         for name in (self.model_id, *self.aliases):
@@ -118,7 +122,8 @@ class _Loader(threading.Thread):
         rt = self.runtime = open_runtime(ropts)
         pool = rt.engine.model.kv_pool
         cfg = SchedulerConfig(max_concurrency=ropts.max_concurrency, max_context=rt.max_context,
-                              max_pending=o.max_pending, default_max_tokens=o.default_max_tokens)
+                              max_pending=o.max_pending, default_max_tokens=o.default_max_tokens,
+                              policy=o.scheduling_policy)
         sched = self.scheduler = Scheduler(rt.engine, pool, rt.tokenizer, cfg, self.state.metrics, self.log,
                                            thread_init=_thread_init(ropts, rt))
         sched.start()
