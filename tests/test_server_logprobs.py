@@ -42,6 +42,44 @@ def test_format_splits_characters_and_skips_specials(chat):
         assert got[1]["top_logprobs"][0] == {"bytes:\\xc3": -0.5}
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_format_names_tokens_by_id(chat):
+    """vLLM's return_tokens_as_token_ids: "token_id:N" names; bytes and text offsets stay the tokens' own."""
+    from test_server import tiny_tokenizer
+
+    from ninfer_rt.logprobs import TokenLogprob
+    from ninfer_rt.server.logprobs_api import LogprobFormat
+    tok = tiny_tokenizer()
+    ids = tok.encode("aé") + [hf_tiny.IM_END_ID]
+    lps = [TokenLogprob(i, -0.5, ((i, -0.5), (98, -2.0))) for i in ids]
+    plain = LogprobFormat(tok, chat=chat, top=2).format(lps)
+    got = LogprobFormat(tok, chat=chat, top=2, as_ids=True).format(lps)
+    names = [f"token_id:{i}" for i in ids]
+    if chat:
+        assert [e["token"] for e in got["content"]] == names
+        assert [e["bytes"] for e in got["content"]] == [e["bytes"] for e in plain["content"]]
+        assert [[t["token"] for t in e["top_logprobs"]] for e in got["content"]] == [[n, "token_id:98"] for n in names]
+    else:
+        assert got["tokens"] == names and got["text_offset"] == plain["text_offset"]
+        assert got["top_logprobs"] == [{n: -0.5, "token_id:98": -2.0} for n in names]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "stream"])
+def test_return_tokens_as_token_ids_over_the_api(srv, stream):
+    body = dict(model=MODEL_ID, messages=[{"role": "user", "content": "hello there"}], max_tokens=6, temperature=0,
+                logprobs=True, top_logprobs=2, extra_body={**NO_THINK, "return_tokens_as_token_ids": True})
+    c = srv.client()
+    if stream:
+        entries = [e for ch in c.chat.completions.create(**body, stream=True) if ch.choices and ch.choices[0].logprobs
+                   for e in ch.choices[0].logprobs.content]
+    else:
+        entries = c.chat.completions.create(**body).choices[0].logprobs.content
+    assert len(entries) == 6
+    for e in entries:
+        assert e.token.startswith("token_id:") and e.top_logprobs[0].token == e.token
+        assert _token_text(bytes(e.bytes)) == _token_text(srv.state.tokenizer.token_bytes(int(e.token[9:])))
+
+
 def test_chat_logprobs_spell_the_content(srv):
     r = srv.client().chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": "hello there"}], max_tokens=16, temperature=0,

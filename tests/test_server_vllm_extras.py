@@ -53,7 +53,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 @pytest.mark.parametrize("field,value", [
     ("use_beam_search", True), ("prompt_logprobs", -1),
-    ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False), ("length_penalty", 2.0),
+    ("spaces_between_special_tokens", False), ("length_penalty", 2.0),
     ("priority", 1), ("echo", True), ("chat_template", "{{ messages }}"), ("truncate_prompt_tokens", 0)])
 def test_unimplemented_vllm_fields_are_a_400(srv, field, value):
     s, _, _ = srv

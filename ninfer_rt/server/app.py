@@ -286,7 +286,8 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
     reply = R.Reply(B.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
                     state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None,
-                    LogprobFormat(tok, chat=True, top=req.prompt_logprobs) if req.prompt_logprobs is not None else None)
+                    LogprobFormat(tok, chat=True, top=req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+                    req.return_tokens_as_token_ids)
     return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply, *_tools(req, chat),
                                    priority=req.priority), request, reply)
 
@@ -386,7 +387,8 @@ def _submit(sched, tok, n: int, ids: list[int], img, params, reply: R.Reply, too
                          image_tokens=img.image_tokens if img else 0, keep_special=tools is not None,
                          priority=priority)
         h.reply_id, h.choice = reply.rid, i
-        fmt = LogprobFormat(tok, chat=reply.chat, top=p.logprobs) if p.logprobs is not None else None
+        fmt = LogprobFormat(tok, chat=reply.chat, top=p.logprobs, as_ids=reply.token_ids) \
+            if p.logprobs is not None else None
         choices.append(R.Choice(h, fmt, ToolParser(tools, parallel_calls) if tools is not None else None))
     sched.submit_all([c.handle for c in choices])
     return choices

@@ -20,8 +20,10 @@ from ..logprobs import TokenLogprob
 class LogprobFormat:
     """One request's formatter: `chat` or completions, `top` alternatives, the running text offset."""
 
-    def __init__(self, tok, *, chat: bool, top: int):
-        self.tok, self.chat, self.top = tok, chat, top
+    def __init__(self, tok, *, chat: bool, top: int, as_ids: bool = False):
+        """as_ids: vLLM's `return_tokens_as_token_ids`: tokens named "token_id:N" (text offsets and bytes stay the
+        token's own), so a client can tell tokens whose text is not valid UTF-8 apart."""
+        self.tok, self.chat, self.top, self.as_ids = tok, chat, top, as_ids
         self.n_tokens = tok.vocab_size       # the model's vocabulary may be padded past the tokenizer's
         self.offset = 0
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -49,9 +51,11 @@ class LogprobFormat:
         self.offset += len(self._chars.decode(b))
         return start
 
+    def _name(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self._piece(token_id)[0]
+
     def _entry(self, token_id: int, logprob: float) -> dict:
-        text, raw = self._piece(token_id)
-        return {"token": text, "logprob": logprob, "bytes": raw}
+        return {"token": self._name(token_id), "logprob": logprob, "bytes": self._piece(token_id)[1]}
 
     def format_prompt(self, first_id: int, lps: list) -> dict:
         """Completions' `echo`: the prompt's tokens, before the output's. The first has no logprob (nothing
@@ -83,10 +87,10 @@ class LogprobFormat:
                                  "top_logprobs": [self._entry(i, v) for i, v in self._top(t)]} for t in lps]}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t in lps:
-            text = self._piece(t.token_id)[0]
+            text = self._name(t.token_id)
             out["tokens"].append(text)
             out["token_logprobs"].append(t.logprob)
-            top = {self._piece(i)[0]: v for i, v in self._top(t)}
+            top = {self._name(i): v for i, v in self._top(t)}
             top.setdefault(text, t.logprob)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self._advance(t.token_id, specials_are_text))

@@ -127,19 +127,18 @@ class _Sampling(_Strict):
     skip_special_tokens: bool = True            # vLLM's: false keeps special tokens' text in the output
     truncate_prompt_tokens: int | None = None   # vLLM's: only the prompt's last k tokens (-1: the context length)
     prompt_logprobs: int | None = None          # vLLM's: each prompt token's logprob, rank and k alternatives
+    return_tokens_as_token_ids: bool = False    # vLLM's: logprobs name their tokens "token_id:N"
+    priority: int = 0                           # vLLM's: queue order under --scheduling-policy priority (lower first)
     # vLLM's fields this server does not implement: a 400 unless they hold their no-op value (_NOT_IMPLEMENTED)
     use_beam_search: bool = False
     logits_processors: list | None = None
-    return_tokens_as_token_ids: bool = False
     spaces_between_special_tokens: bool = True
     length_penalty: float | int = 1
-    priority: int = 0                           # vLLM's: queue order under --scheduling-policy priority (lower first)
 
 
 # vLLM's request fields without an implementation here -> their no-op values
-_NOT_IMPLEMENTED = {"use_beam_search": False, "logits_processors": None, "return_tokens_as_token_ids": False,
-                    "spaces_between_special_tokens": True, "length_penalty": 1, "echo": False,
-                    "chat_template": None}
+_NOT_IMPLEMENTED = {"use_beam_search": False, "logits_processors": None, "spaces_between_special_tokens": True,
+                    "length_penalty": 1, "echo": False, "chat_template": None}
 
 
 class ChatRequest(_Sampling):

@@ -49,6 +49,7 @@ class Reply:
     fingerprint: str | None = None
     echo: tuple[str, int] | None = None      # completions' echo: (prompt text, first prompt token)
     prompt_logprobs: LogprobFormat | None = None     # vLLM's prompt_logprobs: their formatter (its top k)
+    token_ids: bool = False                  # vLLM's return_tokens_as_token_ids: logprobs name "token_id:N"
 
 
 class ClientGone(Exception):
