@@ -54,7 +54,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 @pytest.mark.parametrize("field,value", [
     ("use_beam_search", True), ("prompt_logprobs", -1),
     ("spaces_between_special_tokens", False), ("length_penalty", 2.0),
-    ("priority", 1), ("echo", True), ("chat_template", "{{ messages }}"), ("truncate_prompt_tokens", 0)])
+    ("priority", 1), ("chat_template", "{{ messages }}"), ("truncate_prompt_tokens", 0)])
 def test_unimplemented_vllm_fields_are_a_400(srv, field, value):
     s, _, _ = srv
     r = _post(s, "/v1/chat/completions", {**CHAT, field: value})
@@ -126,3 +126,34 @@ def test_skip_special_tokens_false_reaches_the_reasoning_text():
         assert kept["choices"][0]["message"]["reasoning_content"] == "Look <tool_call> here"
     finally:
         s.close()
+
+
+def _chat_content(srv, body: dict, stream: bool) -> str:
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": stream,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    r = _post(srv, "/v1/chat/completions", {**base, **body})
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]["message"]["content"]
+    import json
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+
+
+PREFILL = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "stream"])
+@pytest.mark.parametrize("body,head", [
+    ({"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": False}, "Sure: "),
+    ({"add_generation_prompt": False}, "hi"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+      "add_generation_prompt": False}, "a\nb"),
+    ({}, ""),
+], ids=["assistant-prefill", "own-role", "text-parts", "other-role"])
+def test_chat_echo_repeats_the_final_message_of_the_replys_role(srv, stream, body, head):
+    """vLLM's chat echo: the reply's content starts with the final message when that message has the reply's
+    role (the assistant; the final message's own role without a generation prompt)."""
+    s, _, _ = srv
+    plain = _chat_content(s, body, stream)
+    assert _chat_content(s, {**body, "echo": True}, stream) == head + plain

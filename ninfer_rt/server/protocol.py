@@ -138,12 +138,12 @@ class _Sampling(_Strict):
 
 # vLLM's request fields without an implementation here -> their no-op values
 _NOT_IMPLEMENTED = {"use_beam_search": False, "logits_processors": None, "spaces_between_special_tokens": True,
-                    "length_penalty": 1, "echo": False, "chat_template": None}
+                    "length_penalty": 1, "chat_template": None}
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
-    echo: bool = False                           # vLLM's chat echo, and a per-request template: not implemented
+    echo: bool = False                           # vLLM's: the reply repeats the final message of its own role first
     chat_template: str | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict | None = None
@@ -204,10 +204,24 @@ def _check_text(data: dict) -> None:
         raise bad_request(f"{where or 'body'}: {why}", param=where or None)
 
 
+def chat_echo(req: ChatRequest) -> str:
+    """vLLM's chat `echo`: the final message's text when it has the reply's role (the assistant, or with
+    add_generation_prompt false / continue_final_message the final message's own role), else ""."""
+    last = req.messages[-1] if req.messages else None
+    if not req.echo or last is None:
+        return ""
+    role = last.role if req.add_generation_prompt is False or req.continue_final_message else "assistant"
+    if last.role != role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(p.text for p in last.content if p.type == "text" and p.text)
+
+
 def _check_common(req: _Sampling) -> None:
     for name, noop in _NOT_IMPLEMENTED.items():
         v = getattr(req, name, noop)
-        if v != noop and not (noop is None and v == []) and not (isinstance(req, CompletionRequest) and name == "echo"):
+        if v != noop and not (noop is None and v == []):
             raise bad_request(f"{name}: not supported by this server (only {noop!r})", param=name)
     if req.allowed_token_ids == []:
         raise bad_request("allowed_token_ids: must not be empty (leave it out to allow every token)",

@@ -50,6 +50,7 @@ class Reply:
     echo: tuple[str, int] | None = None      # completions' echo: (prompt text, first prompt token)
     prompt_logprobs: LogprobFormat | None = None     # vLLM's prompt_logprobs: their formatter (its top k)
     token_ids: bool = False                  # vLLM's return_tokens_as_token_ids: logprobs name "token_id:N"
+    chat_echo: str = ""                      # vLLM's chat echo: text the reply's content starts with
 
 
 class ClientGone(Exception):
@@ -68,7 +69,7 @@ async def respond(choices: list[Choice], request: Request, reply: Reply):
     rid = reply.rid
     if reply.stream:
         chunks = B.Chunks(rid, reply.model, chat=reply.chat, include_usage=reply.include_usage, fp=reply.fingerprint)
-        return sse_response(_stream(choices, chunks, reply.echo))
+        return sse_response(_stream(choices, chunks, reply.echo, reply.chat_echo))
     tasks = [asyncio.ensure_future(_collect(c, request)) for c in choices]
     try:
         got = await asyncio.gather(*tasks)
@@ -124,8 +125,8 @@ class _Collected:
             if c.tools is not None:            # the same parser a stream uses, over the whole answer
                 content = c.tools.parse_all(content)
                 calls = [t.api(i) for i, t in enumerate(c.tools.calls)]
-            return B.chat_choice(index, content, "".join(self.reasoning), _finish_reason(c, self.finish), lp,
-                                 calls)
+            return B.chat_choice(index, reply.chat_echo + content, "".join(self.reasoning),
+                                 _finish_reason(c, self.finish), lp, calls)
         lp = {k: head[k] + lp[k] for k in lp} if head else lp
         text = (reply.echo[0] if reply.echo else "") + "".join(self.content)
         return B.completion_choice(index, text, self.finish, lp)
@@ -197,7 +198,7 @@ async def _pump(i: int, c: Choice, queue: asyncio.Queue) -> None:
                                                   type="server_error", code="internal_error"))))
 
 
-async def _stream(choices: list[Choice], chunks: B.Chunks, echo: tuple[str, int] | None):
+async def _stream(choices: list[Choice], chunks: B.Chunks, echo: tuple[str, int] | None, chat_echo: str = ""):
     """The choices' chunks in the order their events come; each choice's echo first, its finish chunk last; the
     usage chunk (if asked) once every choice is done. An error ends the stream (then [DONE])."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -207,6 +208,8 @@ async def _stream(choices: list[Choice], chunks: B.Chunks, echo: tuple[str, int]
         if chunks.chat:
             for i in range(len(choices)):
                 yield _sse(chunks.delta({"role": "assistant", "content": ""}, index=i))
+                if chat_echo:
+                    yield _sse(chunks.delta({"content": chat_echo}, index=i))
         while len(uses) < len(choices):
             i, ev = await queue.get()
             fmt = choices[i].logprobs
