@@ -135,6 +135,9 @@ def _kv_capacity(ctx, param, value):
               help="Sequences batched together (continuous batching slots).")
 @click.option("--kv-capacity", default="auto", show_default=True, callback=_kv_capacity,
               help="Tokens in the shared KV pool, or 'auto' (free device memory after weights).")
+@click.option("--gpu-memory-utilization", default=None, type=click.FloatRange(0, 1, min_open=True),
+              help="vLLM's: the fraction of the GPU's memory this server may hold (weights, graphs, KV); the "
+                   "automatic KV size leaves the rest free. [default: all but 1 GiB]")
 @click.option("--max-context", "--max-model-len", "max_context", default=None, type=click.IntRange(MIN_KV_TOKENS),
               help=f"Prompt + completion tokens per request (at least {MIN_KV_TOKENS}).")
 @click.option("--max-pending", default=64, show_default=True, type=click.IntRange(1),
@@ -180,7 +183,7 @@ def _kv_capacity(ctx, param, value):
 def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_keyfile, ssl_certfile, tp, spec,
           draft_tokens, speculative_config, draft_head, max_concurrency, kv_capacity, max_context, max_pending, default_max_tokens,
           api_key, device, dtype, backend, prefill_chunk, log_requests, drain_timeout, max_body_mib, no_verify, eager,
-          no_async_scheduling, scheduling_policy, enable_prefix_caching, prefix_cache_entries, vision, vision_max_tokens, max_images,
+          no_async_scheduling, scheduling_policy, gpu_memory_utilization, enable_prefix_caching, prefix_cache_entries, vision, vision_max_tokens, max_images,
           max_image_bytes, max_image_pixels, vision_max_pixels):
     """Serve ARTIFACT_DIR (or hf://ORG/REPO[@REVISION]) over an OpenAI-compatible HTTP API."""
     from .server.runtime import RuntimeOptions
@@ -206,6 +209,7 @@ def serve(artifact, host, port, model_id, chat_template, allowed_origins, ssl_ke
                         prefill_chunk=prefill_chunk, vision=vis, vision_max_tokens=vision_tokens, eager=eager,
                         async_scheduling=False if no_async_scheduling else None,
                         prefix_cache=prefix_cache_entries if enable_prefix_caching else 0,
+                        gpu_memory_utilization=gpu_memory_utilization,
                         chat_template=read_template(chat_template) if chat_template else None)
     opts = ServeOptions(runtime=rt, host=host, port=port, model_id=model_id[0] if model_id else None,
                         aliases=tuple(model_id[1:]), max_pending=max_pending,

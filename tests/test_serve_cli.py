@@ -264,3 +264,45 @@ def test_hf_artifact_is_downloaded_and_verified(tmp_path_factory, tmp_path, monk
         resolve_artifact("hf://org/bad")
     res = _cli(["hf://org/bad", "--port", "0", "--device", "cpu"])      # the loader fails -> server stops
     assert res.exit_code == 2 and "failed verification" in res.output, res.output
+
+
+@pytest.mark.parametrize("util,free_gib", [(None, 1), (1.0, 1), (0.75, 4), (0.95, 0.8)],
+                         ids=["default", "all", "three-quarters", "at-least-the-default"])
+def test_gpu_memory_utilization_leaves_the_rest_free(monkeypatch, util, free_gib):
+    """vLLM's --gpu-memory-utilization u: the automatic KV size leaves (1 - u) of the device free (at least
+    the default 1 GiB of headroom)."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    import torch
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: bench/ must not shadow anything
+    import synth_artifact as synth
+
+    from ninfer_rt.server.runtime import RuntimeOptions, auto_kv_tokens, kv_bytes_per_token
+    cfg = synth.TINY.config()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 16 << 30))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    opts = RuntimeOptions(artifact="x", device="cuda", dtype="bfloat16", gpu_memory_utilization=util)
+    base = auto_kv_tokens(cfg, dataclasses.replace(opts, gpu_memory_utilization=None), torch.device("cuda"))
+    got = auto_kv_tokens(cfg, opts, torch.device("cuda"))
+    per = kv_bytes_per_token(cfg, 1, torch.bfloat16)
+    assert base - got in (int((max(free_gib, 1) - 1) * (1 << 30)) // per, int((max(free_gib, 1) - 1) * (1 << 30)) // per + 1)
+
+
+@pytest.mark.parametrize("kw,why", [({"gpu_memory_utilization": 0.0}, "expected a fraction in (0, 1], got 0.0"),
+                                    ({"gpu_memory_utilization": 1.5}, "expected a fraction in (0, 1], got 1.5"),
+                                    ({"gpu_memory_utilization": 0.9, "kv_capacity": 4096}, "give one of them")],
+                         ids=["zero", "over-one", "with-kv-capacity"])
+def test_gpu_memory_utilization_is_checked(kw, why):
+    from ninfer_rt.server.runtime import RuntimeOptions, ServeError
+    import re
+    with pytest.raises(ServeError, match=re.escape(why)):
+        RuntimeOptions(artifact="x", **kw)
+
+
+def test_gpu_memory_utilization_reaches_the_runtime(monkeypatch):
+    assert parsed(monkeypatch, ["art", "--gpu-memory-utilization", "0.8"]).runtime.gpu_memory_utilization == 0.8
+    assert parsed(monkeypatch, ["art"]).runtime.gpu_memory_utilization is None
+    res = _cli(["art", "--gpu-memory-utilization", "0"])
+    assert res.exit_code == 2 and "--gpu-memory-utilization" in res.output and "Traceback" not in res.output

@@ -92,3 +92,4 @@ def test_auto_kv_size_leaves_room_for_the_cached_states(monkeypatch):
     on = auto_kv_tokens(cfg, dataclasses.replace(opts, prefix_cache=16), torch.device("cuda"))
     per = kv_bytes_per_token(cfg, 1, torch.bfloat16)
     assert off - on in (16 * gdn_bytes_per_slot(cfg, 1) // per, 16 * gdn_bytes_per_slot(cfg, 1) // per + 1)
+

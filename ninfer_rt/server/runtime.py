@@ -57,6 +57,7 @@ class RuntimeOptions:
     async_scheduling: bool | None = None   # run-ahead decode steps; None = on CUDA (--no-async-scheduling)
     chat_template: tuple[str, str] | None = None    # (its name, its text): replaces the artifact's (--chat-template)
     prefix_cache: int = DEFAULT_PREFIX_ENTRIES   # prompt prefixes kept for prompts that start alike; 0 = off
+    gpu_memory_utilization: float | None = None  # vLLM's: with an auto KV size, leave (1 - this) of the GPU free
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -68,6 +69,12 @@ class RuntimeOptions:
                 raise ServeError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
         if self.prefix_cache < 0:
             raise ServeError(f"--prefix-cache-entries: expected 0 (off) or more, got {self.prefix_cache}")
+        u = self.gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise ServeError(f"--gpu-memory-utilization: expected a fraction in (0, 1], got {u}")
+        if u is not None and self.kv_capacity is not None:
+            raise ServeError("--gpu-memory-utilization sizes the KV cache from device memory; --kv-capacity sets "
+                             "it: give one of them")
         for name in ("kv_capacity", "max_context"):
             v = getattr(self, name)
             if v is not None and v < MIN_KV_TOKENS:
@@ -125,12 +132,15 @@ def auto_kv_tokens(cfg, opts: RuntimeOptions, device: torch.device) -> int:
     """This rank's KV capacity in tokens for `--kv-capacity auto` (weights already on the device)."""
     if device.type != "cuda":
         return CPU_KV_TOKENS
-    free, _ = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
+    u = opts.gpu_memory_utilization
+    # vLLM's fraction of the whole device: what this process may hold in all, so the rest stays free
+    headroom = HEADROOM_BYTES if u is None else max(int((1 - u) * total), HEADROOM_BYTES)
     slot = gdn_bytes_per_slot(cfg, opts.tp)
     snapshots = opts.max_concurrency * (opts.draft_tokens + 1) * slot if opts.draft_tokens else 0
     workspace = opts.prefill_chunk * (cfg.intermediate_size // opts.tp + 4 * cfg.hidden_size) * 4 * 4
     slots = opts.max_concurrency + 1 + opts.prefix_cache   # + the graph runner's scratch slot, the cached states
-    budget = free - HEADROOM_BYTES - slots * slot - snapshots - workspace - \
+    budget = free - headroom - slots * slot - snapshots - workspace - \
         vision_workspace_bytes(cfg, opts)
     return max(0, budget // kv_bytes_per_token(cfg, opts.tp, DTYPES[opts.dtype]))
 
@@ -157,7 +167,8 @@ def kv_pages(cfg, opts: RuntimeOptions, device: torch.device, group) -> int:
     tokens = min(tokens, opts.max_concurrency * ctx)
     if tokens < MIN_KV_TOKENS:
         raise ServeError(f"KV cache: only {tokens} tokens fit (context {ctx}); free device memory, raise "
-                         f"--kv-capacity or --max-context, or lower --max-concurrency / --draft-tokens")
+                         f"--kv-capacity, --gpu-memory-utilization or --max-context, or lower --max-concurrency / "
+                         f"--draft-tokens")
     return tokens // PAGE_SIZE
 
 
