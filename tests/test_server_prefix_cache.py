@@ -40,14 +40,16 @@ def test_prefix_cache_flags(monkeypatch, flags, entries):
 @pytest.mark.parametrize("stream", [False, True], ids=["blocking", "stream"])
 def test_messages_usage_counts_cache_reads(real_srv, stream):  # noqa: F811
     """Anthropic's usage: input_tokens are the prompt tokens not read from the cache, cache_read_input_tokens the
-    rest (the stream's message_delta carries them: message_start went out before the prompt was admitted)."""
+    rest; a stream's message_start (sent once the prompt is admitted) and message_delta both carry them."""
     import anthropic
     client = anthropic.Anthropic(base_url=real_srv.url, api_key="none")
     kw = dict(model=MODEL_ID, max_tokens=6, messages=[{"role": "user", "content": PROMPT + "Messages?"}])
     client.messages.create(**kw)
     if stream:
         with client.messages.stream(**kw) as s:
+            start = next(e for e in s if e.type == "message_start").message.usage
             use = s.get_final_message().usage
+        assert (start.input_tokens, start.cache_read_input_tokens) == (use.input_tokens, use.cache_read_input_tokens)
     else:
         use = client.messages.create(**kw).usage
     assert use.cache_read_input_tokens > 0 and use.input_tokens > 0

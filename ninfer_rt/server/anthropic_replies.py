@@ -121,11 +121,13 @@ def _chunks(blocks: _Blocks, reasoning: str, content: str, calls: list) -> list[
 
 
 async def _stream(c: Choice, rid: str, model: str, prompt_tokens: int):
-    blocks = _Blocks()
-    yield _sse("message_start", {"type": "message_start", "message": _message(
-        rid, model, [], (None, None), _usage(prompt_tokens, 0))})
+    blocks, started = _Blocks(), False
     try:
         async for ev in _events(c.handle, None):
+            if not started:        # after the admission, so its usage counts the prompt tokens read from the cache
+                started = True
+                yield _sse("message_start", {"type": "message_start", "message": _message(
+                    rid, model, [], (None, None), _usage(prompt_tokens, 0, c.handle.cached))})
             if ev[0] == "delta":
                 for b in _chunks(blocks, ev[1], *_parsed(c, ev[2])):
                     yield b
