@@ -16,10 +16,13 @@ Each time is the median of --reps requests (fresh random prompts per rep; the sh
 Records (--out, default bench/results/prefix_cache.json): {"kind": "prefix_cache", "recipe", "gpu", "backend",
 "graphs", "entries", "prompt_tokens", "case" (cold | repeat | shared), "cached_tokens", "ttft_ms", "off_ms",
 "tail_ms" (None for cold), "speedup" (off_ms / ttft_ms), "ratio_to_tail" (tail_ms / ttft_ms: 1 = the resume
-costs nothing beyond the uncached tokens)}.
+costs nothing beyond the uncached tokens), "token_match" (the fraction of reps whose greedy first token is the
+uncached engine's: random weights leave close logits, so bf16 rounding may flip a few), "prefill_graphs"
+(NINFER_PREFILL_GRAPHS)}.
 """
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import sys
@@ -52,8 +55,8 @@ def parse_args(argv=None):
     return args
 
 
-def ttft_ms(eng, prompt: list[int], tag: str) -> tuple[float, int]:
-    """(ms to the first token, prompt tokens resumed from the cache) of one greedy one-token request."""
+def ttft_ms(eng, prompt: list[int], tag: str) -> tuple[float, int, int]:
+    """(ms to the first token, prompt tokens resumed from the cache, the token) of one greedy one-token request."""
     import torch
 
     from ninfer_rt.sampling import SamplingParams
@@ -61,13 +64,14 @@ def ttft_ms(eng, prompt: list[int], tag: str) -> tuple[float, int]:
         torch.cuda.synchronize(eng.device)
     t0 = time.perf_counter()
     eng.add_request(tag, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    cached = 0
+    cached, token = 0, -1
     while eng.has_work():
         for o in eng.step():
             cached = max(cached, o.cached_tokens)
+            token = o.new_token_ids[0] if o.new_token_ids else token
     if eng.device.type == "cuda":
         torch.cuda.synchronize(eng.device)
-    return (time.perf_counter() - t0) * 1e3, cached
+    return (time.perf_counter() - t0) * 1e3, cached, token
 
 
 class Bench:
@@ -79,25 +83,27 @@ class Bench:
     def fresh(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
 
-    def time(self, eng, prompt: list[int]) -> tuple[float, int]:
+    def time(self, eng, prompt: list[int]) -> tuple[float, int, int]:
         self.n += 1
         return ttft_ms(eng, prompt, f"q{self.n}")
 
-    def rep(self, length: int, system: int) -> dict[str, tuple[float, float, float | None, int]]:
-        """One rep of every case: case -> (ttft_ms, off_ms, tail_ms, cached_tokens)."""
+    def rep(self, length: int, system: int) -> dict[str, tuple[float, float, float | None, int, bool]]:
+        """One rep of every case: case -> (ttft_ms, off_ms, tail_ms, cached_tokens, whether the first token is
+        the uncached engine's)."""
         p = self.fresh(length)
-        cold, _ = self.time(self.on, p)
-        off, _ = self.time(self.off, p)
-        out = {"cold": (cold, off, None, 0)}
-        warm, cached = self.time(self.on, p)
-        out["repeat"] = (warm, off, self.time(self.off, self.fresh(length - cached))[0], cached)
+        cold, _, tok = self.time(self.on, p)
+        off, _, ref = self.time(self.off, p)
+        out = {"cold": (cold, off, None, 0, tok == ref)}
+        warm, cached, tok = self.time(self.on, p)
+        out["repeat"] = (warm, off, self.time(self.off, self.fresh(length - cached))[0], cached, tok == ref)
         s = self.fresh(system)
         for _ in range(2):
             self.time(self.on, s + self.fresh(length - system))
         q = s + self.fresh(length - system)
-        got, cached = self.time(self.on, q)
+        got, cached, tok = self.time(self.on, q)
         tail = self.time(self.off, self.fresh(length - cached))[0] if cached else None
-        out["shared"] = (got, self.time(self.off, q)[0], tail, cached)
+        off, _, ref = self.time(self.off, q)
+        out["shared"] = (got, off, tail, cached, tok == ref)
         return out
 
 
@@ -117,7 +123,8 @@ def measure(args, path: str) -> list[dict]:
                       prefill_chunk=512, graphs=graphs, prefix_cache=n) for n in (args.entries, 0)]
     b = Bench(*engines, loaded.config.vocab_size, args.seed)
     base = {"kind": "prefix_cache", "recipe": args.recipe, "gpu": D.device_name(device), "backend": backend,
-            "graphs": graphs == "auto", "entries": args.entries}
+            "graphs": graphs == "auto", "entries": args.entries,
+            "prefill_graphs": os.environ.get("NINFER_PREFILL_GRAPHS", "1") == "1"}
     records = []
     try:
         for length in args.prompt_lens:
@@ -140,14 +147,15 @@ def _record(base: dict, length: int, case: str, runs: list[tuple]) -> dict:
     tail = statistics.median(tails) if tails else None
     return {**base, "prompt_tokens": length, "case": case, "cached_tokens": min(r[3] for r in runs),
             "ttft_ms": ttft, "off_ms": off, "tail_ms": tail, "speedup": off / ttft,
-            "ratio_to_tail": tail / ttft if tail is not None else None}
+            "ratio_to_tail": tail / ttft if tail is not None else None,
+            "token_match": sum(r[4] for r in runs) / len(runs)}
 
 
 def _line(r: dict) -> str:
     tail = "-" if r["tail_ms"] is None else f"{r['tail_ms']:.1f}"
     ratio = "-" if r["ratio_to_tail"] is None else f"{r['ratio_to_tail']:.2f}"
     return (f"{r['prompt_tokens']:>7} {r['case']:<7} {r['cached_tokens']:>7} {r['ttft_ms']:>9.1f} {r['off_ms']:>9.1f} "
-            f"{tail:>9} {r['speedup']:>7.2f} {ratio:>6}")
+            f"{tail:>9} {r['speedup']:>7.2f} {ratio:>6} {r['token_match']:>5.2f}")
 
 
 def main(argv=None) -> int:
@@ -159,7 +167,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{'prompt':>7} {'case':<7} {'cached':>7} {'ttft ms':>9} {'off ms':>9} {'tail ms':>9} {'speedup':>7} "
-          f"{'/tail':>6}")
+          f"{'/tail':>6} {'same':>5}")
     for r in records:
         print(_line(r))
     log(f"wrote {args.out}")

@@ -12,7 +12,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: 
 import prefix_cache as bench  # noqa: E402
 
 KEYS = {"kind", "recipe", "gpu", "backend", "graphs", "entries", "prompt_tokens", "case", "cached_tokens",
-        "ttft_ms", "off_ms", "tail_ms", "speedup", "ratio_to_tail"}
+        "ttft_ms", "off_ms", "tail_ms", "speedup", "ratio_to_tail", "token_match", "prefill_graphs"}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -26,6 +26,7 @@ def test_cpu_dry_run(tmp_path, capsys):
     for r in recs:
         assert set(r) == KEYS and r["kind"] == "prefix_cache" and r["prompt_tokens"] == 48 and r["ttft_ms"] > 0
         assert r["speedup"] == pytest.approx(r["off_ms"] / r["ttft_ms"])
+        assert r["token_match"] == 1.0                  # fp32 on the CPU: the cache changes no token
     cold, repeat, shared = recs
     assert cold["cached_tokens"] == 0 and cold["tail_ms"] is None and cold["ratio_to_tail"] is None
     assert repeat["cached_tokens"] == 32 and shared["cached_tokens"] == 16     # pages of 16 below 47 / 24 tokens
