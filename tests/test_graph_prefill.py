@@ -23,6 +23,7 @@ from ninfer_rt.sampling import SamplingParams
 from ninfer_rt.speculative import SpecConfig
 from ninfer_rt.state import CacheConfig
 from numerics import rel
+from test_engine_graphs import run
 
 LOGIT_TOL = 1e-5          # rel L2, fp32 torch backend: the same math in pieces (GEMM row counts differ)
 STATE_TOL = 1e-5
@@ -125,16 +126,6 @@ def test_prefill_falls_back_to_the_model(nvfp4_path, case):
     assert r.stats.prefill_chunks == 0 and r.stats.eager_steps == 0
 
 
-def _run(eng, prompts, params):
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    while eng.has_work():
-        for o in eng.step():
-            out[o.req_id] += o.new_token_ids
-    return out
-
-
 @pytest.mark.parametrize("k,prefix", [(0, 0), (2, 0), (2, 4)], ids=["no-mtp", "mtp-K2", "mtp-K2-prefix-cache"])
 def test_engine_prefills_short_chunks_through_the_runner(k, prefix):
     loaded = loaded_model(build_hf_model(seed=3))
@@ -144,11 +135,11 @@ def test_engine_prefills_short_chunks_through_the_runner(k, prefix):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     spec = SpecConfig(num_draft_tokens=k) if k else None
     common = dict(spec=spec, prefill_chunk=7, max_batch=2, prefix_cache=prefix)
-    want = _run(Engine(loaded, TorchOps(), **common), prompts, params)
+    want = run(Engine(loaded, TorchOps(), **common), prompts, params)
     cfg = GraphConfig(batch_sizes=(1, 2), tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)) if k else (),
                       kv_buckets=(64,), eager=True, prefill_tokens=(4, 8))
     eng = Engine(loaded, TorchOps(), graphs=cfg, **common)
-    assert _run(eng, prompts, params) == want
+    assert run(eng, prompts, params) == want
     assert eng.graphs.stats.prefill_chunks > 0
     eng.shutdown()
 
