@@ -141,6 +141,7 @@ def test_engine_prefills_short_chunks_through_the_runner(k, prefix):
     eng = Engine(loaded, TorchOps(), graphs=cfg, **common)
     assert run(eng, prompts, params) == want
     assert eng.graphs.stats.prefill_chunks > 0
+    assert eng.stats.to_dict()["graph_prefill_chunks"] == eng.graphs.stats.prefill_chunks
     eng.shutdown()
 
 
