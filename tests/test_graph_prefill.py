@@ -188,3 +188,34 @@ def test_captured_prefill_pieces_equal_the_model_gpu(nvfp4_path, lens):
     b = r.forward([SeqInput(t, s) for t, s in zip(tok, st[1])])
     assert rel(b.logits.float(), a.logits.float()) <= BF16_TOL
     r.close()
+
+
+def test_engine_prompt_logprobs_through_prefill_pieces():
+    """Chunks whose every row's logits are asked for (vLLM's prompt_logprobs): the pieces' rows in order."""
+    loaded = loaded_model(build_hf_model(seed=3))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, NONSPECIAL, (n,), generator=g).tolist() for n in (13, 6)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+
+    def outputs(eng):
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params)
+        got = {}
+        while eng.has_work():
+            for o in eng.step():
+                if o.prompt_logprobs is not None:
+                    got[o.req_id] = o.prompt_logprobs
+        eng.shutdown()
+        return got
+    want = outputs(Engine(loaded, TorchOps(), prefill_chunk=7, max_batch=2))
+    cfg = GraphConfig(batch_sizes=(1, 2), tokens=(1,), mtp_tokens=(), kv_buckets=(64,), eager=True,
+                      prefill_tokens=(2, 4))
+    eng = Engine(loaded, TorchOps(), prefill_chunk=7, max_batch=2, graphs=cfg)
+    runner = eng.graphs
+    got = outputs(eng)
+    assert runner.stats.prefill_chunks > 0
+    assert set(got) == set(want) == {"r0", "r1"}
+    for rid in want:
+        assert [t.token_id for t in got[rid]] == [t.token_id for t in want[rid]] == prompts[int(rid[1])][1:]
+        assert [[i for i, _ in t.top[:2]] for t in got[rid]] == [[i for i, _ in t.top[:2]] for t in want[rid]]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got[rid], want[rid])) < 1e-4
