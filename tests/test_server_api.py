@@ -145,3 +145,25 @@ def test_cors_preflight_passes_before_the_api_key(origins):
     else:
         assert pre.status_code == 401 and "access-control-allow-origin" not in got.headers
     assert client.get("/v1/models", headers={"Origin": "https://ui.example"}).status_code == 401   # still guarded
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_continuous_usage_stats_count_each_choice_so_far(fake, chat):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk of a choice carries its
+    counts so far; the last chunk the totals of all choices."""
+    srv, _, _ = fake
+    path, body = ("/v1/chat/completions", {**CHAT, "max_tokens": 5}) if chat else \
+        ("/v1/completions", {"model": MODEL_ID, "prompt": "hello", "max_tokens": 5})
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _sse(_post(srv, path, {**body, "n": 2, "stream": True, "stream_options": opts}))
+    *rest, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    prompt = last["usage"]["prompt_tokens"]
+    for i in (0, 1):
+        mine = [c for c in rest if c["choices"][0]["index"] == i]
+        counts = [c["usage"]["completion_tokens"] for c in mine]
+        assert all(c["usage"]["prompt_tokens"] == prompt for c in mine)
+        assert all(c["usage"]["total_tokens"] == prompt + n for c, n in zip(mine, counts))
+        assert counts == sorted(counts) and counts[-1] == 5 and mine[-1]["choices"][0]["finish_reason"] == "length"
+    plain = _sse(_post(srv, path, {**body, "stream": True, "stream_options": {"continuous_usage_stats": True}}))
+    assert not any("usage" in c for c in plain)          # without include_usage: nothing, as in vLLM

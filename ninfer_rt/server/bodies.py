@@ -50,11 +50,15 @@ class Chunks:
 
     With `include_usage`, every chunk carries `"usage": null` and only the extra last one (empty
     `choices`) the counts, as OpenAI documents for `stream_options.include_usage`; without it, no chunk
-    has a `usage` key."""
+    has a `usage` key. With vLLM's `continuous_usage_stats` too, a choice's chunks carry its counts so far
+    (`running[index]`, kept by the stream)."""
 
-    def __init__(self, rid: str, model: str, *, chat: bool, include_usage: bool, fp: str | None = None):
+    def __init__(self, rid: str, model: str, *, chat: bool, include_usage: bool, fp: str | None = None,
+                 continuous: bool = False):
         self.rid, self.model, self.chat, self.fp = rid, model, chat, fp
         self.include_usage, self.created = include_usage, int(time.time())
+        self.continuous = include_usage and continuous
+        self.running: dict[int, dict] = {}
 
     def _make(self, choices: list, use) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -64,7 +68,7 @@ class Chunks:
     def delta(self, delta_or_text, finish: str | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
         key = "delta" if self.chat else "text"
         return self._make([{"index": index, key: delta_or_text, "finish_reason": finish, "logprobs": logprobs}],
-                          None)
+                          self.running.get(index) if self.continuous else None)
 
     def usage(self, use: dict) -> dict:
         return self._make([], use)

@@ -40,6 +40,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False     # vLLM's: with include_usage, every chunk carries the counts so far
 
 
 class ImageURL(_Strict):

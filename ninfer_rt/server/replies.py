@@ -51,6 +51,7 @@ class Reply:
     prompt_logprobs: LogprobFormat | None = None     # vLLM's prompt_logprobs: their formatter (its top k)
     token_ids: bool = False                  # vLLM's return_tokens_as_token_ids: logprobs name "token_id:N"
     chat_echo: str = ""                      # vLLM's chat echo: text the reply's content starts with
+    continuous_usage: bool = False           # vLLM's stream_options.continuous_usage_stats
 
 
 class ClientGone(Exception):
@@ -68,7 +69,8 @@ def total_usage(uses: list[dict]) -> dict:
 async def respond(choices: list[Choice], request: Request, reply: Reply):
     rid = reply.rid
     if reply.stream:
-        chunks = B.Chunks(rid, reply.model, chat=reply.chat, include_usage=reply.include_usage, fp=reply.fingerprint)
+        chunks = B.Chunks(rid, reply.model, chat=reply.chat, include_usage=reply.include_usage, fp=reply.fingerprint,
+                          continuous=reply.continuous_usage)
         return sse_response(_stream(choices, chunks, reply.echo, reply.chat_echo))
     tasks = [asyncio.ensure_future(_collect(c, request)) for c in choices]
     try:
@@ -204,6 +206,8 @@ async def _stream(choices: list[Choice], chunks: B.Chunks, echo: tuple[str, int]
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pump(i, c, queue)) for i, c in enumerate(choices)]
     echoing, uses = set(range(len(choices))) if echo else set(), {}
+    for i, c in enumerate(choices if chunks.continuous else ()):
+        chunks.running[i] = B.usage(c.handle.prompt_len, 0, c.handle.cached)
     try:
         if chunks.chat:
             for i in range(len(choices)):
@@ -218,6 +222,9 @@ async def _stream(choices: list[Choice], chunks: B.Chunks, echo: tuple[str, int]
                 yield _sse(chunks.delta(echo[0], logprobs=head, index=i))
                 echoing.discard(i)
             if ev[0] == "delta":
+                if chunks.continuous:
+                    h = choices[i].handle
+                    chunks.running[i] = B.usage(h.prompt_len, ev[5], h.cached)
                 content, calls = _tool_split(choices[i].tools, ev[2])
                 chunk = _delta(chunks, ev[1], content, fmt.format(ev[3]) if fmt is not None and ev[3] else None, i,
                                calls)
@@ -228,6 +235,7 @@ async def _stream(choices: list[Choice], chunks: B.Chunks, echo: tuple[str, int]
                 break
             elif ev[0] == "done":
                 _, finish, uses[i] = ev
+                chunks.running[i] = uses[i]
                 rest = choices[i].tools.finish() if choices[i].tools is not None else ""
                 if rest:
                     yield _sse(chunks.delta({"content": rest}, index=i))

@@ -98,7 +98,7 @@ async def respond(c: Choice, request: Request, reply: Reply, shape: Shape, store
             if ev[0] == "error":
                 raise ev[1]
             if ev[0] == "delta":
-                evs.chunks(*ev[1:])
+                evs.chunks(*ev[1:5])
             elif ev[0] == "done":
                 body = _done(evs, shape, store, items, *ev[1:])[1]
     except ClientGone:
@@ -228,7 +228,7 @@ async def _stream(c: Choice, shape: Shape, store: Store, items: list[dict]):
                 yield _failed(evs, shape, ev[1])
                 return
             if ev[0] == "delta":
-                out = evs.chunks(*ev[1:])
+                out = evs.chunks(*ev[1:5])
             else:
                 out = _done(evs, shape, store, items, *ev[1:])[0] if ev[0] == "done" else []
             for b in out:

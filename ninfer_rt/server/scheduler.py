@@ -310,8 +310,9 @@ class Scheduler:
                 self._push(h, ("prompt", o.prompt_logprobs))
             lps = o.logprobs[:used] if getattr(o, "logprobs", None) else None
             if reasoning or content or lps:
-                # a delta event: (reasoning, content, TokenLogprobs or None, how many of them are reasoning ids)
-                self._push(h, ("delta", reasoning, content, lps, h.text.reasoning_tokens - before))
+                # a delta event: (reasoning, content, TokenLogprobs or None, how many of them are reasoning ids,
+                # tokens generated so far)
+                self._push(h, ("delta", reasoning, content, lps, h.text.reasoning_tokens - before, h.generated))
             if h.text.stopped:
                 self._finish(h, "stop")
             elif o.finished:
@@ -372,7 +373,7 @@ class Scheduler:
         if push:
             r, c = h.text.flush()
             if r or c:
-                self._push(h, ("delta", r, c, None, 0))
+                self._push(h, ("delta", r, c, None, 0, h.generated))
         use = usage(h.prompt_len, h.generated, h.cached)
         if push:
             self._push(h, ("done", reason, use))
