@@ -157,3 +157,14 @@ def test_chat_echo_repeats_the_final_message_of_the_replys_role(srv, stream, bod
     s, _, _ = srv
     plain = _chat_content(s, body, stream)
     assert _chat_content(s, {**body, "echo": True}, stream) == head + plain
+
+
+def test_ignored_fields_are_said_once_on_stderr(capsys):
+    """As vLLM logs them: fields this server does not read, once per name (a client may send them every time)."""
+    from ninfer_rt.server import protocol as P
+    body = {"messages": [{"role": "user", "content": "hi"}], "zz_unknown_a": 1, "zz_unknown_b": {}, "max_tokens": 2}
+    P.parse(P.ChatRequest, body)
+    P.parse(P.ChatRequest, body)
+    err = capsys.readouterr().err
+    assert err.count("request fields ignored") == 1 and "ChatRequest" in err
+    assert "zz_unknown_a, zz_unknown_b" in err and "max_tokens" not in err and "messages" not in err

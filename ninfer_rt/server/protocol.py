@@ -1,13 +1,15 @@
 """OpenAI-compatible request models, response bodies and error bodies.
 
 Requests are validated strictly (a string where a number belongs is a 400, not a coercion) but unknown
-fields are ignored, as OpenAI clients send fields this server does not know. Every error leaves the server
+fields are ignored, as OpenAI clients send fields this server does not know; as vLLM does, the server says so on
+stderr (once per field name and route model, `_say_ignored`). Every error leaves the server
 as `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
 """
 from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -179,9 +181,23 @@ def parse(model: type[_Strict], data) -> _Strict:
         param = ".".join(loc) or None
         raise bad_request(f"{param or 'body'}: {err['msg']}", param=param) from None
     _check_text(data)
+    _say_ignored(model, data)
     if isinstance(req, _Sampling):
         _check_common(req)
     return req
+
+
+_IGNORED_SAID: set = set()
+
+
+def _say_ignored(model: type[_Strict], data: dict) -> None:
+    """One stderr line per top-level field name (and request model) this server does not read."""
+    known = {f.alias or name for name, f in model.model_fields.items()} | set(model.model_fields)
+    new = sorted(k for k in data if k not in known and (model.__name__, k) not in _IGNORED_SAID)
+    if new:
+        _IGNORED_SAID.update((model.__name__, k) for k in new)
+        print(f"ninfer-rt: {model.__name__}: request fields ignored (not implemented here): {', '.join(new)}",
+              file=sys.stderr, flush=True)
 
 
 def check_model(model: str | None, served: tuple[str, ...]) -> None:
