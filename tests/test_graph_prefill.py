@@ -2,11 +2,15 @@
 forward: the same logits, hiddens and states; the cases that must stay eager; the engine with and without."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # before any kernel is defined (the Triton test below)
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: bench/ must not shadow anything
 
@@ -27,6 +31,7 @@ from test_engine_graphs import run
 
 LOGIT_TOL = 1e-5          # rel L2, fp32 torch backend: the same math in pieces (GEMM row counts differ)
 STATE_TOL = 1e-5
+TRITON_TOL = 1e-4         # the Triton kernels (interpreter on CPU, fp32): GEMV pieces against the prefill GEMM
 NONSPECIAL = 246          # hf_tiny: ids >= 246 are special tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -219,3 +224,34 @@ def test_engine_prompt_logprobs_through_prefill_pieces():
         assert [t.token_id for t in got[rid]] == [t.token_id for t in want[rid]] == prompts[int(rid[1])][1:]
         assert [[i for i, _ in t.top[:2]] for t in got[rid]] == [[i for i, _ in t.top[:2]] for t in want[rid]]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got[rid], want[rid])) < 1e-4
+
+
+def test_prefill_pieces_equal_the_model_triton(tmp_path):
+    """The Triton backend (the interpreter on CPU): pieces of 16 / 8 / 4 / 1 tokens (the decode kernels at their
+    widest step, the fused GDN conv + recurrence over 16 tokens) against one eager forward of the chunk (the
+    prefill kernels)."""
+    import dataclasses
+
+    from ninfer_rt.backends.triton_ops import TritonOps
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    small = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "gdn_k_heads": 2,
+             "gdn_v_heads": 4, "gdn_head_dim": 16, "vocab": 256}
+    paths, _ = synth.build(str(tmp_path), dataclasses.replace(synth.TINY, **small), "bf16", workers=1)
+
+    def model():
+        lm = load(paths[0], device=dev, dtype=torch.float32)
+        return Model(lm.config, lm.weights, TritonOps(), cache=CacheConfig(num_pages=48, page_size=8, max_seqs=5),
+                     dtype=torch.float32, consume_weights=True)
+    ref, m = model(), model()
+    r = _runner(m, tokens=(1,), prefill_tokens=(4, 8, 16))
+    prompt = torch.randint(0, 250, (29,), generator=torch.Generator().manual_seed(4)).to(dev)
+    st = [x.new_state() for x in (ref, m)]
+    a = ref.forward([SeqInput(prompt, st[0], logits="last")])
+    b = r.prefill([SeqInput(prompt, st[1], logits="last")])
+    assert r.stats.prefill_chunks == 1 and r.stats.eager_steps == 4            # 16 + 8 + 4 + 1
+    assert rel(b.logits, a.logits) <= TRITON_TOL and rel(b.hidden, a.hidden) <= TRITON_TOL
+    assert rel(m.gdn_pool.rec[:, st[1].gdn_row], ref.gdn_pool.rec[:, st[0].gdn_row]) <= TRITON_TOL
+    tok = a.logits.argmax(-1)
+    a = ref.forward([SeqInput(tok, st[0])])
+    b = r.forward([SeqInput(tok, st[1])])
+    assert rel(b.logits, a.logits) <= TRITON_TOL
