@@ -287,8 +287,8 @@ async def _complete(state: ServerState, request: Request, *, chat: bool):
     reply = R.Reply(B.new_id("chatcmpl" if chat else "cmpl"), chat, state.model_id, bool(req.stream), usage_chunk,
                     state.fingerprint, (H.prompt_text(tok, req, ids), ids[0]) if not chat and req.echo else None,
                     LogprobFormat(tok, chat=True, top=req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-                    req.return_tokens_as_token_ids, P.chat_echo(req) if chat else "",
-                    usage_chunk and req.stream_options.continuous_usage_stats)
+                    token_ids=req.return_tokens_as_token_ids, chat_echo=P.chat_echo(req) if chat else "",
+                    continuous_usage=usage_chunk and req.stream_options.continuous_usage_stats)
     return await R.respond(_submit(sched, tok, req.n or 1, ids, img, params, reply, *_tools(req, chat),
                                    priority=req.priority), request, reply)
 

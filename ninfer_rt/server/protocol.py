@@ -7,6 +7,7 @@ as `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -190,9 +191,14 @@ def parse(model: type[_Strict], data) -> _Strict:
 _IGNORED_SAID: set = set()
 
 
+@functools.cache
+def _known_fields(model: type[_Strict]) -> frozenset:
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
 def _say_ignored(model: type[_Strict], data: dict) -> None:
     """One stderr line per top-level field name (and request model) this server does not read."""
-    known = {f.alias or name for name, f in model.model_fields.items()} | set(model.model_fields)
+    known = _known_fields(model)
     new = sorted(k for k in data if k not in known and (model.__name__, k) not in _IGNORED_SAID)
     if new:
         _IGNORED_SAID.update((model.__name__, k) for k in new)
