@@ -100,7 +100,7 @@ class EngineStats:
             g = self.graphs
             d.update(graphs_captured=g.captured, graph_capture_s=g.capture_s, graph_replays=g.replays,
                      graph_eager_steps=g.eager_steps, graph_fallbacks=g.fallbacks,
-                     graph_prefill_chunks=g.prefill_chunks,
+                     graph_prefill_chunks=g.prefill_chunks, graph_rounds=g.rounds,
                      graph_fallback_reasons=dict(g.reasons))    # why steps left the graphs, not just how many
         return d
 

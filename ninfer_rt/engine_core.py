@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import graph_round
 from .logprobs import emitted_items, prompt_items
 from .model import Model, MtpInput, Output, SeqInput
 from .sampling import small_tensor
@@ -200,8 +201,9 @@ class Core:
     def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
         raise NotImplementedError
 
-    def _target_argmax(self, dec, pre, out) -> torch.Tensor | None:
-        """The argmax of every logits row the verdicts will read, queued on the device (None: not needed)."""
+    def _target_argmax(self, dec, pre, out, skip: int = 0) -> torch.Tensor | None:
+        """The argmax of every logits row the verdicts will read, queued on the device, past the first `skip`
+        verified sequences (None: not needed)."""
         return None
 
     def _take_logprobs(self, items: list, prompt_items: list) -> None:
@@ -263,15 +265,19 @@ class Core:
         """Run one step; returns (seq, verdict, emitted tokens) for every sequence that emitted or ended."""
         dec = [(self.seqs[rid], k) for rid, k in plan.decode]
         pre = [(self.seqs[rid], a, b) for rid, a, b in plan.prefill]
-        drafts = self._draft(dec, plan.chain)
         starts = [s.state.length for s, _ in dec]
+        rnd = self._round(dec, plan.chain)
+        drafts = self._draft(dec, plan.chain) if rnd is None else []
         inputs = [self._seq_input(s, _round_ids(s.last, d), snapshot=k > 0) for (s, k), d in zip(dec, drafts)]
         rows = set(plan.all_rows)
         inputs += [self._seq_input(s, s.prompt[a:b], logits="all" if s.req_id in rows else
                                    "last" if b == len(s.prompt) else "none") for s, a, b in pre]
-        out = self._forward(inputs, len(dec))
-        # device drafts are read back once the verify step is queued, with the verdict's argmax queued behind it
-        drafts, self._argmax = _read_back_drafts(drafts, self._target_argmax(dec, pre, out))
+        if rnd is not None:
+            out, drafts = self._round_rest(dec, pre, inputs, *rnd)
+        else:
+            out = self._forward(inputs, len(dec))
+            # device drafts are read back once the verify step is queued, with the verdict's argmax behind it
+            drafts, self._argmax = _read_back_drafts(drafts, self._target_argmax(dec, pre, out))
         verdicts = self._decide_verdicts(dec, drafts, pre, out)
         self._take_logprobs(emitted_items(dec, pre, verdicts, drafts, out), prompt_items(pre, rows, out, len(dec)))
         results, mtp_in, mtp_seqs = [], [], []
@@ -317,6 +323,36 @@ class Core:
                 run = self.graphs.prefill          # short chunks as graph steps, the rest eagerly
             parts.append((lo, run(batch[lo:hi])))
         return StepOut(parts)
+
+    def _round(self, dec: list[tuple[Seq, int]], chain: bool):
+        """The step's decode rounds drafted and verified by one graph (`graph_round`): (their Output, the packed
+        drafts and argmax), or None. Every rank decides alike: from the plan and the runner's state."""
+        if not (chain and dec and self.graphs is not None and self.graphs.cfg.round_drafts):
+            return None
+        k = dec[0][1]
+        if any(kk != k or s.vision is not None or s.mtp_logits is None for s, kk in dec):
+            return None
+        got = self.graphs.round([graph_round.RoundRow(s.last, s.state, s.mtp_logits, s.mtp_hidden)
+                                 for s, _ in dec], k)
+        if got is not None:
+            for s, _ in dec:
+                s.q = []
+        return got
+
+    def _round_rest(self, dec, pre, inputs, dec_out: Output, packed: torch.Tensor) -> tuple[StepOut, list]:
+        """After a round graph: the step's prefill chunks, then one read-back of the drafts, the round's argmax
+        and any final chunk's (the verdict's argmax: `self._argmax`) -> (the step's outputs, host drafts)."""
+        parts = [(0, dec_out)]
+        if inputs:
+            packed = packed.clone()        # the chunks may replay graphs, which share the round's memory pool
+            parts += [(lo + len(dec), o) for lo, o in self._forward(inputs, 0).parts]
+        out = StepOut(parts)
+        rest = self._target_argmax(dec, pre, out, skip=len(dec))
+        if rest is not None and rest.numel():
+            packed = torch.cat([packed, rest])
+        drafts, am, tail = graph_round.read_back(packed, len(dec), self.graphs._pad(len(dec)), dec[0][1])
+        self._argmax = None if rest is None else am + tail
+        return out, drafts
 
     def _align(self, mtp_in: list[MtpInput], mtp_seqs: list, n_round: int) -> None:
         """MTP over the committed tokens with target hiddens; keep each sequence's next-draft inputs.

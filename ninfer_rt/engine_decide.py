@@ -83,13 +83,15 @@ class Decisions:
         return [(i, s) for i, (s, _) in enumerate(dec)] + \
             [(i, s) for i, (s, _, b) in enumerate(pre, start=len(dec)) if b == len(s.prompt)]
 
-    def _target_argmax(self, dec, pre, out):
+    def _target_argmax(self, dec, pre, out, skip: int = 0):
         """Greedy rows without penalties are decided by the argmax alone: queue it behind the verify step, so
-        `_execute` reads it back with the drafts (one host sync per round, not two)."""
+        `_execute` reads it back with the drafts (one host sync per round, not two). `skip`: the first verified
+        sequences whose argmax a round graph took already (`Core._round_rest`)."""
         seqs = self._verified(dec, pre)
         if not seqs or not all(argmax_decides(s.params, s.counts) and not _masked(s) for _, s in seqs):
             return None
-        return torch.cat([out.seq_logits(i) if i < len(dec) else out.seq_logits(i)[-1:] for i, _ in seqs]).argmax(-1)
+        rows = [out.seq_logits(i) if i < len(dec) else out.seq_logits(i)[-1:] for i, _ in seqs[skip:]]
+        return torch.cat(rows).argmax(-1) if rows else torch.zeros(0, dtype=torch.long)
 
     def _decide_verdicts(self, dec, drafts, pre, out) -> list[Verdict]:
         """Every row is verified on the device first and read back in one transfer (not two host syncs per

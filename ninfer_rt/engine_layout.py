@@ -24,6 +24,7 @@ GRAPH_MODES = ("auto", "eager", "off")
 GRAPH_MAX_BATCH = 64            # larger decode batches run without graphs (capture time, snapshot buffers)
 PREFILL_GRAPH_TOKENS = (2, 4, 8, 16)    # batch-1 graph sizes short prefill chunks are cut into (graph_prefill)
 PREFILL_GRAPHS_ENV = "NINFER_PREFILL_GRAPHS"
+ROUND_GRAPHS_ENV = "NINFER_ROUND_GRAPHS"
 
 
 class EngineError(NinferError):
@@ -49,8 +50,9 @@ class Layout:
 
 def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model_len: int,
                  mode: str | GraphConfig = "auto") -> GraphConfig | None:
-    """The engine's graphs: decode (and, with MTP, verify of 1..K drafts, and MTP steps of 1..K+1 tokens: the
-    1-token draft step and the alignment after a round that emitted a + 1 tokens) at batch sizes 1, 2, 4, ...
+    """The engine's graphs: decode (and, with MTP, verify of 1..K drafts, MTP steps of 1..K+1 tokens: the
+    1-token draft step and the alignment after a round that emitted a + 1 tokens, and a greedy round of K drafts
+    as one graph unless NINFER_ROUND_GRAPHS=0: `graph_round`) at batch sizes 1, 2, 4, ...
     up to max_batch (at most GRAPH_MAX_BATCH), one KV bucket = the context limit.
     "auto": captured on CUDA with the triton backend (the torch reference reads host metadata a graph would
     freeze), none elsewhere; "eager": the same static-buffer steps without capture; "off": the plain model."""
@@ -64,7 +66,8 @@ def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model
     sizes = tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i < top} | {top}))
     k = spec.num_draft_tokens if spec is not None else 0
     return GraphConfig(batch_sizes=sizes, tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)) if k else (),
-                       kv_buckets=(max_model_len,), eager=mode == "eager", prefill_tokens=prefill_graph_tokens())
+                       kv_buckets=(max_model_len,), eager=mode == "eager", prefill_tokens=prefill_graph_tokens(),
+                       round_drafts=round_graph_drafts(k))
 
 
 def prefill_graph_tokens() -> tuple[int, ...]:
@@ -73,6 +76,15 @@ def prefill_graph_tokens() -> tuple[int, ...]:
     if v not in ("0", "1"):
         raise EngineError(f"{PREFILL_GRAPHS_ENV}={v!r}: expected 1 (short prefill chunks as graph steps) or 0")
     return PREFILL_GRAPH_TOKENS if v == "1" else ()
+
+
+def round_graph_drafts(k: int) -> int:
+    """The K of the round graphs (`graph_round`: a greedy MTP round of K drafts as one graph): k, or 0 (none) with
+    NINFER_ROUND_GRAPHS=0 or without MTP."""
+    v = os.environ.get(ROUND_GRAPHS_ENV, "1")
+    if v not in ("0", "1"):
+        raise EngineError(f"{ROUND_GRAPHS_ENV}={v!r}: expected 1 (an MTP round as one graph) or 0")
+    return k if v == "1" else 0
 
 
 def engine_layout(loaded, ops, spec: SpecConfig | None, max_batch: int, kv_pages: int | None,

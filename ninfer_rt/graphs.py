@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import graph_prefill
+from . import graph_prefill, graph_round
 from .batch import RECURRENT_MAX_T
 from .graph_model import RowSpec, StaticMeta, mtp_step, target_step
 from .model import LOGITS, Output, logit_rows
@@ -65,6 +65,7 @@ class GraphConfig:
     copy_outputs: bool = True                     # hand out copies, not the graph's static outputs
     prefill_tokens: tuple[int, ...] = ()          # more batch-1 target sizes that prefill chunks are cut into
     prefill_pieces: int = 6                       # a chunk needing more pieces runs eagerly
+    round_drafts: int = 0                         # K > 0: greedy MTP rounds of K drafts as one graph (graph_round)
 
     def __post_init__(self):
         for name in ("batch_sizes", "tokens", "mtp_tokens", "kv_buckets", "prefill_tokens"):
@@ -77,6 +78,11 @@ class GraphConfig:
                              f"{self.batch_sizes!r} has no 1")
         if not isinstance(self.prefill_pieces, int) or self.prefill_pieces < 1:
             raise ValueError(f"graphs.prefill_pieces: expected a positive integer, got {self.prefill_pieces!r}")
+        k = self.round_drafts
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or \
+                (k and (k + 1 not in self.tokens or 1 not in self.mtp_tokens)):
+            raise ValueError(f"graphs.round_drafts: expected 0 or a K whose verify size K + 1 is in tokens "
+                             f"{self.tokens!r} with 1 in mtp_tokens {self.mtp_tokens!r}, got {k!r}")
 
     @property
     def max_tokens(self) -> int:
@@ -96,6 +102,7 @@ class GraphStats:
     fallbacks: int = 0        # steps handed to the model's own forward
     padded_tokens: int = 0    # MTP tokens computed only to pad a sequence to its graph's T (ragged re-alignments)
     prefill_chunks: int = 0   # prefill chunks served as consecutive batch-1 graph steps (`GraphRunner.prefill`)
+    rounds: int = 0           # MTP rounds served by one round graph (`GraphRunner.round`)
     captured: int = 0
     capture_s: float = 0.0
     reasons: dict = field(default_factory=dict)
@@ -107,9 +114,8 @@ class GraphStats:
 
 @dataclass
 class _Graph:
-    graph: object             # torch.cuda.CUDAGraph, or None in eager mode
-    hidden: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
+    graph: object             # torch.cuda.CUDAGraph
+    outputs: tuple            # its static outputs: (hidden, logits), a round's also the packed drafts and argmax
 
 
 class GraphRunner:
@@ -142,6 +148,11 @@ class GraphRunner:
         if self.mtp_tokens:
             self.mtp_hidden = torch.zeros(self.max_batch * max(self.mtp_tokens), model.cfg.hidden_size,
                                           dtype=model.dtype, device=model.device)
+        self.round_logits, self.draft_meta = None, []
+        if config.round_drafts and self.mtp_tokens:
+            self.round_logits = torch.zeros(self.max_batch, model.lm_head.shape[0] * model.tp.size,
+                                            dtype=model.dtype, device=model.device)
+            self.draft_meta = graph_round.draft_metas(self, config.round_drafts)
         self.graphs: dict[tuple, _Graph] = {}
         self.stats = GraphStats()
         self._pending: list = []          # (state, PendingSnapshot) living in our snapshot buffers
@@ -154,6 +165,8 @@ class GraphRunner:
         out = [("target", b, t, k) for b in c.batch_sizes for t in c.tokens for k in c.kv_buckets]
         out += [("target", 1, t, k) for t in c.prefill_tokens if t not in c.tokens for k in c.kv_buckets]
         out += [("mtp", b, t, k) for b in c.batch_sizes for t in self.mtp_tokens for k in c.kv_buckets]
+        if self.round_logits is not None:
+            out += [("round", b, c.round_drafts, k) for b in c.batch_sizes for k in c.kv_buckets]
         return out
 
     def _pad(self, n: int) -> int | None:
@@ -170,7 +183,7 @@ class GraphRunner:
         if self.cfg.eager or self.graphs:
             return 0.0
         t0 = time.perf_counter()
-        keys = sorted(self.keys(), key=lambda k: (k[1] * k[2], k[3], k[0]), reverse=True)
+        keys = sorted(self.keys(), key=lambda k: (k[1] * (k[2] + (k[0] == "round")), k[3], k[0]), reverse=True)
         stream = torch.cuda.Stream(device=self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream):
@@ -186,8 +199,8 @@ class GraphRunner:
             self._fill_padding(key)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
-                hidden, logits = self._body(key, None)
-            self.graphs[key] = _Graph(g, hidden, logits)
+                outputs = self._body(key, None)
+            self.graphs[key] = _Graph(g, outputs)
         torch.cuda.synchronize(self.model.device)
         self.model.gdn_pool.pins += 1
         self.stats.captured = len(self.graphs)
@@ -195,7 +208,11 @@ class GraphRunner:
         return self.stats.capture_s
 
     def _fill_padding(self, key) -> None:
-        _, b, t, _ = key
+        kind, b, t, _ = key
+        pad = RowSpec(torch.zeros(1, dtype=torch.long), 0, self._scratch.pages, self._scratch.slot)
+        for dm in self.draft_meta if kind == "round" else ():
+            dm.fill([pad], b, 1)
+        t += kind == "round"                  # a round's verify step: K + 1 tokens
         self.meta.fill([RowSpec(torch.zeros(t, dtype=torch.long), 0, self._scratch.pages, self._scratch.slot)],
                        b, t)
 
@@ -213,6 +230,8 @@ class GraphRunner:
         no host snapshot rows), else (true KV lengths, snapshot rows) for an eager run, which backends that
         read host metadata (the torch reference) need."""
         kind, b, t, bucket = key
+        if kind == "round":
+            return graph_round.body(self, b, t, bucket, host)
         kv, snaps = host if host is not None else ((bucket,) * b, (-1,) * b)
         n = b * t
         if kind == "mtp":
@@ -221,14 +240,16 @@ class GraphRunner:
         ctx = self.meta.target_ctx(b, t, kv, snaps, *((pool.conv, pool.rec) if self.snap_base is not None else ()))
         return target_step(self.model, self.meta, ctx, n)
 
-    def _run(self, key, rows: list[RowSpec]):
-        _, b, t, _ = key
+    def _run(self, key, rows: list[RowSpec], t: int | None = None, extra=None):
+        """Fill the metadata with `rows` (t tokens each: the key's T unless given), then replay the key's graph
+        (eager mode: run its body with the host's KV lengths and snapshot rows, and `extra` after them)."""
+        b, t = key[1], t or key[2]
         self.meta.fill(rows, b, t)
         if self.cfg.eager:
             self.stats.eager_steps += 1
             pad = b - len(rows)
-            return self._body(key, (tuple(r.start + t for r in rows) + (t,) * pad,
-                                    tuple(r.snap for r in rows) + (-1,) * pad))
+            host = (tuple(r.start + t for r in rows) + (t,) * pad, tuple(r.snap for r in rows) + (-1,) * pad)
+            return self._body(key, host + ((extra,) if extra is not None else ()))
         if not self.graphs:
             self.capture()
         g = self.graphs.get(key)
@@ -236,7 +257,7 @@ class GraphRunner:
             raise GraphError(f"graphs: no graph captured for {key}")
         g.graph.replay()
         self.stats.replays += 1
-        return g.hidden, g.logits
+        return g.outputs
 
     # ---- the model's two entry points ----
     @torch.no_grad()
@@ -272,6 +293,12 @@ class GraphRunner:
             return self.model.forward(batch, gather=gather)
         self.stats.prefill_chunks += len(batch)
         return graph_prefill.concat([graph_prefill.run_chunk(self, s, p, gather) for s, p in zip(batch, plans)])
+
+    @torch.no_grad()
+    def round(self, rows: list, k: int):
+        """A greedy MTP round of k drafts per `graph_round.RoundRow` as one graph -> (the verify's Output, the
+        packed drafts and argmax), or None when the separate steps must run it (`graph_round`)."""
+        return graph_round.run(self, rows, k)
 
     def _protect(self, batch, snap: list[int], t: int) -> None:
         """Move home every committed state in a snapshot row this step writes, unless the row is its own
