@@ -11,15 +11,17 @@ kernel launch). The round is cut into four windows, by when the runner is asked 
                     alignment unless the host waits for the GPU in it
   next->verify      -> the verify launched (0 at K = 1): hidden while the host keeps ahead of the draft steps
   verify->verdict   -> the verdict read back: the part after the verify ends is GPU idle time
+With round graphs (`--round-graphs 1`, the runtime's default: ninfer_rt/graph_round.py) the draft steps and the
+verify are one graph, so `next` is the round itself and next->verify is 0.
 
 Ceiling in the same run: the time of one tiny torch call (`torch_op_us`); `round_in_ops` = us_round / torch_op_us
 (the round as a count of tiny calls, to carry the number to another host).
 
-    python3 bench/engine_host.py [--ks 1,3,5] [--acceptance 0.75,1] [--new-tokens 512]
+    python3 bench/engine_host.py [--ks 1,3,5] [--acceptance 0.75,1] [--new-tokens 512] [--round-graphs 0]
 
 Records (--out, default bench/results/engine_host.json): {"kind": "engine_host", "draft_tokens", "acceptance",
 "rounds", "emitted", "tokens_per_round", "us_round", "windows_us": {window: median}, "torch_op_us",
-"round_in_ops", "cpu", "vocab", "hidden", "tag"}.
+"round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs"}.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--dir", default="/tmp/ninfer-engine-host", help="the tiny artifact's folder")
     ap.add_argument("--tag", default="", help="a label kept in the records (e.g. the revision)")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--round-graphs", type=int, choices=(0, 1), default=None,
+                    help="1: a round's drafts and verify as one graph (default: NINFER_ROUND_GRAPHS, else 1)")
     args = ap.parse_args(argv)
     try:
         args.ks = tuple(sorted({int(k) for k in args.ks.split(",") if k.strip()}))
@@ -76,16 +80,19 @@ def null_runner(marks: list):
         kind, b, t, _ = key
         if key not in fixed:
             g = torch.Generator().manual_seed(b * 31 + t)
-            rows = b if kind == "mtp" and t > 1 and last_only else b * t
-            fixed[key] = (torch.randn(b * t, self.model.cfg.hidden_size, generator=g),
+            n = b * (t + 1) if kind == "round" else b * t          # a round of t drafts verifies t + 1 tokens
+            rows = b if kind == "mtp" and t > 1 and last_only else n
+            fixed[key] = (torch.randn(n, self.model.cfg.hidden_size, generator=g),
                           torch.randn(rows, self.model.cfg.vocab_size, generator=g))
+            if kind == "round":                                   # the packed drafts and verify argmax
+                fixed[key] += (torch.zeros(b * t + n, dtype=torch.long),)
         return fixed[key]
 
     real_body, real_run = GraphRunner._body, GraphRunner._run
 
-    def run(self, key, rows):
+    def run(self, key, rows, *more):
         marks.append((key[0], time.perf_counter()))
-        return real_run(self, key, rows)
+        return real_run(self, key, rows, *more)
 
     def restore():
         GraphRunner._body, GraphRunner._run = real_body, real_run
@@ -101,7 +108,7 @@ def windows(marks: list) -> dict:
         if kind != "verdict" or i + 2 >= len(marks) or marks[i + 1][0] != "mtp":
             continue
         ver = next((j for j in range(i + 2, len(marks)) if marks[j][0] != "mtp"), None)
-        if ver is None or marks[ver][0] != "target" or ver + 1 >= len(marks) or marks[ver + 1][0] != "verdict":
+        if ver is None or marks[ver][0] not in ("target", "round") or ver + 1 >= len(marks) or marks[ver + 1][0] != "verdict":
             continue
         for w, (a, b) in zip(WINDOWS, ((i, i + 1), (i + 1, i + 2), (i + 2, ver), (ver, ver + 1))):
             got[w].append(marks[b][1] - marks[a][1])
@@ -128,7 +135,7 @@ def torch_op_us() -> float:
     return statistics.median(times) * 1e6
 
 
-def _engine(loaded, k: int, marks: list):
+def _engine(loaded, k: int, marks: list, round_graphs: bool):
     from ninfer_rt.backends import get_ops
     from ninfer_rt.engine import Engine
     from ninfer_rt.graphs import GraphConfig
@@ -142,9 +149,21 @@ def _engine(loaded, k: int, marks: list):
         return out
     cls._rigged_rows = rows
     cfg = GraphConfig(batch_sizes=(1,), tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)),
-                      kv_buckets=(4096,), eager=True)       # the shapes `graph_config` gives a CUDA engine
+                      kv_buckets=(4096,), eager=True,       # the shapes `graph_config` gives a CUDA engine
+                      **({"round_drafts": k} if round_graphs else {}))
     return cls(loaded, get_ops("torch"), spec=SpecConfig(num_draft_tokens=k), max_batch=1, max_model_len=4096,
                graphs=cfg)
+
+
+def round_graphs(args) -> bool:
+    """--round-graphs, else the runtime's own choice (NINFER_ROUND_GRAPHS; False for a runtime without them)."""
+    if args.round_graphs is not None:
+        return bool(args.round_graphs)
+    try:
+        from ninfer_rt.engine_layout import round_graph_drafts
+    except ImportError:
+        return False
+    return round_graph_drafts(1) == 1
 
 
 def measure(loaded, args) -> list[dict]:
@@ -159,11 +178,11 @@ def measure(loaded, args) -> list[dict]:
 def _measure(loaded, args, marks: list) -> list[dict]:
     unit = torch_op_us()
     prompt = random.Random(0).choices(range(min(loaded.config.vocab_size, 1000)), k=64)
-    base = {"kind": "engine_host", "cpu": cpu_name(), "tag": args.tag,
+    base = {"kind": "engine_host", "cpu": cpu_name(), "tag": args.tag, "round_graphs": round_graphs(args),
             "vocab": loaded.config.vocab_size, "hidden": loaded.config.hidden_size, "torch_op_us": round(unit, 3)}
     out = []
     for k in args.ks:
-        eng = _engine(loaded, k, marks)
+        eng = _engine(loaded, k, marks, base["round_graphs"])
         generate(eng, prompt, 32)                                            # warm-up
         for a in args.acceptance:
             eng.rate, eng.rng = a, random.Random(0)

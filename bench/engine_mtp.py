@@ -24,7 +24,9 @@ ragged MTP re-alignment).
 Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "recipe", "tp", "gpu",
 "draft_head", "draft_tokens" (0 = plain decoding), "acceptance" (None at K = 0), "tok_s" (decode phase: tokens
 after the first over the time after it), "tokens_per_round", "rounds", "ms_round", "accepted", "drafted",
-"prompt_tokens", "new_tokens", "emitted" (the fewest of any request), "backend", "graphs", "draft_chain", "batch"}.
+"prompt_tokens", "new_tokens", "emitted" (the fewest of any request), "backend", "graphs", "draft_chain", "batch",
+"round_graphs" (a greedy round's drafts and verify as one graph: ninfer_rt/graph_round.py; False at K = 0)}.
+--round-graphs 0,1 runs every K once per value (NINFER_ROUND_GRAPHS) on the one loaded model: a one-machine A/B.
 With --batch B, tok_s counts every request's tokens and starts once each has its first. "ms_round" is the time per
 engine step of that phase (a step runs one round per running request; since s39, before it the time per round,
 which at batch 1 left out the last 1-token step), "rounds" and "tokens_per_round" count that phase's rounds. At
@@ -33,6 +35,7 @@ each K the first acceptance's record gains "syncs_per_step", "sync_sites" with -
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -49,6 +52,7 @@ from ninfer_formats.errors import NinferError
 
 OUT = Path(__file__).resolve().parent / "results" / "engine_mtp.json"
 DRAFT_HEAD_ENV = "NINFER_DRAFT_HEAD"       # ninfer_rt.draft_head.ENV (not imported: torch comes after the build)
+ROUND_ENV = "NINFER_ROUND_GRAPHS"          # ninfer_rt.engine_layout.ROUND_GRAPHS_ENV
 
 
 def log(msg: str) -> None:
@@ -80,8 +84,14 @@ def parse_args(argv=None):
     ap.add_argument("--sync-audit", action="store_true",
                     help="after each K's runs, one more generation under torch.cuda.set_sync_debug_mode: the host "
                          "syncs per decode step and where they come from (syncs_per_step, sync_sites)")
+    ap.add_argument("--round-graphs", default="",
+                    help="NINFER_ROUND_GRAPHS values (0, 1), comma-separated: every K runs once per value "
+                         "(default: the environment's, else the runtime's default)")
     synth.add_engine_args(ap, OUT)
     args = ap.parse_args(argv)
+    args.round_graphs = tuple(v.strip() for v in args.round_graphs.split(",") if v.strip())
+    if any(v not in ("0", "1") for v in args.round_graphs):
+        ap.error(f"--round-graphs: expected comma-separated 0 / 1 values, got {','.join(args.round_graphs)!r}")
     try:
         args.ks = tuple(sorted({int(k) for k in args.ks.split(",") if k.strip()}))
         assert args.ks and all(1 <= k <= 7 for k in args.ks)
@@ -191,16 +201,43 @@ def measure_head(loaded, args, head: str, base: dict, save=lambda recs: None) ->
     prompt = random.Random(args.seed).choices(range(min(loaded.config.vocab_size, 4096)), k=args.prompt_len)
     run = _plain(loaded, args, prompt)
     _collect()
-    plain = {**base, "draft_head": head, "draft_tokens": 0, "acceptance": None, "rounds": None,
+    plain = {**base, "draft_head": head, "round_graphs": False, "draft_tokens": 0, "acceptance": None, "rounds": None,
              "tokens_per_round": 1.0, "tok_s": run.decode_tokens / run.secs,
              "ms_round": run.secs / max(1, run.steps) * 1e3, "accepted": 0, "drafted": 0,
              "emitted": min(map(len, run.tokens))}
     log(f"{head}: K=0 {plain['tok_s']:.1f} tok/s")
     out = [plain]
     for k in args.ks:
-        out += _rounds(loaded, args, k, prompt, {**base, "draft_head": head}, lambda recs: save(out + recs))
-        _collect()
+        for rg in args.round_graphs or (None,):
+            with _round_env(rg):
+                b = {**base, "draft_head": head, "round_graphs": base["graphs"] and _round_graphs()}
+                out += _rounds(loaded, args, k, prompt, b, lambda recs: save(out + recs))
+            _collect()
     return out
+
+
+@contextlib.contextmanager
+def _round_env(value: str | None):
+    """NINFER_ROUND_GRAPHS=value for one engine (None: as it is)."""
+    before = os.environ.get(ROUND_ENV)
+    if value is not None:
+        os.environ[ROUND_ENV] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ROUND_ENV, None)
+        else:
+            os.environ[ROUND_ENV] = before
+
+
+def _round_graphs() -> bool:
+    """Whether an engine built now captures round graphs (False for a runtime without them: bench/ab_tree.sh)."""
+    try:
+        from ninfer_rt.engine_layout import round_graph_drafts
+    except ImportError:
+        return False
+    return round_graph_drafts(1) == 1
 
 
 def _plain(loaded, args, prompt) -> Run:

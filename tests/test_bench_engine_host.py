@@ -12,25 +12,29 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: 
 import engine_host  # noqa: E402
 
 KEYS = {"kind", "draft_tokens", "acceptance", "rounds", "emitted", "tokens_per_round", "us_round", "windows_us",
-        "torch_op_us", "round_in_ops", "cpu", "vocab", "hidden", "tag"}
+        "torch_op_us", "round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_records_and_windows(tmp_path, capsys):
+@pytest.mark.parametrize("rounds", ["0", "1"], ids=["separate-steps", "round-graphs"])
+def test_records_and_windows(tmp_path, capsys, rounds):
     from ninfer_rt.graphs import GraphRunner
     real = (GraphRunner._body, GraphRunner._run)
     out = tmp_path / "h.json"
     rc = engine_host.main(["--ks", "1,3", "--acceptance", "0,1", "--new-tokens", "17", "--tag", "t",
-                           "--dir", str(tmp_path / "a"), "--out", str(out)])
+                           "--dir", str(tmp_path / "a"), "--out", str(out), "--round-graphs", rounds])
     assert rc == 0
     recs = json.loads(out.read_text())
     assert [(r["draft_tokens"], r["acceptance"]) for r in recs] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
     for r in recs:
         assert set(r) == KEYS and r["emitted"] == 17 and r["us_round"] > 0 and r["round_in_ops"] > 0
         assert set(r["windows_us"]) == set(engine_host.WINDOWS) and r["tag"] == "t"
+        assert r["round_graphs"] is (rounds == "1")
         assert r["tokens_per_round"] == (1.0 if r["acceptance"] == 0 else r["draft_tokens"] + 1)
     assert recs[0]["windows_us"]["next->verify"] == 0.0           # K = 1: the alignment's next step is the verify
+    if rounds == "1":                                             # ... and with round graphs at every K
+        assert all(r["windows_us"]["next->verify"] == 0.0 for r in recs)
     assert "verdict->align" in capsys.readouterr().out
     assert (GraphRunner._body, GraphRunner._run) == real          # the null bodies are gone again
 

@@ -13,7 +13,7 @@ import engine_mtp  # noqa: E402
 
 KEYS = {"kind", "recipe", "tp", "gpu", "draft_head", "draft_tokens", "acceptance", "tok_s", "tokens_per_round",
         "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "emitted", "backend", "graphs",
-        "draft_chain", "batch"}
+        "draft_chain", "batch", "round_graphs"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,6 +40,31 @@ def test_cpu_dry_run(tmp_path, capsys, monkeypatch, chain):
         assert r["accepted"] == r["drafted"] == 8 and r["rounds"] == 4 and r["tokens_per_round"] == 3.0
     assert "emitted" in capsys.readouterr().out
     assert "NINFER_DRAFT_HEAD" not in __import__("os").environ
+
+
+def test_round_graphs_values_run_each_k_once_per_value(tmp_path, monkeypatch):
+    """--round-graphs 0,1: each K once per NINFER_ROUND_GRAPHS value, the variable restored after; on the CPU there
+    are no graphs, so no record claims round graphs."""
+    monkeypatch.setenv("NINFER_ROUND_GRAPHS", "1")
+    seen = []
+    real = engine_mtp._rounds
+
+    def spy(loaded, args, k, prompt, base, save):
+        seen.append((k, __import__("os").environ["NINFER_ROUND_GRAPHS"]))
+        return real(loaded, args, k, prompt, base, save)
+    monkeypatch.setattr(engine_mtp, "_rounds", spy)
+    out = tmp_path / "r.json"
+    rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "5", "--ks", "1,2",
+                          "--acceptance", "1", "--draft-heads", "lm_head", "--round-graphs", "0,1",
+                          "--dir", str(tmp_path / "a"), "--out", str(out)])
+    assert rc == 0 and seen == [(1, "0"), (1, "1"), (2, "0"), (2, "1")]
+    recs = json.loads(out.read_text())
+    assert [r["draft_tokens"] for r in recs] == [0, 1, 1, 2, 2] and not any(r["round_graphs"] for r in recs)
+    assert __import__("os").environ["NINFER_ROUND_GRAPHS"] == "1"
+    monkeypatch.setenv("NINFER_ROUND_GRAPHS", "0")
+    assert engine_mtp._round_graphs() is False
+    monkeypatch.delenv("NINFER_ROUND_GRAPHS")
+    assert engine_mtp._round_graphs() is True                    # the runtime's default
 
 
 def test_batch_runs_requests_together(tmp_path):
@@ -97,7 +122,8 @@ def test_sync_audit_adds_its_fields(tmp_path, monkeypatch):
     (["--draft-heads", "q4"], "--draft-heads='q4': expected auto, lm_head, nvfp4 or nvfp4:N"),
     (["--profile-tokens", "-1"], "--profile-tokens: expected 0 (off) or a number of tokens, got -1"),
     (["--batch", "0"], "argument --batch: expected a positive integer, got '0'"),
-], ids=["k0", "k8", "acceptance-range", "acceptance-text", "draft-head", "profile-tokens", "batch"])
+    (["--round-graphs", "0,2"], "--round-graphs: expected comma-separated 0 / 1 values, got '0,2'"),
+], ids=["k0", "k8", "acceptance-range", "acceptance-text", "draft-head", "profile-tokens", "batch", "round-graphs"])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as e:
         rc = engine_mtp.main(["--tiny", "--device", "cpu", "--dir", str(tmp_path), *args])
