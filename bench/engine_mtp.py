@@ -25,7 +25,9 @@ Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "
 "draft_head", "draft_tokens" (0 = plain decoding), "acceptance" (None at K = 0), "tok_s" (decode phase: tokens
 after the first over the time after it), "tokens_per_round", "rounds", "ms_round", "accepted", "drafted",
 "prompt_tokens", "new_tokens", "emitted" (the fewest of any request), "backend", "graphs", "draft_chain", "batch",
-"round_graphs" (a greedy round's drafts and verify as one graph: ninfer_rt/graph_round.py; False at K = 0)}.
+"round_graphs" (a greedy round's drafts and verify as one graph: ninfer_rt/graph_round.py; False at K = 0)};
+K > 0 records also "graph_rounds" (engine steps a round graph served) and "tokens_digest" (a hash of the tokens:
+runs of one rig and seed that compute alike emit alike, e.g. round graphs on and off).
 --round-graphs 0,1 runs every K once per value (NINFER_ROUND_GRAPHS) on the one loaded model: a one-machine A/B.
 With --batch B, tok_s counts every request's tokens and starts once each has its first. "ms_round" is the time per
 engine step of that phase (a step runs one round per running request; since s39, before it the time per round,
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import random
@@ -255,15 +258,18 @@ def _rounds(loaded, args, k: int, prompt, base: dict, save=lambda recs: None) ->
     out = []
     for a in args.acceptance:
         eng.rate, eng.rng = a, random.Random(args.seed)
+        graph_rounds = _graph_rounds(eng)
         run = generate(eng, prompt, args.new_tokens, args.batch)
         st = run.spec
         rec = {**base, "draft_tokens": k, "acceptance": a, "rounds": st["rounds"],
                "accepted": st["accepted"], "drafted": st["drafted"],
                "tokens_per_round": 1 + st["accepted"] / st["rounds"] if st["rounds"] else 1.0,
                "tok_s": run.decode_tokens / run.secs, "ms_round": run.secs / max(1, run.steps) * 1e3,
-               "emitted": min(map(len, run.tokens))}
+               "emitted": min(map(len, run.tokens)), "graph_rounds": _graph_rounds(eng) - graph_rounds,
+               "tokens_digest": digest(run.tokens)}
         log(f"{rec['draft_head']}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} "
-            f"tokens/round, {rec['ms_round']:.2f} ms/round")
+            f"tokens/round, {rec['ms_round']:.2f} ms/round, {rec['graph_rounds']} round graphs, "
+            f"tokens {rec['tokens_digest']}")
         out.append(rec)
     save(out)
     if args.sync_audit:
@@ -277,6 +283,16 @@ def _rounds(loaded, args, k: int, prompt, base: dict, save=lambda recs: None) ->
                                         trace_path(args, base["draft_head"], k))
     eng.shutdown()
     return out
+
+
+def _graph_rounds(eng) -> int:
+    """Engine steps served by a round graph so far (0 without them)."""
+    return getattr(eng.graphs.stats, "rounds", 0) if eng.graphs is not None else 0
+
+
+def digest(tokens: list[list[int]]) -> str:
+    """A short hash of every request's tokens: runs of one rig and seed that compute alike emit alike."""
+    return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
 
 
 def trace_path(args, head: str, k: int) -> str:
