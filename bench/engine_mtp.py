@@ -33,7 +33,8 @@ With --batch B, tok_s counts every request's tokens and starts once each has its
 engine step of that phase (a step runs one round per running request; since s39, before it the time per round,
 which at batch 1 left out the last 1-token step), "rounds" and "tokens_per_round" count that phase's rounds. At
 each K the first acceptance's record gains "syncs_per_step", "sync_sites" with --sync-audit (`sync_audit`) and
-"profile" with --profile-tokens (`profile_run`).
+"profile" with --profile-tokens (`profile_run`) and "gaps" with --gap-tokens (bench/round_gaps.py: the GPU span of
+each graph step and the gaps between them, from CUDA events, without the profiler's cost).
 """
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ def parse_args(argv=None):
     ap.add_argument("--profile-tokens", type=int, default=0,
                     help="after each K's runs, profile one more generation of this many tokens at the first "
                          "acceptance (torch.profiler: tables to stderr, a Chrome trace beside --out)")
+    ap.add_argument("--gap-tokens", type=int, default=0,
+                    help="after each K's runs, one more generation of this many tokens at the first acceptance with "
+                         "CUDA events around every graph step (bench/round_gaps.py; CUDA only)")
     ap.add_argument("--sync-audit", action="store_true",
                     help="after each K's runs, one more generation under torch.cuda.set_sync_debug_mode: the host "
                          "syncs per decode step and where they come from (syncs_per_step, sync_sites)")
@@ -104,6 +108,8 @@ def parse_args(argv=None):
         args.acceptance = _floats(args.acceptance)
     except ValueError:
         ap.error(f"--acceptance: expected comma-separated numbers in [0, 1], got {args.acceptance!r}")
+    if args.gap_tokens < 0:
+        ap.error(f"--gap-tokens: expected 0 (off) or a number of tokens, got {args.gap_tokens}")
     if args.profile_tokens < 0:
         ap.error(f"--profile-tokens: expected 0 (off) or a number of tokens, got {args.profile_tokens}")
     args.draft_heads = tuple(h.strip() for h in args.draft_heads.split(",") if h.strip())
@@ -277,6 +283,11 @@ def _rounds(loaded, args, k: int, prompt, base: dict, save=lambda recs: None) ->
         out[0].update(sync_audit(eng, prompt, args.new_tokens, args.batch))
         log(f"{base['draft_head']}: K={k} a={args.acceptance[0]:g} sync audit: {out[0]['syncs_per_step']} per "
             f"decode step, {out[0]['sync_sites']}")
+    if args.gap_tokens and eng.device.type == "cuda" and eng.graphs is not None:
+        import round_gaps
+        eng.rate, eng.rng = args.acceptance[0], random.Random(args.seed)
+        out[0]["gaps"] = round_gaps.gap_run(eng, generate, prompt, args.gap_tokens, args.batch)
+        log(f"{base['draft_head']}: K={k} a={args.acceptance[0]:g} gaps: {json.dumps(out[0]['gaps'])}")
     if args.profile_tokens:
         eng.rate, eng.rng = args.acceptance[0], random.Random(args.seed)
         out[0]["profile"] = profile_run(eng, prompt, args, f"{base['draft_head']}: K={k} a={args.acceptance[0]:g}",
