@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from greedy_close import TOP, assert_greedy_close, run_logprobs
 from hf_tiny import build_hf_model, loaded_model
 
 from ninfer_formats.errors import NinferError
@@ -238,9 +239,11 @@ def test_captured_engine_equals_eager_engine_gpu(tmp_path_factory, k):
     for mode in ("eager", "auto"):
         lm = load(paths[0], device="cuda", dtype=torch.bfloat16)
         eng = Engine(lm, RealTritonOps(), spec=spec, max_batch=4, kv_pages=64, prefill_chunk=16, graphs=mode)
-        outs.append(run(eng, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
+        outs.append(run_logprobs(eng, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                              logprobs=TOP)))
         engines.append(eng)
-    assert outs[0] == outs[1]
+    # eager steps plan attention for the true KV lengths, graphs for the bucket: near ties may round apart
+    assert assert_greedy_close(outs[0], outs[1]) <= 1
     assert engines[1].graphs.stats.captured > 0 and engines[1].graphs.stats.replays > 0
     assert engines[1].graphs.stats.prefill_chunks > 0                  # the 9-token chunk and the 23-token tail
     assert engines[0].graphs.stats.captured == 0 and engines[0].graphs.stats.eager_steps > 0
