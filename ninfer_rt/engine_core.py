@@ -24,7 +24,9 @@ Model and captures the same graphs in the same order (under TP they hold the all
 verify rows of a step and its prefill chunks then go to separate forwards (`forward_parts`): the decode part
 replays a graph (the runner falls back to the model for what it cannot serve: ragged verify sizes, image
 positions, ...), the chunks run eagerly. The same split applies to the MTP alignment (whose ragged counts the
-runner pads into one graph); draft steps go to the runner whole. Without graphs a step stays one forward, as before.
+runner pads into one graph); draft steps go to the runner whole. With `GraphConfig.round_drafts`, a chained round
+of the captured K (every decode sequence drafting K) drafts and verifies in one graph instead (`engine_round`).
+Without graphs a step stays one forward, as before.
 """
 from __future__ import annotations
 
@@ -33,12 +35,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import graph_round
+from .engine_round import Rounds
 from .logprobs import emitted_items, prompt_items
-from .model import Model, MtpInput, Output, SeqInput
+from .model import Model, MtpInput, SeqInput
 from .sampling import small_tensor
 from .speculative import SpecConfig, SpecError
 from .state import CacheConfig
+from .step_out import StepOut
 
 if TYPE_CHECKING:
     from .graphs import GraphConfig
@@ -115,27 +118,6 @@ def forward_parts(n_dec: int, n: int, graphs: bool) -> list[tuple[int, int, bool
     return [p for p in ((0, n_dec, True), (n_dec, n, False)) if p[1] > p[0]]
 
 
-class StepOut:
-    """The outputs of a step's forwards, addressed by the step's sequence index (no device work, no sync)."""
-
-    def __init__(self, parts: list[tuple[int, Output]]):
-        self.parts = parts                 # (index of the part's first sequence, Output), ascending
-
-    def _find(self, i: int) -> tuple[Output, int]:
-        for lo, out in reversed(self.parts):
-            if i >= lo:
-                return out, i - lo
-        raise IndexError(i)
-
-    def seq_logits(self, i: int) -> torch.Tensor:
-        out, j = self._find(i)
-        return out.seq_logits(j)
-
-    def seq_hidden(self, i: int) -> torch.Tensor:
-        out, j = self._find(i)
-        return out.hidden[out.cu_seqlens[j]:out.cu_seqlens[j + 1]]
-
-
 def _ids(x) -> torch.Tensor:
     """Token ids as an int64 tensor: a list from the host, or a tensor as it is (a draft still on the device)."""
     return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
@@ -165,7 +147,7 @@ def _read_back_drafts(drafts: list, ids: torch.Tensor | None) -> tuple[list[list
     return out, (flat[o:] if ids is not None else None)
 
 
-class Core:
+class Core(Rounds):
     """Owns the model and the per-rank sequence states; subclasses make the decisions."""
 
     def __init__(self, loaded, ops, tp, spec: SpecConfig | None, cache: CacheConfig,
@@ -323,36 +305,6 @@ class Core:
                 run = self.graphs.prefill          # short chunks as graph steps, the rest eagerly
             parts.append((lo, run(batch[lo:hi])))
         return StepOut(parts)
-
-    def _round(self, dec: list[tuple[Seq, int]], chain: bool):
-        """The step's decode rounds drafted and verified by one graph (`graph_round`): (their Output, the packed
-        drafts and argmax), or None. Every rank decides alike: from the plan and the runner's state."""
-        if not (chain and dec and self.graphs is not None and self.graphs.cfg.round_drafts):
-            return None
-        k = dec[0][1]
-        if any(kk != k or s.vision is not None or s.mtp_logits is None for s, kk in dec):
-            return None
-        got = self.graphs.round([graph_round.RoundRow(s.last, s.state, s.mtp_logits, s.mtp_hidden)
-                                 for s, _ in dec], k)
-        if got is not None:
-            for s, _ in dec:
-                s.q = []
-        return got
-
-    def _round_rest(self, dec, pre, inputs, dec_out: Output, packed: torch.Tensor) -> tuple[StepOut, list]:
-        """After a round graph: the step's prefill chunks, then one read-back of the drafts, the round's argmax
-        and any final chunk's (the verdict's argmax: `self._argmax`) -> (the step's outputs, host drafts)."""
-        parts = [(0, dec_out)]
-        if inputs:
-            packed = packed.clone()        # the chunks may replay graphs, which share the round's memory pool
-            parts += [(lo + len(dec), o) for lo, o in self._forward(inputs, 0).parts]
-        out = StepOut(parts)
-        rest = self._target_argmax(dec, pre, out, skip=len(dec))
-        if rest is not None and rest.numel():
-            packed = torch.cat([packed, rest])
-        drafts, am, tail = graph_round.read_back(packed, len(dec), self.graphs._pad(len(dec)), dec[0][1])
-        self._argmax = None if rest is None else am + tail
-        return out, drafts
 
     def _align(self, mtp_in: list[MtpInput], mtp_seqs: list, n_round: int) -> None:
         """MTP over the committed tokens with target hiddens; keep each sequence's next-draft inputs.

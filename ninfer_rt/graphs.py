@@ -1,4 +1,5 @@
-"""CUDA-graph runner: the decode step, each MTP verify size and the MTP draft step, captured once and replayed.
+"""CUDA-graph runner: the decode step, each MTP verify size and the MTP draft step, captured once and replayed
+(with `round_drafts`, also a greedy MTP round's drafts and verify as one graph: `graph_round`).
 
     runner = GraphRunner(model, GraphConfig(batch_sizes=(1, 2, 4), tokens=(1, 4), mtp_tokens=(1,),
                                             kv_buckets=(4096, 32768)))

@@ -50,6 +50,19 @@ def test_tp_processes_match_tp1(setup, tp, lm_head_drafts):
     assert all(p.exitcode == 0 for p in lch.procs)
 
 
+def test_tp2_round_graphs_match_tp1(setup):
+    """Greedy requests, MTP rounds as one graph on every rank (the runner's eager bodies over gloo): TP2's
+    tokens are TP1's, and the rounds went through the round graphs."""
+    base, ids, prompts, _ = setup
+    ref = rank_program(LocalGroup(), base / "tp1", ids, prompts, 3, True)
+    args = (base / "tp2", ids, prompts, 3, True)
+    with launch(2, rank_program, args) as lch:
+        _, tokens, stats = rank_program(lch.group, *args)
+    assert tokens == ref[1] and stats["graph_rounds"] == ref[2]["graph_rounds"] > 0
+    assert stats["accepted"] == ref[2]["accepted"]
+    assert all(p.exitcode == 0 for p in lch.procs)
+
+
 class SimGroup(TPGroup):
     """Rank 0 of a simulated group: the other ranks' contributions are recomputed locally."""
 

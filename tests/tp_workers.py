@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ninfer_rt.backends.torch_ops import TorchOps
-from ninfer_rt.engine import Engine, cache_config
+from ninfer_rt.engine import Engine, cache_config, engine_layout
 from ninfer_rt.engine_core import Follower
+from ninfer_rt.graphs import GraphConfig
 from ninfer_rt.loader import load
 from ninfer_rt.model import Model, MtpInput, SeqInput
 from ninfer_rt.sampling import SamplingParams
@@ -31,10 +32,10 @@ def fixed_calls(model: Model, ids: torch.Tensor) -> list[torch.Tensor]:
     return [a.logits, b.logits, ver.logits, dec.logits, mtp.logits, draft.logits, dec.hidden]
 
 
-def run_engine(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
+def run_engine(engine: Engine, prompts: list[list[int]], requests=REQUESTS) -> dict[str, list[int]]:
     out = {}
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, REQUESTS[i % len(REQUESTS)])
+        engine.add_request(f"r{i}", p, requests[i % len(requests)])
         out[f"r{i}"] = []
     while engine.has_work():
         for o in engine.step():
@@ -42,21 +43,31 @@ def run_engine(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]
     return out
 
 
-def rank_program(group, path, ids, prompts, k):
+def rank_program(group, path, ids, prompts, k, rounds: bool = False):
     """Every rank: the fixed model calls, then the engine (rank 0) or its follower (others). Grad mode off only
-    inside (rank 0 runs in the test process, whose later tests need it on)."""
+    inside (rank 0 runs in the test process, whose later tests need it on). rounds: greedy requests on the graph
+    runner's eager bodies with round graphs (`ninfer_rt.graph_round`) on every rank."""
     with torch.no_grad():
-        return _rank_program(group, path, ids, prompts, k)
+        return _rank_program(group, path, ids, prompts, k, rounds)
 
 
-def _rank_program(group, path, ids, prompts, k):
+def round_graphs(k: int) -> GraphConfig:
+    return GraphConfig(batch_sizes=(1, 2, 4), tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)),
+                       kv_buckets=(64,), eager=True, round_drafts=k)
+
+
+def _rank_program(group, path, ids, prompts, k, rounds):
     loaded = load(path, rank=group.rank, tp_size=group.size)
     calls = fixed_calls(Model(loaded.config, loaded.weights, TorchOps(), group), ids)
     spec = SpecConfig(num_draft_tokens=k)
+    graphs = round_graphs(k) if rounds else None
     if group.rank == 0:
-        eng = Engine(loaded, TorchOps(), group, spec, max_batch=MAX_BATCH, kv_pages=KV_PAGES, prefill_chunk=CHUNK)
-        tokens = run_engine(eng, prompts)
+        eng = Engine(loaded, TorchOps(), group, spec, max_batch=MAX_BATCH, kv_pages=KV_PAGES, prefill_chunk=CHUNK,
+                     graphs=graphs or "off")
+        tokens = run_engine(eng, prompts, REQUESTS[:1] if rounds else REQUESTS)
         eng.shutdown()
-        return calls, tokens, eng.stats.spec.to_dict()
-    Follower(loaded, TorchOps(), group, spec, cache_config(loaded.config, MAX_BATCH, KV_PAGES)).run()
+        return calls, tokens, {**eng.stats.spec.to_dict(), "graph_rounds": eng.stats.to_dict().get("graph_rounds")}
+    lay = engine_layout(loaded, TorchOps(), spec, MAX_BATCH, KV_PAGES, graphs=graphs or "off")
+    Follower(loaded, TorchOps(), group, spec, lay.cache if rounds else cache_config(loaded.config, MAX_BATCH, KV_PAGES),
+             graphs=lay.graphs).run()
     return None
