@@ -288,8 +288,10 @@ class Engine(RunAhead, Decisions, Core):
         drafts = dict(plan.decode)
         outs = []
         for s, v, emitted in results:
-            k = drafts.get(s.req_id, 0) if self.spec is not None else None
-            outs.append(self._step_output(s, emitted, k, None if k is None else v.n_acc))
+            k, acc = (drafts.get(s.req_id, 0), v.n_acc) if self.spec is not None else (None, None)
+            if k and s.counted is not None:          # a decode round: what it could emit (`Decisions._record`)
+                k, acc = s.counted
+            outs.append(self._step_output(s, emitted, k, acc))
         self.running = [s for s in self.running if not s.finished]
         return outs
 
@@ -322,7 +324,9 @@ class Engine(RunAhead, Decisions, Core):
 
     # ---- scheduling ----
     def _reserve_pages(self, s: Seq) -> int:
-        return self.model.kv_pool.pages_for(min(len(s.prompt) + s.params.max_tokens, self.max_model_len))
+        # + K: a round near max_tokens may verify drafts past it (`_even_drafts`)
+        extra = self.spec.num_draft_tokens if self.spec is not None else 0
+        return self.model.kv_pool.pages_for(min(len(s.prompt) + s.params.max_tokens + extra, self.max_model_len))
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache before the next step's admissions (on every rank; any thread may ask: the step
@@ -362,6 +366,7 @@ class Engine(RunAhead, Decisions, Core):
                     budget -= n
             else:
                 plan.decode.append((s.req_id, self._k_eff(s)))
+        plan.decode = self._even_drafts(plan.decode)
         plan.chain = self.spec is not None and bool(plan.decode) and self._chainable(
             [self.seqs[rid] for rid, _ in plan.decode])
         return plan
@@ -392,9 +397,22 @@ class Engine(RunAhead, Decisions, Core):
         """Drafts this round: K, fewer near the context or max_tokens end (0 = a plain 1-token step)."""
         if self.spec is None:
             return 0
-        room_ctx = self.max_model_len - s.state.length - 2
         room_out = s.params.max_tokens - len(s.out) - 1
-        return max(0, min(self.spec.num_draft_tokens, room_ctx, room_out))
+        return max(0, min(self.spec.num_draft_tokens, self._room_ctx(s), room_out))
+
+    def _room_ctx(self, s: Seq) -> int:
+        return self.max_model_len - s.state.length - 2
+
+    def _even_drafts(self, decode: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """With CUDA graphs, a verify step of mixed draft counts cannot replay a graph and runs eagerly (~1,500
+        launches at 27B, ~100 ms against ~8): sequences near their max_tokens draft the batch's largest count
+        anyway, as far as the context allows. Their extra drafts are verified but never emitted (`_accept` stops at
+        max_tokens; the KV reservation holds K positions more), and the statistics count only the drafts that could
+        have been (`Decisions._record`), so the tokens and the counts are those of uneven rounds."""
+        if self.graphs is None or len({k for _, k in decode}) < 2:
+            return decode
+        top = max(k for _, k in decode)
+        return [(rid, max(k, min(top, self._room_ctx(self.seqs[rid])))) for rid, k in decode]
 
     def _account(self, plan: Plan, results, dt: float) -> None:
         st = self.stats

@@ -74,6 +74,7 @@ class Seq:
     prompt_logprobs: list | None = None  # TokenLogprob of prompt tokens 1.. so far (params.prompt_logprobs set)
     finished: bool = False
     reason: str | None = None
+    counted: tuple[int, int] | None = None   # the last round's (drafts, accepted) that could be emitted
 
     @property
     def prefilling(self) -> bool:

@@ -112,8 +112,7 @@ class Decisions:
         decided = verify_rows(rows)
         verdicts = []
         for (s, k), d, (n_acc, tok) in zip(dec, drafts, decided):
-            if self.stats.spec is not None:
-                self.stats.spec.record(k, n_acc)
+            self._record(s, k, n_acc)
             verdicts.append(Verdict(n_acc, tok, self._accept(s, d[:n_acc] + [tok]), s.finished))
         prompt_done = dict(zip((s.req_id for _, s in final), decided[len(dec):]))
         for s, _, _ in pre:
@@ -125,6 +124,14 @@ class Decisions:
         if self.tp.size > 1 and verdicts:
             self.tp.broadcast(torch.tensor([[v.n_acc, v.token, v.n_emit, int(v.finished)] for v in verdicts]))
         return verdicts
+
+    def _record(self, s: Seq, k: int, n_acc: int) -> None:
+        """Count a round (before its tokens are accepted) by the drafts that could be emitted: a round drafting past
+        max_tokens (`Engine._even_drafts`) counts as the shorter round it replaces (`s.counted`: the step's report)."""
+        room = max(0, s.params.max_tokens - len(s.out) - 1)
+        s.counted = (min(k, room), min(n_acc, k, room))
+        if self.stats.spec is not None:
+            self.stats.spec.record(*s.counted)
 
     def _take_logprobs(self, items, prompt_items) -> None:
         """One read-back for the step's requests that asked for logprobs or prompt logprobs (`ninfer_rt.logprobs`)."""

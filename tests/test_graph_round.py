@@ -238,3 +238,49 @@ def test_captured_round_graphs_equal_separate_graphs_gpu(tmp_path_factory, monke
     # the same kernels at the same shapes: equal, or apart only at a near tie (s44's H100 run: one request's
     # last token of 48 differed; the 27B artifact's 256-token runs hashed equal, bench/NOTES.md §45)
     assert assert_greedy_close(outs[0][0], outs[1][0]) + assert_greedy_close(outs[0][1], outs[1][1]) <= 1
+
+
+def _steps(engine, prompts, params) -> tuple[dict, list]:
+    """Tokens per request and every step's (request, drafted, accepted) reports."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    out, reports = {f"r{i}": [] for i in range(len(prompts))}, []
+    while engine.has_work():
+        for o in engine.step():
+            out[o.req_id] += o.new_token_ids
+            reports.append((o.req_id, o.drafted, o.accepted))
+    return out, reports
+
+
+@pytest.mark.parametrize("rounds", [0, 3], ids=["separate-steps", "round-graphs"])
+def test_rounds_near_max_tokens_draft_the_batch_count(tiny, rounds):
+    """Two requests ending at different max_tokens: with graphs, the one near its end drafts the batch's K anyway
+    (`Engine._even_drafts`), so no verify step has mixed draft counts (which would run eagerly). Its extra drafts are
+    never emitted: the tokens, the per-step drafted / accepted reports and the statistics are the plain Engine's,
+    whose rounds there draft fewer."""
+    k, spec = 3, SpecConfig(num_draft_tokens=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (13, 22)]
+    plain = Engine(tiny, TorchOps(), spec=spec, prefill_chunk=32, max_batch=2)
+    want = _steps(plain, PROMPTS, params)
+    eng = Engine(tiny, TorchOps(), spec=spec, prefill_chunk=32, max_batch=2, graphs=_config(k, round_drafts=rounds))
+    got = _steps(eng, PROMPTS, params)
+    assert got == want
+    assert eng.stats.spec.to_dict() == plain.stats.spec.to_dict()
+    assert "token count" not in eng.graphs.stats.reasons                  # no mixed verify step went eagerly
+    assert any(d is not None and d < k for _, d, _ in want[1])             # ... where the plain Engine's did vary
+    assert eng.graphs.stats.rounds >= (8 if rounds else 0)            # batch-2 rounds drafting K: round graphs
+    eng.shutdown()
+    assert eng.model.kv_pool.free_pages() == eng.cache.num_pages
+
+
+def test_reservation_holds_the_drafts_past_max_tokens(tiny):
+    """The KV reservation of a request holds K positions past prompt + max_tokens, for the drafts of its last
+    rounds (capped at the context limit)."""
+    eng = Engine(tiny, TorchOps(), spec=SpecConfig(num_draft_tokens=3), max_batch=2, max_model_len=64)
+    plain = Engine(tiny, TorchOps(), max_batch=2, max_model_len=64)
+    from ninfer_rt.engine_core import Seq
+    s = Seq("r", list(range(20)), params=SamplingParams(max_tokens=12))
+    ps = eng.model.kv_pool.page_size
+    assert eng._reserve_pages(s) == -(-(20 + 12 + 3) // ps) and plain._reserve_pages(s) == -(-(20 + 12) // ps)
+    s.params = SamplingParams(max_tokens=44)
+    assert eng._reserve_pages(s) == -(-64 // ps)
