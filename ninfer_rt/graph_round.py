@@ -2,8 +2,9 @@
 
 Run as separate graphs, a round of K = 3 costs the host three launches, three metadata fills, two hidden copies,
 output clones and a handful of argmax / stack / cat launches before the verify starts, and each draft step waits
-for the host to queue the next (a draft step is ~0.45 ms of GPU on a 27B H100; bench/NOTES.md §44 found ~1.6 ms
-of GPU idle per round, the host's work). Captured together, the drafts never leave the device: the graph takes
+for the host to queue the next (a draft step is ~0.45 ms of GPU on a 27B H100). Measured (bench/NOTES.md §45): the
+host's work per round 476 -> 302 us on a CPU box; on an H100, whose rounds were already 97-98 % GPU-busy, the GPU's
+gaps 0.24 -> 0.15 ms per round (+0.6-0.9 % tok/s). Captured together, the drafts never leave the device: the graph takes
 the argmax of the previous alignment's logits (d_1), runs draft step j on (d_j, its hidden) and takes its argmax
 (d_{j+1}), writes d_1..d_K behind t_0 into the verify's ids, runs the verify with snapshot rows, and takes the
 argmax of every verify row. The host fills the metadata (one buffer per draft step, plus the verify's), copies the
