@@ -243,18 +243,8 @@ def test_prefill_pieces_equal_the_model_triton(tmp_path):
     """The Triton backend (the interpreter on CPU): pieces of 16 / 8 / 4 / 1 tokens (the decode kernels at their
     widest step, the fused GDN conv + recurrence over 16 tokens) against one eager forward of the chunk (the
     prefill kernels)."""
-    import dataclasses
-
-    from ninfer_rt.backends.triton_ops import TritonOps
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    small = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "gdn_k_heads": 2,
-             "gdn_v_heads": 4, "gdn_head_dim": 16, "vocab": 256}
-    paths, _ = synth.build(str(tmp_path), dataclasses.replace(synth.TINY, **small), "bf16", workers=1)
-
-    def model():
-        lm = load(paths[0], device=dev, dtype=torch.float32)
-        return Model(lm.config, lm.weights, TritonOps(), cache=CacheConfig(num_pages=48, page_size=8, max_seqs=5),
-                     dtype=torch.float32, consume_weights=True)
+    from small_triton import model_factory
+    model, dev = model_factory(str(tmp_path), num_pages=48, max_seqs=5)
     ref, m = model(), model()
     r = _runner(m, tokens=(1,), prefill_tokens=(4, 8, 16))
     prompt = torch.randint(0, 250, (29,), generator=torch.Generator().manual_seed(4)).to(dev)

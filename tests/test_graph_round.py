@@ -110,18 +110,8 @@ def test_round_graph_equals_separate_steps(k, n):
 def test_round_graph_equals_separate_steps_triton(tmp_path):
     """The Triton kernels (the interpreter on CPU, fp32): the drafts' ids written by the graph itself (the argmax
     into the draft step's ids, the drafts into the verify's ids) feed the same kernels the separate steps run."""
-    import dataclasses
-
-    from ninfer_rt.backends.triton_ops import TritonOps
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    small = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "gdn_k_heads": 2,
-             "gdn_v_heads": 4, "gdn_head_dim": 16, "vocab": 256}
-    paths, _ = synth.build(str(tmp_path), dataclasses.replace(synth.TINY, **small), "bf16", workers=1)
-
-    def model():
-        lm = load(paths[0], device=dev, dtype=torch.float32)
-        return Model(lm.config, lm.weights, TritonOps(), cache=CacheConfig(num_pages=40, page_size=8, max_seqs=4),
-                     dtype=torch.float32, consume_weights=True)
+    from small_triton import model_factory
+    model, _ = model_factory(str(tmp_path), num_pages=40, max_seqs=4)
     _check_round(model(), model(), [list(range(3, 14)), list(range(40, 47))], 2, 1e-4)
 
 
