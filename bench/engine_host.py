@@ -34,7 +34,7 @@ from pathlib import Path
 
 import synth_artifact as synth
 from bench_cli import ArgParser, positive_int
-from engine_mtp import _floats, generate, make_rigged
+from engine_mtp import _floats, generate, make_rigged, round_graphs_on
 from ninfer_formats.atomic import write_json_atomic
 from ninfer_formats.errors import NinferError
 
@@ -108,7 +108,8 @@ def windows(marks: list) -> dict:
         if kind != "verdict" or i + 2 >= len(marks) or marks[i + 1][0] != "mtp":
             continue
         ver = next((j for j in range(i + 2, len(marks)) if marks[j][0] != "mtp"), None)
-        if ver is None or marks[ver][0] not in ("target", "round") or ver + 1 >= len(marks) or marks[ver + 1][0] != "verdict":
+        if ver is None or marks[ver][0] not in ("target", "round") or ver + 1 >= len(marks) \
+                or marks[ver + 1][0] != "verdict":
             continue
         for w, (a, b) in zip(WINDOWS, ((i, i + 1), (i + 1, i + 2), (i + 2, ver), (ver, ver + 1))):
             got[w].append(marks[b][1] - marks[a][1])
@@ -157,13 +158,7 @@ def _engine(loaded, k: int, marks: list, round_graphs: bool):
 
 def round_graphs(args) -> bool:
     """--round-graphs, else the runtime's own choice (NINFER_ROUND_GRAPHS; False for a runtime without them)."""
-    if args.round_graphs is not None:
-        return bool(args.round_graphs)
-    try:
-        from ninfer_rt.engine_layout import round_graph_drafts
-    except ImportError:
-        return False
-    return round_graph_drafts(1) == 1
+    return bool(args.round_graphs) if args.round_graphs is not None else round_graphs_on()
 
 
 def measure(loaded, args) -> list[dict]:

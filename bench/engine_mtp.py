@@ -219,7 +219,7 @@ def measure_head(loaded, args, head: str, base: dict, save=lambda recs: None) ->
     for k in args.ks:
         for rg in args.round_graphs or (None,):
             with _round_env(rg):
-                b = {**base, "draft_head": head, "round_graphs": base["graphs"] and _round_graphs()}
+                b = {**base, "draft_head": head, "round_graphs": base["graphs"] and round_graphs_on()}
                 out += _rounds(loaded, args, k, prompt, b, lambda recs: save(out + recs))
             _collect()
     return out
@@ -240,7 +240,7 @@ def _round_env(value: str | None):
             os.environ[ROUND_ENV] = before
 
 
-def _round_graphs() -> bool:
+def round_graphs_on() -> bool:
     """Whether an engine built now captures round graphs (False for a runtime without them: bench/ab_tree.sh)."""
     try:
         from ninfer_rt.engine_layout import round_graph_drafts

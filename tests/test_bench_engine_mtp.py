@@ -68,9 +68,9 @@ def test_round_graphs_values_run_each_k_once_per_value(tmp_path, monkeypatch):
     assert [r["draft_tokens"] for r in recs] == [0, 1, 1, 2, 2] and not any(r["round_graphs"] for r in recs)
     assert __import__("os").environ["NINFER_ROUND_GRAPHS"] == "1"
     monkeypatch.setenv("NINFER_ROUND_GRAPHS", "0")
-    assert engine_mtp._round_graphs() is False
+    assert engine_mtp.round_graphs_on() is False
     monkeypatch.delenv("NINFER_ROUND_GRAPHS")
-    assert engine_mtp._round_graphs() is True                    # the runtime's default
+    assert engine_mtp.round_graphs_on() is True                    # the runtime's default
 
 
 def test_batch_runs_requests_together(tmp_path):
