@@ -2,9 +2,9 @@
 draft step, the verdict of each verified row, and the emission of tokens up to a stop.
 
 Greedy rows without penalties or a logit bias are decided by one argmax. With drafts kept on the device
-(`_chainable`) the drafts and the verdict's argmax (queued behind the verify step, `_target_argmax`) come back in
-one transfer; sampled, penalized or biased rows take the processed distributions (`speculative.verify_rows` /
-`verify_on_device`).
+(`_chainable`: greedy rows; sampled rows too with TP1) the drafts and the verdict's argmax (queued behind the verify
+step, `_target_argmax`) come back in one transfer; sampled, penalized or biased rows take the processed
+distributions (`speculative.verify_rows` / `verify_on_device`).
 A mixin of `ninfer_rt.engine.Engine`: it reads the Engine's `cfg`, `tp`, `stats`, `eos`, `max_model_len` and
 `chain_drafts`.
 """
@@ -14,7 +14,7 @@ import torch
 
 from .engine_core import Seq, Verdict
 from .logprobs import token_logprobs
-from .sampling import row_bans, sample, small_tensor
+from .sampling import process, row_bans, sample, small_tensor
 from .speculative import RoundInput, argmax_decides, draft_distributions, verify_rows
 
 
@@ -42,17 +42,39 @@ def _draft_allow(seqs: list[Seq], prev: list[list[int]], logits: torch.Tensor) -
     return out if any_row else None
 
 
+def _plain(s: Seq) -> bool:
+    """Drafts one processed distribution decides without the host's history (greedy or sampled): no penalties, bias,
+    token restrictions, bans or grammar."""
+    p = s.params
+    return not (p.has_penalties or p.logit_bias or p.allowed_token_ids or p.bad_words_ids or _masked(s))
+
+
 class Decisions:
     def _chainable(self, seqs: list[Seq]) -> bool:
-        """Steps whose sequences all draft greedily without penalties or bias (one argmax decides each draft):
-        NINFER_DRAFT_CHAIN (default on) keeps those drafts on the device between the draft steps."""
-        return self.chain_drafts and all(s.params.plain_greedy and not _masked(s) for s in seqs)
+        """Steps whose drafts need no host history: NINFER_DRAFT_CHAIN (default on) keeps them on the device between
+        the draft steps. Greedy rows (one argmax decides each draft) on every rank; with sampled rows TP1 only (the
+        leader draws them, followers never sample)."""
+        if not self.chain_drafts:
+            return False
+        if all(s.params.plain_greedy and not _masked(s) for s in seqs):
+            return True
+        return self.tp.size == 1 and all(_plain(s) for s in seqs)
 
     def _device_drafts(self, j, items):
         if j == 1:
             for s, _, _ in items:
                 s.q = []
-        return super()._device_drafts(j, items)
+        if all(s.params.plain_greedy for s, _, _ in items):
+            return super()._device_drafts(j, items)
+        # `_decide_drafts`' distributions and draws, in its order (the same generators' streams), left on the device
+        seqs = [s for s, _, _ in items]
+        params = [s.params for s in seqs]
+        q = process(torch.stack([lg for _, lg, _ in items]), params)
+        toks = sample(q, params, [s.generator for s in seqs])
+        for s, row in zip(seqs, q):
+            if not s.params.greedy:
+                s.q.append(row)
+        return toks
 
     def _decide_drafts(self, j, items):
         seqs = [s for s, _, _ in items]

@@ -19,7 +19,9 @@ class Rounds:
         if not (chain and dec and self.graphs is not None and self.graphs.cfg.round_drafts):
             return None
         k = dec[0][1]
-        if any(kk != k or s.vision is not None or s.mtp_logits is None for s, kk in dec):
+        # the graph drafts by argmax: a chain with sampled rows (TP1; followers hold no params) drafts separately
+        if any(kk != k or s.vision is not None or s.mtp_logits is None or
+               (s.params is not None and not s.params.plain_greedy) for s, kk in dec):
             return None
         got = self.graphs.round([graph_round.RoundRow(s.last, s.state, s.mtp_logits, s.mtp_hidden)
                                  for s, _ in dec], k)

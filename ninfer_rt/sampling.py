@@ -363,9 +363,13 @@ def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per row of processed distributions [R, V] -> int64 [R]."""
+    """Draw one token per row of processed distributions [R, V] -> int64 [R]. A sampled row's draw is
+    torch.multinomial's one-sample path, argmax(p / q) with q ~ Exp(1) from the row's generator (the same draws
+    from the same stream), without its validity check: that reads a value back, a host sync per call on CUDA, which
+    would stall the device-chained drafts (`Decisions._device_drafts`). `process` rows are finite and >= 0."""
     out = probs.argmax(-1)
     for r, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
-            out[r] = torch.multinomial(probs[r], 1, generator=g)[0]
+            q = torch.empty_like(probs[r]).exponential_(1, generator=g)
+            out[r] = (probs[r] / q).argmax(-1)
     return out

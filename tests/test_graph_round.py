@@ -274,3 +274,26 @@ def test_reservation_holds_the_drafts_past_max_tokens(tiny):
     assert eng._reserve_pages(s) == -(-(20 + 12 + 3) // ps) and plain._reserve_pages(s) == -(-(20 + 12) // ps)
     s.params = SamplingParams(max_tokens=44)
     assert eng._reserve_pages(s) == -(-64 // ps)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["no-graphs", "round-graphs"])
+def test_sampled_drafts_stay_on_the_device(tiny, monkeypatch, graphs):
+    """Seeded sampled requests (TP1): their drafts are drawn on the device and chained (no read-back per draft
+    step) from the same distributions and generator streams as drafts read back one by one, so the tokens are the
+    same; a round graph (argmax drafts) never serves them."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.6, top_k=20, seed=3, max_tokens=16, ignore_eos=True)]
+    outs, chained = [], []
+    for chain in ("0", "1"):
+        monkeypatch.setenv("NINFER_DRAFT_CHAIN", chain)
+        eng = Engine(tiny, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=32, max_batch=2,
+                     graphs=_config(3) if graphs else "off")
+        calls = []
+        real = eng._draft_chained
+        eng._draft_chained = lambda dec: calls.append(len(dec)) or real(dec)
+        outs.append(_steps(eng, PROMPTS, params))
+        chained.append(len(calls))
+        assert not graphs or eng.graphs.stats.rounds == 0
+        eng.shutdown()
+    assert outs[0] == outs[1] and chained[0] == 0 and chained[1] >= 4
+    assert 0 < sum(a or 0 for _, _, a in outs[1][1])                           # some drafts were accepted

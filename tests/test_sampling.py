@@ -101,6 +101,23 @@ def test_sampled_frequencies_follow_processed_distribution():
     assert tv < TV_TOL
 
 
+def test_sample_draws_what_multinomial_draws():
+    """`sample` is torch.multinomial's one-sample path without its host-syncing check: the same token from the same
+    generator state, stream position after it included, for every seed; so it follows the distribution too."""
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=5)
+    probs = process(torch.randn(3, 37, generator=torch.Generator().manual_seed(1)), [p] * 3)
+    for seed in range(50):
+        mine, ref = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        got = sample(probs, [p] * 3, [mine] * 3)
+        want = [torch.multinomial(probs[r], 1, generator=ref)[0] for r in range(3)]
+        assert got.tolist() == [int(w) for w in want]
+        assert torch.rand(1, generator=mine).item() == torch.rand(1, generator=ref).item()
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(probs[:1], [p], [gen]) for _ in range(20_000)]).flatten()
+    tv = 0.5 * (torch.bincount(draws, minlength=37) / 20_000 - probs[0]).abs().sum().item()
+    assert tv < 0.03
+
+
 def test_seed_reproducibility():
     p = SamplingParams(temperature=1.0, seed=1234)
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))

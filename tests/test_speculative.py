@@ -375,17 +375,21 @@ def test_chained_drafts_equal_read_back_drafts(loaded, prompts, reference, k, mo
     assert got["1"] == got["0"]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=1, max_tokens=NEW, ignore_eos=True),
-                                    SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=NEW,
-                                                   ignore_eos=True)], ids=["sampled", "penalties"])
-def test_sampled_or_penalized_rows_read_drafts_back(loaded, prompts, params):
-    """A draft that is not one argmax of the raw draft logits is decided on the host, for the whole step."""
+@pytest.mark.parametrize("params,chained", [
+    (SamplingParams(temperature=0.8, seed=1, max_tokens=NEW, ignore_eos=True), True),
+    (SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=NEW, ignore_eos=True), False)],
+    ids=["sampled", "penalties"])
+def test_which_rows_keep_drafts_on_the_device(loaded, prompts, params, chained):
+    """Penalized rows (their draft distributions count the earlier drafts) are decided on the host, for the whole
+    step; sampled rows are drawn on the device with TP1, and on the host under TP (followers never sample)."""
     eng = CountingEngine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=CHUNK)
     eng.add_request("b", prompts[1], params)
     while eng.has_work():
         eng.step()
-    assert eng.calls["host"] > 0 and eng.calls["device"] == 0
+    assert (eng.calls["device"] > 0, eng.calls["host"] > 0) == (chained, not chained)
     seqs = [types.SimpleNamespace(params=p, out=[], grammar=None) for p in (GREEDY, params)]
+    assert eng._chainable(seqs[:1]) and eng._chainable(seqs) == chained
+    eng.tp = types.SimpleNamespace(size=2)
     assert eng._chainable(seqs[:1]) and not eng._chainable(seqs)
 
 
