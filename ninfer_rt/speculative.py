@@ -44,8 +44,9 @@ class SpecConfig:
 
 
 def draft_chain_env() -> bool:
-    """NINFER_DRAFT_CHAIN: 1 (default: greedy drafts stay on the device between the draft steps, the engine's
-    `_draft_chained`) or 0 (every draft read back before the next draft step: the comparison run)."""
+    """NINFER_DRAFT_CHAIN: 1 (default: greedy drafts, and with TP1 plain sampled ones, stay on the device between the
+    draft steps, the engine's `_draft_chained`) or 0 (every draft read back before the next draft step: the
+    comparison run)."""
     v = os.environ.get(DRAFT_CHAIN_ENV, "1")
     if v not in ("0", "1"):
         raise SpecError(f"{DRAFT_CHAIN_ENV}={v!r}: expected 1 or 0")
