@@ -25,7 +25,8 @@ Records (--out, default bench/results/engine_mtp.json): {"kind": "engine_mtp", "
 "draft_head", "draft_tokens" (0 = plain decoding), "acceptance" (None at K = 0), "tok_s" (decode phase: tokens
 after the first over the time after it), "tokens_per_round", "rounds", "ms_round", "accepted", "drafted",
 "prompt_tokens", "new_tokens", "emitted" (the fewest of any request), "backend", "graphs", "draft_chain", "batch",
-"round_graphs" (a greedy round's drafts and verify as one graph: ninfer_rt/graph_round.py; False at K = 0)};
+"round_graphs" (a greedy round's drafts and verify as one graph: ninfer_rt/graph_round.py; False at K = 0),
+"temperature" (--temperature: 0 greedy, else every request sampled, seeded)};
 K > 0 records also "graph_rounds" (engine steps a round graph served) and "tokens_digest" (a hash of the tokens:
 runs of one rig and seed that compute alike emit alike, e.g. round graphs on and off).
 --round-graphs 0,1 runs every K once per value (NINFER_ROUND_GRAPHS) on the one loaded model: a one-machine A/B.
@@ -91,6 +92,9 @@ def parse_args(argv=None):
     ap.add_argument("--sync-audit", action="store_true",
                     help="after each K's runs, one more generation under torch.cuda.set_sync_debug_mode: the host "
                          "syncs per decode step and where they come from (syncs_per_step, sync_sites)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample every request at this temperature (seeded; default 0: greedy). Sampled drafts take "
+                         "the distributions and the rejection-sampling verdict; the accepted count stays rigged")
     ap.add_argument("--round-graphs", default="",
                     help="NINFER_ROUND_GRAPHS values (0, 1), comma-separated: every K runs once per value "
                          "(default: the environment's, else the runtime's default)")
@@ -108,6 +112,8 @@ def parse_args(argv=None):
         args.acceptance = _floats(args.acceptance)
     except ValueError:
         ap.error(f"--acceptance: expected comma-separated numbers in [0, 1], got {args.acceptance!r}")
+    if not 0 <= args.temperature <= 10:
+        ap.error(f"--temperature: expected a number in [0, 10], got {args.temperature}")
     if args.gap_tokens < 0:
         ap.error(f"--gap-tokens: expected 0 (off) or a number of tokens, got {args.gap_tokens}")
     if args.profile_tokens < 0:
@@ -163,10 +169,16 @@ class Run:
     spec: dict
 
 
-def generate(eng, prompt: list[int], new_tokens: int, batch: int = 1) -> Run:
+def request_params(eng, new_tokens: int, b: int):
+    """Request b's parameters: greedy, or sampled at the engine's `temperature` (--temperature) with seed b."""
     from ninfer_rt.sampling import SamplingParams
+    t = getattr(eng, "temperature", 0.0)
+    return SamplingParams(temperature=t, seed=b if t else None, max_tokens=new_tokens, ignore_eos=True)
+
+
+def generate(eng, prompt: list[int], new_tokens: int, batch: int = 1) -> Run:
     for b in range(batch):
-        eng.add_request(f"r{b}", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+        eng.add_request(f"r{b}", prompt, request_params(eng, new_tokens, b))
     out: dict[str, list[int]] = {f"r{b}": [] for b in range(batch)}
     t_first, before, spec0, steps = None, 0, _spec(eng), 0
     while eng.has_work():
@@ -198,6 +210,7 @@ def _engine(loaded, args, k: int):
     eng = cls(loaded, get_ops(args.backend), spec=SpecConfig(num_draft_tokens=k) if k else None,
               max_batch=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16,
               graphs="off" if args.eager else "auto")
+    eng.temperature = args.temperature
     torch.manual_seed(args.seed)
     return eng
 
@@ -350,12 +363,10 @@ def profile_run(eng, prompt, args, label: str, path: str) -> dict:
 
 
 def _first_token(eng, prompt, new_tokens: int, batch: int = 1) -> list[int]:
-    """Add `batch` greedy requests and step until each has its first token (the prompt's steps: eager, they
+    """Add `batch` requests (`request_params`) and step until each has its first token (the prompt's steps: eager, they
     sync). -> the tokens so far."""
-    from ninfer_rt.sampling import SamplingParams
     for b in range(batch):
-        eng.add_request(f"measured{b}", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens,
-                                                               ignore_eos=True))
+        eng.add_request(f"measured{b}", prompt, request_params(eng, new_tokens, b))
     got: list[int] = []
     started: set[str] = set()
     while eng.has_work() and len(started) < batch:
@@ -436,7 +447,8 @@ def measure(args, path: str) -> list[dict]:
     base = {"kind": "engine_mtp", "recipe": args.recipe, "tp": 1, "gpu": D.device_name(device),
             "backend": args.backend, "graphs": args.device == "cuda" and not args.eager,
             "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens,
-            "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1", "batch": args.batch}
+            "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1", "batch": args.batch,
+            "temperature": args.temperature}
     records, before = [], os.environ.get(DRAFT_HEAD_ENV)
     try:
         for head in args.draft_heads:

@@ -13,7 +13,7 @@ import engine_mtp  # noqa: E402
 
 KEYS = {"kind", "recipe", "tp", "gpu", "draft_head", "draft_tokens", "acceptance", "tok_s", "tokens_per_round",
         "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "emitted", "backend", "graphs",
-        "draft_chain", "batch", "round_graphs"}
+        "draft_chain", "batch", "round_graphs", "temperature"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,6 +71,21 @@ def test_round_graphs_values_run_each_k_once_per_value(tmp_path, monkeypatch):
     assert engine_mtp.round_graphs_on() is False
     monkeypatch.delenv("NINFER_ROUND_GRAPHS")
     assert engine_mtp.round_graphs_on() is True                    # the runtime's default
+
+
+def test_sampled_requests(tmp_path):
+    """--temperature: every request sampled (seeded), drafts chained on the device (TP1); the rig still sets the
+    accepted count, and every request emits --new-tokens."""
+    out = tmp_path / "r.json"
+    rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "13", "--ks", "2",
+                          "--acceptance", "0.5,1", "--draft-heads", "lm_head", "--temperature", "0.8", "--batch", "2",
+                          "--dir", str(tmp_path / "a"), "--out", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert all(r["temperature"] == 0.8 and r["emitted"] == 13 for r in recs)
+    assert recs[2]["accepted"] == recs[2]["drafted"] > 0 and 0 < recs[1]["accepted"] < recs[1]["drafted"]
+    with pytest.raises(SystemExit):
+        engine_mtp.parse_args(["--temperature", "-1"])
 
 
 def test_batch_runs_requests_together(tmp_path):
