@@ -49,6 +49,16 @@ def _plain(s: Seq) -> bool:
     return not (p.has_penalties or p.logit_bias or p.allowed_token_ids or p.bad_words_ids or _masked(s))
 
 
+def _draw(seqs: list[Seq], q: torch.Tensor) -> torch.Tensor:
+    """One draft per row of the processed draft distributions q (each sequence's generator, in row order); the
+    sampled rows keep their distribution for the verdict's rejection sampling."""
+    toks = sample(q, [s.params for s in seqs], [s.generator for s in seqs])
+    for s, row in zip(seqs, q):
+        if not s.params.greedy:
+            s.q.append(row)
+    return toks
+
+
 class Decisions:
     def _chainable(self, seqs: list[Seq]) -> bool:
         """Steps whose drafts need no host history: NINFER_DRAFT_CHAIN (default on) keeps them on the device between
@@ -66,15 +76,9 @@ class Decisions:
                 s.q = []
         if all(s.params.plain_greedy for s, _, _ in items):
             return super()._device_drafts(j, items)
-        # `_decide_drafts`' distributions and draws, in its order (the same generators' streams), left on the device
+        # `_decide_drafts`' distributions (no counts, bans or grammar in a chain) and draws, left on the device
         seqs = [s for s, _, _ in items]
-        params = [s.params for s in seqs]
-        q = process(torch.stack([lg for _, lg, _ in items]), params)
-        toks = sample(q, params, [s.generator for s in seqs])
-        for s, row in zip(seqs, q):
-            if not s.params.greedy:
-                s.q.append(row)
-        return toks
+        return _draw(seqs, process(torch.stack([lg for _, lg, _ in items]), [s.params for s in seqs]))
 
     def _decide_drafts(self, j, items):
         seqs = [s for s, _, _ in items]
@@ -90,12 +94,8 @@ class Decisions:
             # the processed distribution would be one-hot at this argmax: one kernel instead of five per draft step
             toks = logits.argmax(-1)
         else:
-            q = draft_distributions(logits, params, [s.counts for s in seqs], [d for _, _, d in items],
-                                    self.cfg.vocab_size, [s.seen for s in seqs], ban, allow)
-            toks = sample(q, params, [s.generator for s in seqs])
-            for s, row in zip(seqs, q):
-                if not s.params.greedy:
-                    s.q.append(row)
+            toks = _draw(seqs, draft_distributions(logits, params, [s.counts for s in seqs], [d for _, _, d in items],
+                                                   self.cfg.vocab_size, [s.seen for s in seqs], ban, allow))
         toks = toks.cpu()
         return (self.tp.broadcast(toks) if self.tp.size > 1 else toks).tolist()
 
