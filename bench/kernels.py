@@ -338,7 +338,9 @@ def run(args, flush=lambda records, checks: None) -> tuple[list[dict], list[dict
 
 
 def _rec_key(r: dict) -> tuple:
-    return (r.get("format"), r.get("name"), r.get("tp"), tuple(r.get("shape") or ()), r.get("T"),
+    """What a new record replaces on --merge: the same measurement on the same GPU model (a run on another
+    GPU adds its records beside the shipped ones)."""
+    return (r.get("gpu"), r.get("format"), r.get("name"), r.get("tp"), tuple(r.get("shape") or ()), r.get("T"),
             "prefill_us" in r)
 
 

@@ -91,3 +91,15 @@ def test_xpre_records_time_the_prepared_launch(monkeypatch):
     recs = kb.time_format("nvfp4", qws, randweights.packed_bytes("nvfp4", N, K), N, K, [2], True, 1.0, {},
                           xpre=True, runoff=0)
     assert [r["format"] for r in recs] == ["nvfp4+xpre"] and len(calls) >= 3
+
+
+def test_merge_keeps_another_gpus_records(tmp_path):
+    """--merge replaces a record only with the same measurement on the same GPU model: an H100 run of s45
+    replaced the shipped H200 IQ3_S rows, and the table builder then lost the rows its pins name."""
+    def rec(gpu, us, T=1):
+        return {"format": "iq3_s", "name": "attn_o", "tp": 1, "shape": [5120, 6144], "T": T, "us": us, "gpu": gpu}
+    out = str(tmp_path / "kernels.json")
+    base = [rec("NVIDIA H200", 10.0), rec("NVIDIA H200", 12.0, T=2)]
+    kb.save(out, base, [rec("NVIDIA H100 80GB HBM3", 13.4), rec("NVIDIA H200", 11.0, T=2)], [])
+    got = sorted((r["gpu"], r["T"], r["us"]) for r in kb.read_base(out))
+    assert got == [("NVIDIA H100 80GB HBM3", 1, 13.4), ("NVIDIA H200", 1, 10.0), ("NVIDIA H200", 2, 11.0)]
