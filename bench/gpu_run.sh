@@ -19,7 +19,8 @@
 #             KXPRE=1 also times them on prepared activations (formats <fmt>+xpre); KRUNOFF (default 3) tuner
 #             finishers re-timed over rotating copies in one graph before one ships (0: the tuner's pick)
 #   kernels4  the same with NINFER_IQ3S_LAYOUT=codes4: KFORMATS=iq3_s gives records "iq3_s4" (IQ3_S read from the
-#             4-bit code planes, kernels/gemv_iq3_s4.py), merged into the same kernels.json
+#             4-bit code planes, kernels/gemv_iq3_s4.py, the default layout since s45), merged into the same
+#             kernels.json; kernelsgrid: with NINFER_IQ3S_LAYOUT=grid (records "iq3_s": the grid planes)
 #   decode    bench/decode.py decode + verify for $RECIPES (default nvfp4) in the time left
 #   decodenopdl the same with NINFER_PDL=0 (no programmatic dependent launch; on by default on sm_90+), written
 #             as decode_nopdl.json; run it before decode to compare both on one machine
@@ -209,6 +210,7 @@ for step in "$@"; do
       echo "xpre rc=$?"; cat "$OUT/xpre_table.txt"; grep prepared "$OUT/xpre_log.txt"; tail -3 "$OUT/xpre_log.txt" ;;
     kernels) run_kernels kernels ;;
     kernels4) NINFER_IQ3S_LAYOUT=codes4 run_kernels kernels4 ;;
+    kernelsgrid) NINFER_IQ3S_LAYOUT=grid run_kernels kernelsgrid ;;
     decode) run_decode decode "${NINFER_XPRE:-auto}" "$(reserve decodex serve servex)" ;;
     decodex) run_decode decodex "${DECODEX_XPRE:-0}" "$(reserve serve servex)" ;;
     decodenopdl) run_decode decodenopdl "${NINFER_XPRE:-auto}" "$(reserve decode decodex serve servex)" 0 ;;

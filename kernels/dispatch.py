@@ -11,8 +11,8 @@
   `prefill_path=` one call.
 * plain bf16/f16/f32 weights: the plain GEMV for T <= 16, torch.matmul for prefill and for K that the
   plain kernel cannot read as 8-byte words.
-Repacked forms (NVFP4 chunk-major planes, Q6_K / IQ3_S planar arrays; IQ3_S in 4-bit code planes instead with
-NINFER_IQ3S_LAYOUT=codes4, `gemv_iq3_s4`) are built once per weight and kept in
+Repacked forms (NVFP4 chunk-major planes, Q6_K planar arrays, IQ3_S 4-bit code planes (`gemv_iq3_s4`; the grid
+planes of `gemv_iq3_s` with NINFER_IQ3S_LAYOUT=grid)) are built once per weight and kept in
 `qw.cache` under "triton.<fmt>"; on CUDA the stored tensors are then released (`QWeight.release`); `prepare(qw)`
 builds them eagerly (call it at load time, before CUDA-graph capture).
 Decode calls (T <= 16) keep a resolved launch per (T, dtype, residual) in `qw.cache["triton.plans"]`
@@ -29,7 +29,7 @@ import torch
 import triton
 
 from .gemv_f8 import dequant_f8, gemv_f8
-from .gemv_iq3_s4 import dequant_iq3_s_any, gemv_iq3_s_any, repack_iq3_s_any, unpack_iq3_s_any
+from .gemv_iq3_s4 import dequant_iq3_s_any, gemv_iq3_s_any, repack_growth, repack_iq3_s_any, unpack_iq3_s_any
 from .gemv_glu import EPI_RES, SwiGLUOut, epi_of, swiglu_out
 from .gemv_launch import KernelInputError, interpreting, next_pow2, tune_mode
 from .gemv_timing import time_ms
@@ -59,10 +59,19 @@ def prepare(qw) -> None:
         _packed(qw)
 
 
+def prepare_growth(qw) -> int:
+    """Device bytes `prepare(qw)` will add to what `qw` holds now: on CUDA its planes replace the stored tensors,
+    and only the IQ3_S 4-bit code planes are larger (134 bytes per 256 weights against the blocks' 110). A
+    caller sizing memory before the repacks (the KV pool) keeps this free."""
+    if qw.fmt != "iq3_s" or qw.device.type != "cuda" or f"triton.{qw.fmt}" in qw.cache:
+        return 0
+    return repack_growth(*qw.shape)
+
+
 def _packed(qw) -> dict:
     """The weight's repacked planes (built once). On CUDA the stored tensors are then released: the planes are
-    the same bytes, and keeping both doubled the model's device memory (`QWeight.release`; the torch paths that
-    read the stored layout get it rebuilt from the planes)."""
+    the same bytes (the IQ3_S code planes 22 % more, `prepare_growth`), and keeping both doubled the model's
+    device memory (`QWeight.release`; the torch paths that read the stored layout get it rebuilt from the planes)."""
     key = f"triton.{qw.fmt}"
     if key not in qw.cache:
         planes = qw.cache[key] = _REPACK[qw.fmt](qw)

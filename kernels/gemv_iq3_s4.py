@@ -4,7 +4,9 @@ Why: every IQ3_S GEMV looks its 9-bit grid indices up in a table (`gemv_iq3_s`: 
 variant: shared memory, two barriers per tile). On the H200 that held IQ3_S at 22-40 % of copy bandwidth while the
 table-free formats reached 47-76 % (bench/NOTES.md §8, §26). An IQ3_S weight is d * (1 + 2 * s4) * c with c one of
 the 16 odd integers -15..15 (a grid coordinate 1..15 with its sign), so it fits a 4-bit code v = (c + 15) / 2 and
-c = 2v - 15. Opt-in: NINFER_IQ3S_LAYOUT=codes4 (`layout()`); the artifact's bytes and FORMAT.md are unchanged.
+c = 2v - 15. The default since s45 (`layout()`; NINFER_IQ3S_LAYOUT=grid keeps the grid planes): on an H100 the
+27B iq3_s decode went from 107 to 138 tok/s with it (bench/NOTES.md §46). The artifact's bytes and FORMAT.md are
+unchanged: the repack happens at load time.
 
 Planes (`repack_iq3_s4`; 134 bytes per 256 weights against the blocks' 110), row-major, per 16-weight group g:
   codes int64 [N, K/16]  two int32 words, the low one weights 16g..16g+7, the high one 16g+8..16g+15; in a word,
@@ -40,7 +42,7 @@ from .pdl import pdl_wait
 
 GS = 16
 LAYOUT_ENV = "NINFER_IQ3S_LAYOUT"
-LAYOUTS = ("grid", "codes4")     # the default first: `gemv_iq3_s`'s planes
+LAYOUTS = ("codes4", "grid")     # the default first: this module's planes
 _GS = tl.constexpr(GS)
 _ONE = tl.constexpr(1.0)
 _MAGIC = tl.constexpr(0x4B000000)          # float bits of 2**23
@@ -48,8 +50,8 @@ _OFFSET = tl.constexpr(8388608.0 + 15.0)   # 2**23 + 15
 
 
 def layout() -> str:
-    """NINFER_IQ3S_LAYOUT: the planes IQ3_S weights are repacked into at load time: 'grid' (the default:
-    `gemv_iq3_s`, the blocks' own 3.44 bits per weight) or 'codes4' (this module, 4.19)."""
+    """NINFER_IQ3S_LAYOUT: the planes IQ3_S weights are repacked into at load time: 'codes4' (the default: this
+    module, 4.19 bits per weight) or 'grid' (`gemv_iq3_s`, the blocks' own 3.44 bits per weight)."""
     v = os.environ.get(LAYOUT_ENV, LAYOUTS[0])
     if v not in LAYOUTS:
         raise KernelInputError(f"{LAYOUT_ENV}={v!r}: expected one of {', '.join(LAYOUTS)}")
@@ -162,6 +164,15 @@ def _repack_rows(b: torch.Tensor, grid: torch.Tensor) -> tuple:
     c = grid[idx].reshape(n, nb * QK) * (1 - 2 * neg)
     sc = b[..., 106:110].reshape(n, nb * 4).contiguous()
     return _words((c + 15) // 2), sc, d
+
+
+CODES4_BLOCK_BYTES = QK // 2 + QK // 64 + 2     # per 256 weights: 4-bit codes, 4-bit sub-block scales, fp16 d
+
+
+def repack_growth(N: int, K: int) -> int:
+    """Device bytes the `layout()` repack of an [N, K] IQ3_S weight adds to its blocks' once they are released
+    (0 for the grid planes, which keep the blocks' bytes)."""
+    return N * (K // QK) * (CODES4_BLOCK_BYTES - BLOCK_BYTES) if layout() == "codes4" else 0
 
 
 def repack_iq3_s4(blocks: torch.Tensor, K: int, *, chunk_rows: int = 1024) -> dict:

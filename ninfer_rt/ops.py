@@ -105,6 +105,11 @@ class Ops(ABC):
         here; a backend may fuse it."""
         return self.silu_mul(self.linear(x, w))
 
+    def repack_growth(self, weights: dict) -> int:
+        """Device bytes this backend's load-time repacks (built at warm-up, after the KV pool is sized) add to
+        the loaded `weights`; none here."""
+        return 0
+
     @abstractmethod
     def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Attention output gate: o * sigmoid(gate), both [T, W] or [T, H, D] (gate may be a strided view);

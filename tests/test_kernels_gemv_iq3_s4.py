@@ -126,9 +126,9 @@ def test_iq3_s4_mma_matches_reference(case):
 
 def test_layout_switch_and_bad_input(monkeypatch):
     monkeypatch.delenv(LAYOUT_ENV, raising=False)
-    assert layout() == "grid"
-    monkeypatch.setenv(LAYOUT_ENV, "codes4")
     assert layout() == "codes4"
+    monkeypatch.setenv(LAYOUT_ENV, "grid")
+    assert layout() == "grid"
     monkeypatch.setenv(LAYOUT_ENV, "nibbles")
     with pytest.raises(KernelInputError, match="NINFER_IQ3S_LAYOUT='nibbles'"):
         layout()
@@ -145,31 +145,36 @@ def test_layout_switch_and_bad_input(monkeypatch):
         unpack_iq3_s4(bad)
 
 
-def test_grid_planes_unchanged_by_default():
-    """The default layout is the grid one: `unpack_iq3_s` of it is what the codes layout unpacks to."""
+def test_grid_planes_unpack_like_the_codes():
+    """`unpack_iq3_s` of the grid planes is what the codes layout unpacks to."""
     blocks = random_ggml_blocks("iq3_s", 3, 512, 7, DEV)
     assert torch.equal(unpack_iq3_s(repack_iq3_s(blocks, 512)), unpack_iq3_s4(repack_iq3_s4(blocks, 512)))
 
 
+@pytest.mark.parametrize("layout_", ["codes4", "grid", None], ids=["codes4", "grid", "default"])
 @pytest.mark.parametrize("T,xpre,path", [(1, False, None), (3, True, None), (11, True, None), (20, False, "fused"),
                                          (20, False, "dequant")],
                          ids=["T1", "T3-prepared-h2", "T11-prepared-mma", "T20-fused", "T20-dequant"])
-def test_linear_with_the_codes_layout(monkeypatch, T, xpre, path):
-    """NINFER_IQ3S_LAYOUT=codes4: `dispatch.linear` on an IQ3_S weight repacks it into the code planes and every
-    path (decode, prepared h2 / warp-MMA, both prefill paths) matches the reference; released, the weight's blocks
-    come back byte for byte from the planes."""
+def test_linear_with_either_layout(monkeypatch, T, xpre, path, layout_):
+    """`dispatch.linear` on an IQ3_S weight repacks it into the planes NINFER_IQ3S_LAYOUT names (unset: the code
+    planes) and every path (decode, prepared h2 / warp-MMA, both prefill paths) matches the reference; released,
+    the weight's blocks come back byte for byte from the planes."""
     from ninfer_kernels import dispatch, x16
     from ninfer_rt.weights import QWeight
-    monkeypatch.setenv(LAYOUT_ENV, "codes4")
+    if layout_ is None:
+        monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LAYOUT_ENV, layout_)
+    codes = layout_ != "grid"
     N, K = 37, 256
     blocks = random_ggml_blocks("iq3_s", N, K, T, DEV)
     qw = QWeight("iq3_s", (N, K), {"blocks": blocks.clone()}, name="test.iq3_s4")
     x = wide_range_x(T, K, seed=T).to(DEV)
     res = torch.randn(T, N).to(DEV)
     y = dispatch.linear(x, qw, residual=res, xp=x16.x16_prep(x) if xpre else None, prefill_path=path)
-    assert "codes" in qw.cache["triton.iq3_s"]
+    assert ("codes" in qw.cache["triton.iq3_s"]) == codes
     assert rel_l2(y, reference.ref_iq3_s(x, blocks, residual=res)) < RTOL_H2
-    assert x16._kernel_name(qw) == "iq3_s4_gemv_kernel"
+    assert x16._kernel_name(qw) == ("iq3_s4_gemv_kernel" if codes else "iq3_s_gemv_kernel")
     dispatch.release(qw, qw.cache["triton.iq3_s"])
     assert qw.released and torch.equal(qw.blocks(), blocks)
 
@@ -198,3 +203,29 @@ def test_gpu_iq3_s4_real_shapes(shape, T):
         launch_prepared(iq3_s4_gemv_kernel, (p["codes"], p["sc"], p["d"]), x16_prep(x), N, K, 16, 1.0, out, None,
                         cfg, "test")
         assert rel_l2(out, ref) < RTOL_HALF, cfg
+
+
+@pytest.mark.parametrize("layout_", ["codes4", "grid"])
+def test_prepare_growth_is_the_planes_extra_bytes(monkeypatch, layout_):
+    """What a repack adds on CUDA once the blocks are released: the code planes' bytes minus the blocks' (22 %
+    more), nothing for the grid planes; nothing once the planes exist. The KV pool's auto size keeps it free
+    (`TritonOps.repack_growth`), since the repacks run at warm-up, after the pool is sized."""
+    from ninfer_kernels import dispatch
+    from ninfer_kernels.gemv_iq3_s4 import repack_growth
+    from ninfer_rt.backends.triton_ops import TritonOps
+    from ninfer_rt.weights import QWeight
+    monkeypatch.setenv(LAYOUT_ENV, layout_)
+    N, K = 37, 512
+    blocks = random_ggml_blocks("iq3_s", N, K, 3, DEV)
+    planes = repack_iq3_s4(blocks, K) if layout_ == "codes4" else None
+    want = sum(t.numel() * t.element_size() for t in planes.values()) - blocks.numel() if planes else 0
+    assert repack_growth(N, K) == want and (want == 0 or want * 110 == blocks.numel() * 24)
+    qw = QWeight("iq3_s", (N, K), {"blocks": blocks.clone()}, name="test.growth")
+    from ninfer_kernels import randweights
+    other = QWeight("nvfp4", (8, 64), randweights.make("nvfp4", 8, 64, seed=1), name="test.nvfp4")
+    assert dispatch.prepare_growth(qw) == 0 if DEV == "cpu" else want     # released on CUDA only
+    monkeypatch.setattr(QWeight, "device", property(lambda self: torch.device("cuda")))
+    assert dispatch.prepare_growth(qw) == want and dispatch.prepare_growth(other) == 0
+    assert TritonOps().repack_growth({"a": qw, "b": other, "norm": torch.ones(3)}) == want
+    qw.cache["triton.iq3_s"] = {}           # built already: its bytes are on the device when the pool is sized
+    assert dispatch.prepare_growth(qw) == 0

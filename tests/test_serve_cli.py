@@ -290,6 +290,26 @@ def test_gpu_memory_utilization_leaves_the_rest_free(monkeypatch, util, free_gib
     assert base - got in (int((max(free_gib, 1) - 1) * (1 << 30)) // per, int((max(free_gib, 1) - 1) * (1 << 30)) // per + 1)
 
 
+def test_auto_kv_size_keeps_the_repack_growth_free(monkeypatch):
+    """The load-time repacks run at warm-up, after the pool is sized: the bytes they will add (the IQ3_S code
+    planes, `Ops.repack_growth`) come off the automatic KV size."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+    import synth_artifact as synth
+
+    from ninfer_rt.server.runtime import RuntimeOptions, auto_kv_tokens, kv_bytes_per_token
+    cfg = synth.TINY.config()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 16 << 30))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    opts = RuntimeOptions(artifact="x", device="cuda", dtype="bfloat16")
+    per = kv_bytes_per_token(cfg, 1, torch.bfloat16)
+    base = auto_kv_tokens(cfg, opts, torch.device("cuda"))
+    assert base - auto_kv_tokens(cfg, opts, torch.device("cuda"), growth=1000 * per) in (1000, 1001)
+
+
 @pytest.mark.parametrize("kw,why", [({"gpu_memory_utilization": 0.0}, "expected a fraction in (0, 1], got 0.0"),
                                     ({"gpu_memory_utilization": 1.5}, "expected a fraction in (0, 1], got 1.5"),
                                     ({"gpu_memory_utilization": 0.9, "kv_capacity": 4096}, "give one of them")],

@@ -128,8 +128,9 @@ def model_context(cfg, opts: RuntimeOptions) -> int:
     return opts.max_context or min(limit, DEFAULT_CONTEXT)
 
 
-def auto_kv_tokens(cfg, opts: RuntimeOptions, device: torch.device) -> int:
-    """This rank's KV capacity in tokens for `--kv-capacity auto` (weights already on the device)."""
+def auto_kv_tokens(cfg, opts: RuntimeOptions, device: torch.device, growth: int = 0) -> int:
+    """This rank's KV capacity in tokens for `--kv-capacity auto` (weights already on the device; `growth`: the
+    bytes their load-time repacks will add, `Ops.repack_growth`)."""
     if device.type != "cuda":
         return CPU_KV_TOKENS
     free, total = torch.cuda.mem_get_info(device)
@@ -140,7 +141,7 @@ def auto_kv_tokens(cfg, opts: RuntimeOptions, device: torch.device) -> int:
     snapshots = opts.max_concurrency * (opts.draft_tokens + 1) * slot if opts.draft_tokens else 0
     workspace = opts.prefill_chunk * (cfg.intermediate_size // opts.tp + 4 * cfg.hidden_size) * 4 * 4
     slots = opts.max_concurrency + 1 + opts.prefix_cache   # + the graph runner's scratch slot, the cached states
-    budget = free - headroom - slots * slot - snapshots - workspace - \
+    budget = free - headroom - growth - slots * slot - snapshots - workspace - \
         vision_workspace_bytes(cfg, opts)
     return max(0, budget // kv_bytes_per_token(cfg, opts.tp, DTYPES[opts.dtype]))
 
@@ -158,10 +159,10 @@ def vision_workspace_bytes(cfg, opts: RuntimeOptions) -> int:
     return patches * (patch_dim + 8 * v.hidden_size + 2 * v.intermediate_size) * 4
 
 
-def kv_pages(cfg, opts: RuntimeOptions, device: torch.device, group) -> int:
+def kv_pages(cfg, opts: RuntimeOptions, device: torch.device, group, growth: int = 0) -> int:
     """Pages of the shared pool; the same number on every rank."""
     ctx = model_context(cfg, opts)
-    tokens = opts.kv_capacity if opts.kv_capacity is not None else auto_kv_tokens(cfg, opts, device)
+    tokens = opts.kv_capacity if opts.kv_capacity is not None else auto_kv_tokens(cfg, opts, device, growth)
     if group is not None and group.size > 1:
         tokens = min(group.all_gather_object(tokens))
     tokens = min(tokens, opts.max_concurrency * ctx)
@@ -207,7 +208,7 @@ def _build(opts: RuntimeOptions, group, device, make):
     rank = group.rank if group is not None else 0
     with torch.no_grad():
         loaded, ops = _phase(group, lambda: _load(opts, rank, device))
-        pages = kv_pages(loaded.config, opts, device, group)
+        pages = kv_pages(loaded.config, opts, device, group, ops.repack_growth(loaded.weights))
         return loaded, pages, _phase(group, lambda: make(loaded, ops, pages))
 
 
