@@ -13,9 +13,10 @@ device run both validates and times. Prefill (T > 16): fused tl.dot GEMM vs dequ
 
 --xpre also times NVFP4 / Q6_K / IQ3_S on prepared activations (`ninfer_kernels.x16`, what the norms and gates hand the
 decode step's linear layers), as formats "<fmt>+xpre"; their winners ship like the others.
-With NINFER_IQ3S_LAYOUT=codes4 the IQ3_S weights are read from 4-bit code planes (`ninfer_kernels.gemv_iq3_s4`):
-records "iq3_s4", whose gbps / pct_copy_bw count the IQ3_S blocks' bytes (so they compare with "iq3_s" by time)
-and pct_copy_bw_read the 22 % more bytes the kernel reads.
+IQ3_S weights are read in the runtime's layout (NINFER_IQ3S_LAYOUT): the 4-bit code planes by default
+(`ninfer_kernels.gemv_iq3_s4`), records "iq3_s4", whose gbps / pct_copy_bw count the IQ3_S blocks' bytes (so they
+compare with "iq3_s" by time) and pct_copy_bw_read the 22 % more bytes the kernel reads; NINFER_IQ3S_LAYOUT=grid
+gives records "iq3_s" (the grid planes).
 
 Table on stdout, progress on stderr, records to --out: a list of {"format", "name", "tp", "shape": [N, K],
 "T", "us", "us_eager", "gbps", "pct_copy_bw", "torch_bf16_us", "gpu", ...}.
