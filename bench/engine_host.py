@@ -18,10 +18,11 @@ Ceiling in the same run: the time of one tiny torch call (`torch_op_us`); `round
 (the round as a count of tiny calls, to carry the number to another host).
 
     python3 bench/engine_host.py [--ks 1,3,5] [--acceptance 0.75,1] [--new-tokens 512] [--round-graphs 0]
+                                 [--temperature 0.8]
 
 Records (--out, default bench/results/engine_host.json): {"kind": "engine_host", "draft_tokens", "acceptance",
 "rounds", "emitted", "tokens_per_round", "us_round", "windows_us": {window: median}, "torch_op_us",
-"round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs"}.
+"round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "temperature"}.
 """
 from __future__ import annotations
 
@@ -52,7 +53,11 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--round-graphs", type=int, choices=(0, 1), default=None,
                     help="1: a round's drafts and verify as one graph (default: NINFER_ROUND_GRAPHS, else 1)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample every request at this temperature (seeded; default 0: greedy), as engine_mtp's")
     args = ap.parse_args(argv)
+    if not 0 <= args.temperature <= 10:
+        ap.error(f"--temperature: expected a number in [0, 10], got {args.temperature}")
     try:
         args.ks = tuple(sorted({int(k) for k in args.ks.split(",") if k.strip()}))
         assert args.ks and all(1 <= k <= 7 for k in args.ks)
@@ -174,10 +179,12 @@ def _measure(loaded, args, marks: list) -> list[dict]:
     unit = torch_op_us()
     prompt = random.Random(0).choices(range(min(loaded.config.vocab_size, 1000)), k=64)
     base = {"kind": "engine_host", "cpu": cpu_name(), "tag": args.tag, "round_graphs": round_graphs(args),
+            "temperature": args.temperature,
             "vocab": loaded.config.vocab_size, "hidden": loaded.config.hidden_size, "torch_op_us": round(unit, 3)}
     out = []
     for k in args.ks:
         eng = _engine(loaded, k, marks, base["round_graphs"])
+        eng.temperature = args.temperature                                   # engine_mtp.request_params reads it
         generate(eng, prompt, 32)                                            # warm-up
         for a in args.acceptance:
             eng.rate, eng.rng = a, random.Random(0)

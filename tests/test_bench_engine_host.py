@@ -12,7 +12,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: 
 import engine_host  # noqa: E402
 
 KEYS = {"kind", "draft_tokens", "acceptance", "rounds", "emitted", "tokens_per_round", "us_round", "windows_us",
-        "torch_op_us", "round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs"}
+        "torch_op_us", "round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "temperature"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,7 +30,7 @@ def test_records_and_windows(tmp_path, capsys, rounds):
     for r in recs:
         assert set(r) == KEYS and r["emitted"] == 17 and r["us_round"] > 0 and r["round_in_ops"] > 0
         assert set(r["windows_us"]) == set(engine_host.WINDOWS) and r["tag"] == "t"
-        assert r["round_graphs"] is (rounds == "1")
+        assert r["round_graphs"] is (rounds == "1") and r["temperature"] == 0
         assert r["tokens_per_round"] == (1.0 if r["acceptance"] == 0 else r["draft_tokens"] + 1)
     assert recs[0]["windows_us"]["next->verify"] == 0.0           # K = 1: the alignment's next step is the verify
     if rounds == "1":                                             # ... and with round graphs at every K
@@ -46,7 +46,20 @@ def test_window_split():
     assert got == {"verdict->align": 0.5e6, "align->next": 1.5e6, "next->verify": 3.0e6, "verify->verdict": 4.0e6}
 
 
-def test_bad_arguments_are_one_line_errors(capsys):
+def test_sampled_rounds(tmp_path):
+    """--temperature: every request sampled (seeded), so the drafts are drawn and the verdict is rejection
+    sampling; the round graph (greedy drafts) is skipped, so the draft steps get their own window again."""
+    out = tmp_path / "h.json"
+    assert engine_host.main(["--ks", "3", "--acceptance", "1", "--new-tokens", "17", "--dir", str(tmp_path / "a"),
+                             "--out", str(out), "--round-graphs", "1", "--temperature", "0.8"]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["temperature"] == 0.8 and r["emitted"] == 17 and r["tokens_per_round"] == 4.0
+    assert r["windows_us"]["next->verify"] > 0
+
+
+@pytest.mark.parametrize("argv,flag", [(["--ks", "9"], "--ks"), (["--temperature", "-1"], "--temperature")],
+                         ids=["ks", "temperature"])
+def test_bad_arguments_are_one_line_errors(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
-        engine_host.main(["--ks", "9"])
-    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --ks")
+        engine_host.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.startswith(f"error: {flag}")
