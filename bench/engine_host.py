@@ -18,11 +18,12 @@ Ceiling in the same run: the time of one tiny torch call (`torch_op_us`); `round
 (the round as a count of tiny calls, to carry the number to another host).
 
     python3 bench/engine_host.py [--ks 1,3,5] [--acceptance 0.75,1] [--new-tokens 512] [--round-graphs 0]
-                                 [--temperature 0.8]
+                                 [--temperature 0.8] [--batch 4]
 
 Records (--out, default bench/results/engine_host.json): {"kind": "engine_host", "draft_tokens", "acceptance",
 "rounds", "emitted", "tokens_per_round", "us_round", "windows_us": {window: median}, "torch_op_us",
-"round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "temperature"}.
+"round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "temperature", "batch"}; at --batch B a round is
+one engine step of the B requests (us_round per step, "rounds" counts each request's).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def parse_args(argv=None):
                     help="1: a round's drafts and verify as one graph (default: NINFER_ROUND_GRAPHS, else 1)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample every request at this temperature (seeded; default 0: greedy), as engine_mtp's")
+    ap.add_argument("--batch", type=positive_int, default=1, help="requests decoded together (default 1)")
     args = ap.parse_args(argv)
     if not 0 <= args.temperature <= 10:
         ap.error(f"--temperature: expected a number in [0, 10], got {args.temperature}")
@@ -141,7 +143,7 @@ def torch_op_us() -> float:
     return statistics.median(times) * 1e6
 
 
-def _engine(loaded, k: int, marks: list, round_graphs: bool):
+def _engine(loaded, k: int, marks: list, round_graphs: bool, batch: int = 1):
     from ninfer_rt.backends import get_ops
     from ninfer_rt.engine import Engine
     from ninfer_rt.graphs import GraphConfig
@@ -154,10 +156,10 @@ def _engine(loaded, k: int, marks: list, round_graphs: bool):
         marks.append(("verdict", time.perf_counter()))
         return out
     cls._rigged_rows = rows
-    cfg = GraphConfig(batch_sizes=(1,), tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)),
+    cfg = GraphConfig(batch_sizes=(batch,), tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)),
                       kv_buckets=(4096,), eager=True,       # the shapes `graph_config` gives a CUDA engine
                       **({"round_drafts": k} if round_graphs else {}))
-    return cls(loaded, get_ops("torch"), spec=SpecConfig(num_draft_tokens=k), max_batch=1, max_model_len=4096,
+    return cls(loaded, get_ops("torch"), spec=SpecConfig(num_draft_tokens=k), max_batch=batch, max_model_len=4096,
                graphs=cfg)
 
 
@@ -179,19 +181,19 @@ def _measure(loaded, args, marks: list) -> list[dict]:
     unit = torch_op_us()
     prompt = random.Random(0).choices(range(min(loaded.config.vocab_size, 1000)), k=64)
     base = {"kind": "engine_host", "cpu": cpu_name(), "tag": args.tag, "round_graphs": round_graphs(args),
-            "temperature": args.temperature,
+            "temperature": args.temperature, "batch": args.batch,
             "vocab": loaded.config.vocab_size, "hidden": loaded.config.hidden_size, "torch_op_us": round(unit, 3)}
     out = []
     for k in args.ks:
-        eng = _engine(loaded, k, marks, base["round_graphs"])
+        eng = _engine(loaded, k, marks, base["round_graphs"], args.batch)
         eng.temperature = args.temperature                                   # engine_mtp.request_params reads it
-        generate(eng, prompt, 32)                                            # warm-up
+        generate(eng, prompt, 32, args.batch)                                # warm-up
         for a in args.acceptance:
             eng.rate, eng.rng = a, random.Random(0)
             marks.clear()
-            run = generate(eng, prompt, args.new_tokens)
+            run = generate(eng, prompt, args.new_tokens, args.batch)
             secs, n, acc = run.secs, run.spec["rounds"], run.spec["accepted"]
-            us = secs / max(1, n) * 1e6
+            us = secs / max(1, n if args.batch == 1 else run.steps) * 1e6   # a batch's round: one step
             out.append({**base, "draft_tokens": k, "acceptance": a, "rounds": n, "emitted": len(run.tokens[0]),
                         "tokens_per_round": round(1 + acc / max(1, n), 3), "us_round": round(us, 1),
                         "windows_us": windows(marks), "round_in_ops": round(us / unit, 1)})

@@ -367,9 +367,12 @@ def sample(probs: torch.Tensor, params: list[SamplingParams],
     torch.multinomial's one-sample path, argmax(p / q) with q ~ Exp(1) from the row's generator (the same draws
     from the same stream), without its validity check: that reads a value back, a host sync per call on CUDA, which
     would stall the device-chained drafts (`Decisions._device_drafts`). `process` rows are finite and >= 0."""
-    out = probs.argmax(-1)
-    for r, (p, g) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            q = torch.empty_like(probs[r]).exponential_(1, generator=g)
-            out[r] = (probs[r] / q).argmax(-1)
-    return out
+    rand = [r for r, p in enumerate(params) if not p.greedy]
+    if not rand:
+        return probs.argmax(-1)
+    # one race for the batch: each sampled row's noise from its generator, in row order; a greedy row races
+    # against ones, which leaves its argmax (one division and one argmax, not four launches per sampled row)
+    q = torch.ones_like(probs) if len(rand) < len(params) else torch.empty_like(probs)
+    for r in rand:
+        q[r].exponential_(1, generator=generators[r])
+    return (probs / q).argmax(-1)

@@ -12,7 +12,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: 
 import engine_host  # noqa: E402
 
 KEYS = {"kind", "draft_tokens", "acceptance", "rounds", "emitted", "tokens_per_round", "us_round", "windows_us",
-        "torch_op_us", "round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "temperature"}
+        "torch_op_us", "round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "temperature", "batch"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,7 +54,17 @@ def test_sampled_rounds(tmp_path):
                              "--out", str(out), "--round-graphs", "1", "--temperature", "0.8"]) == 0
     (r,) = json.loads(out.read_text())
     assert r["temperature"] == 0.8 and r["emitted"] == 17 and r["tokens_per_round"] == 4.0
-    assert r["windows_us"]["next->verify"] > 0
+    assert r["windows_us"]["next->verify"] > 0 and r["batch"] == 1
+
+
+def test_batched_rounds(tmp_path):
+    """--batch B: B requests decoded together; a record's round is one engine step of all of them."""
+    out = tmp_path / "h.json"
+    assert engine_host.main(["--ks", "2", "--acceptance", "1", "--new-tokens", "10", "--dir", str(tmp_path / "a"),
+                             "--out", str(out), "--batch", "3", "--temperature", "0.8"]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["batch"] == 3 and r["emitted"] == 10 and r["tokens_per_round"] == 3.0 and r["us_round"] > 0
+    assert set(r["windows_us"]) == set(engine_host.WINDOWS)
 
 
 @pytest.mark.parametrize("argv,flag", [(["--ks", "9"], "--ks"), (["--temperature", "-1"], "--temperature")],

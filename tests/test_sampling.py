@@ -118,6 +118,22 @@ def test_sample_draws_what_multinomial_draws():
     assert tv < 0.03
 
 
+def test_sample_mixed_batch_is_row_by_row():
+    """A batch mixing greedy and sampled rows: one race for all (greedy rows against ones), the same tokens as
+    each row alone (its argmax, or multinomial's draw from its generator) and the same stream positions."""
+    rows = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0),
+            SamplingParams(temperature=1.2, top_k=5, seed=2)]
+    probs = process(torch.randn(4, 41, generator=torch.Generator().manual_seed(3)), rows)
+    for seed in range(30):
+        mine = [None if p.greedy else torch.Generator().manual_seed(seed + i) for i, p in enumerate(rows)]
+        ref = [None if p.greedy else torch.Generator().manual_seed(seed + i) for i, p in enumerate(rows)]
+        got = sample(probs, rows, mine).tolist()
+        want = [int(probs[r].argmax()) if p.greedy else int(torch.multinomial(probs[r], 1, generator=ref[r])[0])
+                for r, p in enumerate(rows)]
+        assert got == want
+        assert all(m is None or torch.equal(m.get_state(), f.get_state()) for m, f in zip(mine, ref))
+
+
 def test_seed_reproducibility():
     p = SamplingParams(temperature=1.0, seed=1234)
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))

@@ -317,6 +317,63 @@ def test_verify_rows_greedy_rounds_on_the_host():
         verify_rows([RoundInput(greedy, torch.randn(2, 40), [1], [], None, None, [0, 1, 2])])
 
 
+def _sampled_rows(k: int, seeds: list, vocab: int = 60) -> list:
+    """Sampled RoundInputs of k drafts: temperatures, top-p / top-k, a penalty row and a min_tokens ban; each row's
+    drafts drawn from its own q, and its generator seeded (None: the default generator)."""
+    from ninfer_rt.sampling import process
+    from ninfer_rt.speculative import RoundInput
+    g = torch.Generator().manual_seed(k)
+    kinds = [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9), dict(temperature=1.3, top_k=7),
+             dict(temperature=0.9, frequency_penalty=0.5), dict(temperature=0.8, min_p=0.05)]
+    rows = []
+    for i, seed in enumerate(seeds):
+        params = SamplingParams(max_tokens=9, **kinds[i % len(kinds)])
+        q = list(process(torch.randn(k, vocab, generator=g), [params] * k))
+        drafts = [int(torch.multinomial(qi, 1, generator=g)) for qi in q]
+        counts = torch.bincount(torch.randint(0, vocab, (12,), generator=g), minlength=vocab).float() \
+            if params.has_penalties else None
+        ban = [(3,)] + [()] * k if i == 1 else None
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        rows.append(RoundInput(params, torch.randn(k + 1, vocab, generator=g), drafts, q, counts, gen, ban=ban))
+    return rows
+
+
+@pytest.mark.parametrize("k,seeds", [(1, [4, 5]), (3, [1, 2, 3, 4, 5, 6]), (3, [None, None, 7])],
+                         ids=["K1", "K3-seeded", "K3-default-generator"])
+def test_sampled_verdicts_in_one_pass_equal_row_by_row(k, seeds):
+    """A batch of sampled rows with one draft count is verified in one pass (`verify_sampled`): the verdicts
+    and every generator's position afterwards are `verify_on_device`'s row by row, over many draws (rejections
+    at several positions, bonus tokens)."""
+    import copy
+
+    from ninfer_rt.speculative import _sampled_batch, decide_on_device, verify_on_device
+    rows, seen = _sampled_rows(k, seeds), set()
+    assert _sampled_batch(rows)
+    for trial in range(40):
+        twins = copy.deepcopy(rows)
+        torch.manual_seed(trial)
+        got = decide_on_device(rows).tolist()
+        torch.manual_seed(trial)
+        want = [verify_on_device(r).tolist() for r in twins]
+        assert got == want
+        seen.update(n for n, _ in got)
+        assert all(r.generator is None or torch.equal(r.generator.get_state(), t.generator.get_state())
+                   for r, t in zip(rows, twins))
+    assert len(seen) >= min(k + 1, 3)                         # rejections at several positions, or a bonus
+
+
+def test_sampled_batch_only_for_uniform_sampled_rows():
+    from ninfer_rt.speculative import RoundInput, _sampled_batch
+    rows = _sampled_rows(2, [1, 2])
+    greedy = RoundInput(SamplingParams(temperature=0.0, max_tokens=4), torch.randn(3, 60), [1, 2], [], None, None)
+    masked = RoundInput(rows[0].params, rows[0].logits, rows[0].drafts, rows[0].q, None, None,
+                        allow=torch.ones(3, 60, dtype=torch.bool))
+    assert not _sampled_batch(rows[:1])                          # one row: verify_on_device
+    assert not _sampled_batch(rows + [greedy])
+    assert not _sampled_batch(rows + _sampled_rows(3, [3]))      # another draft count
+    assert not _sampled_batch(rows + [masked])                   # a grammar's mask
+
+
 @pytest.mark.parametrize("kind", ["device", "host", "host-and-argmax", "device-and-argmax"])
 def test_read_back_one_transfer(kind):
     """The step's device drafts and the verdict's argmax come back together; host drafts pass through."""
