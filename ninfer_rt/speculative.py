@@ -186,7 +186,7 @@ def verify_sampled(rows: list[RoundInput]) -> torch.Tensor:
         ban += r.ban if r.ban is not None else [()] * (k + 1)
     p = process(torch.cat([r.logits for r in rows]), params, counts, seen, ban).view(R, k + 1, vocab)
     drafts = small_tensor([r.drafts for r in rows], torch.long, p.device)
-    q = torch.stack([torch.stack(r.q) for r in rows])
+    q = torch.stack([qj for r in rows for qj in r.q]).view(R, k, vocab)
     n, tok = rejection_verify(p, q, drafts, *_draws(rows, k, vocab, p.device))
     return torch.stack([n, tok], 1)
 
