@@ -337,11 +337,21 @@ def _one_hot(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
 
 
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of float32 rows from grid-wide kernels (max, exp, sum, divide). torch.softmax
+    gives each row one thread block on CUDA: for a few rows of a 248,320-token vocabulary (a draft step, a
+    verdict) that is one SM reading each row three times. One function for every device and path, so that the
+    drafts, the verdict and the chained or read-back paths draw from the same distributions. A row of -inf stays
+    nan, as with torch.softmax."""
+    e = torch.sub(x, x.amax(-1, keepdim=True)).exp_()
+    return e.div_(e.sum(-1, keepdim=True))
+
+
 def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p on the sorted distribution; renormalised."""
     dev = x.device
     temp = small_tensor([float(p.temperature) for p in params], torch.float32, dev)[:, None]
-    probs = torch.softmax(x / temp, dim=-1)
+    probs = softmax_rows(x / temp)
     if all(p.top_k == 0 and p.top_p == 1 and p.min_p == 0 for p in params):
         return probs
     sp, order = probs.sort(dim=-1, descending=True)

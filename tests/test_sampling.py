@@ -1,5 +1,6 @@
 """Sampling parameters, processed distributions, seeded sampling, and the speculative acceptance rules."""
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -116,6 +117,19 @@ def test_sample_draws_what_multinomial_draws():
     draws = torch.stack([sample(probs[:1], [p], [gen]) for _ in range(20_000)]).flatten()
     tv = 0.5 * (torch.bincount(draws, minlength=37) / 20_000 - probs[0]).abs().sum().item()
     assert tv < 0.03
+
+
+def test_softmax_rows_is_softmax():
+    """The grid-wide softmax `_truncate` uses: torch.softmax's values (to float32 rounding) on rows with banned
+    (-inf) tokens and a wide range, each row summing to 1; a row of -inf is nan, as torch.softmax leaves it."""
+    from ninfer_rt.sampling import softmax_rows
+    x = torch.randn(5, 1001, generator=torch.Generator().manual_seed(2)) * 30
+    x[1, ::3] = -math.inf
+    x[4] = -math.inf
+    got, want = softmax_rows(x.clone()), torch.softmax(x, dim=-1)
+    assert torch.allclose(got[:4], want[:4], rtol=1e-5, atol=1e-8)
+    assert torch.allclose(got[:4].sum(-1), torch.ones(4)) and (got[1, ::3] == 0).all()
+    assert got[4].isnan().all() and want[4].isnan().all()
 
 
 def test_sample_mixed_batch_is_row_by_row():
