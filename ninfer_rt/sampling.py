@@ -337,6 +337,9 @@ def _one_hot(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
 
 
+TOPK_SORT_MAX = 4096     # rows whose top_k are all at most this are truncated from a top-k selection
+
+
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim of float32 rows from grid-wide kernels (max, exp, sum, divide). torch.softmax
     gives each row one thread block on CUDA: for a few rows of a 248,320-token vocabulary (a draft step, a
@@ -354,10 +357,14 @@ def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     probs = softmax_rows(x / temp)
     if all(p.top_k == 0 and p.top_p == 1 and p.min_p == 0 for p in params):
         return probs
-    sp, order = probs.sort(dim=-1, descending=True)
     V = x.shape[1]
-    k = small_tensor([p.top_k if 0 < p.top_k < V else V for p in params], torch.long, dev)[:, None]
-    ranks = torch.arange(V, device=dev)[None, :]
+    ks = [p.top_k if 0 < p.top_k < V else V for p in params]
+    # every row keeps at most max(ks) tokens: sort only those (top-k selection, not a sort of the vocabulary; the
+    # cumulative sum below then runs over max(ks) columns, not 248,320 in one thread block per row on CUDA)
+    width = max(ks)
+    sp, order = probs.topk(width, dim=-1) if width <= TOPK_SORT_MAX else probs.sort(dim=-1, descending=True)
+    k = small_tensor(ks, torch.long, dev)[:, None]
+    ranks = torch.arange(sp.shape[1], device=dev)[None, :]
     keep = ranks < k
     sp = sp * keep
     top_p = small_tensor([float(p.top_p) for p in params], torch.float32, dev)[:, None]

@@ -132,6 +132,21 @@ def test_softmax_rows_is_softmax():
     assert got[4].isnan().all() and want[4].isnan().all()
 
 
+@pytest.mark.parametrize("ks", [(20, 5, 1), (20, 0, 3)], ids=["all-top-k", "one-row-without"])
+def test_truncation_from_a_top_k_selection_equals_the_sort(monkeypatch, ks):
+    """Rows whose top_k are all small are truncated from `topk(max k)`, not a sort of the vocabulary: the same
+    distributions (top-k, then top-p and min-p inside it) as the full sort gives."""
+    import ninfer_rt.sampling as S
+    params = [SamplingParams(temperature=0.9, top_k=k, top_p=tp, min_p=mp, seed=1)
+              for k, tp, mp in zip(ks, (0.9, 1.0, 0.5), (0.0, 0.02, 0.0))]
+    x = torch.randn(3, 3001, generator=torch.Generator().manual_seed(4)) * 4
+    got = process(x, params)
+    monkeypatch.setattr(S, "TOPK_SORT_MAX", 0)          # always the full sort
+    want = process(x, params)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-9)
+    assert [int((r > 0).sum()) <= (k or 3001) for r, k in zip(got, ks)] == [True] * 3
+
+
 def test_sample_mixed_batch_is_row_by_row():
     """A batch mixing greedy and sampled rows: one race for all (greedy rows against ones), the same tokens as
     each row alone (its argmax, or multinomial's draw from its generator) and the same stream positions."""
