@@ -13,7 +13,7 @@ import engine_mtp  # noqa: E402
 
 KEYS = {"kind", "recipe", "tp", "gpu", "draft_head", "draft_tokens", "acceptance", "tok_s", "tokens_per_round",
         "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "emitted", "backend", "graphs",
-        "draft_chain", "batch", "round_graphs", "temperature"}
+        "draft_chain", "batch", "round_graphs", "temperature", "top_k", "top_p"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,6 +86,29 @@ def test_sampled_requests(tmp_path):
     assert recs[2]["accepted"] == recs[2]["drafted"] > 0 and 0 < recs[1]["accepted"] < recs[1]["drafted"]
     with pytest.raises(SystemExit):
         engine_mtp.parse_args(["--temperature", "-1"])
+
+
+def test_sampled_requests_with_truncation(tmp_path, capsys):
+    """--top-k / --top-p: the sampled requests truncate (the chat defaults of Qwen's generation_config); they
+    need --temperature."""
+    from ninfer_rt.sampling import SamplingParams
+    out = tmp_path / "r.json"
+    seen = []
+    real = engine_mtp.request_params
+    engine_mtp.request_params = lambda eng, n, b: seen.append(real(eng, n, b)) or seen[-1]
+    try:
+        rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "9", "--ks", "2",
+                              "--acceptance", "1", "--draft-heads", "lm_head", "--temperature", "0.6", "--top-k",
+                              "20", "--top-p", "0.95", "--dir", str(tmp_path / "a"), "--out", str(out)])
+    finally:
+        engine_mtp.request_params = real
+    assert rc == 0
+    assert all(r["top_k"] == 20 and r["top_p"] == 0.95 for r in json.loads(out.read_text()))
+    assert seen and all(isinstance(p, SamplingParams) and (p.top_k, p.top_p) == (20, 0.95) for p in seen)
+    for argv in (["--top-k", "5"], ["--temperature", "1", "--top-p", "0"], ["--temperature", "1", "--top-k", "-2"]):
+        with pytest.raises(SystemExit):
+            engine_mtp.parse_args(argv)
+    assert "--top-k / --top-p" in capsys.readouterr().err
 
 
 def test_batch_runs_requests_together(tmp_path):
