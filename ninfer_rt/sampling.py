@@ -359,8 +359,8 @@ def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         return probs
     V = x.shape[1]
     ks = [p.top_k if 0 < p.top_k < V else V for p in params]
-    # every row keeps at most max(ks) tokens: sort only those (top-k selection, not a sort of the vocabulary; the
-    # cumulative sum below then runs over max(ks) columns, not 248,320 in one thread block per row on CUDA)
+    # every row keeps at most max(ks) tokens: sort only those (a top-k selection, not a sort of the vocabulary),
+    # and the cumulative sum below runs over max(ks) columns instead of all 248,320
     width = max(ks)
     sp, order = probs.topk(width, dim=-1) if width <= TOPK_SORT_MAX else probs.sort(dim=-1, descending=True)
     k = small_tensor(ks, torch.long, dev)[:, None]
