@@ -144,8 +144,7 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
     """`verify` without the host sync: int64 [2] = (accepted drafts, target token) on the logits' device, so
     a batch of sequences reads all its verdicts back in one transfer."""
     k, vocab = len(r.drafts), r.logits.shape[-1]
-    p = process(r.logits, [r.params] * (k + 1), _split(column_counts(r.counts, r.drafts, vocab), k + 1),
-                [r.seen] * (k + 1), r.ban, r.allow)
+    p = _target_probs([r])
     drafts = small_tensor([r.drafts], torch.long, p.device).reshape(1, k)
     if r.params.greedy:
         n, tok = greedy_verify(p.argmax(-1)[None], drafts)
@@ -153,6 +152,21 @@ def verify_on_device(r: RoundInput) -> torch.Tensor:
         q = torch.stack(r.q)[None] if k else p.new_zeros(1, 0, vocab)
         n, tok = rejection_verify(p[None], q, drafts, *_draws([r], k, vocab, p.device))
     return torch.stack([n[0], tok[0]])
+
+
+def _target_probs(rows: list[RoundInput]) -> torch.Tensor:
+    """The processed distributions of every row's K + 1 target rows, stacked [sum(K + 1), V]: each column sees the
+    row's earlier drafts in its penalty counts. A grammar mask (`allow`) only for a single row (`_sampled_batch`)."""
+    vocab = rows[0].logits.shape[-1]
+    params, counts, seen, ban = [], [], [], []
+    for r in rows:
+        n = len(r.drafts) + 1
+        params += [r.params] * n
+        counts += _split(column_counts(r.counts, r.drafts, vocab), n)
+        seen += [r.seen] * n
+        ban += r.ban if r.ban is not None else [()] * n
+    logits = rows[0].logits if len(rows) == 1 else torch.cat([r.logits for r in rows])
+    return process(logits, params, counts, seen, ban, rows[0].allow if len(rows) == 1 else None)
 
 
 def _draws(rows: list[RoundInput], k: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,13 +192,7 @@ def verify_sampled(rows: list[RoundInput]) -> torch.Tensor:
     row's K + 1 target rows and one rejection, instead of ~30 launches per row. The per-row arithmetic and each
     generator's draws are those of `verify_on_device`. -> int64 [R, 2]."""
     k, vocab, R = len(rows[0].drafts), rows[0].logits.shape[-1], len(rows)
-    params, counts, seen, ban = [], [], [], []
-    for r in rows:
-        params += [r.params] * (k + 1)
-        counts += _split(column_counts(r.counts, r.drafts, vocab), k + 1)
-        seen += [r.seen] * (k + 1)
-        ban += r.ban if r.ban is not None else [()] * (k + 1)
-    p = process(torch.cat([r.logits for r in rows]), params, counts, seen, ban).view(R, k + 1, vocab)
+    p = _target_probs(rows).view(R, k + 1, vocab)
     drafts = small_tensor([r.drafts for r in rows], torch.long, p.device)
     q = torch.stack([qj for r in rows for qj in r.q]).view(R, k, vocab)
     n, tok = rejection_verify(p, q, drafts, *_draws(rows, k, vocab, p.device))
