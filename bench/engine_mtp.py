@@ -28,7 +28,8 @@ after the first over the time after it), "tokens_per_round", "rounds", "ms_round
 "round_graphs" (a greedy round's drafts and verify as one graph: ninfer_rt/graph_round.py; False at K = 0),
 "temperature" (--temperature: 0 greedy, else every request sampled, seeded), "top_k", "top_p" (--top-k / --top-p
 of the sampled requests; 0 / 1: off)};
-K > 0 records also "graph_rounds" (engine steps a round graph served) and "tokens_digest" (a hash of the tokens:
+K > 0 records also "graph_rounds" (engine steps a round graph served), "sampled_rounds" (of those, sampled round
+graphs: ninfer_rt/graph_round_sampled.py, NINFER_SAMPLED_ROUNDS) and "tokens_digest" (a hash of the tokens:
 runs of one rig and seed that compute alike emit alike, e.g. round graphs on and off).
 --round-graphs 0,1 runs every K once per value (NINFER_ROUND_GRAPHS) on the one loaded model: a one-machine A/B.
 With --batch B, tok_s counts every request's tokens and starts once each has its first. "ms_round" is the time per
@@ -135,7 +136,7 @@ def make_rigged(Engine):
     """Verdicts rigged to a per-position acceptance `rate`: the first n drafts are accepted, n drawn per round
     (draft j with probability `rate` while drafts 1..j-1 were), after the real decision's kernels and read-back
     (`verify_rows` of the module that defines `_decide_verdicts`, so an earlier runtime from bench/ab_tree.sh
-    keeps its own). The drafts are the real ones, and the bonus token is the real decision's. So the state stays
+    keeps its own; a sampled round graph's verdicts, `_decided`, are rigged alike). The drafts are the real ones, and the bonus token is the real decision's. So the state stays
     what the Engine built from the tokens it was given, and every rollback, re-alignment and draft step is the
     real one."""
     mod = sys.modules[Engine._decide_verdicts.__module__]      # where the verdicts call it (engine_decide.py)
@@ -146,20 +147,25 @@ def make_rigged(Engine):
         rng = random.Random(0)
 
         def _decide_verdicts(self, dec, drafts, pre, out):
+            for (_, k), d in zip(dec, getattr(self, "_decided", None) or ()):     # a sampled round graph's verdicts
+                d[0] = self._rig(k)
             mod.verify_rows = self._rigged_rows
             try:
                 return super()._decide_verdicts(dec, drafts, pre, out)
             finally:
                 mod.verify_rows = real
 
+        def _rig(self, k: int) -> int:
+            n = 0
+            while n < k and self.rng.random() < self.rate:
+                n += 1
+            return n
+
         def _rigged_rows(self, rows) -> list[list[int]]:
             decided = real(rows)
             for r, d in zip(rows, decided):
                 if r.drafts:
-                    n = 0
-                    while n < len(r.drafts) and self.rng.random() < self.rate:
-                        n += 1
-                    d[0] = n
+                    d[0] = self._rig(len(r.drafts))
             return decided
     return RiggedEngine
 
@@ -285,7 +291,7 @@ def _rounds(loaded, args, k: int, prompt, base: dict, save=lambda recs: None) ->
     out = []
     for a in args.acceptance:
         eng.rate, eng.rng = a, random.Random(args.seed)
-        graph_rounds = _graph_rounds(eng)
+        graph_rounds, sampled_rounds = _graph_rounds(eng), _graph_rounds(eng, "sampled_rounds")
         run = generate(eng, prompt, args.new_tokens, args.batch)
         st = run.spec
         rec = {**base, "draft_tokens": k, "acceptance": a, "rounds": st["rounds"],
@@ -293,6 +299,7 @@ def _rounds(loaded, args, k: int, prompt, base: dict, save=lambda recs: None) ->
                "tokens_per_round": 1 + st["accepted"] / st["rounds"] if st["rounds"] else 1.0,
                "tok_s": run.decode_tokens / run.secs, "ms_round": run.secs / max(1, run.steps) * 1e3,
                "emitted": min(map(len, run.tokens)), "graph_rounds": _graph_rounds(eng) - graph_rounds,
+               "sampled_rounds": _graph_rounds(eng, "sampled_rounds") - sampled_rounds,
                "tokens_digest": digest(run.tokens)}
         log(f"{rec['draft_head']}: K={k} a={a:g} {rec['tok_s']:.1f} tok/s, {rec['tokens_per_round']:.2f} "
             f"tokens/round, {rec['ms_round']:.2f} ms/round, {rec['graph_rounds']} round graphs, "
@@ -317,9 +324,9 @@ def _rounds(loaded, args, k: int, prompt, base: dict, save=lambda recs: None) ->
     return out
 
 
-def _graph_rounds(eng) -> int:
-    """Engine steps served by a round graph so far (0 without them)."""
-    return getattr(eng.graphs.stats, "rounds", 0) if eng.graphs is not None else 0
+def _graph_rounds(eng, field: str = "rounds") -> int:
+    """Engine steps served by a round graph so far ("sampled_rounds": by a sampled one; 0 without them)."""
+    return getattr(eng.graphs.stats, field, 0) if eng.graphs is not None else 0
 
 
 def digest(tokens: list[list[int]]) -> str:

@@ -249,6 +249,7 @@ class Core(Rounds):
         dec = [(self.seqs[rid], k) for rid, k in plan.decode]
         pre = [(self.seqs[rid], a, b) for rid, a, b in plan.prefill]
         starts = [s.state.length for s, _ in dec]
+        self._decided = None
         rnd = self._round(dec, plan.chain)
         drafts = self._draft(dec, plan.chain) if rnd is None else []
         inputs = [self._seq_input(s, _round_ids(s.last, d), snapshot=k > 0) for (s, k), d in zip(dec, drafts)]

@@ -60,6 +60,8 @@ def _draw(seqs: list[Seq], q: torch.Tensor) -> torch.Tensor:
 
 
 class Decisions:
+    _decided = None     # a sampled round graph's [accepted drafts, token] per decode row of the step, else None
+
     def _chainable(self, seqs: list[Seq]) -> bool:
         """Steps whose drafts need no host history: NINFER_DRAFT_CHAIN (default on) keeps them on the device between
         the draft steps. Greedy rows (one argmax decides each draft) on every rank; with sampled rows TP1 only (the
@@ -131,7 +133,8 @@ class Decisions:
             o = 0
             for r in rows:
                 r.argmax, o = self._argmax[o:o + r.logits.shape[0]], o + r.logits.shape[0]
-        decided = verify_rows(rows)
+        # a sampled round graph decided its rows' verdicts (`Core._round_rest`); greedy ones keep the argmax path
+        decided = verify_rows(rows) if self._decided is None else self._decided + verify_rows(rows[len(dec):])
         verdicts = []
         for (s, k), d, (n_acc, tok) in zip(dec, drafts, decided):
             self._record(s, k, n_acc)

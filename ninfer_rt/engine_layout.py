@@ -25,6 +25,7 @@ GRAPH_MAX_BATCH = 64            # larger decode batches run without graphs (capt
 PREFILL_GRAPH_TOKENS = (2, 4, 8, 16)    # batch-1 graph sizes short prefill chunks are cut into (graph_prefill)
 PREFILL_GRAPHS_ENV = "NINFER_PREFILL_GRAPHS"
 ROUND_GRAPHS_ENV = "NINFER_ROUND_GRAPHS"
+SAMPLED_ROUNDS_ENV = "NINFER_SAMPLED_ROUNDS"
 
 
 class EngineError(NinferError):
@@ -65,9 +66,10 @@ def graph_config(device, ops, spec: SpecConfig | None, max_batch: int, max_model
     top = min(max_batch, GRAPH_MAX_BATCH)
     sizes = tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i < top} | {top}))
     k = spec.num_draft_tokens if spec is not None else 0
+    rd, sampled = round_graph_drafts(k), sampled_rounds()       # both variables checked, whatever their values
     return GraphConfig(batch_sizes=sizes, tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)) if k else (),
                        kv_buckets=(max_model_len,), eager=mode == "eager", prefill_tokens=prefill_graph_tokens(),
-                       round_drafts=round_graph_drafts(k))
+                       round_drafts=rd, sampled_rounds=bool(rd) and sampled)
 
 
 def prefill_graph_tokens() -> tuple[int, ...]:
@@ -85,6 +87,15 @@ def round_graph_drafts(k: int) -> int:
     if v not in ("0", "1"):
         raise EngineError(f"{ROUND_GRAPHS_ENV}={v!r}: expected 1 (an MTP round as one graph) or 0")
     return k if v == "1" else 0
+
+
+def sampled_rounds() -> bool:
+    """NINFER_SAMPLED_ROUNDS: 1 (default: rounds with sampled rows as one graph too, `graph_round_sampled`) or 0 (they
+    take the separate steps: the comparison run)."""
+    v = os.environ.get(SAMPLED_ROUNDS_ENV, "1")
+    if v not in ("0", "1"):
+        raise EngineError(f"{SAMPLED_ROUNDS_ENV}={v!r}: expected 1 (a sampled MTP round as one graph) or 0")
+    return v == "1"
 
 
 def engine_layout(loaded, ops, spec: SpecConfig | None, max_batch: int, kv_pages: int | None,

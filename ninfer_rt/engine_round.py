@@ -1,7 +1,8 @@
 """A step's greedy MTP rounds through one round graph (`ninfer_rt.graph_round`): the `Core` side.
 
 A mixin of `ninfer_rt.engine_core.Core` (every rank runs it alike): it reads the Core's `graphs`, `_forward` and
-`_target_argmax`, and sets `_argmax` (the verdict's argmax, read back with the drafts).
+`_target_argmax`, and sets `_argmax` (the verdict's argmax, read back with the drafts) and `_decided` (a sampled
+round's verdicts, decided in its graph: `graph_round_sampled`).
 """
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ class Rounds:
         if not (chain and dec and self.graphs is not None and self.graphs.cfg.round_drafts):
             return None
         k = dec[0][1]
-        # the graph drafts by argmax: a chain with sampled rows (TP1; followers hold no params) drafts separately
-        if any(kk != k or s.vision is not None or s.mtp_logits is None or
-               (s.params is not None and not s.params.plain_greedy) for s, kk in dec):
+        # a chain's rows are plain: greedy ones, or (TP1; followers hold no params) sampled ones that the sampled
+        # round graphs draw (`graph_round` names what they cannot hold)
+        if any(kk != k or s.vision is not None or s.mtp_logits is None for s, kk in dec):
             return None
-        got = self.graphs.round([graph_round.RoundRow(s.last, s.state, s.mtp_logits, s.mtp_hidden)
-                                 for s, _ in dec], k)
+        got = self.graphs.round([graph_round.RoundRow(s.last, s.state, s.mtp_logits, s.mtp_hidden, s.params,
+                                                      s.generator) for s, _ in dec], k)
         if got is not None:
             for s, _ in dec:
                 s.q = []
@@ -41,6 +42,8 @@ class Rounds:
         rest = self._target_argmax(dec, pre, out, skip=len(dec))
         if rest is not None and rest.numel():
             packed = torch.cat([packed, rest])
-        drafts, am, tail = graph_round.read_back(packed, len(dec), self.graphs._pad(len(dec)), dec[0][1])
+        sampled = any(s.params is not None and not s.params.greedy for s, _ in dec)
+        drafts, am, self._decided, tail = graph_round.read_back(packed, len(dec), self.graphs._pad(len(dec)),
+                                                                dec[0][1], sampled)
         self._argmax = None if rest is None else am + tail
         return out, drafts

@@ -13,9 +13,12 @@ two inputs, replays once and reads the drafts and the argmax back in one transfe
 Only rounds whose drafts one argmax decides (the engine's chain: greedy, no penalties, bias or grammar) and
 whose sequences all draft the captured K go this way (`GraphConfig.round_drafts`); anything else takes the
 separate steps, with the same tokens. `NINFER_ROUND_GRAPHS=0` turns it off (the comparison run; engine_layout).
+Rounds with sampled rows take the sampled round graphs (key kind "sround", `graph_round_sampled`), which draw the
+drafts and decide the verdicts inside the graph.
 
 Packed output (int64, one device tensor): the padded batch's drafts [B, K] row by row, then the verify argmax
-[B * (K + 1)]; it stays valid until the next replay of any graph (they share one memory pool).
+[B * (K + 1)], and in a sampled round each padded row's (accepted drafts, token); it stays valid until the next
+replay of any graph (they share one memory pool).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import graph_round_sampled as sampled_round
 from .graph_model import RowSpec, StaticMeta, mtp_step, target_step
 from .state import PendingSnapshot
 
@@ -35,6 +39,12 @@ class RoundRow:
     state: object                 # SeqState (its .mtp drafts)
     logits: torch.Tensor          # [V] MTP logits whose argmax is d_1
     hidden: torch.Tensor          # [H] MTP hidden paired with them
+    params: object = None         # SamplingParams (None: greedy, as on TP followers)
+    generator: object = None      # the request's torch.Generator (sampled rows)
+
+    @property
+    def sampled(self) -> bool:
+        return self.params is not None and not self.params.greedy
 
 
 def draft_metas(runner, k: int) -> list[StaticMeta]:
@@ -44,24 +54,28 @@ def draft_metas(runner, k: int) -> list[StaticMeta]:
                        m.device) for _ in range(k - 1)]
 
 
-def body(runner, b: int, k: int, bucket: int, host) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def body(runner, b: int, k: int, bucket: int, host, sampled: bool = False):
     """The round over the static buffers -> (verify hidden [b(K+1), H], verify logits, packed int64). host: None
-    when capturing, else (verify KV lengths, snapshot rows, each draft step's KV lengths) for an eager run."""
+    when capturing, else (verify KV lengths, snapshot rows, each draft step's KV lengths) for an eager run.
+    sampled: the drafts drawn and the verdicts decided in the graph (`graph_round_sampled`)."""
     model, meta, t = runner.model, runner.meta, k + 1
     kv, snaps, kv_drafts = host if host is not None else ((bucket,) * b, (-1,) * b, [(bucket,) * b] * (k - 1))
-    d = runner.round_logits[:b].argmax(-1)
+    pick = sampled_round.Drafter(runner.sampled, b) if sampled else (lambda lg, j: lg.argmax(-1))
+    d = pick(runner.round_logits[:b], 0)
     drafts, h = [d], runner.mtp_hidden[:b]
     for j, dm in enumerate(runner.draft_meta):
         dm.ids[:b].copy_(d)
         h, logits = mtp_step(model, dm, dm.mtp_ctx(b, 1, kv_drafts[j]), h, b, 1)
-        d = logits.argmax(-1)
+        d = pick(logits, j + 1)
         drafts.append(d)
     ids = torch.stack(drafts, 1)
     meta.ids[:b * t].view(b, t)[:, 1:].copy_(ids)
     pool = model.gdn_pool
     ctx = meta.target_ctx(b, t, kv, snaps, *((pool.conv, pool.rec) if runner.snap_base is not None else ()))
     hidden, logits = target_step(model, meta, ctx, b * t)
-    return hidden, logits, torch.cat([ids.reshape(-1), logits.argmax(-1)])
+    am = logits.argmax(-1)
+    packed = [ids.reshape(-1), am] + ([pick.verdicts(ids, logits, am).reshape(-1)] if sampled else [])
+    return hidden, logits, torch.cat(packed)
 
 
 def _need(rows: list[RoundRow], k: int) -> int:
@@ -80,7 +94,9 @@ def why_not(runner, rows: list[RoundRow], k: int) -> str:
     if runner.snap_base is None:
         return "snapshots not configured"
     runner._pending = [(st, p) for st, p in runner._pending if st.pending is p and not st.freed]
-    return "snapshot buffers in use" if runner._pending else ""
+    if runner._pending:
+        return "snapshot buffers in use"
+    return sampled_round.why_not(runner, rows) if any(r.sampled for r in rows) else ""
 
 
 def run(runner, rows: list[RoundRow], k: int):
@@ -91,7 +107,8 @@ def run(runner, rows: list[RoundRow], k: int):
         runner.stats.reasons["round: " + why] = runner.stats.reasons.get("round: " + why, 0) + 1
         return None
     model, t, B = runner.model, k + 1, runner._pad(len(rows))
-    key = ("round", B, k, runner._bucket(_need(rows, k)))
+    sampled = any(r.sampled for r in rows)
+    key = ("sround" if sampled else "round", B, k, runner._bucket(_need(rows, k)))
     ids = [torch.tensor([r.last] + [0] * k, dtype=torch.long) for r in rows]
     model._admit([(i, r.state, "all") for i, r in zip(ids, rows)])
     if k > 1:
@@ -101,6 +118,8 @@ def run(runner, rows: list[RoundRow], k: int):
     for b, r in enumerate(rows):
         runner.round_logits[b].copy_(r.logits, non_blocking=True)
         runner.mtp_hidden[b].copy_(r.hidden, non_blocking=True)
+    if sampled:
+        sampled_round.fill(runner.sampled, rows, k)
     starts = [r.state.mtp.length for r in rows]
     zero = torch.zeros(1, dtype=torch.long)
     for j, dm in enumerate(runner.draft_meta):
@@ -115,12 +134,18 @@ def run(runner, rows: list[RoundRow], k: int):
         runner._pending.append((r.state, r.state.pending))
         runner._lazy[r.state] = None
     runner.stats.rounds += 1
+    runner.stats.sampled_rounds += sampled
     return runner._output(hidden, logits, [t] * len(rows), t, ["all"] * len(rows)), packed
 
 
-def read_back(packed: torch.Tensor, n: int, padded: int, k: int) -> tuple[list[list[int]], list[int], list[int]]:
+def read_back(packed: torch.Tensor, n: int, padded: int, k: int, sampled: bool = False):
     """The packed output (and anything appended to it), one transfer -> (each of the n real rows' K drafts, their
-    verify argmax row-major, the values appended after the padded batch's)."""
+    verify argmax row-major, a sampled round's [accepted drafts, token] per real row (else None), the values
+    appended after the padded batch's)."""
     flat, t = packed.tolist(), k + 1
     end = padded * (k + t)
-    return [flat[i * k:(i + 1) * k] for i in range(n)], flat[padded * k:padded * k + n * t], flat[end:]
+    decided = None
+    if sampled:
+        decided = [flat[end + 2 * i:end + 2 * i + 2] for i in range(n)]
+        end += 2 * padded
+    return [flat[i * k:(i + 1) * k] for i in range(n)], flat[padded * k:padded * k + n * t], decided, flat[end:]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import graph_prefill, graph_round
+from . import graph_prefill, graph_round, graph_round_sampled
 from .batch import RECURRENT_MAX_T
 from .graph_model import RowSpec, StaticMeta, mtp_step, target_step
 from .model import LOGITS, Output, logit_rows
@@ -42,6 +42,7 @@ from .state import CapacityError, PendingSnapshot
 # The widest prefill graph: the decode kernels' widest step (ninfer_kernels.dispatch.DECODE_MAX_T; a test keeps
 # the two equal). Wider chunks take the prefill kernels, which run eagerly.
 PREFILL_MAX_T = 16
+_ROUNDS = ("round", "sround")      # key kinds of the round graphs: greedy, with sampled rows
 
 
 class GraphError(RuntimeError):
@@ -67,6 +68,7 @@ class GraphConfig:
     prefill_tokens: tuple[int, ...] = ()          # more batch-1 target sizes that prefill chunks are cut into
     prefill_pieces: int = 6                       # a chunk needing more pieces runs eagerly
     round_drafts: int = 0                         # K > 0: greedy MTP rounds of K drafts as one graph (graph_round)
+    sampled_rounds: bool = False                  # also rounds with sampled rows (graph_round_sampled)
 
     def __post_init__(self):
         for name in ("batch_sizes", "tokens", "mtp_tokens", "kv_buckets", "prefill_tokens"):
@@ -84,6 +86,9 @@ class GraphConfig:
                 (k and (k + 1 not in self.tokens or 1 not in self.mtp_tokens)):
             raise ValueError(f"graphs.round_drafts: expected 0 or a K whose verify size K + 1 is in tokens "
                              f"{self.tokens!r} with 1 in mtp_tokens {self.mtp_tokens!r}, got {k!r}")
+        if not isinstance(self.sampled_rounds, bool) or (self.sampled_rounds and not k):
+            raise ValueError(f"graphs.sampled_rounds: expected a boolean, True only with round_drafts, got "
+                             f"{self.sampled_rounds!r}")
 
     @property
     def max_tokens(self) -> int:
@@ -104,6 +109,7 @@ class GraphStats:
     padded_tokens: int = 0    # MTP tokens computed only to pad a sequence to its graph's T (ragged re-alignments)
     prefill_chunks: int = 0   # prefill chunks served as consecutive batch-1 graph steps (`GraphRunner.prefill`)
     rounds: int = 0           # MTP rounds served by one round graph (`GraphRunner.round`)
+    sampled_rounds: int = 0   # of those, rounds with sampled rows (`graph_round_sampled`)
     captured: int = 0
     capture_s: float = 0.0
     reasons: dict = field(default_factory=dict)
@@ -154,6 +160,10 @@ class GraphRunner:
             self.round_logits = torch.zeros(self.max_batch, model.lm_head.shape[0] * model.tp.size,
                                             dtype=model.dtype, device=model.device)
             self.draft_meta = graph_round.draft_metas(self, config.round_drafts)
+        self.sampled = None               # graph_round_sampled.Buffers with config.sampled_rounds
+        if config.sampled_rounds and self.round_logits is not None and model.tp.size == 1:   # the leader draws
+            self.sampled = graph_round_sampled.buffers(self.max_batch, config.round_drafts,
+                                                       self.round_logits.shape[-1], model.device)
         self.graphs: dict[tuple, _Graph] = {}
         self.stats = GraphStats()
         self._pending: list = []          # (state, PendingSnapshot) living in our snapshot buffers
@@ -168,6 +178,8 @@ class GraphRunner:
         out += [("mtp", b, t, k) for b in c.batch_sizes for t in self.mtp_tokens for k in c.kv_buckets]
         if self.round_logits is not None:
             out += [("round", b, c.round_drafts, k) for b in c.batch_sizes for k in c.kv_buckets]
+        if self.sampled is not None:
+            out += [("sround", b, c.round_drafts, k) for b in c.batch_sizes for k in c.kv_buckets]
         return out
 
     def _pad(self, n: int) -> int | None:
@@ -184,7 +196,7 @@ class GraphRunner:
         if self.cfg.eager or self.graphs:
             return 0.0
         t0 = time.perf_counter()
-        keys = sorted(self.keys(), key=lambda k: (k[1] * (k[2] + (k[0] == "round")), k[3], k[0]), reverse=True)
+        keys = sorted(self.keys(), key=lambda k: (k[1] * (k[2] + (k[0] in _ROUNDS)), k[3], k[0]), reverse=True)
         stream = torch.cuda.Stream(device=self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream):
@@ -211,9 +223,9 @@ class GraphRunner:
     def _fill_padding(self, key) -> None:
         kind, b, t, _ = key
         pad = RowSpec(torch.zeros(1, dtype=torch.long), 0, self._scratch.pages, self._scratch.slot)
-        for dm in self.draft_meta if kind == "round" else ():
+        for dm in self.draft_meta if kind in _ROUNDS else ():
             dm.fill([pad], b, 1)
-        t += kind == "round"                  # a round's verify step: K + 1 tokens
+        t += kind in _ROUNDS                  # a round's verify step: K + 1 tokens
         self.meta.fill([RowSpec(torch.zeros(t, dtype=torch.long), 0, self._scratch.pages, self._scratch.slot)],
                        b, t)
 
@@ -231,8 +243,8 @@ class GraphRunner:
         no host snapshot rows), else (true KV lengths, snapshot rows) for an eager run, which backends that
         read host metadata (the torch reference) need."""
         kind, b, t, bucket = key
-        if kind == "round":
-            return graph_round.body(self, b, t, bucket, host)
+        if kind in _ROUNDS:
+            return graph_round.body(self, b, t, bucket, host, sampled=kind == "sround")
         kv, snaps = host if host is not None else ((bucket,) * b, (-1,) * b)
         n = b * t
         if kind == "mtp":
@@ -297,8 +309,8 @@ class GraphRunner:
 
     @torch.no_grad()
     def round(self, rows: list, k: int):
-        """A greedy MTP round of k drafts per `graph_round.RoundRow` as one graph -> (the verify's Output, the
-        packed drafts and argmax), or None when the separate steps must run it (`graph_round`)."""
+        """An MTP round of k drafts per `graph_round.RoundRow` as one graph -> (the verify's Output, the packed
+        drafts, argmax and a sampled round's verdicts), or None when the separate steps must run it (`graph_round`)."""
         return graph_round.run(self, rows, k)
 
     def _protect(self, batch, snap: list[int], t: int) -> None:

@@ -17,6 +17,9 @@ import torch
 
 from ninfer_formats.errors import NinferError
 
+from . import sampling_rows
+from .sampling_rows import softmax_rows
+
 PENALTY_LIMIT = 2.0          # OpenAI's documented range for presence/frequency penalties
 MAX_LOGPROBS = 20            # top alternatives per token (OpenAI's top_logprobs limit; vLLM's default max_logprobs)
 BIAS_LIMIT = 100.0           # OpenAI's documented range for logit_bias values
@@ -340,24 +343,17 @@ def _one_hot(x: torch.Tensor) -> torch.Tensor:
 TOPK_SORT_MAX = 4096     # rows whose top_k are all at most this are truncated from a top-k selection
 
 
-def softmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim of float32 rows from grid-wide kernels (max, exp, sum, divide). torch.softmax
-    gives each row one thread block on CUDA: for a few rows of a 248,320-token vocabulary (a draft step, a
-    verdict) that is one SM reading each row three times. One function for every device and path, so that the
-    drafts, the verdict and the chained or read-back paths draw from the same distributions. A row of -inf stays
-    nan, as with torch.softmax."""
-    e = torch.sub(x, x.amax(-1, keepdim=True)).exp_()
-    return e.div_(e.sum(-1, keepdim=True))
-
-
 def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p on the sorted distribution; renormalised."""
-    dev = x.device
+    """Temperature, then top-k, top-p and min-p on the sorted distribution; renormalised. Rows that
+    `sampling_rows.holds` accepts take its fixed path (the one a captured MTP round draws with)."""
+    dev, V = x.device, x.shape[1]
+    if all(sampling_rows.holds(p, V) for p in params):
+        prm = to_device(sampling_rows.param_rows(params, V), dev)
+        if all(p.top_k == 0 or p.top_k >= V for p in params):      # temperature alone: its softmax, no selection
+            return softmax_rows(x / prm[:, :1])
+        return sampling_rows.processed(x, prm)
     temp = small_tensor([float(p.temperature) for p in params], torch.float32, dev)[:, None]
     probs = softmax_rows(x / temp)
-    if all(p.top_k == 0 and p.top_p == 1 and p.min_p == 0 for p in params):
-        return probs
-    V = x.shape[1]
     ks = [p.top_k if 0 < p.top_k < V else V for p in params]
     # every row keeps at most max(ks) tokens: sort only those (a top-k selection, not a sort of the vocabulary),
     # and the cumulative sum below runs over max(ks) columns instead of all 248,320

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def keys(r: dict) -> set:
     """The fields of a record: K > 0 runs also count their round graphs and hash their tokens."""
-    return KEYS | {"graph_rounds", "tokens_digest"} if r["draft_tokens"] else KEYS
+    return KEYS | {"graph_rounds", "sampled_rounds", "tokens_digest"} if r["draft_tokens"] else KEYS
 
 
 @pytest.mark.parametrize("chain", ["1", "0"], ids=["chained", "read-back"])

@@ -82,7 +82,7 @@ def _check_round(ref: Model, m: Model, prompts, k: int, tol: float) -> None:
     want_drafts, want = _separate(ref, a_rows, k)
     got, packed = runner.round(b_rows, k)
     from ninfer_rt.graph_round import read_back
-    drafts, am, tail = read_back(packed, len(prompts), runner._pad(len(prompts)), k)
+    drafts, am, _, tail = read_back(packed, len(prompts), runner._pad(len(prompts)), k)
     assert runner.stats.rounds == 1 and drafts == want_drafts and tail == []
     assert am == want.logits.argmax(-1).tolist()
     assert rel(got.logits, want.logits) <= tol and rel(got.hidden, want.hidden) <= tol

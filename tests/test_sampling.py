@@ -142,6 +142,7 @@ def test_truncation_from_a_top_k_selection_equals_the_sort(monkeypatch, ks):
     x = torch.randn(3, 3001, generator=torch.Generator().manual_seed(4)) * 4
     got = process(x, params)
     monkeypatch.setattr(S, "TOPK_SORT_MAX", 0)          # always the full sort
+    monkeypatch.setattr(S.sampling_rows, "TOPK_GRAPH_WIDTH", 0)
     want = process(x, params)
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-9)
     assert [int((r > 0).sum()) <= (k or 3001) for r, k in zip(got, ks)] == [True] * 3

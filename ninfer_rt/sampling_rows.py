@@ -1,0 +1,73 @@
+"""Sampling from tensors of parameters: the processing and the draw a captured graph can hold.
+
+`sampling.process` reads its parameters from host lists and picks its path by them (a sort of the whole
+vocabulary for a row without top_k, a top-k selection of the widest row's k). A graph cannot branch on the host,
+so the rows it holds (`holds`) are processed from a float32 tensor of parameters `[R, 4]` (temperature, top_k,
+top_p, min_p; `param_rows`) along one fixed path: the temperature's softmax, then a top-k selection of
+`width` = min(TOPK_GRAPH_WIDTH, V) columns for the rows with a top_k (top-p and min-p inside it). The eager
+`process` takes this same path for such rows, so the drafts and verdicts a graph draws equal the separate steps'.
+"""
+from __future__ import annotations
+
+import torch
+
+TOPK_GRAPH_WIDTH = 64     # the top-k selection's width for rows with 0 < top_k <= it (Qwen's chat default is 20)
+PARAM_COLS = 4            # temperature, top_k (0: off), top_p, min_p
+
+
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of float32 rows from grid-wide kernels (max, exp, sum, divide). torch.softmax
+    gives each row one thread block on CUDA: for a few rows of a 248,320-token vocabulary (a draft step, a
+    verdict) that is one SM reading each row three times. One function for every device and path, so that the
+    drafts, the verdict and the chained or read-back paths draw from the same distributions. A row of -inf stays
+    nan, as with torch.softmax."""
+    e = torch.sub(x, x.amax(-1, keepdim=True)).exp_()
+    return e.div_(e.sum(-1, keepdim=True))
+
+
+def top_k_of(p, vocab: int) -> int:
+    """A row's top_k as the processing reads it: 0 when off (0, or at least the vocabulary)."""
+    return p.top_k if 0 < p.top_k < vocab else 0
+
+
+def holds(p, vocab: int) -> bool:
+    """A sampled row the fixed path processes: temperature alone (top-p and min-p off, no top_k), or a top_k of at
+    most the selection's width with any top-p and min-p. A row without top_k but with top-p or min-p needs the
+    sort of the whole vocabulary (`sampling._truncate`)."""
+    k = top_k_of(p, vocab)
+    if k == 0:
+        return p.top_p == 1 and p.min_p == 0
+    return k <= min(TOPK_GRAPH_WIDTH, vocab)
+
+
+def param_rows(params: list, vocab: int) -> torch.Tensor:
+    """The parameters of `processed`, float32 [R, 4] on the host. Greedy rows get temperature 1 and nothing else
+    (their distribution is never drawn from: `race` takes their argmax)."""
+    return torch.tensor([[float(p.temperature) or 1.0, float(top_k_of(p, vocab)), float(p.top_p), float(p.min_p)]
+                         for p in params], dtype=torch.float32).reshape(len(params), PARAM_COLS)
+
+
+def processed(x: torch.Tensor, prm: torch.Tensor) -> torch.Tensor:
+    """Processed distributions [R, V] of float32 logits x [R, V] under parameter rows prm [R, 4] (every row one that
+    `holds` accepts): the temperature's softmax; rows with a top_k keep at most top_k tokens of a top-k selection,
+    then those whose preceding mass is below top_p, then those at least min_p times the most likely; renormalised.
+    Rows without a top_k keep the softmax."""
+    probs = softmax_rows(x / prm[:, :1])
+    k = prm[:, 1:2]
+    width = min(TOPK_GRAPH_WIDTH, x.shape[1])
+    sp, order = probs.topk(width, dim=-1)
+    keep = torch.arange(width, device=x.device)[None, :] < k
+    sp = sp * keep
+    # keep a token while the mass strictly before it (within top-k) is below top_p: the first always stays
+    before = (sp.cumsum(-1) - sp) / sp.sum(-1, keepdim=True)
+    keep &= before < prm[:, 2:3]
+    keep &= sp >= prm[:, 3:4] * sp[:, :1]
+    sp = sp * keep
+    sp = sp / sp.sum(-1, keepdim=True)
+    return torch.where(k == 0, probs, torch.zeros_like(probs).scatter_(1, order, sp))
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """One token per row -> int64 [R]: a sampled row's exponential race argmax(probs / noise) (`sampling.sample`'s
+    draw), a greedy row's argmax of its raw logits."""
+    return torch.where(sampled, (probs / noise).argmax(-1), logits.argmax(-1))

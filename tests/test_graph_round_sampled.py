@@ -1,0 +1,143 @@
+"""Sampled MTP rounds as one graph (ninfer_rt.graph_round_sampled) against the separate steps: seeded requests get
+the same tokens and per-step reports with the drafts drawn and the verdicts decided inside the graph (torch
+backend, eager static-buffer bodies); the sampling the graph does not hold takes the separate steps; the
+configuration and its variable; the captured graphs on a GPU."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: bench/ must not shadow anything
+
+from hf_tiny import build_hf_model, loaded_model
+from ninfer_rt.backends.torch_ops import TorchOps
+from ninfer_rt.engine import Engine, EngineError, engine_layout
+from ninfer_rt.graphs import GraphConfig
+from ninfer_rt.loader import load
+from ninfer_rt.sampling import SamplingParams
+from ninfer_rt.sampling_rows import TOPK_GRAPH_WIDTH, holds
+from ninfer_rt.speculative import SpecConfig
+from tiny_util import pack_tiny
+
+PROMPTS = [list(range(40, 57)), list(range(100, 109))]
+UNHELD = "round: sampling the graph does not hold (top-p or min-p without top_k, or a top_k past its width)"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _config(k: int, sampled: bool) -> GraphConfig:
+    return GraphConfig(batch_sizes=(1, 2), tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)),
+                       kv_buckets=(64,), eager=True, round_drafts=k, sampled_rounds=sampled)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The shipped trained ninfer-tiny: its MTP drafts are accepted part of the time."""
+    return load(pack_tiny(tmp_path_factory.mktemp("tiny")), device="cpu", dtype=torch.float32)
+
+
+def _steps(engine, params) -> tuple[dict, list]:
+    """Tokens per request and every step's (request, drafted, accepted) reports."""
+    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(f"r{i}", p, sp)
+    out, reports = {f"r{i}": [] for i in range(len(params))}, []
+    while engine.has_work():
+        for o in engine.step():
+            out[o.req_id] += o.new_token_ids
+            reports.append((o.req_id, o.drafted, o.accepted))
+    return out, reports
+
+
+def _both(tiny, k: int, params) -> list:
+    """(tokens and reports, graph stats, spec stats) with the separate steps, then with sampled round graphs."""
+    got = []
+    for sampled in (False, True):
+        eng = Engine(tiny, TorchOps(), spec=SpecConfig(num_draft_tokens=k), prefill_chunk=32, max_batch=2,
+                     graphs=_config(k, sampled))
+        got.append((_steps(eng, params), eng.graphs.stats, eng.stats.spec))
+        eng.shutdown()
+        assert eng.model.kv_pool.free_pages() == eng.cache.num_pages
+    return got
+
+
+MIXES = {
+    "temperature": [dict(temperature=0.8, seed=7), dict(temperature=1.1, seed=3)],
+    "chat-defaults": [dict(temperature=0.7, top_k=20, top_p=0.95, seed=5),
+                      dict(temperature=0.9, top_k=40, top_p=0.8, min_p=0.05, seed=11)],
+    "greedy-beside": [dict(temperature=0), dict(temperature=0.6, top_k=20, seed=2)],
+    "one-row": [dict(temperature=1.0, top_k=TOPK_GRAPH_WIDTH, seed=4)],
+}
+
+
+@pytest.mark.parametrize("k", [1, 3], ids=["K1", "K3"])
+@pytest.mark.parametrize("mix", list(MIXES), ids=list(MIXES))
+def test_sampled_round_graphs_equal_separate_steps(tiny, k, mix):
+    """Every round through the sampled round graph draws what the separate steps draw (the same generator streams,
+    distributions and rejection), so seeded requests give the same tokens and reports; drafts get accepted and
+    rejected."""
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **kw) for kw in MIXES[mix]]
+    (want, st0, _), (got, st1, spec) = _both(tiny, k, params)
+    assert got == want
+    assert st0.sampled_rounds == 0 and st0.reasons.get("round: no sampled round graphs", 0) >= 3
+    assert st1.sampled_rounds >= 3
+    # a greedy request finishing alone has greedy rounds; the others are all sampled
+    assert st1.sampled_rounds == st1.rounds or any(p.greedy for p in params)
+    assert 0 < spec.accepted < spec.drafted
+
+
+def test_sampling_the_graph_does_not_hold_takes_the_separate_steps(tiny):
+    """top-p without top_k needs a sort of the vocabulary: such a batch runs as separate steps, with the same
+    tokens, and the reason is counted."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, seed=2, max_tokens=16, ignore_eos=True)]
+    (want, _, _), (got, st, _) = _both(tiny, 2, params)
+    assert got == want and st.sampled_rounds == 0 and st.reasons[UNHELD] >= 3
+
+
+@pytest.mark.parametrize("kw,held", [
+    (dict(temperature=0.8), True), (dict(temperature=0.8, top_k=20, top_p=0.95, min_p=0.1), True),
+    (dict(temperature=0.8, top_k=TOPK_GRAPH_WIDTH + 1), False), (dict(temperature=0.8, top_p=0.9), False),
+    (dict(temperature=0.8, min_p=0.1), False), (dict(temperature=0.8, top_k=10**6, top_p=1.0), True)],
+    ids=["temperature", "chat", "wide-top-k", "top-p-alone", "min-p-alone", "top-k-past-vocab"])
+def test_holds(kw, held):
+    assert holds(SamplingParams(**kw), 1000) is held
+
+
+def test_graph_config_and_variable(monkeypatch):
+    with pytest.raises(ValueError, match="graphs.sampled_rounds"):
+        GraphConfig(tokens=(1, 2), mtp_tokens=(1, 2), sampled_rounds=True)
+
+    class TritonOps:                     # graph_config captures only for the triton backend, by its class name
+        pass
+    loaded = loaded_model(build_hf_model(seed=3))
+    loaded.device = "cuda"
+    spec = SpecConfig(num_draft_tokens=2)
+    assert engine_layout(loaded, TritonOps(), spec, 2, 40).graphs.sampled_rounds is True
+    monkeypatch.setenv("NINFER_SAMPLED_ROUNDS", "0")
+    assert engine_layout(loaded, TritonOps(), spec, 2, 40).graphs.sampled_rounds is False
+    monkeypatch.setenv("NINFER_SAMPLED_ROUNDS", "1")
+    monkeypatch.setenv("NINFER_ROUND_GRAPHS", "0")
+    assert engine_layout(loaded, TritonOps(), spec, 2, 40).graphs.sampled_rounds is False
+    monkeypatch.setenv("NINFER_SAMPLED_ROUNDS", "on")
+    with pytest.raises(EngineError, match="NINFER_SAMPLED_ROUNDS='on': expected 1"):
+        engine_layout(loaded, TritonOps(), spec, 2, 40)
+
+
+@gpu
+def test_captured_sampled_rounds_equal_separate_graphs_gpu(tmp_path_factory, monkeypatch):
+    """bf16 Triton kernels, captured, batch 1 (the same tensor shapes on both paths): a seeded chat-default request
+    gives the tokens of the Engine whose sampled rounds replay the draft and verify graphs one by one."""
+    from ninfer_rt.backends.triton_ops import TritonOps
+    loaded = load(pack_tiny(tmp_path_factory.mktemp("tiny")), device="cuda", dtype=torch.bfloat16)
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=5, max_tokens=48, ignore_eos=True)]
+    got = []
+    for v in ("0", "1"):
+        monkeypatch.setenv("NINFER_SAMPLED_ROUNDS", v)
+        eng = Engine(loaded, TritonOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=32, max_batch=2)
+        got.append((_steps(eng, params), eng.graphs.stats.sampled_rounds))
+        eng.shutdown()
+    assert got[0][0] == got[1][0] and got[0][1] == 0 and got[1][1] >= 5
