@@ -13,8 +13,8 @@ two inputs, replays once and reads the drafts and the argmax back in one transfe
 Only rounds whose drafts one argmax decides (the engine's chain: greedy, no penalties, bias or grammar) and
 whose sequences all draft the captured K go this way (`GraphConfig.round_drafts`); anything else takes the
 separate steps, with the same tokens. `NINFER_ROUND_GRAPHS=0` turns it off (the comparison run; engine_layout).
-Rounds with sampled rows take the sampled round graphs (key kind "sround", `graph_round_sampled`), which draw the
-drafts and decide the verdicts inside the graph.
+Rounds with sampled rows take the sampled round graphs (key kinds "sround" / "tround", `graph_round_sampled`), which
+draw the drafts and decide the verdicts inside the graph.
 
 Packed output (int64, one device tensor): the padded batch's drafts [B, K] row by row, then the verify argmax
 [B * (K + 1)], and in a sampled round each padded row's (accepted drafts, token); it stays valid until the next
@@ -54,13 +54,14 @@ def draft_metas(runner, k: int) -> list[StaticMeta]:
                        m.device) for _ in range(k - 1)]
 
 
-def body(runner, b: int, k: int, bucket: int, host, sampled: bool = False):
+def body(runner, b: int, k: int, bucket: int, host, kind: str = "round"):
     """The round over the static buffers -> (verify hidden [b(K+1), H], verify logits, packed int64). host: None
     when capturing, else (verify KV lengths, snapshot rows, each draft step's KV lengths) for an eager run.
-    sampled: the drafts drawn and the verdicts decided in the graph (`graph_round_sampled`)."""
+    kind "sround" / "tround": the drafts drawn and the verdicts decided in the graph (`graph_round_sampled`)."""
     model, meta, t = runner.model, runner.meta, k + 1
     kv, snaps, kv_drafts = host if host is not None else ((bucket,) * b, (-1,) * b, [(bucket,) * b] * (k - 1))
-    pick = sampled_round.Drafter(runner.sampled, b) if sampled else (lambda lg, j: lg.argmax(-1))
+    sampled = kind != "round"
+    pick = sampled_round.Drafter(runner.sampled, b, kind == "sround") if sampled else (lambda lg, j: lg.argmax(-1))
     d = pick(runner.round_logits[:b], 0)
     drafts, h = [d], runner.mtp_hidden[:b]
     for j, dm in enumerate(runner.draft_meta):
@@ -108,7 +109,7 @@ def run(runner, rows: list[RoundRow], k: int):
         return None
     model, t, B = runner.model, k + 1, runner._pad(len(rows))
     sampled = any(r.sampled for r in rows)
-    key = ("sround" if sampled else "round", B, k, runner._bucket(_need(rows, k)))
+    key = (sampled_round.kind(rows, runner.round_logits.shape[-1]) if sampled else "round", B, k, runner._bucket(_need(rows, k)))
     ids = [torch.tensor([r.last] + [0] * k, dtype=torch.long) for r in rows]
     model._admit([(i, r.state, "all") for i, r in zip(ids, rows)])
     if k > 1:

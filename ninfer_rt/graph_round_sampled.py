@@ -14,6 +14,9 @@ Rows it holds: plain sampled or greedy rows (no penalties, bias, bans or grammar
 truncation `sampling_rows.holds` (temperature alone, or a top_k up to its width with any top-p and min-p), TP1
 (the leader draws; followers hold no parameters). `NINFER_SAMPLED_ROUNDS=0` turns it off (engine_layout).
 
+Two graphs per batch size: "sround" processes with the top-k selection, "tround" without it, for batches whose
+sampled rows have no top_k (temperature alone; the selection costs a sampled round ~0.4 ms on a 27B H100 otherwise).
+
 Packed output: `graph_round`'s (drafts, verify argmax), then (accepted drafts, token) for each padded row.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import SamplingParams, to_device
-from .sampling_rows import holds, param_rows, processed, race
+from .sampling_rows import holds, param_rows, processed, race, selects
 from .spec_verify import greedy_verify, rejection_verify
 
 
@@ -56,6 +59,11 @@ def why_not(runner, rows: list) -> str:
     return ""
 
 
+def kind(rows: list, vocab: int) -> str:
+    """The graph kind of a round with sampled rows: "sround" (a top-k selection) or "tround" (temperature alone)."""
+    return "sround" if selects([r.params for r in rows], vocab) else "tround"
+
+
 def _greedy(r) -> bool:
     return r.params is None or r.params.greedy
 
@@ -79,12 +87,12 @@ def fill(buf: Buffers, rows: list, k: int) -> None:
 class Drafter:
     """Draws a round's drafts inside the graph body, keeping each draft distribution for the verdict."""
 
-    def __init__(self, buf: Buffers, b: int):
-        self.buf, self.b, self.q = buf, b, []
+    def __init__(self, buf: Buffers, b: int, select: bool):
+        self.buf, self.b, self.select, self.q = buf, b, select, []
 
     def __call__(self, logits: torch.Tensor, j: int) -> torch.Tensor:
         b = self.b
-        q = processed(logits.float(), self.buf.prm[:b])
+        q = processed(logits.float(), self.buf.prm[:b], self.select)
         self.q.append(q)
         return race(q, self.buf.noise[:b, j], self.buf.sampled[:b], logits)
 
@@ -93,7 +101,7 @@ class Drafter:
         for a sampled row, the longest matching prefix for a greedy one. ids [b, K], logits [b (K + 1), V]."""
         b, k = ids.shape
         buf, t = self.buf, k + 1
-        p = processed(logits.float(), buf.prm[:b].repeat_interleave(t, 0)).view(b, t, -1)
+        p = processed(logits.float(), buf.prm[:b].repeat_interleave(t, 0), self.select).view(b, t, -1)
         n_s, tok_s = rejection_verify(p, torch.stack(self.q, 1), ids, buf.u[:b, :k], buf.rnoise[:b])
         n_g, tok_g = greedy_verify(argmax.view(b, t), ids)
         s = buf.sampled[:b]

@@ -42,7 +42,7 @@ from .state import CapacityError, PendingSnapshot
 # The widest prefill graph: the decode kernels' widest step (ninfer_kernels.dispatch.DECODE_MAX_T; a test keeps
 # the two equal). Wider chunks take the prefill kernels, which run eagerly.
 PREFILL_MAX_T = 16
-_ROUNDS = ("round", "sround")      # key kinds of the round graphs: greedy, with sampled rows
+_ROUNDS = ("round", "sround", "tround")     # key kinds of the round graphs: greedy, sampled (graph_round_sampled)
 
 
 class GraphError(RuntimeError):
@@ -179,7 +179,7 @@ class GraphRunner:
         if self.round_logits is not None:
             out += [("round", b, c.round_drafts, k) for b in c.batch_sizes for k in c.kv_buckets]
         if self.sampled is not None:
-            out += [("sround", b, c.round_drafts, k) for b in c.batch_sizes for k in c.kv_buckets]
+            out += [(s, b, c.round_drafts, k) for s in _ROUNDS[1:] for b in c.batch_sizes for k in c.kv_buckets]
         return out
 
     def _pad(self, n: int) -> int | None:
@@ -244,7 +244,7 @@ class GraphRunner:
         read host metadata (the torch reference) need."""
         kind, b, t, bucket = key
         if kind in _ROUNDS:
-            return graph_round.body(self, b, t, bucket, host, sampled=kind == "sround")
+            return graph_round.body(self, b, t, bucket, host, kind)
         kv, snaps = host if host is not None else ((bucket,) * b, (-1,) * b)
         n = b * t
         if kind == "mtp":

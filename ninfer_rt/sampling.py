@@ -349,9 +349,7 @@ def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev, V = x.device, x.shape[1]
     if all(sampling_rows.holds(p, V) for p in params):
         prm = to_device(sampling_rows.param_rows(params, V), dev)
-        if all(p.top_k == 0 or p.top_k >= V for p in params):      # temperature alone: its softmax, no selection
-            return softmax_rows(x / prm[:, :1])
-        return sampling_rows.processed(x, prm)
+        return sampling_rows.processed(x, prm, sampling_rows.selects(params, V))
     temp = small_tensor([float(p.temperature) for p in params], torch.float32, dev)[:, None]
     probs = softmax_rows(x / temp)
     ks = [p.top_k if 0 < p.top_k < V else V for p in params]

@@ -25,6 +25,11 @@ def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     return e.div_(e.sum(-1, keepdim=True))
 
 
+def selects(params: list, vocab: int) -> bool:
+    """Whether any sampled row has a top_k (`processed`'s select)."""
+    return any(top_k_of(p, vocab) for p in params if p is not None and not p.greedy)
+
+
 def top_k_of(p, vocab: int) -> int:
     """A row's top_k as the processing reads it: 0 when off (0, or at least the vocabulary)."""
     return p.top_k if 0 < p.top_k < vocab else 0
@@ -47,12 +52,15 @@ def param_rows(params: list, vocab: int) -> torch.Tensor:
                          for p in params], dtype=torch.float32).reshape(len(params), PARAM_COLS)
 
 
-def processed(x: torch.Tensor, prm: torch.Tensor) -> torch.Tensor:
+def processed(x: torch.Tensor, prm: torch.Tensor, select: bool = True) -> torch.Tensor:
     """Processed distributions [R, V] of float32 logits x [R, V] under parameter rows prm [R, 4] (every row one that
     `holds` accepts): the temperature's softmax; rows with a top_k keep at most top_k tokens of a top-k selection,
     then those whose preceding mass is below top_p, then those at least min_p times the most likely; renormalised.
-    Rows without a top_k keep the softmax."""
+    Rows without a top_k keep the softmax. select=False: no row has a top_k (the softmax alone: a top-k selection
+    of one 248,320-wide row is dozens of kernels)."""
     probs = softmax_rows(x / prm[:, :1])
+    if not select:
+        return probs
     k = prm[:, 1:2]
     width = min(TOPK_GRAPH_WIDTH, x.shape[1])
     sp, order = probs.topk(width, dim=-1)

@@ -13,6 +13,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: bench/ must not shadow anything
 
 from hf_tiny import build_hf_model, loaded_model
+from ninfer_rt import graph_round_sampled
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.engine import Engine, EngineError, engine_layout
 from ninfer_rt.graphs import GraphConfig
@@ -75,13 +76,16 @@ MIXES = {
 
 @pytest.mark.parametrize("k", [1, 3], ids=["K1", "K3"])
 @pytest.mark.parametrize("mix", list(MIXES), ids=list(MIXES))
-def test_sampled_round_graphs_equal_separate_steps(tiny, k, mix):
+def test_sampled_round_graphs_equal_separate_steps(tiny, k, mix, monkeypatch):
     """Every round through the sampled round graph draws what the separate steps draw (the same generator streams,
     distributions and rejection), so seeded requests give the same tokens and reports; drafts get accepted and
-    rejected."""
+    rejected. Batches without a top_k take the graphs without the top-k selection ("tround")."""
+    kinds, real = [], graph_round_sampled.kind
+    monkeypatch.setattr(graph_round_sampled, "kind", lambda rows, v: kinds.append(real(rows, v)) or kinds[-1])
     params = [SamplingParams(max_tokens=24, ignore_eos=True, **kw) for kw in MIXES[mix]]
     (want, st0, _), (got, st1, spec) = _both(tiny, k, params)
     assert got == want
+    assert set(kinds) == {"tround" if mix == "temperature" else "sround"}
     assert st0.sampled_rounds == 0 and st0.reasons.get("round: no sampled round graphs", 0) >= 3
     assert st1.sampled_rounds >= 3
     # a greedy request finishing alone has greedy rounds; the others are all sampled
@@ -128,12 +132,13 @@ def test_graph_config_and_variable(monkeypatch):
 
 
 @gpu
-def test_captured_sampled_rounds_equal_separate_graphs_gpu(tmp_path_factory, monkeypatch):
-    """bf16 Triton kernels, captured, batch 1 (the same tensor shapes on both paths): a seeded chat-default request
-    gives the tokens of the Engine whose sampled rounds replay the draft and verify graphs one by one."""
+@pytest.mark.parametrize("kw", [dict(top_k=20, top_p=0.95), {}], ids=["chat-defaults", "temperature"])
+def test_captured_sampled_rounds_equal_separate_graphs_gpu(tmp_path_factory, monkeypatch, kw):
+    """bf16 Triton kernels, captured, batch 1 (the same tensor shapes on both paths): a seeded request gives the
+    tokens of the Engine whose sampled rounds replay the draft and verify graphs one by one."""
     from ninfer_rt.backends.triton_ops import TritonOps
     loaded = load(pack_tiny(tmp_path_factory.mktemp("tiny")), device="cuda", dtype=torch.bfloat16)
-    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=5, max_tokens=48, ignore_eos=True)]
+    params = [SamplingParams(temperature=0.7, seed=5, max_tokens=48, ignore_eos=True, **kw)]
     got = []
     for v in ("0", "1"):
         monkeypatch.setenv("NINFER_SAMPLED_ROUNDS", v)
