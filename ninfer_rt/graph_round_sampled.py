@@ -92,7 +92,7 @@ class Drafter:
 
     def __call__(self, logits: torch.Tensor, j: int) -> torch.Tensor:
         b = self.b
-        q = processed(logits.float(), self.buf.prm[:b], self.select)
+        q = processed(logits, self.buf.prm[:b], self.select)
         self.q.append(q)
         return race(q, self.buf.noise[:b, j], self.buf.sampled[:b], logits)
 
@@ -101,7 +101,7 @@ class Drafter:
         for a sampled row, the longest matching prefix for a greedy one. ids [b, K], logits [b (K + 1), V]."""
         b, k = ids.shape
         buf, t = self.buf, k + 1
-        p = processed(logits.float(), buf.prm[:b].repeat_interleave(t, 0), self.select).view(b, t, -1)
+        p = processed(logits, buf.prm[:b].repeat_interleave(t, 0), self.select).view(b, t, -1)
         n_s, tok_s = rejection_verify(p, torch.stack(self.q, 1), ids, buf.u[:b, :k], buf.rnoise[:b])
         n_g, tok_g = greedy_verify(argmax.view(b, t), ids)
         s = buf.sampled[:b]

@@ -53,12 +53,12 @@ def param_rows(params: list, vocab: int) -> torch.Tensor:
 
 
 def processed(x: torch.Tensor, prm: torch.Tensor, select: bool = True) -> torch.Tensor:
-    """Processed distributions [R, V] of float32 logits x [R, V] under parameter rows prm [R, 4] (every row one that
+    """Processed distributions [R, V] float32 of logits x [R, V] under parameter rows prm [R, 4] (every row one that
     `holds` accepts): the temperature's softmax; rows with a top_k keep at most top_k tokens of a top-k selection,
     then those whose preceding mass is below top_p, then those at least min_p times the most likely; renormalised.
     Rows without a top_k keep the softmax. select=False: no row has a top_k (the softmax alone: a top-k selection
     of one 248,320-wide row is dozens of kernels)."""
-    probs = softmax_rows(x / prm[:, :1])
+    probs = softmax_rows(x / prm[:, :1])      # bf16 / float32 divides in float32: `process`'s x.float() / t
     if not select:
         return probs
     k = prm[:, 1:2]
