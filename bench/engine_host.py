@@ -22,7 +22,8 @@ Ceiling in the same run: the time of one tiny torch call (`torch_op_us`); `round
 
 Records (--out, default bench/results/engine_host.json): {"kind": "engine_host", "draft_tokens", "acceptance",
 "rounds", "emitted", "tokens_per_round", "us_round", "windows_us": {window: median}, "torch_op_us",
-"round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "temperature", "batch"}; at --batch B a round is
+"round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "sampled_rounds" (NINFER_SAMPLED_ROUNDS with round
+graphs: ninfer_rt/graph_round_sampled.py), "temperature", "batch"}; at --batch B a round is
 one engine step of the B requests (us_round per step, "rounds" counts each request's).
 """
 from __future__ import annotations
@@ -87,12 +88,13 @@ def null_runner(marks: list):
         kind, b, t, _ = key
         if key not in fixed:
             g = torch.Generator().manual_seed(b * 31 + t)
-            n = b * (t + 1) if kind == "round" else b * t          # a round of t drafts verifies t + 1 tokens
+            rnd = kind in ("round", "sround", "tround")            # greedy, sampled (graph_round_sampled)
+            n = b * (t + 1) if rnd else b * t                       # a round of t drafts verifies t + 1 tokens
             rows = b if kind == "mtp" and t > 1 and last_only else n
             fixed[key] = (torch.randn(n, self.model.cfg.hidden_size, generator=g),
                           torch.randn(rows, self.model.cfg.vocab_size, generator=g))
-            if kind == "round":                                   # the packed drafts and verify argmax
-                fixed[key] += (torch.zeros(b * t + n, dtype=torch.long),)
+            if rnd:                     # the packed drafts and verify argmax (and a sampled round's verdicts)
+                fixed[key] += (torch.zeros(b * t + n + 2 * b * (kind != "round"), dtype=torch.long),)
         return fixed[key]
 
     real_body, real_run = GraphRunner._body, GraphRunner._run
@@ -115,7 +117,7 @@ def windows(marks: list) -> dict:
         if kind != "verdict" or i + 2 >= len(marks) or marks[i + 1][0] != "mtp":
             continue
         ver = next((j for j in range(i + 2, len(marks)) if marks[j][0] != "mtp"), None)
-        if ver is None or marks[ver][0] not in ("target", "round") or ver + 1 >= len(marks) \
+        if ver is None or marks[ver][0] not in ("target", "round", "sround", "tround") or ver + 1 >= len(marks) \
                 or marks[ver + 1][0] != "verdict":
             continue
         for w, (a, b) in zip(WINDOWS, ((i, i + 1), (i + 1, i + 2), (i + 2, ver), (ver, ver + 1))):
@@ -158,9 +160,18 @@ def _engine(loaded, k: int, marks: list, round_graphs: bool, batch: int = 1):
     cls._rigged_rows = rows
     cfg = GraphConfig(batch_sizes=(batch,), tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)),
                       kv_buckets=(4096,), eager=True,       # the shapes `graph_config` gives a CUDA engine
-                      **({"round_drafts": k} if round_graphs else {}))
+                      **({"round_drafts": k, "sampled_rounds": sampled_rounds_on()} if round_graphs else {}))
     return cls(loaded, get_ops("torch"), spec=SpecConfig(num_draft_tokens=k), max_batch=batch, max_model_len=4096,
                graphs=cfg)
+
+
+def sampled_rounds_on() -> bool:
+    """NINFER_SAMPLED_ROUNDS as the runtime reads it (False for a runtime without sampled round graphs)."""
+    try:
+        from ninfer_rt.engine_layout import sampled_rounds
+    except ImportError:
+        return False
+    return sampled_rounds()
 
 
 def round_graphs(args) -> bool:
@@ -181,6 +192,7 @@ def _measure(loaded, args, marks: list) -> list[dict]:
     unit = torch_op_us()
     prompt = random.Random(0).choices(range(min(loaded.config.vocab_size, 1000)), k=64)
     base = {"kind": "engine_host", "cpu": cpu_name(), "tag": args.tag, "round_graphs": round_graphs(args),
+            "sampled_rounds": round_graphs(args) and sampled_rounds_on(),
             "temperature": args.temperature, "batch": args.batch,
             "vocab": loaded.config.vocab_size, "hidden": loaded.config.hidden_size, "torch_op_us": round(unit, 3)}
     out = []

@@ -12,7 +12,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: 
 import engine_host  # noqa: E402
 
 KEYS = {"kind", "draft_tokens", "acceptance", "rounds", "emitted", "tokens_per_round", "us_round", "windows_us",
-        "torch_op_us", "round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "temperature", "batch"}
+        "torch_op_us", "round_in_ops", "cpu", "vocab", "hidden", "tag", "round_graphs", "sampled_rounds", "temperature",
+        "batch"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,15 +47,19 @@ def test_window_split():
     assert got == {"verdict->align": 0.5e6, "align->next": 1.5e6, "next->verify": 3.0e6, "verify->verdict": 4.0e6}
 
 
-def test_sampled_rounds(tmp_path):
+@pytest.mark.parametrize("sampled", ["0", "1"], ids=["separate-steps", "sampled-round-graphs"])
+def test_sampled_rounds(tmp_path, monkeypatch, sampled):
     """--temperature: every request sampled (seeded), so the drafts are drawn and the verdict is rejection
-    sampling; the round graph (greedy drafts) is skipped, so the draft steps get their own window again."""
+    sampling: in the sampled round graph (NINFER_SAMPLED_ROUNDS=1, no next->verify window), else as separate steps
+    (the draft steps get their own window again)."""
+    monkeypatch.setenv("NINFER_SAMPLED_ROUNDS", sampled)
     out = tmp_path / "h.json"
     assert engine_host.main(["--ks", "3", "--acceptance", "1", "--new-tokens", "17", "--dir", str(tmp_path / "a"),
                              "--out", str(out), "--round-graphs", "1", "--temperature", "0.8"]) == 0
     (r,) = json.loads(out.read_text())
-    assert r["temperature"] == 0.8 and r["emitted"] == 17 and r["tokens_per_round"] == 4.0
-    assert r["windows_us"]["next->verify"] > 0 and r["batch"] == 1
+    assert r["temperature"] == 0.8 and r["emitted"] == 17 and r["tokens_per_round"] == 4.0 and r["batch"] == 1
+    assert r["sampled_rounds"] is (sampled == "1")
+    assert (r["windows_us"]["next->verify"] > 0) is (sampled == "0")
 
 
 def test_batched_rounds(tmp_path):
