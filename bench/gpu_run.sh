@@ -60,6 +60,8 @@
 #   prefixcache bench/prefix_cache.py: time to first token with and without the prefix cache (a repeated prompt,
 #             prompts sharing a system prompt) at $PREFIX_LENS (default 1024,4096) on the nvfp4 artifact (built, or
 #             the one kept under /dev/shm/ninfer-run), $PREFIX_REPS reps (prefix_cache.json); PREFIX_S (default 300)
+#   topk      bench/topk_select.py: the sampled round graph's processing alone (torch.topk against the chunked
+#             selection, processed with and without it) in CUDA graphs (topk_select.json, topk_table.txt); TOPK_S
 #   launch    bench/graph_launch.py: each CUDA graph of the real Engine (K = $LAUNCH_KS, default 0,3) replayed onto an
 #             idle GPU against back to back: the launch time a step that starts on an idle GPU pays
 #             (graph_launch.json); LAUNCH_S (default 240), LAUNCH_ENV: VAR=value words for it alone
@@ -233,6 +235,8 @@ for step in "$@"; do
         --prompt-lens ${PREFIX_LENS:-1024,4096} --reps ${PREFIX_REPS:-3} --out "$OUT/prefix_cache.json" \
         > "$OUT/prefix_cache_table.txt" 2> "$OUT/prefix_cache_log.txt"
       echo "prefixcache rc=$?"; cat "$OUT/prefix_cache_table.txt"; tail -3 "$OUT/prefix_cache_log.txt" ;;
+    topk) timeout ${TOPK_S:-90} python3 bench/topk_select.py --out "$OUT/topk_select.json" > "$OUT/topk_table.txt" 2>&1
+          echo "topk rc=$?"; cat "$OUT/topk_table.txt" ;;
     launch)
       env ${LAUNCH_ENV:-} timeout ${LAUNCH_S:-240} python3 bench/graph_launch.py --recipe nvfp4 --dir /dev/shm/ninfer-run \
         --ks ${LAUNCH_KS:-0,3} --out "$OUT/graph_launch${LAUNCH_TAG:-}.json" > "$OUT/graph_launch${LAUNCH_TAG:-}_table.txt" \

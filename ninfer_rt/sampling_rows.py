@@ -13,6 +13,7 @@ import torch
 
 TOPK_GRAPH_WIDTH = 64     # the top-k selection's width for rows with 0 < top_k <= it (Qwen's chat default is 20)
 PARAM_COLS = 4            # temperature, top_k (0: off), top_p, min_p
+TOPK_CHUNK = 0            # > 0: the selection as top-k of chunks of this many columns, then of their winners
 
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,7 @@ def processed(x: torch.Tensor, prm: torch.Tensor, select: bool = True) -> torch.
         return probs
     k = prm[:, 1:2]
     width = min(TOPK_GRAPH_WIDTH, x.shape[1])
-    sp, order = probs.topk(width, dim=-1)
+    sp, order = select_top(probs, width)
     keep = torch.arange(width, device=x.device)[None, :] < k
     sp = sp * keep
     # keep a token while the mass strictly before it (within top-k) is below top_p: the first always stays
@@ -73,6 +74,25 @@ def processed(x: torch.Tensor, prm: torch.Tensor, select: bool = True) -> torch.
     sp = sp * keep
     sp = sp / sp.sum(-1, keepdim=True)
     return torch.where(k == 0, probs, torch.zeros_like(probs).scatter_(1, order, sp))
+
+
+def select_top(probs: torch.Tensor, width: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` largest values of each row, sorted, and their columns (torch.topk's contract). With a chunk
+    (default TOPK_CHUNK; 0: one torch.topk per row) each row's chunks give their top `width` first, then the
+    winners theirs: a few rows as many short slices, where one slice of 248,320 is one CUDA block's work in
+    torch.topk (not measured yet: bench/topk_select.py). The same values; ties may come in another column order,
+    so the eager `process` and the graphs use this one function."""
+    chunk = TOPK_CHUNK if chunk is None else chunk
+    R, V = probs.shape
+    if chunk <= 0 or V <= chunk:
+        return probs.topk(width, dim=-1)
+    n = -(-V // chunk)
+    # padding below every probability (>= 0): never chosen before a real column
+    padded = torch.nn.functional.pad(probs, (0, n * chunk - V), value=-1.0).view(R, n, chunk)
+    v, i = padded.topk(min(width, chunk), dim=-1)
+    cols = (i + torch.arange(0, n * chunk, chunk, device=probs.device)[:, None]).view(R, -1)
+    sp, j = v.view(R, -1).topk(width, dim=-1)
+    return sp, cols.gather(1, j)
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

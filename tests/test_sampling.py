@@ -148,6 +148,17 @@ def test_truncation_from_a_top_k_selection_equals_the_sort(monkeypatch, ks):
     assert [int((r > 0).sum()) <= (k or 3001) for r, k in zip(got, ks)] == [True] * 3
 
 
+@pytest.mark.parametrize("rows,vocab,width,chunk", [(1, 5003, 64, 512), (3, 1001, 20, 97), (2, 300, 64, 16)],
+                         ids=["one-row", "odd-chunks", "chunk-below-width"])
+def test_chunked_selection_is_topk(rows, vocab, width, chunk):
+    """`select_top` by chunks: torch.topk's sorted values, and columns that hold them."""
+    from ninfer_rt.sampling_rows import select_top
+    probs = torch.rand(rows, vocab, generator=torch.Generator().manual_seed(vocab))
+    probs[0, :200] = 0.0                                          # zero probabilities rank above the padding
+    got, cols = select_top(probs, width, chunk)
+    assert torch.equal(got, probs.topk(width)[0]) and torch.equal(probs.gather(1, cols), got)
+
+
 def test_sample_mixed_batch_is_row_by_row():
     """A batch mixing greedy and sampled rows: one race for all (greedy rows against ones), the same tokens as
     each row alone (its argmax, or multinomial's draw from its generator) and the same stream positions."""
