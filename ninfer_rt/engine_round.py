@@ -1,4 +1,5 @@
-"""A step's greedy MTP rounds through one round graph (`ninfer_rt.graph_round`): the `Core` side.
+"""A step's MTP rounds through one round graph (`ninfer_rt.graph_round`, sampled ones `graph_round_sampled`): the
+`Core` side.
 
 A mixin of `ninfer_rt.engine_core.Core` (every rank runs it alike): it reads the Core's `graphs`, `_forward` and
 `_target_argmax`, and sets `_argmax` (the verdict's argmax, read back with the drafts) and `_decided` (a sampled

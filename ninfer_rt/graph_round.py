@@ -109,7 +109,8 @@ def run(runner, rows: list[RoundRow], k: int):
         return None
     model, t, B = runner.model, k + 1, runner._pad(len(rows))
     sampled = any(r.sampled for r in rows)
-    key = (sampled_round.kind(rows, runner.round_logits.shape[-1]) if sampled else "round", B, k, runner._bucket(_need(rows, k)))
+    kind = sampled_round.kind(rows, runner.round_logits.shape[-1]) if sampled else "round"
+    key = (kind, B, k, runner._bucket(_need(rows, k)))
     ids = [torch.tensor([r.last] + [0] * k, dtype=torch.long) for r in rows]
     model._admit([(i, r.state, "all") for i, r in zip(ids, rows)])
     if k > 1:
