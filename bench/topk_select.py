@@ -8,8 +8,8 @@ the least any pass over them costs); each record reports its ratio to it.
     python3 bench/topk_select.py [--rows 1,4] [--chunks 1024,2048,4096,8192] [--device cuda]
 
 Records (--out, default bench/results/topk_select.json): {"kind": "topk_select", "case" ("topk", "chunked",
-"processed", "softmax"), "rows", "vocab", "width", "chunk" (0: torch.topk), "us", "copy_us", "in_copies", "same"
-(the chunked values equal torch.topk's), "gpu", "device"}.
+"kernel" (CUDA: ninfer_kernels.topk_select, NINFER_TOPK_KERNEL), "processed", "softmax"), "rows", "vocab", "width", "chunk" (0: torch.topk), "us", "copy_us", "in_copies", "same"
+(the chunked or kernel values equal torch.topk's), "gpu", "device"}.
 """
 from __future__ import annotations
 
@@ -84,6 +84,11 @@ def cases(rows: int, args, device) -> list[dict]:
         same = bool(torch.equal(S.select_top(probs, width, c)[0], want))
         out.append({**base, "case": "chunked", "chunk": c, "same": same,
                     "us": timer(lambda c=c: S.select_top(probs, width, c), args.reps, device)})
+    if device.type == "cuda":
+        from ninfer_kernels.topk_select import topk_rows
+        same = bool(torch.equal(topk_rows(probs, width)[0], want))
+        out.append({**base, "case": "kernel", "chunk": 0, "same": same,
+                    "us": timer(lambda: topk_rows(probs, width), args.reps, device)})
     out.append({**base, "case": "processed", "chunk": S.TOPK_CHUNK, "same": True,
                 "us": timer(lambda: S.processed(logits, prm), args.reps, device)})
     out.append({**base, "case": "softmax", "chunk": 0, "same": True,

@@ -19,7 +19,8 @@ import sys
 import time
 
 MODULES = ("rmsnorm", "rmsnorm_gates", "rope", "attention_decode", "kv_write", "silu_mul", "gated_rmsnorm",
-           "gdn_conv", "gdn_gates", "gdn_ba_gates", "gdn_recurrent", "gdn_conv_recurrent", "sampling", "x16")
+           "gdn_conv", "gdn_gates", "gdn_ba_gates", "gdn_recurrent", "gdn_conv_recurrent", "sampling", "topk_select",
+           "x16")
 # V100 users run fp16 activations (no bf16 arithmetic there); the H200 runs bf16, and fp16 for the kernels
 # whose code differs by more than the casts (tl.dot operand types)
 ACTS = {70: ("fp16",), 90: ("bf16", "fp16")}

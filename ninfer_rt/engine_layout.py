@@ -15,6 +15,7 @@ import torch
 from ninfer_formats.errors import NinferError
 
 from .graphs import GraphConfig
+from .sampling_rows import topk_kernel
 from .speculative import SpecConfig
 from .state import CacheConfig
 
@@ -103,6 +104,7 @@ def engine_layout(loaded, ops, spec: SpecConfig | None, max_batch: int, kv_pages
                   graphs: str | GraphConfig = "auto") -> Layout:
     """With graphs the pool gets one more sequence slot and the pages of one padded row (the runner's scratch
     sequence), so the requests see the same capacity as without."""
+    topk_kernel()                     # NINFER_TOPK_KERNEL checked at start, not at the first sampled request
     base = cache_config(loaded.config, max_batch, kv_pages, page_size)
     cap = base.num_pages * base.page_size
     limit = min(loaded.config.max_position_embeddings, cap, max_model_len or cap)

@@ -9,11 +9,25 @@ top_p, min_p; `param_rows`) along one fixed path: the temperature's softmax, the
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+from ninfer_formats.errors import NinferError
 
 TOPK_GRAPH_WIDTH = 64     # the top-k selection's width for rows with 0 < top_k <= it (Qwen's chat default is 20)
 PARAM_COLS = 4            # temperature, top_k (0: off), top_p, min_p
 TOPK_CHUNK = 0            # > 0: the selection as top-k of chunks of this many columns, then of their winners
+TOPK_KERNEL_ENV = "NINFER_TOPK_KERNEL"
+
+
+def topk_kernel() -> bool:
+    """NINFER_TOPK_KERNEL: 0 (default: torch.topk) or 1 (on CUDA the Triton selection, ninfer_kernels.topk_select:
+    deterministic ties; not yet timed against torch.topk on a GPU)."""
+    v = os.environ.get(TOPK_KERNEL_ENV, "0")
+    if v not in ("0", "1"):
+        raise NinferError(f"{TOPK_KERNEL_ENV}={v!r}: expected 0 (torch.topk) or 1 (the Triton selection)")
+    return v == "1"
 
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -77,13 +91,16 @@ def processed(x: torch.Tensor, prm: torch.Tensor, select: bool = True) -> torch.
 
 
 def select_top(probs: torch.Tensor, width: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `width` largest values of each row, sorted, and their columns (torch.topk's contract). With a chunk
-    (default TOPK_CHUNK; 0: one torch.topk per row) each row's chunks give their top `width` first, then the
-    winners theirs: a few rows as many short slices, where one slice of 248,320 is one CUDA block's work in
-    torch.topk (not measured yet: bench/topk_select.py). The same values; ties may come in another column order,
-    so the eager `process` and the graphs use this one function."""
+    """The `width` largest values of each row, sorted, and their columns (torch.topk's contract). On CUDA with
+    NINFER_TOPK_KERNEL=1: the Triton selection (ties in column order). With a chunk (default TOPK_CHUNK; 0: one
+    torch.topk per row) each row's chunks give their top `width` first, then the winners theirs (measured slower
+    at four rows, bench/NOTES.md §47 F). The same values; ties may come in another column order, so the eager
+    `process` and the graphs use this one function."""
     chunk = TOPK_CHUNK if chunk is None else chunk
     R, V = probs.shape
+    if probs.is_cuda and topk_kernel():
+        from ninfer_kernels.topk_select import topk_rows
+        return topk_rows(probs, width)
     if chunk <= 0 or V <= chunk:
         return probs.topk(width, dim=-1)
     n = -(-V // chunk)

@@ -14,6 +14,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))     # last: 
 
 from hf_tiny import build_hf_model, loaded_model
 from ninfer_rt import graph_round_sampled
+from ninfer_formats.errors import NinferError
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.engine import Engine, EngineError, engine_layout
 from ninfer_rt.graphs import GraphConfig
@@ -128,6 +129,10 @@ def test_graph_config_and_variable(monkeypatch):
     assert engine_layout(loaded, TritonOps(), spec, 2, 40).graphs.sampled_rounds is False
     monkeypatch.setenv("NINFER_SAMPLED_ROUNDS", "on")
     with pytest.raises(EngineError, match="NINFER_SAMPLED_ROUNDS='on': expected 1"):
+        engine_layout(loaded, TritonOps(), spec, 2, 40)
+    monkeypatch.setenv("NINFER_SAMPLED_ROUNDS", "1")
+    monkeypatch.setenv("NINFER_TOPK_KERNEL", "2")            # checked when the engine is laid out
+    with pytest.raises(NinferError, match="NINFER_TOPK_KERNEL='2': expected 0"):
         engine_layout(loaded, TritonOps(), spec, 2, 40)
 
 
