@@ -136,9 +136,9 @@ def make_rigged(Engine):
     """Verdicts rigged to a per-position acceptance `rate`: the first n drafts are accepted, n drawn per round
     (draft j with probability `rate` while drafts 1..j-1 were), after the real decision's kernels and read-back
     (`verify_rows` of the module that defines `_decide_verdicts`, so an earlier runtime from bench/ab_tree.sh
-    keeps its own; a sampled round graph's verdicts, `_decided`, are rigged alike). The drafts are the real ones, and the bonus token is the real decision's. So the state stays
-    what the Engine built from the tokens it was given, and every rollback, re-alignment and draft step is the
-    real one."""
+    keeps its own; a sampled round graph's verdicts, `_decided`, are rigged alike). The drafts are the real ones,
+    and the bonus token is the real decision's. So the state stays what the Engine built from the tokens it was
+    given, and every rollback, re-alignment and draft step is the real one."""
     mod = sys.modules[Engine._decide_verdicts.__module__]      # where the verdicts call it (engine_decide.py)
     real = mod.verify_rows
 

@@ -8,7 +8,8 @@ The graph's randomness is drawn before the replay, from each request's generator
 draw it (the K drafts' exponential noise, then the verdict's K uniforms and its residual noise), so a seeded
 request's tokens and stream positions are the separate steps' (`fill`). The draft and target distributions come
 from `sampling_rows.processed` over a parameter tensor, the path the eager `process` takes for the same rows, so
-the graph draws the separate steps' tokens. Greedy rows of the same batch keep their argmax drafts and verdict.
+the graph draws the separate steps' tokens (on CUDA up to torch.topk's order among tied values, which
+NINFER_TOPK_KERNEL=1 fixes). Greedy rows of the same batch keep their argmax drafts and verdict.
 
 Rows it holds: plain sampled or greedy rows (no penalties, bias, bans or grammar: the engine's chain) whose
 truncation `sampling_rows.holds` (temperature alone, or a top_k up to its width with any top-p and min-p), TP1
@@ -106,4 +107,3 @@ class Drafter:
         n_g, tok_g = greedy_verify(argmax.view(b, t), ids)
         s = buf.sampled[:b]
         return torch.stack([torch.where(s, n_s, n_g), torch.where(s, tok_s, tok_g)], 1)
-
