@@ -8,8 +8,9 @@ the least any pass over them costs); each record reports its ratio to it.
     python3 bench/topk_select.py [--rows 1,4] [--chunks 1024,2048,4096,8192] [--device cuda]
 
 Records (--out, default bench/results/topk_select.json): {"kind": "topk_select", "case" ("topk", "chunked",
-"kernel" (CUDA: ninfer_kernels.topk_select, NINFER_TOPK_KERNEL), "processed", "softmax"), "rows", "vocab", "width", "chunk" (0: torch.topk), "us", "copy_us", "in_copies", "same"
-(the chunked or kernel values equal torch.topk's), "gpu", "device"}.
+"kernel" (CUDA: ninfer_kernels.topk_select, NINFER_TOPK_KERNEL), "processed", "softmax"), "rows", "vocab",
+"width", "chunk" (0: torch.topk), "us", "copy_us", "in_copies", "same" (the chunked or kernel values equal
+torch.topk's), "gpu", "device"}.
 """
 from __future__ import annotations
 
