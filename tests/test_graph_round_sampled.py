@@ -22,6 +22,7 @@ from ninfer_rt.loader import load
 from ninfer_rt.sampling import SamplingParams
 from ninfer_rt.sampling_rows import TOPK_GRAPH_WIDTH, holds
 from ninfer_rt.speculative import SpecConfig
+from test_graph_round import _steps
 from tiny_util import pack_tiny
 
 PROMPTS = [list(range(40, 57)), list(range(100, 109))]
@@ -42,25 +43,13 @@ def tiny(tmp_path_factory):
     return load(pack_tiny(tmp_path_factory.mktemp("tiny")), device="cpu", dtype=torch.float32)
 
 
-def _steps(engine, params) -> tuple[dict, list]:
-    """Tokens per request and every step's (request, drafted, accepted) reports."""
-    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
-        engine.add_request(f"r{i}", p, sp)
-    out, reports = {f"r{i}": [] for i in range(len(params))}, []
-    while engine.has_work():
-        for o in engine.step():
-            out[o.req_id] += o.new_token_ids
-            reports.append((o.req_id, o.drafted, o.accepted))
-    return out, reports
-
-
 def _both(tiny, k: int, params) -> list:
     """(tokens and reports, graph stats, spec stats) with the separate steps, then with sampled round graphs."""
     got = []
     for sampled in (False, True):
         eng = Engine(tiny, TorchOps(), spec=SpecConfig(num_draft_tokens=k), prefill_chunk=32, max_batch=2,
                      graphs=_config(k, sampled))
-        got.append((_steps(eng, params), eng.graphs.stats, eng.stats.spec))
+        got.append((_steps(eng, PROMPTS, params), eng.graphs.stats, eng.stats.spec))
         eng.shutdown()
         assert eng.model.kv_pool.free_pages() == eng.cache.num_pages
     return got
@@ -148,6 +137,6 @@ def test_captured_sampled_rounds_equal_separate_graphs_gpu(tmp_path_factory, mon
     for v in ("0", "1"):
         monkeypatch.setenv("NINFER_SAMPLED_ROUNDS", v)
         eng = Engine(loaded, TritonOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=32, max_batch=2)
-        got.append((_steps(eng, params), eng.graphs.stats.sampled_rounds))
+        got.append((_steps(eng, PROMPTS, params), eng.graphs.stats.sampled_rounds))
         eng.shutdown()
     assert got[0][0] == got[1][0] and got[0][1] == 0 and got[1][1] >= 5
