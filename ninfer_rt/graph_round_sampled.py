@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, to_device
+from .sampling import SamplingParams, copy_in
 from .sampling_rows import holds, param_rows, processed, race, selects
 from .spec_verify import greedy_verify, rejection_verify
 
@@ -73,9 +73,8 @@ def fill(buf: Buffers, rows: list, k: int) -> None:
     """The rows' parameters, then each sampled row's draws from its generator in the separate steps' order: draft
     j's race noise (`sampling.sample`), then the verdict's uniforms and residual noise (`speculative._draws`)."""
     n, vocab = len(rows), buf.noise.shape[-1]
-    buf.prm[:n].copy_(to_device(param_rows([r.params for r in rows], vocab), buf.prm.device), non_blocking=True)
-    flags = torch.tensor([not _greedy(r) for r in rows])
-    buf.sampled[:n].copy_(to_device(flags, buf.sampled.device), non_blocking=True)
+    copy_in(buf.prm[:n], param_rows([r.params for r in rows], vocab))
+    copy_in(buf.sampled[:n], torch.tensor([not _greedy(r) for r in rows]))
     for i, r in enumerate(rows):
         if _greedy(r):
             continue

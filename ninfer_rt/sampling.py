@@ -200,6 +200,14 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def copy_in(dst: torch.Tensor, t: torch.Tensor) -> None:
+    """`dst.copy_(t)` from host values without a host sync (`to_device`'s pinned staging) and without a device
+    temporary: one transfer into a static buffer."""
+    if dst.device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    dst.copy_(t, non_blocking=True)
+
+
 def small_tensor(values, dtype, device) -> torch.Tensor:
     """A short host list as a tensor on `device` without a host sync (`to_device`)."""
     return to_device(torch.tensor(values, dtype=dtype), device)
