@@ -27,7 +27,7 @@ after the first over the time after it), "tokens_per_round", "rounds", "ms_round
 "prompt_tokens", "new_tokens", "emitted" (the fewest of any request), "backend", "graphs", "draft_chain", "batch",
 "round_graphs" (a greedy round's drafts and verify as one graph: ninfer_rt/graph_round.py; False at K = 0),
 "temperature" (--temperature: 0 greedy, else every request sampled, seeded), "top_k", "top_p" (--top-k / --top-p
-of the sampled requests; 0 / 1: off)};
+of the sampled requests; 0 / 1: off), "topk_kernel" (NINFER_TOPK_KERNEL: the Triton top-k selection)};
 K > 0 records also "graph_rounds" (engine steps a round graph served), "sampled_rounds" (of those, sampled round
 graphs: ninfer_rt/graph_round_sampled.py, NINFER_SAMPLED_ROUNDS) and "tokens_digest" (a hash of the tokens:
 runs of one rig and seed that compute alike emit alike, e.g. round graphs on and off).
@@ -453,6 +453,7 @@ def measure(args, path: str) -> list[dict]:
 
     import bench_device as D
     from ninfer_rt.loader import load
+    from ninfer_rt.sampling_rows import topk_kernel
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     args.backend = args.backend or ("triton" if args.device == "cuda" else "torch")
@@ -463,7 +464,8 @@ def measure(args, path: str) -> list[dict]:
             "backend": args.backend, "graphs": args.device == "cuda" and not args.eager,
             "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens,
             "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1", "batch": args.batch,
-            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "topk_kernel": topk_kernel()}
     records, before = [], os.environ.get(DRAFT_HEAD_ENV)
     try:
         for head in args.draft_heads:
