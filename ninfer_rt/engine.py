@@ -369,6 +369,10 @@ class Engine(RunAhead, Decisions, Core):
         plan.decode = self._even_drafts(plan.decode)
         plan.chain = self.spec is not None and bool(plan.decode) and self._chainable(
             [self.seqs[rid] for rid, _ in plan.decode])
+        if plan.chain and self.tp.size > 1:
+            # the followers draw a chain's sampled drafts themselves, from the state the leader's draws start at
+            plan.draws = [(s.req_id, s.params, s.generator.get_state()) for s in
+                          (self.seqs[rid] for rid, _ in plan.decode) if not s.params.greedy]
         return plan
 
     def _chunk(self, s: Seq, budget: int) -> int:

@@ -14,10 +14,14 @@ Step protocol (TP > 1, all over the CPU gloo control group, rank 0 -> everyone):
   1b. for every admitted image prompt, in admit order: its merged vision tokens [n, H] (`meta["embeds_shape"]`,
      `meta["embeds_dtype"]`); only rank 0 runs the tower, so every rank splices the same embeddings
   2. unless the plan says "chain": for j = 1..max k: int64 [n_j]  the j-th drafts of the decode sequences with
-     k >= j, in plan order. "chain" (every decode sequence drafts greedily, no penalties, no bias): each rank takes
-     the argmax of the same all-gathered draft logits itself and keeps it on the device (`_draft_chained`)
+     k >= j, in plan order. "chain" (every decode sequence drafts from its logits alone: no penalties, bias, bans
+     or grammar): each rank finds the drafts itself from the same all-gathered draft logits and keeps them on the
+     device (`_draft_chained`): a greedy row's argmax, a sampled row's draw, for which the plan's "draws" carry
+     the row's SamplingParams and its generator's state at the step's start, so every rank draws the leader's
+     noise (and so its drafts; a sampled round graph decides the verdict alike on every rank too)
   3. if anything was scheduled: int64 [n_decode + n_prefill, 4] verdict rows (n_acc, token, n_emit, finished)
-Followers never sample; they apply the same plan, drafts and verdicts to their shards.
+Followers draw only a chain's drafts, from the leader's generator states; they apply the same plan, drafts and
+verdicts to their shards.
 
 CUDA graphs (`graphs=GraphConfig`, built by engine_layout.engine_layout): every rank makes a GraphRunner after the
 Model and captures the same graphs in the same order (under TP they hold the all-reduces). The decode /
@@ -38,7 +42,7 @@ import torch
 from .engine_round import Rounds
 from .logprobs import emitted_items, prompt_items
 from .model import Model, MtpInput, SeqInput
-from .sampling import small_tensor
+from .sampling import SamplingParams, process, sample, small_tensor
 from .speculative import SpecConfig, SpecError
 from .state import CacheConfig
 from .step_out import StepOut
@@ -91,11 +95,13 @@ class Plan:
     all_rows: list = field(default_factory=list)  # req_ids whose prompt chunks return every row's logits
     cached: list = field(default_factory=list)    # (req_id, n): admitted at n tokens from the prefix cache
     reset_prefix: bool = False                    # empty the prefix cache before this step's admissions
+    draws: list = field(default_factory=list)     # TP chain: (req_id, SamplingParams, generator state) per
+                                                  # sampled decode row (`Follower._take_draws`)
 
     def message(self) -> dict:
         return {"admit": self.admit, "free": self.free, "prefill": self.prefill, "decode": self.decode,
                 "chain": self.chain, "all_rows": self.all_rows, "cached": self.cached,
-                "reset_prefix": self.reset_prefix}
+                "reset_prefix": self.reset_prefix, "draws": self.draws}
 
 
 @dataclass
@@ -107,6 +113,23 @@ class Verdict:
 
     def emitted(self, drafts: list[int]) -> list[int]:
         return (drafts[:self.n_acc] + [self.token])[:self.n_emit]
+
+
+GREEDY = SamplingParams(temperature=0.0)     # a follower's row without the leader's parameters: greedy
+
+
+def _greedy(s: Seq) -> bool:
+    return s.params is None or s.params.greedy
+
+
+def draw(seqs: list[Seq], q: torch.Tensor) -> torch.Tensor:
+    """One draft per row of the processed draft distributions q (each sequence's generator, in row order); the
+    sampled rows keep their distribution for the verdict's rejection sampling."""
+    toks = sample(q, [s.params or GREEDY for s in seqs], [s.generator for s in seqs])
+    for s, row in zip(seqs, q):
+        if not _greedy(s):
+            s.q.append(row)
+    return toks
 
 
 def forward_parts(n_dec: int, n: int, graphs: bool) -> list[tuple[int, int, bool]]:
@@ -175,8 +198,18 @@ class Core(Rounds):
     # ---- decisions (overridden) ----
     def _device_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list]]) -> torch.Tensor:
         """The j-th drafts of `items` as an int64 [n] device tensor, without a host read-back: the argmax of each
-        draft row (with TP every rank holds the same gathered logits, so every rank finds the same drafts)."""
-        return torch.stack([lg.argmax(-1) for _, lg, _ in items])
+        greedy row, a sampled row's draw from its processed distribution (kept for the verdict). With TP every
+        rank holds the same gathered logits and (followers: the plan's draws) the same generator states, so every
+        rank finds the same drafts."""
+        seqs = [s for s, _, _ in items]
+        if j == 1:
+            for s in seqs:
+                s.q = []
+        if all(s.params is None or s.params.plain_greedy for s in seqs):
+            return torch.stack([lg.argmax(-1) for _, lg, _ in items])
+        # a chain's rows: no counts, bans or grammar (`Decisions._chainable`)
+        params = [s.params or GREEDY for s in seqs]
+        return draw(seqs, process(torch.stack([lg for _, lg, _ in items]), params))
 
     def _decide_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list[int]]]) -> list[int]:
         raise NotImplementedError
@@ -384,10 +417,21 @@ class Follower(Core):
                 break
             plan = Plan(**msg)
             self._apply_membership(plan)
+            self._take_draws(plan.draws)
             self._execute(plan)
         for s in list(self.seqs.values()):
             self._drop(s)
         self._close_graphs()
+
+    def _take_draws(self, draws: list) -> None:
+        """A chain step's sampled rows: the leader's parameters and each generator's state at the step's start,
+        so this rank's draws are the leader's (protocol step 2)."""
+        for rid, params, state in draws:
+            s = self.seqs[rid]
+            s.params = params
+            if s.generator is None:
+                s.generator = torch.Generator(device=self.model.device)
+            s.generator.set_state(state)
 
     def _decide_drafts(self, j, items):
         return self.tp.broadcast(torch.empty(len(items), dtype=torch.long)).tolist()

@@ -2,7 +2,8 @@
 draft step, the verdict of each verified row, and the emission of tokens up to a stop.
 
 Greedy rows without penalties or a logit bias are decided by one argmax. With drafts kept on the device
-(`_chainable`: greedy rows; sampled rows too with TP1) the drafts and the verdict's argmax (queued behind the verify
+(`_chainable`: greedy or plainly sampled rows; with TP the followers draw a chain's sampled drafts from the
+generator states the plan carries, engine_core's protocol) the drafts and the verdict's argmax (queued behind the verify
 step, `_target_argmax`) come back in one transfer; sampled, penalized or biased rows take the processed
 distributions (`speculative.verify_rows` / `verify_on_device`).
 A mixin of `ninfer_rt.engine.Engine`: it reads the Engine's `cfg`, `tp`, `stats`, `eos`, `max_model_len` and
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .engine_core import Seq, Verdict
+from .engine_core import Seq, Verdict, draw
 from .logprobs import token_logprobs
-from .sampling import process, row_bans, sample, small_tensor
+from .sampling import row_bans, small_tensor
 from .speculative import RoundInput, argmax_decides, draft_distributions, verify_rows
 
 
@@ -49,38 +50,19 @@ def _plain(s: Seq) -> bool:
     return not (p.has_penalties or p.logit_bias or p.allowed_token_ids or p.bad_words_ids or _masked(s))
 
 
-def _draw(seqs: list[Seq], q: torch.Tensor) -> torch.Tensor:
-    """One draft per row of the processed draft distributions q (each sequence's generator, in row order); the
-    sampled rows keep their distribution for the verdict's rejection sampling."""
-    toks = sample(q, [s.params for s in seqs], [s.generator for s in seqs])
-    for s, row in zip(seqs, q):
-        if not s.params.greedy:
-            s.q.append(row)
-    return toks
-
-
 class Decisions:
     _decided = None     # a sampled round graph's [accepted drafts, token] per decode row of the step, else None
 
     def _chainable(self, seqs: list[Seq]) -> bool:
         """Steps whose drafts need no host history: NINFER_DRAFT_CHAIN (default on) keeps them on the device between
-        the draft steps. Greedy rows (one argmax decides each draft) on every rank; with sampled rows TP1 only (the
-        leader draws them, followers never sample)."""
+        the draft steps. Greedy rows (one argmax decides each draft) and sampled rows without the host's history
+        (`_plain`); with TP every rank draws a sampled row's drafts from the generator state in the plan
+        (`Engine._schedule`)."""
         if not self.chain_drafts:
             return False
         if all(s.params.plain_greedy and not _masked(s) for s in seqs):
             return True
-        return self.tp.size == 1 and all(_plain(s) for s in seqs)
-
-    def _device_drafts(self, j, items):
-        if j == 1:
-            for s, _, _ in items:
-                s.q = []
-        if all(s.params.plain_greedy for s, _, _ in items):
-            return super()._device_drafts(j, items)
-        # `_decide_drafts`' distributions (no counts, bans or grammar in a chain) and draws, left on the device
-        seqs = [s for s, _, _ in items]
-        return _draw(seqs, process(torch.stack([lg for _, lg, _ in items]), [s.params for s in seqs]))
+        return all(_plain(s) for s in seqs)
 
     def _decide_drafts(self, j, items):
         seqs = [s for s, _, _ in items]
@@ -96,7 +78,7 @@ class Decisions:
             # the processed distribution would be one-hot at this argmax: one kernel instead of five per draft step
             toks = logits.argmax(-1)
         else:
-            toks = _draw(seqs, draft_distributions(logits, params, [s.counts for s in seqs], [d for _, _, d in items],
+            toks = draw(seqs, draft_distributions(logits, params, [s.counts for s in seqs], [d for _, _, d in items],
                                                    self.cfg.vocab_size, [s.seen for s in seqs], ban, allow))
         toks = toks.cpu()
         return (self.tp.broadcast(toks) if self.tp.size > 1 else toks).tolist()

@@ -21,8 +21,8 @@ class Rounds:
         if not (chain and dec and self.graphs is not None and self.graphs.cfg.round_drafts):
             return None
         k = dec[0][1]
-        # a chain's rows are plain: greedy ones, or (TP1; followers hold no params) sampled ones that the sampled
-        # round graphs draw (`graph_round` names what they cannot hold)
+        # a chain's rows are plain: greedy ones, or sampled ones that the sampled round graphs draw (`graph_round`
+        # names what they cannot hold; TP followers hold the plan's parameters and generator states)
         if any(kk != k or s.vision is not None or s.mtp_logits is None for s, kk in dec):
             return None
         got = self.graphs.round([graph_round.RoundRow(s.last, s.state, s.mtp_logits, s.mtp_hidden, s.params,

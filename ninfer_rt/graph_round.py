@@ -39,7 +39,7 @@ class RoundRow:
     state: object                 # SeqState (its .mtp drafts)
     logits: torch.Tensor          # [V] MTP logits whose argmax is d_1
     hidden: torch.Tensor          # [H] MTP hidden paired with them
-    params: object = None         # SamplingParams (None: greedy, as on TP followers)
+    params: object = None         # SamplingParams (None: greedy, as a TP follower's greedy rows)
     generator: object = None      # the request's torch.Generator (sampled rows)
 
     @property

@@ -12,8 +12,10 @@ the graph draws the separate steps' tokens (on CUDA up to torch.topk's order amo
 NINFER_TOPK_KERNEL=1 fixes). Greedy rows of the same batch keep their argmax drafts and verdict.
 
 Rows it holds: plain sampled or greedy rows (no penalties, bias, bans or grammar: the engine's chain) whose
-truncation `sampling_rows.holds` (temperature alone, or a top_k up to its width with any top-p and min-p), TP1
-(the leader draws; followers hold no parameters). `NINFER_SAMPLED_ROUNDS=0` turns it off (engine_layout).
+truncation `sampling_rows.holds` (temperature alone, or a top_k up to its width with any top-p and min-p). With TP
+every rank replays the same graph: the plan brings the followers each sampled row's parameters and generator state
+(engine_core's protocol), so their noise, drafts and verdicts are the leader's. `NINFER_SAMPLED_ROUNDS=0` turns it
+off (engine_layout).
 
 Two graphs per batch size: "sround" processes with the top-k selection, "tround" without it, for batches whose
 sampled rows have no top_k (temperature alone; the selection costs a sampled round ~0.4 ms on a 27B H100 otherwise).

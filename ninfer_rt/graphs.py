@@ -161,7 +161,7 @@ class GraphRunner:
                                             dtype=model.dtype, device=model.device)
             self.draft_meta = graph_round.draft_metas(self, config.round_drafts)
         self.sampled = None               # graph_round_sampled.Buffers with config.sampled_rounds
-        if config.sampled_rounds and self.round_logits is not None and model.tp.size == 1:   # the leader draws
+        if config.sampled_rounds and self.round_logits is not None:   # TP: every rank draws (the plan's draws)
             self.sampled = graph_round_sampled.buffers(self.max_batch, config.round_drafts,
                                                        self.round_logits.shape[-1], model.device)
         self.graphs: dict[tuple, _Graph] = {}

@@ -61,9 +61,10 @@ def holds(p, vocab: int) -> bool:
 
 
 def param_rows(params: list, vocab: int) -> torch.Tensor:
-    """The parameters of `processed`, float32 [R, 4] on the host. Greedy rows get temperature 1 and nothing else
-    (their distribution is never drawn from: `race` takes their argmax)."""
-    return torch.tensor([[float(p.temperature) or 1.0, float(top_k_of(p, vocab)), float(p.top_p), float(p.min_p)]
+    """The parameters of `processed`, float32 [R, 4] on the host. Greedy rows (None: a TP follower's) get
+    temperature 1 and nothing else (their distribution is never drawn from: `race` takes their argmax)."""
+    return torch.tensor([[1.0, 0.0, 1.0, 0.0] if p is None or p.greedy else
+                         [float(p.temperature), float(top_k_of(p, vocab)), float(p.top_p), float(p.min_p)]
                          for p in params], dtype=torch.float32).reshape(len(params), PARAM_COLS)
 
 

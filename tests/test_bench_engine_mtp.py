@@ -13,7 +13,7 @@ import engine_mtp  # noqa: E402
 
 KEYS = {"kind", "recipe", "tp", "gpu", "draft_head", "draft_tokens", "acceptance", "tok_s", "tokens_per_round",
         "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "emitted", "backend", "graphs",
-        "draft_chain", "batch", "round_graphs", "temperature", "top_k", "top_p"}
+        "draft_chain", "batch", "round_graphs", "temperature", "top_k", "top_p", "topk_kernel"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,6 +40,7 @@ def test_cpu_dry_run(tmp_path, capsys, monkeypatch, chain):
         assert set(r) == keys(r)
         assert r["kind"] == "engine_mtp" and r["emitted"] == 13 and r["tok_s"] > 0
         assert r["backend"] == "torch" and not r["graphs"] and r["draft_chain"] == (chain == "1") and r["batch"] == 1
+        assert r["topk_kernel"] is False
     for r in recs[1::3]:                         # every draft wrong: one token per round
         assert r["accepted"] == 0 and r["tokens_per_round"] == 1.0 and r["rounds"] <= r["drafted"] <= 2 * r["rounds"]
     for r in recs[2::3]:                         # every draft right: 12 tokens after the first in rounds of 3

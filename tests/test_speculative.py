@@ -438,7 +438,8 @@ def test_chained_drafts_equal_read_back_drafts(loaded, prompts, reference, k, mo
     ids=["sampled", "penalties"])
 def test_which_rows_keep_drafts_on_the_device(loaded, prompts, params, chained):
     """Penalized rows (their draft distributions count the earlier drafts) are decided on the host, for the whole
-    step; sampled rows are drawn on the device with TP1, and on the host under TP (followers never sample)."""
+    step; sampled rows are drawn on the device, under TP too (every rank draws from the plan's generator states:
+    tests/test_tp.py)."""
     eng = CountingEngine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=CHUNK)
     eng.add_request("b", prompts[1], params)
     while eng.has_work():
@@ -447,7 +448,7 @@ def test_which_rows_keep_drafts_on_the_device(loaded, prompts, params, chained):
     seqs = [types.SimpleNamespace(params=p, out=[], grammar=None) for p in (GREEDY, params)]
     assert eng._chainable(seqs[:1]) and eng._chainable(seqs) == chained
     eng.tp = types.SimpleNamespace(size=2)
-    assert eng._chainable(seqs[:1]) and not eng._chainable(seqs)
+    assert eng._chainable(seqs[:1]) and eng._chainable(seqs) == chained
 
 
 def test_draft_chain_switch_is_checked(loaded, monkeypatch):

@@ -47,19 +47,26 @@ def test_tp_processes_match_tp1(setup, tp, lm_head_drafts):
         assert rel(got, want) <= TP_TOL, f"call {i}: rel L2 {rel(got, want):.2e}"
     assert tokens == ref_tokens                 # greedy and seeded sampling, MTP K=3 rounds on every rank
     assert stats["drafted"] == ref_stats["drafted"] and stats["accepted"] == ref_stats["accepted"]
+    # the sampled request's drafts stayed on the device: every rank drew them from the leader's generator states
+    assert stats["draw_steps"] > 0
     assert all(p.exitcode == 0 for p in lch.procs)
 
 
-def test_tp2_round_graphs_match_tp1(setup):
-    """Greedy requests, MTP rounds as one graph on every rank (the runner's eager bodies over gloo): TP2's
-    tokens are TP1's, and the rounds went through the round graphs."""
+@pytest.mark.parametrize("rounds", ["greedy", "sampled"])
+def test_tp2_round_graphs_match_tp1(setup, rounds):
+    """MTP rounds as one graph on every rank (the runner's eager bodies over gloo): TP2's tokens are TP1's, and
+    the rounds went through the round graphs; "sampled": a seeded top-k request beside a greedy one, whose rounds
+    every rank draws and decides in the sampled round graphs from the plan's generator states."""
     base, ids, prompts, _ = setup
-    ref = rank_program(LocalGroup(), base / "tp1", ids, prompts, 3, True)
-    args = (base / "tp2", ids, prompts, 3, True)
+    ref = rank_program(LocalGroup(), base / "tp1", ids, prompts, 3, rounds)
+    args = (base / "tp2", ids, prompts, 3, rounds)
     with launch(2, rank_program, args) as lch:
         _, tokens, stats = rank_program(lch.group, *args)
     assert tokens == ref[1] and stats["graph_rounds"] == ref[2]["graph_rounds"] > 0
     assert stats["accepted"] == ref[2]["accepted"]
+    assert stats["sampled_rounds"] == ref[2]["sampled_rounds"]
+    assert (stats["sampled_rounds"] > 0) == (rounds == "sampled")
+    assert (stats["draw_steps"] > 0) == (rounds == "sampled")
     assert all(p.exitcode == 0 for p in lch.procs)
 
 

@@ -43,30 +43,35 @@ def run_engine(engine: Engine, prompts: list[list[int]], requests=REQUESTS) -> d
     return out
 
 
-def rank_program(group, path, ids, prompts, k, rounds: bool = False):
+def rank_program(group, path, ids, prompts, k, rounds: str = ""):
     """Every rank: the fixed model calls, then the engine (rank 0) or its follower (others). Grad mode off only
-    inside (rank 0 runs in the test process, whose later tests need it on). rounds: greedy requests on the graph
-    runner's eager bodies with round graphs (`ninfer_rt.graph_round`) on every rank."""
+    inside (rank 0 runs in the test process, whose later tests need it on). rounds: "greedy" (greedy requests) or
+    "sampled" (greedy and sampled ones) on the graph runner's eager bodies with round graphs on every rank
+    (`ninfer_rt.graph_round`, sampled ones `graph_round_sampled`); "": no graphs, both requests."""
     with torch.no_grad():
         return _rank_program(group, path, ids, prompts, k, rounds)
 
 
-def round_graphs(k: int) -> GraphConfig:
+def round_graphs(k: int, sampled: bool = False) -> GraphConfig:
     return GraphConfig(batch_sizes=(1, 2, 4), tokens=tuple(range(1, k + 2)), mtp_tokens=tuple(range(1, k + 2)),
-                       kv_buckets=(64,), eager=True, round_drafts=k)
+                       kv_buckets=(64,), eager=True, round_drafts=k, sampled_rounds=sampled)
 
 
 def _rank_program(group, path, ids, prompts, k, rounds):
     loaded = load(path, rank=group.rank, tp_size=group.size)
     calls = fixed_calls(Model(loaded.config, loaded.weights, TorchOps(), group), ids)
     spec = SpecConfig(num_draft_tokens=k)
-    graphs = round_graphs(k) if rounds else None
+    graphs = round_graphs(k, rounds == "sampled") if rounds else None
     if group.rank == 0:
         eng = Engine(loaded, TorchOps(), group, spec, max_batch=MAX_BATCH, kv_pages=KV_PAGES, prefill_chunk=CHUNK,
                      graphs=graphs or "off")
-        tokens = run_engine(eng, prompts, REQUESTS[:1] if rounds else REQUESTS)
+        send, draws = eng._send_plan, []
+        eng._send_plan = lambda plan: (draws.append(len(plan.draws)), send(plan))[1]
+        tokens = run_engine(eng, prompts, REQUESTS[:1] if rounds == "greedy" else REQUESTS)
         eng.shutdown()
-        return calls, tokens, {**eng.stats.spec.to_dict(), "graph_rounds": eng.stats.to_dict().get("graph_rounds")}
+        g = eng.graphs.stats if eng.graphs is not None else None
+        return calls, tokens, {**eng.stats.spec.to_dict(), "graph_rounds": g and g.rounds,
+                               "sampled_rounds": g and g.sampled_rounds, "draw_steps": sum(map(bool, draws))}
     lay = engine_layout(loaded, TorchOps(), spec, MAX_BATCH, KV_PAGES, graphs=graphs or "off")
     Follower(loaded, TorchOps(), group, spec, lay.cache if rounds else cache_config(loaded.config, MAX_BATCH, KV_PAGES),
              graphs=lay.graphs).run()
