@@ -338,8 +338,8 @@ def _sampled_rows(k: int, seeds: list, vocab: int = 60) -> list:
     return rows
 
 
-@pytest.mark.parametrize("k,seeds", [(1, [4, 5]), (3, [1, 2, 3, 4, 5, 6]), (3, [None, None, 7])],
-                         ids=["K1", "K3-seeded", "K3-default-generator"])
+@pytest.mark.parametrize("k,seeds", [(0, [4, 5, 6]), (1, [4, 5]), (3, [1, 2, 3, 4, 5, 6]), (3, [None, None, 7])],
+                         ids=["K0-plain-decoding", "K1", "K3-seeded", "K3-default-generator"])
 def test_sampled_verdicts_in_one_pass_equal_row_by_row(k, seeds):
     """A batch of sampled rows with one draft count is verified in one pass (`verify_sampled`): the verdicts
     and every generator's position afterwards are `verify_on_device`'s row by row, over many draws (rejections
@@ -360,6 +360,30 @@ def test_sampled_verdicts_in_one_pass_equal_row_by_row(k, seeds):
         assert all(r.generator is None or torch.equal(r.generator.get_state(), t.generator.get_state())
                    for r, t in zip(rows, twins))
     assert len(seen) >= min(k + 1, 3)                         # rejections at several positions, or a bonus
+
+
+def test_plain_decoding_of_greedy_and_sampled_rows_in_two_passes(monkeypatch):
+    """A plain decode step (no drafts) of greedy and sampled rows: the greedy rows' argmax in one pass and the
+    sampled rows' draws in another (`verify_sampled`), equal to `verify_on_device` row by row, generators too."""
+    import copy
+
+    from ninfer_rt import speculative
+    sampled = _sampled_rows(0, [8, 9, 10])
+    greedy = [speculative.RoundInput(SamplingParams(temperature=0.0, max_tokens=4), torch.randn(1, 60), [], [],
+                                     None, None) for _ in range(2)]
+    rows = [greedy[0], sampled[0], sampled[1], greedy[1], sampled[2]]
+    toks = set()
+    for _ in range(20):
+        twins = copy.deepcopy(rows)
+        want = [speculative.verify_on_device(r).tolist() for r in twins]
+        with monkeypatch.context() as m:
+            m.setattr(speculative, "verify_on_device", None)      # two passes, never row by row
+            got = speculative.decide_on_device(rows).tolist()
+        assert got == want
+        assert all(r.generator is None or torch.equal(r.generator.get_state(), t.generator.get_state())
+                   for r, t in zip(rows, twins))
+        toks.update(t for _, t in got[1:3])
+    assert len(toks) > 2                                      # the sampled rows drew different tokens
 
 
 def test_sampled_batch_only_for_uniform_sampled_rows():
