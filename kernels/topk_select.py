@@ -7,6 +7,8 @@ argmax), so one descending sort orders by value and then by lower column, and th
 (torch.topk's order among tied values on CUDA is not). Two stages: blocks of BLOCK columns in parallel, each
 sorted and its first W keys kept; then one program per row sorts the blocks' keys and writes the first W as
 (value, column). The reference is `reference` (torch, on any device); W <= BLOCK.
+Measured on an H100 (§48 C): 179 us for one row, 203 for four, against torch.topk's 72 / 77: Triton's `tl.sort`
+of 4096 int64 keys per program is the cost. So it is opt-in (NINFER_TOPK_KERNEL=1), for its fixed tie order only.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ TOPK_KERNEL_ENV = "NINFER_TOPK_KERNEL"
 
 def topk_kernel() -> bool:
     """NINFER_TOPK_KERNEL: 0 (default: torch.topk) or 1 (on CUDA the Triton selection, ninfer_kernels.topk_select:
-    deterministic ties; not yet timed against torch.topk on a GPU)."""
+    ties in column order, but 2.5x torch.topk's time on an H100: bench/NOTES.md §48 C)."""
     v = os.environ.get(TOPK_KERNEL_ENV, "0")
     if v not in ("0", "1"):
         raise NinferError(f"{TOPK_KERNEL_ENV}={v!r}: expected 0 (torch.topk) or 1 (the Triton selection)")
