@@ -11,7 +11,7 @@ Scheduling: FIFO admission while a GDN slot is free and the KV pool can hold the
 (prompt + max_tokens, capped at the context), so a running sequence never waits for pages; every step runs
 prefill chunks (a shared token budget, `prefill_chunk`) and one decode or speculative round for ALL
 sequences whose prompt is done, batched into one target forward. Rank 0 decides; with TP > 1 the plan, the
-drafts and the verdicts go to the followers (`Follower`, engine_core.py) so every rank makes identical calls.
+drafts and the verdicts go to the followers (`Follower`, engine_follower.py) so every rank makes identical calls.
 The leader's decisions (drafts, verdicts, the emission of tokens up to a stop) are `engine_decide.Decisions`.
 
 Images (`vision=VisionRuntime`, ninfer_rt/vision): the request thread makes a `VisionRequest` (CPU:
@@ -121,7 +121,7 @@ class Engine(RunAhead, Decisions, Core):
         holds its KV pages and a copy of the GDN state); 0 = off."""
         tp = tp or LocalGroup()
         if tp.rank != 0:
-            raise ValueError("Engine runs on rank 0; other ranks run engine_core.Follower")
+            raise ValueError("Engine runs on rank 0; other ranks run engine_follower.Follower")
         lay = engine_layout(loaded, ops, spec, max_batch, kv_pages, page_size, max_model_len, graphs)
         super().__init__(loaded, ops, tp, spec, lay.cache, graphs=lay.graphs, prefix_cache=prefix_cache)
         self.max_batch, self.max_model_len = max_batch, lay.max_model_len

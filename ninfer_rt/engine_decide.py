@@ -1,4 +1,4 @@
-"""The leader's decisions in a step (rank 0; followers receive them, engine_core.Follower): the drafts of each
+"""The leader's decisions in a step (rank 0; followers receive them, engine_follower.Follower): the drafts of each
 draft step, the verdict of each verified row, and the emission of tokens up to a stop.
 
 Greedy rows without penalties or a logit bias are decided by one argmax. With drafts kept on the device

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.engine import Engine, cache_config
-from ninfer_rt.engine_core import Follower
+from ninfer_rt.engine_follower import Follower
 from ninfer_rt.loader import load
 from ninfer_rt.sampling import SamplingParams
 from ninfer_rt.speculative import SpecConfig

@@ -6,7 +6,7 @@ import torch
 
 from ninfer_rt.backends.torch_ops import TorchOps
 from ninfer_rt.engine import Engine, cache_config, engine_layout
-from ninfer_rt.engine_core import Follower
+from ninfer_rt.engine_follower import Follower
 from ninfer_rt.graphs import GraphConfig
 from ninfer_rt.loader import load
 from ninfer_rt.model import Model, MtpInput, SeqInput

@@ -220,7 +220,7 @@ def follower_main(group, opts: RuntimeOptions) -> None:
     """Rank r > 0 (spawned by tp.launch): load the shard, then mirror rank 0's steps until told to stop.
     Its layout (cache, graphs) comes from the same arguments as rank 0's Engine, so the captures match."""
     from ..engine import engine_layout
-    from ..engine_core import Follower
+    from ..engine_follower import Follower
 
     def make(loaded, ops, pages):
         lay = engine_layout(loaded, ops, _spec(opts), opts.max_concurrency, pages, PAGE_SIZE,
