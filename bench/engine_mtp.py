@@ -15,7 +15,7 @@ The output is therefore not the model's greedy text; correctness is tested elsew
 prompt together, each drawing its own acceptances, so a round's sequences usually emit different counts (the
 ragged MTP re-alignment).
 
-    python3 bench/engine_mtp.py [--recipe nvfp4] [--ks 1,3,5] [--acceptance 0.6,0.75,0.9,1]
+    python3 bench/engine_mtp.py [--recipe nvfp4] [--ks 1,3,5 | 0] [--acceptance 0.6,0.75,0.9,1]
                                 [--draft-heads lm_head,nvfp4] [--prompt-len 1024] [--new-tokens 256] [--batch 1]
                                 [--profile-tokens 32]     # + one profiled generation per K (trace beside --out)
                                 [--sync-audit]            # + the host syncs per decode step, by call site
@@ -79,7 +79,8 @@ def _floats(text: str) -> tuple[float, ...]:
 def parse_args(argv=None):
     ap = ArgParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="nvfp4", help="synthetic artifact recipe (nvfp4, q6_k, iq3_s, bf16)")
-    ap.add_argument("--ks", default="1,3,5", help="draft tokens per round to run (K = 0, plain, always runs)")
+    ap.add_argument("--ks", default="1,3,5", help="draft tokens per round to run (K = 0, plain, always runs; "
+                                                  "--ks 0: plain decoding alone)")
     ap.add_argument("--acceptance", default="0.6,0.75,0.9,1", help="per-position acceptance rates in [0, 1]")
     ap.add_argument("--draft-heads", default="lm_head", help="NINFER_DRAFT_HEAD values, comma-separated")
     ap.add_argument("--prompt-len", type=positive_int, default=1024)
@@ -108,10 +109,11 @@ def parse_args(argv=None):
     if any(v not in ("0", "1") for v in args.round_graphs):
         ap.error(f"--round-graphs: expected comma-separated 0 / 1 values, got {','.join(args.round_graphs)!r}")
     try:
-        args.ks = tuple(sorted({int(k) for k in args.ks.split(",") if k.strip()}))
-        assert args.ks and all(1 <= k <= 7 for k in args.ks)
+        ks = tuple(sorted({int(k) for k in args.ks.split(",") if k.strip()}))
+        assert ks == (0,) or (ks and all(1 <= k <= 7 for k in ks))
+        args.ks = () if ks == (0,) else ks
     except (ValueError, AssertionError):
-        ap.error(f"--ks: expected comma-separated integers in 1..7, got {args.ks!r}")
+        ap.error(f"--ks: expected 0 (plain decoding alone) or comma-separated integers in 1..7, got {args.ks!r}")
     try:
         args.acceptance = _floats(args.acceptance)
     except ValueError:

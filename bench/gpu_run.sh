@@ -37,7 +37,7 @@
 #             names a folder .ab/<value> (bench/ab_tree.sh: an earlier commit's packages; carry .ab) runs with that
 #             folder first on PYTHONPATH
 #   enginemtp bench/engine_mtp.py: MTP through the real Engine with rigged drafts on the nvfp4 artifact (built, or
-#             the one decode / sweep kept under /dev/shm/ninfer-run): K = 0 and $EMTP_KS (default 1,3) at acceptance
+#             the one decode / sweep kept under /dev/shm/ninfer-run): K = 0 and $EMTP_KS (default 1,3; 0: K = 0 alone) at acceptance
 #             $EMTP_ACC (default 0.75,0.9,1) per draft head of $EMTP_HEADS (default lm_head,nvfp4,nvfp4:131072),
 #             engine_mtp.json and engine_mtp_table.txt; drafts kept on the device between draft steps (the default);
 #             EMTP_PROFILE=N: one more profiled generation of N tokens per K (tables in the log, trace .json.gz);

@@ -112,6 +112,18 @@ def test_sampled_requests_with_truncation(tmp_path, capsys):
     assert "--top-k / --top-p" in capsys.readouterr().err
 
 
+def test_plain_decoding_alone(tmp_path):
+    """--ks 0: only the K = 0 record (plain decoding), e.g. a sampled batch's decode step without MTP rounds."""
+    out = tmp_path / "r.json"
+    rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "7", "--ks", "0",
+                          "--draft-heads", "lm_head", "--temperature", "0.8", "--batch", "2",
+                          "--dir", str(tmp_path / "a"), "--out", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert [(r["draft_tokens"], r["batch"], r["temperature"]) for r in recs] == [(0, 2, 0.8)]
+    assert set(recs[0]) == KEYS and recs[0]["emitted"] == 7
+
+
 def test_batch_runs_requests_together(tmp_path):
     """--batch 3: three requests of one prompt, each with its own acceptance draws; every one emits --new-tokens,
     tok_s counts all three, and at acceptance 1 each step is one round per request (3 tokens each)."""
@@ -160,15 +172,15 @@ def test_sync_audit_adds_its_fields(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--ks", "0"], "--ks: expected comma-separated integers in 1..7"),
-    (["--ks", "8"], "--ks: expected comma-separated integers in 1..7"),
+    (["--ks", "0,2"], "--ks: expected 0 (plain decoding alone) or comma-separated integers in 1..7"),
+    (["--ks", "8"], "--ks: expected 0 (plain decoding alone) or comma-separated integers in 1..7"),
     (["--acceptance", "1.5"], "--acceptance: expected comma-separated numbers in [0, 1]"),
     (["--acceptance", "x"], "--acceptance: expected comma-separated numbers in [0, 1]"),
     (["--draft-heads", "q4"], "--draft-heads='q4': expected auto, lm_head, nvfp4 or nvfp4:N"),
     (["--profile-tokens", "-1"], "--profile-tokens: expected 0 (off) or a number of tokens, got -1"),
     (["--batch", "0"], "argument --batch: expected a positive integer, got '0'"),
     (["--round-graphs", "0,2"], "--round-graphs: expected comma-separated 0 / 1 values, got '0,2'"),
-], ids=["k0", "k8", "acceptance-range", "acceptance-text", "draft-head", "profile-tokens", "batch", "round-graphs"])
+], ids=["k0-with-others", "k8", "acceptance-range", "acceptance-text", "draft-head", "profile-tokens", "batch", "round-graphs"])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as e:
         rc = engine_mtp.main(["--tiny", "--device", "cpu", "--dir", str(tmp_path), *args])
