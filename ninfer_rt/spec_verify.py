@@ -35,6 +35,9 @@ def rejection_verify(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: 
     norm(max(p_{i-1} - q_i, 0)); if all K are accepted draw the bonus from p_K.
     """
     B, K = drafts.shape
+    if K == 0:
+        # plain sampled decoding: nothing to accept, and the residual below is p_0 itself (q is empty)
+        return torch.zeros(B, dtype=torch.long, device=p.device), (p[:, 0] / noise).argmax(-1)
     idx = drafts[..., None]
     pd = p[:, :K].gather(-1, idx)[..., 0]
     qd = q.gather(-1, idx)[..., 0]
