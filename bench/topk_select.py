@@ -8,9 +8,10 @@ the least any pass over them costs); each record reports its ratio to it.
     python3 bench/topk_select.py [--rows 1,4] [--chunks 1024,2048,4096,8192] [--device cuda]
 
 Records (--out, default bench/results/topk_select.json): {"kind": "topk_select", "case" ("topk", "chunked",
-"kernel" (CUDA: ninfer_kernels.topk_select, NINFER_TOPK_KERNEL), "processed", "softmax"), "rows", "vocab",
-"width", "chunk" (0: torch.topk), "us", "copy_us", "in_copies", "same" (the chunked or kernel values equal
-torch.topk's), "gpu", "device"}.
+"kernel" (CUDA: ninfer_kernels.topk_select, NINFER_TOPK_KERNEL), "bf16_logits" (torch.topk of the bf16 logits,
+then the probabilities at those columns), "processed", "softmax"), "rows", "vocab",
+"width", "chunk" (0: torch.topk), "us", "copy_us", "in_copies", "same" (the case's values equal torch.topk's of
+the probabilities), "gpu", "device"}.
 """
 from __future__ import annotations
 
@@ -90,6 +91,13 @@ def cases(rows: int, args, device) -> list[dict]:
         same = bool(torch.equal(topk_rows(probs, width)[0], want))
         out.append({**base, "case": "kernel", "chunk": 0, "same": same,
                     "us": timer(lambda: topk_rows(probs, width), args.reps, device)})
+    # the selection made on the graph's bf16 logits (16-bit radix keys; softmax keeps their order), then the
+    # probabilities gathered at those columns
+    lb = logits.to(torch.bfloat16)
+    pb = S.softmax_rows(lb / 0.8)
+    same = bool(torch.equal(pb.gather(1, lb.topk(width)[1]), pb.topk(width)[0]))
+    out.append({**base, "case": "bf16_logits", "chunk": 0, "same": same,
+                "us": timer(lambda: pb.gather(1, lb.topk(width)[1]), args.reps, device)})
     out.append({**base, "case": "processed", "chunk": S.TOPK_CHUNK, "same": True,
                 "us": timer(lambda: S.processed(logits, prm), args.reps, device)})
     out.append({**base, "case": "softmax", "chunk": 0, "same": True,
@@ -111,9 +119,9 @@ def main(argv=None) -> int:
             records += [{**r, "gpu": gpu, "device": device.type, "in_copies": r["us"] / r["copy_us"]}
                         for r in cases(rows, args, device)]
     write_json_atomic(args.out, records)
-    print(f"{'case':>9} {'rows':>4} {'chunk':>5} {'us':>8} {'copies':>6} same")
+    print(f"{'case':>11} {'rows':>4} {'chunk':>5} {'us':>8} {'copies':>6} same")
     for r in records:
-        print(f"{r['case']:>9} {r['rows']:>4} {r['chunk']:>5} {r['us']:8.1f} {r['in_copies']:6.1f} {r['same']}")
+        print(f"{r['case']:>11} {r['rows']:>4} {r['chunk']:>5} {r['us']:8.1f} {r['in_copies']:6.1f} {r['same']}")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

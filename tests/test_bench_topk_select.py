@@ -1,5 +1,5 @@
-"""bench/topk_select.py on the CPU (its dry run): every case timed, the chunked selections' values equal
-torch.topk's, the record fields other tools read."""
+"""bench/topk_select.py on the CPU (its dry run): every case timed, the chunked and bf16-logits selections' values
+equal torch.topk's, the record fields other tools read."""
 from __future__ import annotations
 
 import json
@@ -19,9 +19,9 @@ def test_cpu_dry_run(tmp_path, capsys):
     assert topk_select.main(["--device", "cpu", "--vocab", "3001", "--rows", "1,3", "--chunks", "256,700",
                              "--reps", "2", "--out", str(out)]) == 0
     recs = json.loads(out.read_text())
-    assert [(r["case"], r["rows"], r["chunk"]) for r in recs][:4] == [("topk", 1, 0), ("chunked", 1, 256),
-                                                                       ("chunked", 1, 700), ("processed", 1, 0)]
-    assert len(recs) == 10 and all(set(r) == KEYS and r["us"] > 0 and r["same"] for r in recs)
+    assert [(r["case"], r["rows"], r["chunk"]) for r in recs][:5] == [
+        ("topk", 1, 0), ("chunked", 1, 256), ("chunked", 1, 700), ("bf16_logits", 1, 0), ("processed", 1, 0)]
+    assert len(recs) == 12 and all(set(r) == KEYS and r["us"] > 0 and r["same"] for r in recs)
     assert "chunked" in capsys.readouterr().out
 
 
