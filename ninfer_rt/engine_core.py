@@ -122,6 +122,17 @@ def _greedy(s: Seq) -> bool:
     return s.params is None or s.params.greedy
 
 
+def _draft_counts(s: Seq, toks: list) -> torch.Tensor | None:
+    """A penalized row's counts for its next draft: the generated tokens' and the round's earlier device drafts
+    (`speculative.column_counts`' last column, without a host read-back)."""
+    if s.params is None or not s.params.has_penalties or s.counts is None:
+        return None
+    if not toks:
+        return s.counts
+    ids = torch.cat(toks)
+    return s.counts.index_add(0, ids, torch.ones(ids.numel(), dtype=s.counts.dtype, device=s.counts.device))
+
+
 def draw(seqs: list[Seq], q: torch.Tensor) -> torch.Tensor:
     """One draft per row of the processed draft distributions q (each sequence's generator, in row order); the
     sampled rows keep their distribution for the verdict's rejection sampling."""
@@ -207,9 +218,11 @@ class Core(Rounds):
                 s.q = []
         if all(s.params is None or s.params.plain_greedy for s in seqs):
             return torch.stack([lg.argmax(-1) for _, lg, _ in items])
-        # a chain's rows: no counts, bans or grammar (`Decisions._chainable`)
+        # a chain's rows: no bans, bias or grammar; penalty counts (TP1) see the round's earlier drafts
         params = [s.params or GREEDY for s in seqs]
-        return draw(seqs, process(torch.stack([lg for _, lg, _ in items]), params))
+        counts = [_draft_counts(s, toks) for s, _, toks in items]
+        return draw(seqs, process(torch.stack([lg for _, lg, _ in items]), params,
+                                  counts if any(c is not None for c in counts) else None))
 
     def _decide_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list[int]]]) -> list[int]:
         raise NotImplementedError

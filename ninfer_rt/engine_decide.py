@@ -50,6 +50,14 @@ def _plain(s: Seq) -> bool:
     return not (p.has_penalties or p.logit_bias or p.allowed_token_ids or p.bad_words_ids or _masked(s))
 
 
+def _counted(s: Seq) -> bool:
+    """Sampled drafts whose only history is the presence / frequency penalties' counts, which stay on the device
+    (`Core._device_drafts` adds the round's earlier drafts to them); no repetition penalty (the prompt's tokens)."""
+    p = s.params
+    return not p.greedy and p.repetition_penalty == 1 and not (p.logit_bias or p.allowed_token_ids or
+                                                                p.bad_words_ids or _masked(s))
+
+
 class Decisions:
     _decided = None     # a sampled round graph's [accepted drafts, token] per decode row of the step, else None
 
@@ -57,12 +65,13 @@ class Decisions:
         """Steps whose drafts need no host history: NINFER_DRAFT_CHAIN (default on) keeps them on the device between
         the draft steps. Greedy rows (one argmax decides each draft) and sampled rows without the host's history
         (`_plain`); with TP every rank draws a sampled row's drafts from the generator state in the plan
-        (`Engine._schedule`)."""
+        (`Engine._schedule`). With TP1 also sampled rows with presence / frequency penalties (`_counted`: their
+        counts live on the leader's device; followers keep none)."""
         if not self.chain_drafts:
             return False
         if all(s.params.plain_greedy and not _masked(s) for s in seqs):
             return True
-        return all(_plain(s) for s in seqs)
+        return all(_plain(s) or (self.tp.size == 1 and _counted(s)) for s in seqs)
 
     def _decide_drafts(self, j, items):
         seqs = [s for s, _, _ in items]

@@ -59,6 +59,8 @@ def why_not(runner, rows: list) -> str:
     vocab = runner.round_logits.shape[-1]
     if any(r.params is None or not holds(r.params, vocab) for r in rows if not _greedy(r)):
         return "sampling the graph does not hold (top-p or min-p without top_k, or a top_k past its width)"
+    if any(r.params is not None and r.params.has_penalties for r in rows):
+        return "penalties"
     return ""
 
 

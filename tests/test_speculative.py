@@ -456,6 +456,35 @@ def test_chained_drafts_equal_read_back_drafts(loaded, prompts, reference, k, mo
     assert got["1"] == got["0"]
 
 
+def test_penalized_sampled_drafts_on_the_device_equal_read_back(loaded, prompts, monkeypatch):
+    """Sampled requests with presence / frequency penalties (NInfer's presets) keep their drafts on the device with
+    TP1: each draft step's counts add the round's earlier device drafts, so the tokens, the acceptance and every
+    generator's draws are those of drafts read back after each step."""
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, presence_penalty=1.0, seed=3, max_tokens=NEW,
+                             ignore_eos=True),
+              SamplingParams(temperature=1.1, presence_penalty=1.5, frequency_penalty=0.3, seed=8, max_tokens=NEW,
+                             ignore_eos=True)]
+    got = {}
+    for chain in ("1", "0"):
+        monkeypatch.setenv("NINFER_DRAFT_CHAIN", chain)
+        eng = CountingEngine(loaded, TorchOps(), spec=SpecConfig(num_draft_tokens=3), prefill_chunk=CHUNK)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.add_request(f"r{i}", p, sp)
+        out = {}
+        while eng.has_work():
+            for o in eng.step():
+                out.setdefault(o.req_id, []).extend(o.new_token_ids)
+        assert (eng.calls["device"] > 0, eng.calls["host"] > 0) == ((True, False) if chain == "1" else (False, True))
+        got[chain] = (out, eng.stats.spec.to_dict())
+    assert got["1"] == got["0"]
+    assert 0 < got["1"][1]["accepted"] < got["1"][1]["drafted"]
+    seqs = [types.SimpleNamespace(params=p, out=[], grammar=None) for p in params]
+    eng.chain_drafts = True
+    assert eng._chainable(seqs)
+    eng.tp = types.SimpleNamespace(size=2)         # followers keep no counts: such rows are read back under TP
+    assert not eng._chainable(seqs)
+
+
 @pytest.mark.parametrize("params,chained", [
     (SamplingParams(temperature=0.8, seed=1, max_tokens=NEW, ignore_eos=True), True),
     (SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=NEW, ignore_eos=True), False)],
