@@ -27,7 +27,7 @@ after the first over the time after it), "tokens_per_round", "rounds", "ms_round
 "prompt_tokens", "new_tokens", "emitted" (the fewest of any request), "backend", "graphs", "draft_chain", "batch",
 "round_graphs" (a greedy round's drafts and verify as one graph: ninfer_rt/graph_round.py; False at K = 0),
 "temperature" (--temperature: 0 greedy, else every request sampled, seeded), "top_k", "top_p" (--top-k / --top-p
-of the sampled requests; 0 / 1: off), "topk_kernel" (NINFER_TOPK_KERNEL: the Triton top-k selection)};
+of the sampled requests; 0 / 1: off), "presence_penalty" (--presence-penalty), "topk_kernel" (NINFER_TOPK_KERNEL: the Triton top-k selection)};
 K > 0 records also "graph_rounds" (engine steps a round graph served), "sampled_rounds" (of those, sampled round
 graphs: ninfer_rt/graph_round_sampled.py, NINFER_SAMPLED_ROUNDS) and "tokens_digest" (a hash of the tokens:
 runs of one rig and seed that compute alike emit alike, e.g. round graphs on and off).
@@ -100,6 +100,8 @@ def parse_args(argv=None):
                          "the distributions and the rejection-sampling verdict; the accepted count stays rigged")
     ap.add_argument("--top-k", type=int, default=0, help="with --temperature: top_k of every request (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top_p of every request (1: off)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0,
+                    help="with --temperature: presence_penalty of every request (NInfer's presets: 1.0 / 1.5)")
     ap.add_argument("--round-graphs", default="",
                     help="NINFER_ROUND_GRAPHS values (0, 1), comma-separated: every K runs once per value "
                          "(default: the environment's, else the runtime's default)")
@@ -122,8 +124,10 @@ def parse_args(argv=None):
         ap.error(f"--temperature: expected a number in [0, 10], got {args.temperature}")
     if args.top_k < 0 or not 0 < args.top_p <= 1:
         ap.error(f"--top-k / --top-p: expected top_k >= 0 and top_p in (0, 1], got {args.top_k}, {args.top_p}")
-    if (args.top_k or args.top_p < 1) and not args.temperature:
-        ap.error("--top-k / --top-p: they apply to sampled requests; give --temperature too")
+    if (args.top_k or args.top_p < 1 or args.presence_penalty) and not args.temperature:
+        ap.error("--top-k / --top-p / --presence-penalty: they apply to sampled requests; give --temperature too")
+    if not -2 <= args.presence_penalty <= 2:
+        ap.error(f"--presence-penalty: expected a number in [-2, 2], got {args.presence_penalty}")
     if args.gap_tokens < 0:
         ap.error(f"--gap-tokens: expected 0 (off) or a number of tokens, got {args.gap_tokens}")
     if args.profile_tokens < 0:
@@ -188,7 +192,8 @@ def request_params(eng, new_tokens: int, b: int):
     """Request b's parameters: greedy, or sampled at the engine's `temperature` (--temperature) with seed b."""
     from ninfer_rt.sampling import SamplingParams
     t = getattr(eng, "temperature", 0.0)
-    trunc = {"top_k": eng.top_k, "top_p": eng.top_p} if t and hasattr(eng, "top_k") else {}
+    trunc = {"top_k": eng.top_k, "top_p": eng.top_p, "presence_penalty": eng.presence_penalty} \
+        if t and hasattr(eng, "top_k") else {}
     return SamplingParams(temperature=t, seed=b if t else None, max_tokens=new_tokens, ignore_eos=True, **trunc)
 
 
@@ -227,6 +232,7 @@ def _engine(loaded, args, k: int):
               max_batch=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16,
               graphs="off" if args.eager else "auto")
     eng.temperature, eng.top_k, eng.top_p = args.temperature, args.top_k, args.top_p
+    eng.presence_penalty = args.presence_penalty
     torch.manual_seed(args.seed)
     return eng
 
@@ -467,6 +473,7 @@ def measure(args, path: str) -> list[dict]:
             "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens,
             "draft_chain": os.environ.get("NINFER_DRAFT_CHAIN", "1") == "1", "batch": args.batch,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "presence_penalty": args.presence_penalty,
             "topk_kernel": topk_kernel()}
     records, before = [], os.environ.get(DRAFT_HEAD_ENV)
     try:

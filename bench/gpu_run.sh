@@ -43,7 +43,7 @@
 #             EMTP_PROFILE=N: one more profiled generation of N tokens per K (tables in the log, trace .json.gz);
 #             EMTP_AUDIT=1: one more generation per K under torch's sync debug mode (host syncs per round, by site);
 #             EMTP_TEMP=T: every request sampled at temperature T (seeded; the accepted count stays rigged), with
-#             top_k EMTP_TOPK and top_p EMTP_TOPP (default 0 / 1: off);
+#             top_k EMTP_TOPK, top_p EMTP_TOPP and presence_penalty EMTP_PRES (default 0 / 1 / 0: off);
 #             EMTP_GAPS=N: one more generation of N tokens per K with CUDA events around every graph step (GPU span
 #             of each step and the gaps between them per round, bench/round_gaps.py; no profiler);
 #             EMTP_BATCH=B: B requests decoded together (their re-alignments mostly ragged); EMTP_ROUNDS=0,1: every K once per
@@ -128,6 +128,7 @@ run_enginemtp() {
     --ks ${EMTP_KS:-1,3} --acceptance ${EMTP_ACC:-0.75,0.9,1} --draft-heads ${EMTP_HEADS:-lm_head,nvfp4,nvfp4:131072} \
     --new-tokens ${EMTP_NEW:-128} --profile-tokens ${EMTP_PROFILE:-0} $([ "${EMTP_AUDIT:-0}" = 1 ] && echo --sync-audit) \
     --gap-tokens ${EMTP_GAPS:-0} --temperature ${EMTP_TEMP:-0} --top-k ${EMTP_TOPK:-0} --top-p ${EMTP_TOPP:-1} \
+    --presence-penalty ${EMTP_PRES:-0} \
     --batch ${EMTP_BATCH:-1} $([ -n "${EMTP_ROUNDS:-}" ] && echo --round-graphs $EMTP_ROUNDS) \
     --out "$OUT/$1.json" > "$OUT/$1_table.txt" 2> "$OUT/$1_log.txt"
   echo "$1 rc=$?"; cat "$OUT/$1_table.txt"; tail -3 "$OUT/$1_log.txt"

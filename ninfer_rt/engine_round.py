@@ -26,7 +26,7 @@ class Rounds:
         if any(kk != k or s.vision is not None or s.mtp_logits is None for s, kk in dec):
             return None
         got = self.graphs.round([graph_round.RoundRow(s.last, s.state, s.mtp_logits, s.mtp_hidden, s.params,
-                                                      s.generator) for s, _ in dec], k)
+                                                      s.generator, s.counts) for s, _ in dec], k)
         if got is not None:
             for s, _ in dec:
                 s.q = []

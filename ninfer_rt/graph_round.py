@@ -41,6 +41,7 @@ class RoundRow:
     hidden: torch.Tensor          # [H] MTP hidden paired with them
     params: object = None         # SamplingParams (None: greedy, as a TP follower's greedy rows)
     generator: object = None      # the request's torch.Generator (sampled rows)
+    counts: object = None         # float32 [V] generated-token counts of a penalized row (presence / frequency)
 
     @property
     def sampled(self) -> bool:

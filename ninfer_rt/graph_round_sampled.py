@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import SamplingParams, copy_in
-from .sampling_rows import holds, param_rows, processed, race, selects
+from .sampling_rows import holds, param_rows, penalize, penalties, processed, race, selects, top_k_of
 from .spec_verify import greedy_verify, rejection_verify
 
 
@@ -42,6 +42,8 @@ class Buffers:
     noise: torch.Tensor       # float32 [B, K, V]: each draft's exponential race noise
     u: torch.Tensor           # float32 [B, K]: the verdict's acceptance uniforms
     rnoise: torch.Tensor      # float32 [B, V]: the verdict's residual (or bonus) draw noise
+    counts: torch.Tensor      # float32 [B, V]: a penalized row's generated-token counts ("sround" only)
+    pen: torch.Tensor         # float32 [B, 2]: `sampling_rows.penalties` (zeros: the logits unchanged)
 
 
 def buffers(max_batch: int, k: int, vocab: int, device) -> Buffers:
@@ -49,7 +51,8 @@ def buffers(max_batch: int, k: int, vocab: int, device) -> Buffers:
     ones = dict(dtype=torch.float32, device=device)
     return Buffers(prm, torch.zeros(max_batch, dtype=torch.bool, device=device),
                    torch.ones(max_batch, k, vocab, **ones), torch.zeros(max_batch, k, **ones),
-                   torch.ones(max_batch, vocab, **ones))
+                   torch.ones(max_batch, vocab, **ones), torch.zeros(max_batch, vocab, **ones),
+                   torch.zeros(max_batch, 2, **ones))
 
 
 def why_not(runner, rows: list) -> str:
@@ -59,9 +62,16 @@ def why_not(runner, rows: list) -> str:
     vocab = runner.round_logits.shape[-1]
     if any(r.params is None or not holds(r.params, vocab) for r in rows if not _greedy(r)):
         return "sampling the graph does not hold (top-p or min-p without top_k, or a top_k past its width)"
-    if any(r.params is not None and r.params.has_penalties for r in rows):
-        return "penalties"
+    if any(r.params is not None and r.params.has_penalties and not _counted(r, vocab) for r in rows):
+        return "penalties the graph does not hold (a repetition penalty, a greedy row's, or none with a top_k)"
     return ""
+
+
+def _counted(r, vocab: int) -> bool:
+    """A penalized row the "sround" graph penalizes: sampled, presence / frequency only, with a top_k (the kind that
+    applies penalties), its counts on the device."""
+    p = r.params
+    return not p.greedy and p.repetition_penalty == 1 and top_k_of(p, vocab) > 0 and r.counts is not None
 
 
 def kind(rows: list, vocab: int) -> str:
@@ -79,6 +89,11 @@ def fill(buf: Buffers, rows: list, k: int) -> None:
     n, vocab = len(rows), buf.noise.shape[-1]
     copy_in(buf.prm[:n], param_rows([r.params for r in rows], vocab))
     copy_in(buf.sampled[:n], torch.tensor([not _greedy(r) for r in rows]))
+    pen = penalties([r.params for r in rows])
+    copy_in(buf.pen[:n], pen)
+    for i, r in enumerate(rows):
+        if pen[i].any():            # the others' stale counts are finite, and a zero penalty leaves them out
+            buf.counts[i].copy_(r.counts, non_blocking=True)
     for i, r in enumerate(rows):
         if _greedy(r):
             continue
@@ -93,18 +108,28 @@ class Drafter:
 
     def __init__(self, buf: Buffers, b: int, select: bool):
         self.buf, self.b, self.select, self.q = buf, b, select, []
+        self.counts = [buf.counts[:b]]      # "sround": each draft's penalty counts, the round's drafts added
+
+    def _penalized(self, logits: torch.Tensor, counts: torch.Tensor, pen: torch.Tensor) -> torch.Tensor:
+        return penalize(logits.float(), counts, pen) if self.select else logits
 
     def __call__(self, logits: torch.Tensor, j: int) -> torch.Tensor:
         b = self.b
-        q = processed(logits, self.buf.prm[:b], self.select)
+        q = processed(self._penalized(logits, self.counts[-1], self.buf.pen[:b]), self.buf.prm[:b], self.select)
         self.q.append(q)
-        return race(q, self.buf.noise[:b, j], self.buf.sampled[:b], logits)
+        d = race(q, self.buf.noise[:b, j], self.buf.sampled[:b], logits)
+        if self.select:
+            self.counts.append(self.counts[-1].scatter_add(1, d[:, None], torch.ones_like(q[:, :1])))
+        return d
 
     def verdicts(self, ids: torch.Tensor, logits: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
         """int64 [b, 2]: (accepted drafts, token) of each row: rejection sampling (`spec_verify.rejection_verify`)
         for a sampled row, the longest matching prefix for a greedy one. ids [b, K], logits [b (K + 1), V]."""
         b, k = ids.shape
         buf, t = self.buf, k + 1
+        if self.select:         # target column i has seen d_1..d_i (`speculative.column_counts`)
+            logits = self._penalized(logits, torch.stack(self.counts, 1).view(b * t, -1),
+                                     buf.pen[:b].repeat_interleave(t, 0))
         p = processed(logits, buf.prm[:b].repeat_interleave(t, 0), self.select).view(b, t, -1)
         n_s, tok_s = rejection_verify(p, torch.stack(self.q, 1), ids, buf.u[:b, :k], buf.rnoise[:b])
         n_g, tok_g = greedy_verify(argmax.view(b, t), ids)

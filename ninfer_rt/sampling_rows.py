@@ -68,6 +68,19 @@ def param_rows(params: list, vocab: int) -> torch.Tensor:
                          for p in params], dtype=torch.float32).reshape(len(params), PARAM_COLS)
 
 
+def penalties(params: list) -> torch.Tensor:
+    """float32 [R, 2] (frequency, presence) penalties of `penalize` on the host; greedy or absent rows: none."""
+    return torch.tensor([[0.0, 0.0] if p is None or p.greedy else
+                         [float(p.frequency_penalty), float(p.presence_penalty)] for p in params],
+                        dtype=torch.float32).reshape(len(params), 2)
+
+
+def penalize(x: torch.Tensor, counts: torch.Tensor, pen: torch.Tensor) -> torch.Tensor:
+    """float32 logits x [R, V] less each row's frequency x count + presence x (count > 0), in `sampling.process`'s
+    order of operations (a row without penalties comes back unchanged: x - 0)."""
+    return x - (pen[:, :1] * counts + pen[:, 1:] * (counts > 0).float())
+
+
 def processed(x: torch.Tensor, prm: torch.Tensor, select: bool = True) -> torch.Tensor:
     """Processed distributions [R, V] float32 of logits x [R, V] under parameter rows prm [R, 4] (every row one that
     `holds` accepts): the temperature's softmax; rows with a top_k keep at most top_k tokens of a top-k selection,

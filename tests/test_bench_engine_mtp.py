@@ -13,7 +13,8 @@ import engine_mtp  # noqa: E402
 
 KEYS = {"kind", "recipe", "tp", "gpu", "draft_head", "draft_tokens", "acceptance", "tok_s", "tokens_per_round",
         "rounds", "ms_round", "accepted", "drafted", "prompt_tokens", "new_tokens", "emitted", "backend", "graphs",
-        "draft_chain", "batch", "round_graphs", "temperature", "top_k", "top_p", "topk_kernel"}
+        "draft_chain", "batch", "round_graphs", "temperature", "top_k", "top_p", "presence_penalty",
+        "topk_kernel"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,8 +91,8 @@ def test_sampled_requests(tmp_path):
 
 
 def test_sampled_requests_with_truncation(tmp_path, capsys):
-    """--top-k / --top-p: the sampled requests truncate (the chat defaults of Qwen's generation_config); they
-    need --temperature."""
+    """--top-k / --top-p / --presence-penalty: the sampled requests truncate and penalize (the chat defaults of
+    Qwen's generation_config, NInfer's presets); they need --temperature."""
     from ninfer_rt.sampling import SamplingParams
     out = tmp_path / "r.json"
     seen = []
@@ -100,13 +101,16 @@ def test_sampled_requests_with_truncation(tmp_path, capsys):
     try:
         rc = engine_mtp.main(["--tiny", "--device", "cpu", "--prompt-len", "9", "--new-tokens", "9", "--ks", "2",
                               "--acceptance", "1", "--draft-heads", "lm_head", "--temperature", "0.6", "--top-k",
-                              "20", "--top-p", "0.95", "--dir", str(tmp_path / "a"), "--out", str(out)])
+                              "20", "--top-p", "0.95", "--presence-penalty", "1.5", "--dir", str(tmp_path / "a"),
+                              "--out", str(out)])
     finally:
         engine_mtp.request_params = real
     assert rc == 0
-    assert all(r["top_k"] == 20 and r["top_p"] == 0.95 for r in json.loads(out.read_text()))
-    assert seen and all(isinstance(p, SamplingParams) and (p.top_k, p.top_p) == (20, 0.95) for p in seen)
-    for argv in (["--top-k", "5"], ["--temperature", "1", "--top-p", "0"], ["--temperature", "1", "--top-k", "-2"]):
+    assert all((r["top_k"], r["top_p"], r["presence_penalty"]) == (20, 0.95, 1.5) for r in json.loads(out.read_text()))
+    assert seen and all(isinstance(p, SamplingParams) and (p.top_k, p.top_p, p.presence_penalty) == (20, 0.95, 1.5)
+                        for p in seen)
+    for argv in (["--top-k", "5"], ["--temperature", "1", "--top-p", "0"], ["--temperature", "1", "--top-k", "-2"],
+                 ["--presence-penalty", "1"], ["--temperature", "1", "--presence-penalty", "3"]):
         with pytest.raises(SystemExit):
             engine_mtp.parse_args(argv)
     assert "--top-k / --top-p" in capsys.readouterr().err

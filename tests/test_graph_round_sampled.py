@@ -61,6 +61,8 @@ MIXES = {
                       dict(temperature=0.9, top_k=40, top_p=0.8, min_p=0.05, seed=11)],
     "greedy-beside": [dict(temperature=0), dict(temperature=0.6, top_k=20, seed=2)],
     "one-row": [dict(temperature=1.0, top_k=TOPK_GRAPH_WIDTH, seed=4)],
+    "presence": [dict(temperature=0.6, top_k=20, top_p=0.95, presence_penalty=1.0, seed=5),     # NInfer's presets
+                 dict(temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5, frequency_penalty=0.3, seed=9)],
 }
 
 
@@ -90,6 +92,33 @@ def test_sampling_the_graph_does_not_hold_takes_the_separate_steps(tiny):
               SamplingParams(temperature=0.8, top_k=20, seed=2, max_tokens=16, ignore_eos=True)]
     (want, _, _), (got, st, _) = _both(tiny, 2, params)
     assert got == want and st.sampled_rounds == 0 and st.reasons[UNHELD] >= 3
+
+
+def test_penalties_the_graph_does_not_hold(tiny):
+    """A presence penalty without a top_k (the "tround" graphs apply none) runs as separate steps, its drafts still
+    on the device, with the same tokens; the reason is counted."""
+    params = [SamplingParams(temperature=0.8, presence_penalty=1.0, seed=1, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, seed=2, max_tokens=16, ignore_eos=True)]
+    (want, _, _), (got, st, _) = _both(tiny, 2, params)
+    why = "round: penalties the graph does not hold (a repetition penalty, a greedy row's, or none with a top_k)"
+    assert got == want and st.sampled_rounds == 0 and st.reasons[why] >= 3
+
+
+def test_penalize_is_process_arithmetic():
+    """`penalize` (the graph's) gives `sampling.process`'s penalized logits bit for bit, and leaves a row without
+    penalties unchanged."""
+    from ninfer_rt.sampling import process
+    from ninfer_rt.sampling_rows import penalize, penalties, softmax_rows
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 50, generator=g) * 4
+    counts = torch.randint(0, 3, (3, 50), generator=g).float()
+    params = [SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.3),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, frequency_penalty=-0.7)]
+    got = penalize(x, counts, penalties(params))
+    assert torch.equal(got[1], x[1])
+    assert not torch.equal(got[0], x[0]) and not torch.equal(got[2], x[2])
+    # temperature 1 and no truncation: process's distribution is the softmax of its penalized logits
+    assert torch.equal(process(x, params, list(counts)), softmax_rows(got))
 
 
 @pytest.mark.parametrize("kw,held", [
