@@ -111,7 +111,7 @@ class Drafter:
         self.counts = [buf.counts[:b]]      # "sround": each draft's penalty counts, the round's drafts added
 
     def _penalized(self, logits: torch.Tensor, counts: torch.Tensor, pen: torch.Tensor) -> torch.Tensor:
-        return penalize(logits.float(), counts, pen) if self.select else logits
+        return penalize(logits, counts, pen) if self.select else logits      # bf16 - float32: float32
 
     def __call__(self, logits: torch.Tensor, j: int) -> torch.Tensor:
         b = self.b
