@@ -221,8 +221,7 @@ class Core(Rounds):
         # a chain's rows: no bans, bias or grammar; penalty counts (TP1) see the round's earlier drafts
         params = [s.params or GREEDY for s in seqs]
         counts = [_draft_counts(s, toks) for s, _, toks in items]
-        return draw(seqs, process(torch.stack([lg for _, lg, _ in items]), params,
-                                  counts if any(c is not None for c in counts) else None))
+        return draw(seqs, process(torch.stack([lg for _, lg, _ in items]), params, counts))
 
     def _decide_drafts(self, j: int, items: list[tuple[Seq, torch.Tensor, list[int]]]) -> list[int]:
         raise NotImplementedError

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import SamplingParams, copy_in
-from .sampling_rows import holds, param_rows, penalize, penalties, processed, race, selects, top_k_of
+from .sampling_rows import holds, param_rows, penalize, processed, race, selects, top_k_of
 from .spec_verify import greedy_verify, rejection_verify
 
 
@@ -37,13 +37,12 @@ from .spec_verify import greedy_verify, rejection_verify
 class Buffers:
     """The static inputs of the sampled round graphs (padded batch rows)."""
 
-    prm: torch.Tensor         # float32 [B, 4]: `sampling_rows.param_rows`
+    prm: torch.Tensor         # float32 [B, 6]: `sampling_rows.param_rows`
     sampled: torch.Tensor     # bool [B]: the row draws (else its argmax decides)
     noise: torch.Tensor       # float32 [B, K, V]: each draft's exponential race noise
     u: torch.Tensor           # float32 [B, K]: the verdict's acceptance uniforms
     rnoise: torch.Tensor      # float32 [B, V]: the verdict's residual (or bonus) draw noise
     counts: torch.Tensor      # float32 [B, V]: a penalized row's generated-token counts ("sround" only)
-    pen: torch.Tensor         # float32 [B, 2]: `sampling_rows.penalties` (zeros: the logits unchanged)
 
 
 def buffers(max_batch: int, k: int, vocab: int, device) -> Buffers:
@@ -51,8 +50,7 @@ def buffers(max_batch: int, k: int, vocab: int, device) -> Buffers:
     ones = dict(dtype=torch.float32, device=device)
     return Buffers(prm, torch.zeros(max_batch, dtype=torch.bool, device=device),
                    torch.ones(max_batch, k, vocab, **ones), torch.zeros(max_batch, k, **ones),
-                   torch.ones(max_batch, vocab, **ones), torch.zeros(max_batch, vocab, **ones),
-                   torch.zeros(max_batch, 2, **ones))
+                   torch.ones(max_batch, vocab, **ones), torch.zeros(max_batch, vocab, **ones))
 
 
 def why_not(runner, rows: list) -> str:
@@ -87,12 +85,11 @@ def fill(buf: Buffers, rows: list, k: int) -> None:
     """The rows' parameters, then each sampled row's draws from its generator in the separate steps' order: draft
     j's race noise (`sampling.sample`), then the verdict's uniforms and residual noise (`speculative._draws`)."""
     n, vocab = len(rows), buf.noise.shape[-1]
-    copy_in(buf.prm[:n], param_rows([r.params for r in rows], vocab))
+    prm = param_rows([r.params for r in rows], vocab)
+    copy_in(buf.prm[:n], prm)
     copy_in(buf.sampled[:n], torch.tensor([not _greedy(r) for r in rows]))
-    pen = penalties([r.params for r in rows])
-    copy_in(buf.pen[:n], pen)
     for i, r in enumerate(rows):
-        if pen[i].any():            # the others' stale counts are finite, and a zero penalty leaves them out
+        if prm[i, 4:].any():        # the others' stale counts are finite, and a zero penalty leaves them out
             buf.counts[i].copy_(r.counts, non_blocking=True)
     for i, r in enumerate(rows):
         if _greedy(r):
@@ -110,12 +107,13 @@ class Drafter:
         self.buf, self.b, self.select, self.q = buf, b, select, []
         self.counts = [buf.counts[:b]]      # "sround": each draft's penalty counts, the round's drafts added
 
-    def _penalized(self, logits: torch.Tensor, counts: torch.Tensor, pen: torch.Tensor) -> torch.Tensor:
-        return penalize(logits, counts, pen) if self.select else logits      # bf16 - float32: float32
+    def _penalized(self, logits: torch.Tensor, counts: torch.Tensor, prm: torch.Tensor) -> torch.Tensor:
+        return penalize(logits, counts, prm) if self.select else logits      # bf16 - float32: float32
 
     def __call__(self, logits: torch.Tensor, j: int) -> torch.Tensor:
         b = self.b
-        q = processed(self._penalized(logits, self.counts[-1], self.buf.pen[:b]), self.buf.prm[:b], self.select)
+        prm = self.buf.prm[:b]
+        q = processed(self._penalized(logits, self.counts[-1], prm), prm, self.select)
         self.q.append(q)
         d = race(q, self.buf.noise[:b, j], self.buf.sampled[:b], logits)
         if self.select:
@@ -127,10 +125,10 @@ class Drafter:
         for a sampled row, the longest matching prefix for a greedy one. ids [b, K], logits [b (K + 1), V]."""
         b, k = ids.shape
         buf, t = self.buf, k + 1
+        prm = buf.prm[:b].repeat_interleave(t, 0)
         if self.select:         # target column i has seen d_1..d_i (`speculative.column_counts`)
-            logits = self._penalized(logits, torch.stack(self.counts, 1).view(b * t, -1),
-                                     buf.pen[:b].repeat_interleave(t, 0))
-        p = processed(logits, buf.prm[:b].repeat_interleave(t, 0), self.select).view(b, t, -1)
+            logits = self._penalized(logits, torch.stack(self.counts, 1).view(b * t, -1), prm)
+        p = processed(logits, prm, self.select).view(b, t, -1)
         n_s, tok_s = rejection_verify(p, torch.stack(self.q, 1), ids, buf.u[:b, :k], buf.rnoise[:b])
         n_g, tok_g = greedy_verify(argmax.view(b, t), ids)
         s = buf.sampled[:b]

@@ -3,7 +3,7 @@
 `sampling.process` reads its parameters from host lists and picks its path by them (a sort of the whole
 vocabulary for a row without top_k, a top-k selection of the widest row's k). A graph cannot branch on the host,
 so the rows it holds (`holds`) are processed from a float32 tensor of parameters `[R, 4]` (temperature, top_k,
-top_p, min_p; `param_rows`) along one fixed path: the temperature's softmax, then a top-k selection of
+top_p, min_p, penalties; `param_rows`) along one fixed path: the temperature's softmax, then a top-k selection of
 `width` = min(TOPK_GRAPH_WIDTH, V) columns for the rows with a top_k (top-p and min-p inside it). The eager
 `process` takes this same path for such rows, so the drafts and verdicts a graph draws equal the separate steps'.
 """
@@ -16,7 +16,7 @@ import torch
 from ninfer_formats.errors import NinferError
 
 TOPK_GRAPH_WIDTH = 64     # the top-k selection's width for rows with 0 < top_k <= it (Qwen's chat default is 20)
-PARAM_COLS = 4            # temperature, top_k (0: off), top_p, min_p
+PARAM_COLS = 6            # temperature, top_k (0: off), top_p, min_p, frequency and presence penalties
 TOPK_CHUNK = 0            # > 0: the selection as top-k of chunks of this many columns, then of their winners
 TOPK_KERNEL_ENV = "NINFER_TOPK_KERNEL"
 
@@ -61,24 +61,19 @@ def holds(p, vocab: int) -> bool:
 
 
 def param_rows(params: list, vocab: int) -> torch.Tensor:
-    """The parameters of `processed`, float32 [R, 4] on the host. Greedy rows (None: a TP follower's) get
-    temperature 1 and nothing else (their distribution is never drawn from: `race` takes their argmax)."""
-    return torch.tensor([[1.0, 0.0, 1.0, 0.0] if p is None or p.greedy else
-                         [float(p.temperature), float(top_k_of(p, vocab)), float(p.top_p), float(p.min_p)]
+    """The parameters of `processed` and `penalize`, float32 [R, 6] on the host. Greedy rows (None: a TP
+    follower's) get temperature 1 and nothing else (their distribution is never drawn from: `race` takes their
+    argmax)."""
+    return torch.tensor([[1.0, 0.0, 1.0, 0.0, 0.0, 0.0] if p is None or p.greedy else
+                         [float(p.temperature), float(top_k_of(p, vocab)), float(p.top_p), float(p.min_p),
+                          float(p.frequency_penalty), float(p.presence_penalty)]
                          for p in params], dtype=torch.float32).reshape(len(params), PARAM_COLS)
 
 
-def penalties(params: list) -> torch.Tensor:
-    """float32 [R, 2] (frequency, presence) penalties of `penalize` on the host; greedy or absent rows: none."""
-    return torch.tensor([[0.0, 0.0] if p is None or p.greedy else
-                         [float(p.frequency_penalty), float(p.presence_penalty)] for p in params],
-                        dtype=torch.float32).reshape(len(params), 2)
-
-
-def penalize(x: torch.Tensor, counts: torch.Tensor, pen: torch.Tensor) -> torch.Tensor:
-    """float32 logits x [R, V] less each row's frequency x count + presence x (count > 0), in `sampling.process`'s
-    order of operations (a row without penalties comes back unchanged: x - 0)."""
-    return x - (pen[:, :1] * counts + pen[:, 1:] * (counts > 0).float())
+def penalize(x: torch.Tensor, counts: torch.Tensor, prm: torch.Tensor) -> torch.Tensor:
+    """float32 logits x [R, V] less each row's frequency x count + presence x (count > 0) (prm: `param_rows`), in
+    `sampling.process`'s order of operations (a row without penalties comes back unchanged: x - 0)."""
+    return x - (prm[:, 4:5] * counts + prm[:, 5:6] * (counts > 0).float())
 
 
 def processed(x: torch.Tensor, prm: torch.Tensor, select: bool = True) -> torch.Tensor:

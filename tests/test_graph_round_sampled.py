@@ -108,13 +108,13 @@ def test_penalize_is_process_arithmetic():
     """`penalize` (the graph's) gives `sampling.process`'s penalized logits bit for bit, and leaves a row without
     penalties unchanged."""
     from ninfer_rt.sampling import process
-    from ninfer_rt.sampling_rows import penalize, penalties, softmax_rows
+    from ninfer_rt.sampling_rows import param_rows, penalize, softmax_rows
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 50, generator=g) * 4
     counts = torch.randint(0, 3, (3, 50), generator=g).float()
     params = [SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.3),
               SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, frequency_penalty=-0.7)]
-    got = penalize(x, counts, penalties(params))
+    got = penalize(x, counts, param_rows(params, 50))
     assert torch.equal(got[1], x[1])
     assert not torch.equal(got[0], x[0]) and not torch.equal(got[2], x[2])
     # temperature 1 and no truncation: process's distribution is the softmax of its penalized logits
